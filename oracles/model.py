@@ -1,0 +1,246 @@
+"""OracleModel: the DSv4 forward pass in exact math (fp32 by default, fp64 on request), spec §4.
+
+No quantization, no bf16 rounding, no Hadamard (orthonormal; exact-math identity for the index scores).
+Weights are read from the checkpoint (dequantized exactly) at the moment of use.
+
+One code path serves the full sequence and incremental decode: a session feeds new tokens at the next
+positions; each layer keeps only what later tokens need (the last window_size - 1 KV rows, the
+compressor's unconsumed token projections, and the compressed entries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fidelity.config import ModelConfig
+from fidelity.sites import Recorder
+from oracles import attention as attn
+from oracles import mhc
+from oracles import moe as moe_ops
+from oracles.compressor import CompressorState, CompressorWeights, all_entries, compress
+from oracles.indexer import index_scores, select_topk
+from oracles.norms import rms_norm
+from oracles.rope import apply_rope, inv_freq
+
+CHUNK_ELEMENTS = 1 << 25  # bound on [queries x visible rows x head_dim] gathered at once
+
+
+@dataclass
+class LayerState:
+    """What one layer keeps between calls."""
+
+    kv: torch.Tensor | None = None  # [p, hd] window KV rows for positions kv_start ..
+    kv_start: int = 0
+    comp: CompressorState = field(default_factory=CompressorState)
+    index: CompressorState = field(default_factory=CompressorState)
+
+
+class OracleModel:
+    """Exact DSv4 reference over a checkpoint. ``ckpt[name]`` gives canonical (dequantized) weights."""
+
+    def __init__(self, checkpoint, dtype: torch.dtype = torch.float32, cache_weights: bool = True):
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"oracle dtype: expected torch.float32 or torch.float64, found {dtype}")
+        self.ckpt = checkpoint
+        self.cfg: ModelConfig = checkpoint.config
+        self.dtype = dtype
+        self._cache: dict[str, torch.Tensor] | None = {} if cache_weights else None
+        self.freqs = {r: inv_freq(self.cfg, r, dtype) for r in {0, *self.cfg.compress_ratios}}
+
+    def w(self, name: str) -> torch.Tensor:
+        """Weight ``name`` in the oracle dtype (int tensors unchanged)."""
+        if self._cache is not None and name in self._cache:
+            return self._cache[name]
+        t = self.ckpt[name]
+        t = t.to(self.dtype) if t.is_floating_point() else t
+        if self._cache is not None:
+            self._cache[name] = t
+        return t
+
+    def session(self, recorder: Recorder | None = None) -> OracleSession:
+        return OracleSession(self, recorder)
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, recorder: Recorder | None = None) -> torch.Tensor:
+        """input_ids [T] -> logits [T, vocab] at every position (one call, no cache carried over)."""
+        return self.session(recorder).forward(input_ids)
+
+
+class OracleSession:
+    """Incremental forward: ``prefill(ids)``, then ``step(id)`` one token at a time (or any chunk size)."""
+
+    def __init__(self, model: OracleModel, recorder: Recorder | None = None):
+        self.m, self.cfg, self.rec = model, model.cfg, recorder
+        self.pos = 0
+        self.layers = [LayerState() for _ in range(self.cfg.n_layers)]
+        self.calls = 0
+
+    def emit(self, site: str, tensor: torch.Tensor) -> None:
+        if self.rec is not None and self.rec.wants(site):
+            self.rec(site, tensor)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.forward(input_ids)
+
+    @torch.no_grad()
+    def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
+        """One decode token -> logits [vocab]."""
+        return self.forward(torch.as_tensor([int(token_id)]))[0]
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """New tokens [n] at positions pos .. pos+n-1 -> logits [n, vocab]."""
+        ids = torch.as_tensor(input_ids).long().flatten()
+        if ids.numel() == 0:
+            raise ValueError("input_ids: expected at least one token, found 0")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
+            raise ValueError(f"input_ids: expected ids in [0, {self.cfg.vocab_size}), found "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        if self.rec is not None:
+            self.rec.step = self.calls
+        positions = torch.arange(self.pos, self.pos + ids.numel())
+        x = self.m.w("embed.weight")[ids]  # [n, dim]
+        self.emit("embed", x)
+        x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [n, hc, dim]
+        for i in range(self.cfg.n_layers):
+            x = self.block(i, x, positions, ids)
+        logits = self.head(x)
+        self.pos += ids.numel()
+        self.calls += 1
+        return logits
+
+    # ---- one block ------------------------------------------------------------------------
+    def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Layer i on streams x [n, hc, dim] -> [n, hc, dim]."""
+        w, cfg = self.m.w, self.cfg
+        y = self.hc_pre(i, "attn", x)
+        f = self.attention(i, rms_norm(y[0], w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps), positions)
+        self.emit(f"L{i}.attn.out", f)
+        x = mhc.hc_post(f, x, y[1], y[2])
+        y = self.hc_pre(i, "ffn", x)
+        f = self.moe(i, rms_norm(y[0], w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps), ids)
+        self.emit(f"L{i}.moe.out", f)
+        x = mhc.hc_post(f, x, y[1], y[2])
+        self.emit(f"L{i}.residual", x)
+        return x
+
+    def hc_pre(self, i: int, which: str, x: torch.Tensor):
+        """-> (collapsed [n, dim], post [n, hc], comb [n, hc, hc])."""
+        w, cfg = self.m.w, self.cfg
+        mixes = mhc.hc_mixes(x, w(f"layers.{i}.hc_{which}_fn"), cfg.norm_eps)
+        pre, post, comb = mhc.hc_split(mixes, w(f"layers.{i}.hc_{which}_scale"), w(f"layers.{i}.hc_{which}_base"),
+                                       cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        self.emit(f"L{i}.mhc_{which}.pre", pre)
+        self.emit(f"L{i}.mhc_{which}.post", post)
+        self.emit(f"L{i}.mhc_{which}.comb", comb)
+        return mhc.hc_collapse(x, pre), post, comb
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        w, cfg = self.m.w, self.cfg
+        y = mhc.hc_head(x, w("hc_head_fn"), w("hc_head_scale"), w("hc_head_base"), cfg.norm_eps, cfg.hc_eps)
+        y = rms_norm(y, w("norm.weight"), cfg.norm_eps)
+        self.emit("final", y)
+        logits = y @ w("head.weight").T
+        self.emit("logits", logits)
+        return logits
+
+    # ---- attention ------------------------------------------------------------------------
+    def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [n, dim] (normed) -> [n, dim]."""
+        w, cfg, st = self.m.w, self.cfg, self.layers[i]
+        ratio, p = cfg.ratio(i), f"layers.{i}.attn."
+        freqs = self.m.freqs[ratio]
+        q, qr = attn.query(x, w(p + "wq_a.weight"), w(p + "q_norm.weight"), w(p + "wq_b.weight"), positions, freqs,
+                           cfg.n_heads, cfg.norm_eps)
+        kv = attn.window_kv(x, w(p + "wkv.weight"), w(p + "kv_norm.weight"), positions, freqs, cfg.norm_eps)
+        self.emit(f"L{i}.attn.q", q)
+        self.emit(f"L{i}.attn.kv", kv)
+        if st.kv is None:
+            st.kv, st.kv_start = kv, int(positions[0])
+        else:
+            st.kv = torch.cat((st.kv, kv))
+        entries = x.new_zeros((0, cfg.head_dim))
+        if ratio:
+            new = compress(x, positions, st.comp, self.compressor_weights(p + "compressor."), freqs, cfg.norm_eps)
+            self.emit(f"L{i}.attn.compressed_kv", new)
+            entries = all_entries(st.comp, cfg.head_dim, x)
+        picks = self.indexer(i, x, qr, positions) if ratio == 4 else None
+        o = self.attend(i, q, positions, st, entries, picks)
+        self.emit(f"L{i}.attn.core", o)
+        keep = max(0, int(positions[-1]) + 1 - (cfg.window_size - 1))
+        st.kv, st.kv_start = st.kv[keep - st.kv_start :], keep
+        return attn.output_projection(o, positions, freqs, w(p + "wo_a.weight"), w(p + "wo_b.weight"), cfg.o_groups)
+
+    def compressor_weights(self, prefix: str) -> CompressorWeights:
+        w = self.m.w
+        return CompressorWeights(w(prefix + "wkv.weight"), w(prefix + "wgate.weight"), w(prefix + "ape"),
+                                 w(prefix + "norm.weight"))
+
+    def attend(self, i: int, q: torch.Tensor, positions: torch.Tensor, st: LayerState, entries: torch.Tensor,
+               picks: torch.Tensor | None) -> torch.Tensor:
+        """Sparse attention of q [n, H, hd] over window rows and compressed entries, in query chunks."""
+        cfg = self.cfg
+        ratio = cfg.ratio(i)
+        win = attn.window_positions(positions, cfg.window_size)  # [n, W]
+        if ratio == 0:
+            comp = win.new_zeros((len(positions), 0))
+        elif picks is None:
+            comp = attn.hca_entries(positions, ratio, entries.shape[0])
+        else:
+            comp = picks
+        visible = torch.cat((win, comp), dim=1)
+        self.emit(f"L{i}.attn.visible", visible)
+        table = torch.cat((st.kv, entries))  # window rows first, then compressed entries
+        rows_idx = torch.cat((win - st.kv_start, comp + st.kv.shape[0]), dim=1)
+        valid = torch.cat((win >= 0, comp >= 0), dim=1)
+        rows_idx = torch.where(valid, rows_idx, 0)
+        sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
+        out = []
+        step = max(1, CHUNK_ELEMENTS // max(1, visible.shape[1] * cfg.head_dim))
+        for s in range(0, len(positions), step):
+            sl = slice(s, s + step)
+            out.append(attn.sparse_attention(q[sl], table[rows_idx[sl]], valid[sl], sink, scale))
+        return torch.cat(out)
+
+    def indexer(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Top-k compressed entries per query [n, index_topk] (-1 = none)."""
+        w, cfg, st = self.m.w, self.cfg, self.layers[i]
+        p = f"layers.{i}.attn.indexer."
+        freqs = self.m.freqs[4]
+        q = (qr @ w(p + "wq_b.weight").T).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = apply_rope(q, positions, freqs)
+        self.emit(f"L{i}.indexer.q", q)
+        new = compress(x, positions, st.index, self.compressor_weights(p + "compressor."), freqs, cfg.norm_eps)
+        self.emit(f"L{i}.indexer.keys", new)
+        keys = all_entries(st.index, cfg.index_head_dim, x)
+        weights = (x @ w(p + "weights_proj.weight").T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        picks = []
+        step = max(1, CHUNK_ELEMENTS // max(1, keys.shape[0] * cfg.index_n_heads))
+        for s in range(0, len(positions), step):
+            sl = slice(s, s + step)
+            scores = index_scores(q[sl], keys, weights[sl], positions[sl], 4)
+            self.emit(f"L{i}.indexer.scores", scores)
+            picks.append(select_topk(scores, positions[sl], 4, cfg.index_topk))
+        picks = torch.cat(picks)
+        self.emit(f"L{i}.indexer.topk", picks)
+        return picks
+
+    # ---- MoE -------------------------------------------------------------------------------
+    def moe(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w, cfg = self.m.w, self.cfg
+        p = f"layers.{i}.ffn."
+        hashed = cfg.is_hash_layer(i)
+        weights, experts = moe_ops.gate(x, w(p + "gate.weight"), None if hashed else w(p + "gate.bias"),
+                                        w(p + "gate.tid2eid") if hashed else None, ids, cfg)
+        self.emit(f"L{i}.moe.experts", experts)
+        self.emit(f"L{i}.moe.weights", weights)
+
+        def expert_weights(e: int):
+            q = f"{p}experts.{e}."
+            return w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight")
+
+        shared = tuple(w(f"{p}shared_experts.{k}.weight") for k in ("w1", "w2", "w3"))
+        return moe_ops.moe(x, weights, experts, expert_weights, shared, cfg.swiglu_limit)

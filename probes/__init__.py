@@ -1,0 +1,1 @@
+"""Probes: small functions from site tensors to metric rows."""

@@ -1,0 +1,74 @@
+"""Incremental decode (prefill, then one token per step) equals the full-sequence forward, across window
+(128) and compression (4 / 128) boundaries, including prefills that end exactly on a boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fidelity.config import ModelConfig
+from fidelity.synthesize import synthesize
+from oracles import OracleModel
+
+PARITY_REL_TOL = 1e-5  # fp32: same math, different grouping of the work
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b).abs().amax(-1) / b.abs().amax(-1)).max())
+
+
+def _check_parity(oracle: OracleModel, ids: torch.Tensor, prefills: list[int]) -> None:
+    full = oracle.logits(ids)
+    for n in prefills:
+        session = oracle.session()
+        logits = [session.prefill(ids[:n])]
+        logits += [session.step(t)[None] for t in ids[n:]]
+        inc = torch.cat(logits)
+        assert _rel(inc, full) <= PARITY_REL_TOL, f"prefill {n} then {len(ids) - n} steps"
+
+
+@pytest.fixture(scope="module")
+def tiny_oracle() -> OracleModel:
+    return OracleModel(synthesize(ModelConfig.preset("tiny"), seed=0))
+
+
+def test_decode_matches_full_sequence_around_the_window_and_hca_boundaries(tiny_oracle):
+    ids = torch.randint(2, 4096, (262,), generator=torch.Generator().manual_seed(0))
+    _check_parity(tiny_oracle, ids[:132], [1, 3, 4, 5, 127, 128])
+    _check_parity(tiny_oracle, ids, [255, 256, 257])
+
+
+def test_decode_matches_full_sequence_around_4k(tiny_oracle):
+    ids = torch.randint(2, 4096, (4098,), generator=torch.Generator().manual_seed(1))
+    _check_parity(tiny_oracle, ids, [4095, 4096, 4097])
+
+
+def test_chunked_prefill_matches_full_sequence(tiny_oracle):
+    ids = torch.randint(2, 4096, (300,), generator=torch.Generator().manual_seed(2))
+    full = tiny_oracle.logits(ids)
+    session = tiny_oracle.session()
+    parts = [session.forward(chunk) for chunk in ids.split([3, 130, 1, 66, 100])]
+    assert _rel(torch.cat(parts), full) <= PARITY_REL_TOL
+
+
+@pytest.mark.slow
+def test_decode_matches_full_sequence_around_128k():
+    """128K +- 1 on a narrow two-layer CSA + HCA model: 32768 indexer entries, 1024 HCA entries."""
+    cfg = ModelConfig.preset("tiny").replace(
+        vocab_size=256, dim=128, n_layers=2, compress_ratios=(4, 128), n_hash_layers=1, n_heads=2, o_groups=1,
+        q_lora_rank=128, moe_inter_dim=128, n_routed_experts=4, index_n_heads=1, max_seq_len=1 << 17,
+    )
+    oracle = OracleModel(synthesize(cfg, seed=0))
+    ids = torch.randint(2, 256, (131074,), generator=torch.Generator().manual_seed(3))
+    full = oracle.logits(ids)[-4:]
+    session = oracle.session()
+    logits = [session.prefill(ids[:131071])[-1:]] + [session.step(t)[None] for t in ids[131071:]]
+    assert _rel(torch.cat(logits), full) <= PARITY_REL_TOL
+
+
+def test_session_rejects_out_of_vocab_and_empty_input(tiny_oracle):
+    session = tiny_oracle.session()
+    with pytest.raises(ValueError, match=r"input_ids: expected ids in \[0, 4096\), found \[5, 4096\]"):
+        session.forward(torch.tensor([5, 4096]))
+    with pytest.raises(ValueError, match="expected at least one token"):
+        session.forward(torch.tensor([], dtype=torch.long))

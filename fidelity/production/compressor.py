@@ -1,0 +1,78 @@
+"""Production compressor (official ``Compressor.forward``): fp32 projections and pooling, carry state for
+decode, then ``norm(kv.to(bf16))`` and RoPE at the block's first position, in bf16 (spec §4-§5)."""
+
+from __future__ import annotations
+
+import torch
+
+from fidelity.production import ops
+from fidelity.production.cache import CompressorCarry
+
+BF16 = torch.bfloat16
+
+
+def _project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    return xf @ wkv.float().T, xf @ wgate.float().T
+
+
+def _overlap(t: torch.Tensor, ratio: int, d: int, fill: float) -> torch.Tensor:
+    """[b, r, 2d] -> [b, 2r, d]: previous block's first half, then this block's second half."""
+    out = t.new_full((t.shape[0], 2 * ratio, d), fill)
+    out[:, ratio:] = t[:, :, d:]
+    out[1:, :ratio] = t[:-1, :, :d]
+    return out
+
+
+def _finish(pooled: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor,
+            eps: float) -> torch.Tensor:
+    """pooled fp32 [b, d] -> bf16 entries: RMSNorm of the bf16 rows, RoPE at the block starts."""
+    return ops.apply_rope(ops.rms_norm(pooled.to(BF16), norm, eps), positions, freqs)
+
+
+def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor | None, int]:
+    """Prefill of x [T, dim] at positions 0..T-1 -> (entries [T // ratio, d] bf16 or None, first entry id 0).
+
+    Leaves the last complete block (overlap) and the remainder tokens in ``carry`` for decode."""
+    wkv, wgate, ape, norm = weights
+    d, overlap, t = norm.numel(), ratio == 4, x.shape[0]
+    kv, score = _project(x, wkv, wgate)
+    remainder = t % ratio
+    cutoff = t - remainder
+    offset = ratio if overlap else 0
+    if overlap and cutoff >= ratio:
+        carry.kv[:ratio] = kv[cutoff - ratio : cutoff]
+        carry.score[:ratio] = score[cutoff - ratio : cutoff] + ape
+    if remainder:
+        carry.kv[offset : offset + remainder] = kv[cutoff:]
+        carry.score[offset : offset + remainder] = score[cutoff:] + ape[:remainder]
+    if cutoff == 0:
+        return None, 0
+    kv = kv[:cutoff].unflatten(0, (-1, ratio))
+    score = score[:cutoff].unflatten(0, (-1, ratio)) + ape
+    if overlap:
+        kv, score = _overlap(kv, ratio, d, 0.0), _overlap(score, ratio, d, float("-inf"))
+    pooled = (kv * score.softmax(dim=1)).sum(dim=1)
+    return _finish(pooled, norm, freqs, torch.arange(kv.shape[0]) * ratio, eps), 0
+
+
+def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor | None, int]:
+    """One token x [1, dim] at position t -> (the entry completed at t [1, d] or None, its id t // ratio)."""
+    wkv, wgate, ape, norm = weights
+    d, overlap = norm.numel(), ratio == 4
+    kv, score = _project(x, wkv, wgate)
+    score = score + ape[t % ratio]
+    slot = (ratio if overlap else 0) + t % ratio
+    carry.kv[slot], carry.score[slot] = kv[0], score[0]
+    if (t + 1) % ratio:
+        return None, 0
+    if overlap:
+        kv_s = torch.cat((carry.kv[:ratio, :d], carry.kv[ratio:, d:]))
+        score_s = torch.cat((carry.score[:ratio, :d], carry.score[ratio:, d:]))
+        pooled = (kv_s * score_s.softmax(dim=0)).sum(dim=0, keepdim=True)
+        carry.kv[:ratio], carry.score[:ratio] = carry.kv[ratio:].clone(), carry.score[ratio:].clone()
+    else:
+        pooled = (carry.kv * carry.score.softmax(dim=0)).sum(dim=0, keepdim=True)
+    return _finish(pooled, norm, freqs, torch.tensor([t + 1 - ratio]), eps), t // ratio

@@ -1,0 +1,370 @@
+"""ProductionModel: the decoder under test, with the official numerics selected by a precision profile.
+
+Mirrors the official ``model.py`` control flow (spec §4-§5): prefill only at position 0 (no chunked
+prefill), then one token per decode step; the window is a ring buffer written before attention; compressors
+carry fp32 state; caches are allocated once from ``max_context``. Emits the same sites as the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fidelity.config import ModelConfig
+from fidelity.production import ops
+from fidelity.production.cache import LayerCache
+from fidelity.production.compressor import compress_decode, compress_prefill
+from fidelity.production.profiles import Profile, get_profile
+from fidelity.production.registry import implementation
+from fidelity.sites import Recorder
+from oracles.rope import inv_freq
+
+BF16 = torch.bfloat16
+QUERY_CHUNK = 512  # prefill attention / indexer queries per pass (bounds temporaries, not results)
+
+
+class ContextError(ValueError):
+    """A prompt or decode step beyond ``max_context``: raised before any state changes."""
+
+
+class ProductionModel:
+    """The production decoder over a checkpoint; ``session()`` allocates the caches."""
+
+    def __init__(self, checkpoint, profile: str | Profile = "reference", max_context: int = 4096,
+                 device: str | torch.device = "cpu"):
+        self.ckpt, self.cfg = checkpoint, checkpoint.config
+        self.profile = get_profile(profile)
+        if max_context < 1:
+            raise ValueError(f"max_context: expected >= 1, found {max_context}")
+        self.max_context, self.device = max_context, torch.device(device)
+        self.freqs = {r: inv_freq(self.cfg, r, torch.float32) for r in {0, *self.cfg.compress_ratios}}
+        self._weights: dict[str, torch.Tensor] = {}
+
+    def w(self, name: str) -> torch.Tensor:
+        """Weight as the production path reads it: FP8/FP4 dequantized exactly to fp32, bf16/fp32 as stored."""
+        t = self._weights.get(name)
+        if t is None:
+            t = self._weights[name] = self.ckpt[name].to(self.device)
+        return t
+
+    def session(self, recorder: Recorder | None = None) -> ProductionSession:
+        return ProductionSession(self, recorder)
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, recorder: Recorder | None = None) -> torch.Tensor:
+        """One prefill of input_ids [T] -> fp32 logits [T, vocab]."""
+        return self.session(recorder).prefill(input_ids)
+
+
+class ProductionSession:
+    """Caches for one sequence; ``prefill`` once, then ``step`` per token."""
+
+    def __init__(self, model: ProductionModel, recorder: Recorder | None = None):
+        self.m, self.cfg, self.p, self.rec = model, model.cfg, model.profile, recorder
+        self.layers = [LayerCache(self.cfg, i, self.p, model.max_context, model.device)
+                       for i in range(self.cfg.n_layers)]
+        self.pos = 0
+        self.calls = 0
+        self.res_dtype = torch.float32 if self.p.residual == "fp32" else BF16
+
+    def emit(self, site: str, tensor: torch.Tensor) -> None:
+        if self.rec is not None and self.rec.wants(site):
+            self.rec(site, tensor)
+
+    def cache_bytes(self) -> int:
+        return sum(sum(c.nbytes().values()) for c in self.layers)
+
+    # ---- public ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = self._check(input_ids, prefill=True)
+        return self._run(ids, torch.arange(len(ids), device=self.m.device))
+
+    @torch.no_grad()
+    def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
+        ids = self._check(torch.as_tensor([int(token_id)]), prefill=False)
+        return self._run(ids, torch.tensor([self.pos], device=self.m.device))[0]
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Prefill at position 0, else one decode token (the official model has no chunked prefill)."""
+        ids = torch.as_tensor(input_ids).flatten()
+        if self.pos == 0:
+            return self.prefill(ids)
+        self._check(ids, prefill=False)  # raises for more than one token
+        return self.step(ids[0])[None]
+
+    def _check(self, input_ids: torch.Tensor, prefill: bool) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids).long().flatten()
+        n, vocab = ids.numel(), self.cfg.vocab_size
+        if n == 0:
+            raise ValueError("input_ids: expected at least one token, found 0")
+        if prefill and self.pos != 0:
+            raise ValueError(f"prefill: expected position 0 (no chunked prefill, spec §5), found position {self.pos}")
+        if not prefill and (self.pos == 0 or n != 1):
+            raise ValueError(f"decode: expected one token after a prefill, found {n} token(s) at position {self.pos}")
+        if self.pos + n > self.m.max_context:
+            raise ContextError(f"context: {self.pos} + {n} tokens exceeds max_context {self.m.max_context}; "
+                               "build the model with a larger max_context")
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"input_ids: expected ids in [0, {vocab}), found [{int(ids.min())}, {int(ids.max())}]")
+        return ids.to(self.m.device)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.rec is not None:
+            self.rec.step = self.calls
+        x = self.m.w("embed.weight")[ids].to(BF16)
+        self.emit("embed", x)
+        x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1).to(self.res_dtype)
+        for i in range(self.cfg.n_layers):
+            x = self.block(i, x, positions, ids)
+        w, cfg = self.m.w, self.cfg
+        y = implementation("hc_head")(x, w("hc_head_fn"), w("hc_head_scale"), w("hc_head_base"), cfg.norm_eps,
+                                      cfg.hc_eps)
+        y = implementation("rms_norm")(y, w("norm.weight"), cfg.norm_eps)
+        self.emit("final", y)
+        logits = y.float() @ w("head.weight").float().T
+        self.emit("logits", logits)
+        self.pos += len(ids)
+        self.calls += 1
+        return logits
+
+    # ---- one block ---------------------------------------------------------------------------
+    def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w, cfg = self.m.w, self.cfg
+        y, post, comb = self.mhc_pre(i, "attn", x)
+        f = self.attention(i, implementation("rms_norm")(y, w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps),
+                           positions)
+        self.emit(f"L{i}.attn.out", f)
+        x = implementation("hc_post")(f, x, post, comb, self.res_dtype)
+        y, post, comb = self.mhc_pre(i, "ffn", x)
+        f = self.moe(i, implementation("rms_norm")(y, w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps), ids)
+        self.emit(f"L{i}.moe.out", f)
+        x = implementation("hc_post")(f, x, post, comb, self.res_dtype)
+        self.emit(f"L{i}.residual", x)
+        return x
+
+    def mhc_pre(self, i: int, which: str, x: torch.Tensor):
+        w, cfg, p = self.m.w, self.cfg, f"layers.{i}.hc_{which}_"
+        y, pre, post, comb = implementation("hc_pre")(x, w(p + "fn"), w(p + "scale"), w(p + "base"), cfg.norm_eps,
+                                                      cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        self.emit(f"L{i}.mhc_{which}.pre", pre)
+        self.emit(f"L{i}.mhc_{which}.post", post)
+        self.emit(f"L{i}.mhc_{which}.comb", comb)
+        return y, post, comb
+
+    # ---- attention ---------------------------------------------------------------------------
+    def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        w, cfg, prof = self.m.w, self.cfg, self.p
+        ratio, pre, act = cfg.ratio(i), f"layers.{i}.attn.", self.p.gemm_act
+        freqs, rd = self.m.freqs[ratio], cfg.rope_head_dim
+        rope = implementation("apply_rope")
+        qr = implementation("rms_norm")(ops.act_linear(x, w(pre + "wq_a.weight"), act), w(pre + "q_norm.weight"),
+                                        cfg.norm_eps)
+        q = ops.act_linear(qr, w(pre + "wq_b.weight"), act).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = rope(implementation("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
+        kv = implementation("rms_norm")(ops.act_linear(x, w(pre + "wkv.weight"), act), w(pre + "kv_norm.weight"),
+                                        cfg.norm_eps)
+        kv = implementation("kv_round")(rope(kv, positions, freqs), rd, prof.kv_nope)
+        self.emit(f"L{i}.attn.q", q)
+        self.emit(f"L{i}.attn.kv", kv)
+        if len(positions) > 1:
+            o = self.attend_prefill(i, x, qr, q, kv, positions)
+        else:
+            o = self.attend_decode(i, x, qr, q, kv, int(positions[0]))
+        self.emit(f"L{i}.attn.core", o)
+        o = rope(o, positions, freqs, inverse=True)
+        o = ops.grouped_out(o, w(pre + "wo_a.weight"), cfg.o_groups)
+        return ops.act_linear(o, w(pre + "wo_b.weight"), act)
+
+    def compressor_weights(self, prefix: str):
+        w = self.m.w
+        return w(prefix + "wkv.weight"), w(prefix + "wgate.weight"), w(prefix + "ape"), w(prefix + "norm.weight")
+
+    def compress(self, i: int, x: torch.Tensor, positions: torch.Tensor, index: bool) -> torch.Tensor | None:
+        """New compressed entries (main: FP8-rounded nope dims; indexer: Hadamard + FP4), written to the caches."""
+        cfg, cache, prof = self.cfg, self.layers[i], self.p
+        prefix = f"layers.{i}.attn.indexer.compressor." if index else f"layers.{i}.attn.compressor."
+        carry = cache.index_carry if index else cache.carry
+        ratio = 4 if index else cfg.ratio(i)
+        weights = self.compressor_weights(prefix)
+        freqs = self.m.freqs[cfg.ratio(i)]
+        if len(positions) > 1:
+            entries, first = compress_prefill(x, weights, carry, ratio, freqs, cfg.norm_eps)
+        else:
+            entries, first = compress_decode(x, int(positions[0]), weights, carry, ratio, freqs, cfg.norm_eps)
+        if entries is None:
+            return None
+        if index:
+            entries = ops.indexer_round(entries, prof.indexer_qk, prof.hadamard == "on")
+            cache.keys.write(slice(first, first + len(entries)), entries)
+        else:
+            entries = ops.kv_round(entries, cfg.rope_head_dim, prof.kv_nope)
+            cache.kv.write(slice(cache.window + first, cache.window + first + len(entries)), entries)
+        return entries
+
+    def attend_prefill(self, i, x, qr, q, kv, positions) -> torch.Tensor:
+        cfg, cache = self.cfg, self.layers[i]
+        ratio, win, t = cfg.ratio(i), cfg.window_size, len(positions)
+        tail = kv[-win:]
+        cache.kv.write(slice(0, len(tail)) if t <= win else _ring_slots(t, win), tail)
+        table, offset = kv, t
+        comp = None
+        if ratio:
+            new = self.compress(i, x, positions, index=False)
+            self.emit(f"L{i}.attn.compressed_kv", new if new is not None else kv.new_zeros((0, cfg.head_dim)))
+            if new is not None:
+                table = torch.cat((kv, cache.kv.read(slice(win, win + len(new)))))
+            comp = self.index_prefill(i, x, qr, positions) if ratio == 4 else _hca_prefill_idx(t, ratio)
+        idx = _window_prefill_idx(t, win)
+        self.emit(f"L{i}.attn.visible", _visible(idx, comp, positions, win, prefill=True))
+        if comp is not None:
+            idx = torch.cat((idx, torch.where(comp >= 0, comp + offset, -1)), dim=1)
+        sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
+        attend = implementation("sparse_attention")
+        return torch.cat([attend(q[s : s + QUERY_CHUNK], table, idx[s : s + QUERY_CHUNK], sink, scale, self.p.fmha)
+                          for s in range(0, t, QUERY_CHUNK)])
+
+    def attend_decode(self, i, x, qr, q, kv, t: int) -> torch.Tensor:
+        cfg, cache = self.cfg, self.layers[i]
+        ratio, win = cfg.ratio(i), cfg.window_size
+        cache.kv.write(slice(t % win, t % win + 1), kv)
+        comp = None
+        if ratio:
+            new = self.compress(i, x, torch.tensor([t]), index=False)
+            self.emit(f"L{i}.attn.compressed_kv", new if new is not None else kv.new_zeros((0, cfg.head_dim)))
+            n_vis = (t + 1) // ratio
+            comp = self.index_decode(i, x, qr, t) if ratio == 4 else torch.arange(n_vis)[None]
+        idx = _window_decode_idx(t, win)
+        self.emit(f"L{i}.attn.visible", _visible(idx, comp, torch.tensor([t]), win, prefill=False))
+        slots = idx if comp is None else torch.cat((idx, torch.where(comp >= 0, comp + win, -1)), dim=1)
+        valid = slots[0] >= 0
+        k = int(valid.sum())
+        buf = cache.gather[: slots.shape[1]]
+        buf[:k] = cache.kv.read(slots[0, valid])  # window + selected rows into the preallocated buffer
+        local = torch.full_like(slots, -1)
+        local[0, valid] = torch.arange(k)
+        sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
+        return implementation("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
+
+    # ---- indexer -----------------------------------------------------------------------------
+    def index_query(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor):
+        w, cfg, prof = self.m.w, self.cfg, self.p
+        pre = f"layers.{i}.attn.indexer."
+        q = ops.act_linear(qr, w(pre + "wq_b.weight"), prof.gemm_act).unflatten(
+            -1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = implementation("apply_rope")(q, positions, self.m.freqs[4])
+        q = ops.indexer_round(q, prof.indexer_qk, prof.hadamard == "on")
+        self.emit(f"L{i}.indexer.q", q)
+        weights = (x @ w(pre + "weights_proj.weight").to(BF16).T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        return q, weights
+
+    def _scores(self, q, keys, weights) -> torch.Tensor:
+        dtype = torch.float32 if self.p.index_scores == "fp32" else BF16
+        return implementation("index_scores")(q, keys, weights, dtype)
+
+    def index_prefill(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cfg, cache = self.cfg, self.layers[i]
+        q, weights = self.index_query(i, x, qr, positions)
+        new = self.compress(i, x, positions, index=True)
+        self.emit(f"L{i}.indexer.keys", new if new is not None else x.new_zeros((0, cfg.index_head_dim)))
+        t = len(positions)
+        n = t // 4
+        keys = cache.keys.read(slice(0, n))
+        k = min(cfg.index_topk, n)
+        out = []
+        for s in range(0, t, QUERY_CHUNK):
+            sl = slice(s, s + QUERY_CHUNK)
+            scores = self._scores(q[sl], keys, weights[sl]).float()
+            limit = ((positions[sl] + 1) // 4)[:, None]
+            scores = scores.masked_fill(torch.arange(n)[None] >= limit, float("-inf"))
+            self.emit(f"L{i}.indexer.scores", scores)
+            picks = _topk(scores, k)
+            out.append(torch.where(picks >= limit, -1, picks))
+        picks = torch.cat(out)
+        self.emit(f"L{i}.indexer.topk", _pad(picks, cfg.index_topk))
+        return picks
+
+    def index_decode(self, i: int, x: torch.Tensor, qr: torch.Tensor, t: int) -> torch.Tensor:
+        cfg, cache = self.cfg, self.layers[i]
+        q, weights = self.index_query(i, x, qr, torch.tensor([t]))
+        new = self.compress(i, x, torch.tensor([t]), index=True)
+        self.emit(f"L{i}.indexer.keys", new if new is not None else x.new_zeros((0, cfg.index_head_dim)))
+        n = (t + 1) // 4
+        scores = self._scores(q, cache.keys.read(slice(0, n)), weights).float()
+        self.emit(f"L{i}.indexer.scores", scores)
+        picks = _topk(scores, min(cfg.index_topk, n))
+        self.emit(f"L{i}.indexer.topk", _pad(picks, cfg.index_topk))
+        return picks
+
+    # ---- MoE -----------------------------------------------------------------------------------
+    def moe(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w, cfg, act = self.m.w, self.cfg, self.p.gemm_act
+        p = f"layers.{i}.ffn."
+        hashed = cfg.is_hash_layer(i)
+        weights, experts = implementation("gate")(x.float(), w(p + "gate.weight").float(),
+                                                 None if hashed else w(p + "gate.bias"),
+                                                 w(p + "gate.tid2eid") if hashed else None, ids, cfg)
+        self.emit(f"L{i}.moe.experts", experts)
+        self.emit(f"L{i}.moe.weights", weights)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        expert = implementation("expert")
+        for e in torch.unique(experts).tolist():
+            rows, slot = torch.where(experts == e)
+            q = f"{p}experts.{e}."
+            y.index_add_(0, rows, expert(x[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
+                                         cfg.swiglu_limit, weights[rows, slot, None], act).float())
+        q = f"{p}shared_experts."
+        y += expert(x, w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"), cfg.swiglu_limit, None, act).float()
+        return y.to(BF16)
+
+
+def _topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k entry ids, highest score first, exact ties to the lower id. bf16 index scores tie often (8-bit
+    mantissa, and every all-negative entry scores exactly 0); ``torch.topk``'s tie order is implementation-
+    defined (and differs between a prefill's and a decode step's shapes), so the production path fixes it."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _pad(picks: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(picks, (0, width - picks.shape[1]), value=-1)
+
+
+def _ring_slots(t: int, win: int) -> torch.Tensor:
+    """Ring slots of the last ``win`` prompt tokens, in token order: position p lives in slot p % win."""
+    return torch.arange(t - win, t) % win
+
+
+def _window_prefill_idx(t: int, win: int) -> torch.Tensor:
+    """Official prefill window indices [t, min(t, win)]: query i sees rows max(0, i-win+1) .. i, valid first."""
+    base = torch.arange(t)[:, None]
+    idx = (base - win + 1).clamp(min=0) + torch.arange(min(t, win))[None]
+    return torch.where(idx > base, -1, idx)
+
+
+def _window_decode_idx(t: int, win: int) -> torch.Tensor:
+    """Official decode window indices [1, win] into the ring buffer, oldest first."""
+    if t >= win - 1:
+        s = t % win
+        return torch.cat((torch.arange(s + 1, win), torch.arange(0, s + 1)))[None]
+    return torch.nn.functional.pad(torch.arange(t + 1), (0, win - t - 1), value=-1)[None]
+
+
+def _hca_prefill_idx(t: int, ratio: int) -> torch.Tensor:
+    """All entries j < (i+1)//ratio per query [t, t//ratio], -1 otherwise."""
+    j = torch.arange(t // ratio)[None]
+    return torch.where(j >= (torch.arange(1, t + 1) // ratio)[:, None], -1, j)
+
+
+def _visible(window_idx: torch.Tensor, comp: torch.Tensor | None, positions: torch.Tensor, win: int,
+             prefill: bool) -> torch.Tensor:
+    """The ``L{i}.attn.visible`` site: window token positions then compressed entry ids (-1 padding)."""
+    if prefill:
+        window_pos = window_idx
+    else:
+        t = int(positions[0])
+        slot_pos = t - ((t - torch.arange(win)) % win)  # the token position stored in each ring slot
+        window_pos = torch.where(window_idx >= 0, slot_pos[window_idx.clamp(min=0)], -1)
+    window_pos = torch.nn.functional.pad(window_pos, (0, win - window_pos.shape[1]), value=-1)
+    if comp is None:
+        return window_pos
+    return torch.cat((window_pos, comp), dim=1)

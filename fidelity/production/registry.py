@@ -1,0 +1,56 @@
+"""One registry: op name -> implementations (``cpu`` emulation here; GPU kernels register under the same
+names). The production model looks every op up by name, so a run can record which implementation ran."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fidelity.production import ops
+from oracles.moe import gate as gate_fp32
+
+REGISTRY: dict[str, dict[str, Callable]] = {}
+_selected: dict[str, str] = {}
+_used: dict[str, str] = {}
+
+
+def register(name: str, impl: str, fn: Callable) -> None:
+    REGISTRY.setdefault(name, {})[impl] = fn
+
+
+def select(name: str, impl: str) -> None:
+    """Force ``impl`` for op ``name`` (e.g. back to ``cpu`` emulation for one op)."""
+    if name not in REGISTRY:
+        raise KeyError(f"op {name!r}: expected one of {sorted(REGISTRY)}")
+    if impl not in REGISTRY[name]:
+        raise KeyError(f"op {name!r}: implementation {impl!r} not registered; have {sorted(REGISTRY[name])}")
+    _selected[name] = impl
+
+
+def implementation(name: str) -> Callable:
+    """The selected implementation of ``name`` (default: the fastest registered, ``cpu`` last)."""
+    impls = REGISTRY[name]
+    impl = _selected.get(name) or next((k for k in impls if k != "cpu"), "cpu")
+    _used[name] = impl
+    return impls[impl]
+
+
+def implementations_used() -> dict[str, str]:
+    """Which implementation each op last resolved to (recorded in run manifests)."""
+    return dict(_used)
+
+
+for _name, _fn in {
+    "rms_norm": ops.rms_norm,
+    "rms_norm_weightless": ops.rms_norm_weightless,
+    "apply_rope": ops.apply_rope,
+    "kv_round": ops.kv_round,
+    "index_scores": ops.index_scores,
+    "sparse_attention": ops.sparse_attention,
+    "hc_pre": ops.hc_pre,
+    "hc_post": ops.hc_post,
+    "hc_head": ops.hc_head,
+    "sinkhorn_split": ops.sinkhorn_split,
+    "gate": gate_fp32,
+    "expert": ops.expert,
+}.items():
+    register(_name, "cpu", _fn)

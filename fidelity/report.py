@@ -1,0 +1,456 @@
+"""Run report: ``report.md`` and a self-contained ``report.html`` (inline CSS, plots as base64 PNG).
+
+Sections: verdict and first divergence, per-layer local (op/layer mode) vs inherited (free mode) error, Sinkhorn,
+indexer recall, visible range, anomalies, token agreement, memory flatness, plots, the thresholds applied.
+Tables are rendered here from pandas (no tabulate); every string taken from data is escaped for both formats.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from fidelity.plots import make_plots
+from fidelity.thresholds import (
+    COLUMNS,
+    MODES,
+    TOKEN_FLIP_MARGIN,
+    Threshold,
+    apply_thresholds,
+    default_thresholds,
+    first_divergence,
+    fmt_num,
+    site_order_key,
+    sort_divergence,
+    token_flip_rows,
+)
+
+EXPECTED_NONFINITE = r"L\d+\.indexer\.scores"  # -inf marks causally invisible entries in both models
+FAILURE_ROWS = 25
+PLOT_CAPTIONS = {
+    "cos_over_steps.png": "Per-layer worst 1 - cos over steps",
+    "heatmap_1mcos.png": "Layer x step heatmap of 1 - cos (log colour scale)",
+    "residual_norms.png": "Residual stream RMS per layer",
+    "sinkhorn.png": "Sinkhorn row / column deviation per layer",
+    "recall.png": "Indexer recall@k over steps",
+}
+
+
+@dataclass
+class Section:
+    """A report section: a title, paragraphs and an optional table; ``css`` tags the HTML section."""
+
+    title: str
+    text: list[str] = field(default_factory=list)
+    table: pd.DataFrame | None = None
+    css: str = ""
+    images: list[Path] = field(default_factory=list)
+    details: str = ""  # preformatted text shown collapsed in HTML only
+
+
+# ---- value formatting and tables -------------------------------------------------------------------------------
+
+def fmt_value(v: object) -> str:
+    """Table cell text: integers plainly, floats with 6 significant digits (more next to 1), NaN as 'nan'."""
+    if v is None or v is pd.NA:
+        return ""
+    if isinstance(v, bool | np.bool_):
+        return "yes" if v else "no"
+    if isinstance(v, Integral):
+        return str(int(v))
+    if isinstance(v, Real):
+        f = float(v)
+        if math.isnan(f):
+            return "nan"
+        if math.isinf(f):
+            return "inf" if f > 0 else "-inf"
+        return str(int(f)) if f.is_integer() and abs(f) < 1e15 else fmt_num(f)
+    return str(v)
+
+
+_MD_SPECIAL = re.compile(r"([\\`*|\[\]]|<(?=[A-Za-z/!?]))")
+
+
+def md_escape(text: str) -> str:
+    """Escape what markdown would interpret (emphasis, code, tables, links, raw HTML tags); one line."""
+    return _MD_SPECIAL.sub(r"\\\1", str(text)).replace("\n", " ")
+
+
+def _numeric(df: pd.DataFrame) -> list[bool]:
+    return [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]) for c in df.columns]
+
+
+def md_table(df: pd.DataFrame) -> str:
+    """A GitHub-flavoured markdown table (numeric columns right-aligned)."""
+    head = "| " + " | ".join(md_escape(c) for c in df.columns) + " |"
+    sep = "|" + "|".join("---:" if n else "---" for n in _numeric(df)) + "|"
+    rows = ["| " + " | ".join(md_escape(fmt_value(v)) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([head, sep, *rows])
+
+
+def html_table(df: pd.DataFrame) -> str:
+    """An HTML table with escaped cells."""
+    numeric = _numeric(df)
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    body = []
+    for row in df.itertuples(index=False):
+        cells = "".join(f'<td{" class=num" if n else ""}>{html.escape(fmt_value(v))}</td>'
+                        for v, n in zip(row, numeric, strict=True))
+        body.append(f"<tr>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+# ---- aggregation helpers ---------------------------------------------------------------------------------------
+
+def worst(frame: pd.DataFrame, keys: list[str], how: str) -> pd.Series:
+    """``value`` aggregated by ``keys`` with ``how`` (min/max/sum/mean); a NaN in a group makes min/max NaN."""
+    out = getattr(frame.groupby(keys)["value"], how)()
+    if how in ("min", "max"):
+        out = out.where(~frame.assign(_nan=frame["value"].isna()).groupby(keys)["_nan"].any())
+    return out
+
+
+def _sites(df: pd.DataFrame, site_regex: str) -> pd.DataFrame:
+    return df[df["site"].str.fullmatch(site_regex)]
+
+
+def _sort_sites(table: pd.DataFrame) -> pd.DataFrame:
+    sites = sorted(table["site"].unique(), key=site_order_key)
+    key = table["site"].map({s: i for i, s in enumerate(sites)})
+    if "mode" in table:
+        key = key * len(MODES) + table["mode"].map({m: i for i, m in enumerate(MODES)}).fillna(0)
+    return table.assign(_k=key).sort_values("_k", kind="stable").drop(columns="_k").reset_index(drop=True)
+
+
+def site_table(df: pd.DataFrame, site_regex: str, aggs: Sequence[tuple[str, str, str]]) -> pd.DataFrame | None:
+    """Per (site[, mode]) aggregates: ``aggs`` holds (metric, how, column label). Mode is a key when > 1 mode."""
+    sub = _sites(df, site_regex)
+    sub = sub[sub["metric"].isin([a[0] for a in aggs])]
+    if sub.empty:
+        return None
+    keys = ["site"] + (["mode"] if sub["mode"].nunique() > 1 else [])
+    cols = {label: worst(sub[sub["metric"] == m], keys, how) for m, how, label in aggs if (sub["metric"] == m).any()}
+    return _sort_sites(pd.DataFrame(cols).reset_index())
+
+
+def first_location(df: pd.DataFrame, site_regex: str, trigger: Sequence[str], where: Sequence[str]) -> pd.Series:
+    """Per site (and mode), 'step s, query q, ...' of the earliest row whose ``trigger`` metrics sum above 0."""
+    sub = _sites(df, site_regex)
+    sub = sub[sub["metric"].isin([*trigger, *where])]
+    keys = [c for c in COLUMNS if c not in ("metric", "value")]
+    if sub.empty or not set(trigger) & set(sub["metric"]):
+        return pd.Series(dtype=object)
+    wide = sub.pivot_table(index=keys, columns="metric", values="value", aggfunc="first").reset_index()
+    bad = wide[wide[[t for t in trigger if t in wide]].sum(axis=1) > 0].sort_values(["step", "position"])
+    group = ["site"] + (["mode"] if sub["mode"].nunique() > 1 else [])
+
+    def describe(r: pd.Series) -> str:
+        parts = [f"step {int(r['step'])}"] + [f"{w.removeprefix('first_')} {fmt_value(r[w])}" for w in where if w in r]
+        return ", ".join(parts)
+
+    return bad.groupby(group).head(1).set_index(group).apply(describe, axis=1)
+
+
+# ---- sections --------------------------------------------------------------------------------------------------
+
+def header_section(df: pd.DataFrame, manifest: dict) -> Section:
+    """Run identity: data extent plus the manifest's scalar entries."""
+    steps = sorted(df["step"].unique())
+    layers = sorted(v for v in df["layer"].unique() if v >= 0)
+    facts = {
+        "run_id": ", ".join(map(str, df["run_id"].unique())) or manifest.get("run_id", ""),
+        "modes": ", ".join(m for m in MODES if m in set(df["mode"])),
+        "profile": ", ".join(map(str, df["profile"].unique())),
+        "steps": f"{len(steps)} (prefill + {max(len(steps) - 1, 0)} decode)" if steps else "none",
+        "layers": f"{len(layers)} (L{layers[0]}..L{layers[-1]})" if layers else "none",
+        "metric rows": len(df),
+    }
+    facts.update({k: v for k, v in manifest.items() if isinstance(v, str | int | float | bool) and k not in facts})
+    table = pd.DataFrame({"field": list(facts), "value": [fmt_value(v) for v in facts.values()]})
+    manifest_json = json.dumps(manifest, indent=2, sort_keys=True, default=str)
+    return Section("Run", ["The full manifest is in manifest.json."], table, details=manifest_json)
+
+
+def verdict_section(judged: pd.DataFrame) -> Section:
+    """PASS/FAIL with counts, the first divergence, and the failing rules in divergence order."""
+    failures = sort_divergence(judged[~judged["passed"]])
+    n, bad = len(judged), len(failures)
+    if n == 0:
+        return Section("Verdict", ["NO CHECKS: no metric row has a threshold rule."], css="fail")
+    if bad == 0:
+        return Section("Verdict", [f"PASS: all {n} checked values are within their thresholds."], css="pass")
+    pairs = failures[["site", "metric"]].drop_duplicates()
+    text = [f"FAIL: {bad} of {n} checked values fail ({len(pairs)} site/metric pairs at "
+            f"{pairs['site'].nunique()} sites).", f"first divergence: {first_divergence(failures)}"]
+    keys = ["site", "metric", "threshold"]
+    groups = failures.groupby(keys, sort=False)
+    sign = groups["op"].first().map({">=": -1.0, "<=": 1.0})
+    signed = worst(failures.assign(value=failures["value"] * np.where(failures["op"] == ">=", -1.0, 1.0)), keys, "max")
+    order = sign.index
+    table = pd.DataFrame({
+        "failures": groups.size().reindex(order),
+        "worst": (signed.reindex(order) * sign),
+        "first step": groups["step"].first().reindex(order),
+        "modes": groups["mode"].agg(lambda s: ", ".join(m for m in MODES if m in set(s))).reindex(order),
+    }).reset_index()
+    if len(table) > FAILURE_ROWS:
+        text.append(f"Showing the first {FAILURE_ROWS} of {len(table)} failing site/metric pairs.")
+    return Section("Verdict", text, table.head(FAILURE_ROWS), css="fail")
+
+
+LAYER_ERROR_SITES = r"L\d+\.(attn\.out|moe\.out|residual)"
+SCOPE = {"op": "local", "layer": "local", "free": "inherited"}
+
+
+def layer_error_section(df: pd.DataFrame) -> Section:
+    """Worst cos / calc_diff per layer output site, local (op/layer mode) next to inherited (free mode)."""
+    sub = _sites(df, LAYER_ERROR_SITES)
+    sub = sub[sub["metric"].isin(["cos", "calc_diff"])].assign(scope=lambda f: f["mode"].map(SCOPE))
+    cols = {}
+    for metric, how in (("cos", "min"), ("calc_diff", "max")):
+        for scope in ("local", "inherited"):
+            rows = sub[(sub["metric"] == metric) & (sub["scope"] == scope)]
+            if not rows.empty:
+                cols[f"{metric} {scope}"] = worst(rows, ["site"], how)
+    title = "Per-layer error: local vs inherited"
+    if not cols:
+        return Section(title, ["No cos / calc_diff rows for attn.out, moe.out or residual in this run."])
+    local = ", ".join(m for m in ("op", "layer") if m in set(sub["mode"])) or "none"
+    text = [f"Worst over steps and positions. local = op/layer mode (present: {local}): what the layer's own kernels "
+            "and cache precision add; inherited = free mode: everything upstream included."]
+    return Section(title, text, _sort_sites(pd.DataFrame(cols).rename_axis("site").reset_index()))
+
+
+def _with_first(table: pd.DataFrame, loc: pd.Series, label: str) -> pd.DataFrame:
+    if loc.empty:
+        return table.assign(**{label: "-"})
+    loc_df = loc.rename(label).reset_index()
+    on = [c for c in loc_df.columns if c != label and c in table.columns]
+    return table.merge(loc_df[[*on, label]], on=on, how="left").fillna({label: "-"})
+
+
+def sinkhorn_section(df: pd.DataFrame) -> Section:
+    """mHC mixing matrices: doubly-stochastic deviation, non-negativity and orientation."""
+    table = site_table(df, r"L\d+\.mhc_(attn|ffn)\.comb", [
+        ("row_dev", "max", "row_dev max"), ("col_dev", "max", "col_dev max"), ("min_value", "min", "min value"),
+        ("negative_count", "sum", "negatives"), ("orientation_err", "max", "orientation_err max"),
+        ("transposed_err", "max", "transposed_err max"), ("orientation_flip", "sum", "orientation flips")])
+    if table is None:
+        return Section("Sinkhorn (mHC comb)", ["No mHC comb rows in this run."])
+    text = ["Row and column sums should be 1 to within 1e-2: 20 Sinkhorn iterations end on a column normalisation, "
+            "and rows of peaky matrices are still ~1e-2 off. A flip means production's matrix is closer to the "
+            "oracle's transpose: still doubly stochastic, but mixing the streams the wrong way round."]
+    return Section("Sinkhorn (mHC comb)", text, table)
+
+
+def indexer_section(df: pd.DataFrame) -> Section:
+    """Tie-aware recall@k of the lightning indexer's top-k."""
+    site = r"L\d+\.indexer\.topk"
+    table = site_table(df, site, [
+        ("recall", "min", "recall min"), ("recall", "mean", "recall mean"), ("near_tie_miss", "sum", "near-tie misses"),
+        ("true_miss", "sum", "true misses"), ("rank_disp_mean", "mean", "rank disp mean"),
+        ("rank_disp_max", "max", "rank disp max")])
+    if table is None:
+        return Section("Indexer recall", ["No indexer rows in this run."])
+    table = _with_first(table, first_location(df, site, ["true_miss"], ["first_true_miss_query"]), "first true miss")
+    text = ["A miss whose oracle score is within the tie margin of the k-th score is a near-tie; true misses are "
+            "the rest."]
+    return Section("Indexer recall", text, table)
+
+
+def visible_section(df: pd.DataFrame) -> Section:
+    """Exact set difference of the KV positions each query may attend to."""
+    site = r"L\d+\.attn\.visible"
+    table = site_table(df, site, [("missing", "sum", "missing"), ("extra", "sum", "extra")])
+    if table is None:
+        return Section("Visible range", ["No visible-range rows in this run."])
+    loc = first_location(df, site, ["missing", "extra"], ["first_query", "first_kv", "first_kind"])
+    text = ["Window (128 incl. self) plus selected compressed entries, causal rule j < (t+1)//ratio; "
+            "any missing or extra position is a failure."]
+    return Section("Visible range", text, _with_first(table, loc, "first problem"))
+
+
+SIMILARITY_VALUES = ("cos", "calc_diff", "rel_l2", "sqnr_db", "max_abs")
+
+
+def anomaly_section(df: pd.DataFrame) -> Section:
+    """Non-finite values: NaN/Inf position mismatches, unexpected production NaN/Inf, NaN similarity metrics."""
+    pos = df["value"] > 0
+    mismatch = df[(df["metric"] == "nonfinite_mismatch") & pos]
+    unexpected = df[(df["metric"] == "test_nonfinite") & pos & ~df["site"].str.fullmatch(EXPECTED_NONFINITE)]
+    nan_metric = df[df["metric"].isin(SIMILARITY_VALUES) & df["value"].isna()]
+    rows = pd.concat([mismatch, unexpected, nan_metric], ignore_index=True)
+    if rows.empty:
+        return Section("Anomalies", ["No non-finite values: NaN/Inf positions match everywhere, production emits no "
+                                     "unexpected NaN/Inf and every similarity metric is finite."])
+    r = sort_divergence(rows).iloc[0]
+    text = [f"first non-finite: step {int(r['step'])} ({r['phase']}), {r['site']} {r['metric']} "
+            f"{fmt_value(r['value'])} ({r['mode']} mode)",
+            f"Non-finite values in production are expected only at {EXPECTED_NONFINITE} (-inf = invisible)."]
+    keys = ["site", "mode"]
+    g = rows.assign(nan=rows["value"].isna()).groupby(keys)
+    table = pd.DataFrame({
+        "first step": g["step"].min(),
+        "mismatched positions (max)": rows[rows["metric"] == "nonfinite_mismatch"].groupby(keys)["value"].max(),
+        "production non-finite (max)": unexpected.groupby(keys)["value"].max(),
+        "NaN metric values": g["nan"].sum(),
+    }).rename_axis(keys).reset_index()
+    return Section("Anomalies", text, _sort_sites(table))
+
+
+def _wide(rows: pd.DataFrame) -> pd.DataFrame:
+    keys = [c for c in COLUMNS if c not in ("metric", "value")]
+    return rows.pivot_table(index=keys, columns="metric", values="value", aggfunc="first").reset_index()
+
+
+def token_section(df: pd.DataFrame, margin: float = TOKEN_FLIP_MARGIN) -> Section:
+    """Greedy-token agreement per mode, with flips that beat the stated oracle margin."""
+    tok = df[(df["site"] == "tokens") & df["metric"].isin(["agree", "ref_margin"])]
+    if not (tok["metric"] == "agree").any():
+        return Section("Token agreement", ["No token rows in this run."])
+    wide = _wide(tok)
+    if "ref_margin" not in wide:
+        wide["ref_margin"] = np.nan
+    flips = token_flip_rows(df, margin)
+    rows = []
+    for mode, g in wide.groupby("mode"):
+        off = g[g["agree"] == 0]
+        rows.append({"mode": mode, "tokens": len(g), "agree": int((g["agree"] != 0).sum()),
+                     "rate": float((g["agree"] != 0).mean()),
+                     f"flips with ref margin > {fmt_num(margin)}": int(flips.loc[flips["mode"] == mode, "value"].sum()),
+                     "largest ref margin at a flip": off["ref_margin"].max() if len(off) else "-",
+                     "first flip step": int(off["step"].min()) if len(off) else "-"})
+    text = [f"Agreement is informational: a disagreement fails only when the oracle's top-1 logit beat its top-2 by "
+            f"more than {fmt_num(margin)} (below that it is a near tie any rounding may flip)."]
+    return Section("Token agreement", text, _sort_modes(pd.DataFrame(rows)))
+
+
+def _sort_modes(table: pd.DataFrame) -> pd.DataFrame:
+    key = table["mode"].map({m: i for i, m in enumerate(MODES)}).fillna(len(MODES))
+    return table.assign(_k=key).sort_values("_k", kind="stable").drop(columns="_k").reset_index(drop=True)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.3f} MiB"
+
+
+def memory_section(df: pd.DataFrame) -> Section:
+    """Allocated / reserved bytes over decode steps: max - min should be 0 (no allocator churn)."""
+    mem = df[(df["site"] == "memory") & (df["phase"] == "decode") & df["metric"].isin(["allocated", "reserved"])]
+    if mem.empty:
+        return Section("Memory flatness", ["No decode-step memory rows in this run."])
+    rows = []
+    for metric, g in mem.groupby("metric"):
+        per_step = g.groupby("step")["value"].max()
+        spread = float(per_step.max() - per_step.min())
+        rows.append({"metric": metric, "decode steps": len(per_step), "min bytes": per_step.min(),
+                     "max bytes": per_step.max(), "max - min": _mib(spread), "flat": spread == 0})
+    text = ["Preallocated caches keep memory flat across decode; growth means allocations inside the step."]
+    if mem["step"].nunique() < 2:
+        text.append("Only one decode step: flatness cannot be judged.")
+    return Section("Memory flatness", text, pd.DataFrame(rows))
+
+
+def threshold_section(df: pd.DataFrame, thresholds: Sequence[Threshold] | None) -> Section:
+    """The rules that judged this run; for each (site, metric) the last matching rule applies."""
+    if thresholds is None:
+        rules = [(p, t) for p in df["profile"].unique() for t in default_thresholds(str(p))]
+    else:
+        rules = [("", t) for t in thresholds]
+    table = pd.DataFrame({"site regex": [t.site_regex for _, t in rules], "metric": [t.metric for _, t in rules],
+                          "threshold": [t.text for _, t in rules], "source": [t.source for _, t in rules]})
+    if thresholds is None:
+        table.insert(0, "profile", [p for p, _ in rules])
+    return Section("Thresholds", ["For each site and metric the last matching rule applies; NaN never passes."],
+                   table)
+
+
+def build_sections(df: pd.DataFrame, manifest: dict, thresholds: Sequence[Threshold] | None,
+                   token_margin: float = TOKEN_FLIP_MARGIN) -> list[Section]:
+    """All report sections in reading order, plots excluded."""
+    judged = apply_thresholds(df, thresholds, token_margin)
+    return [header_section(df, manifest), verdict_section(judged), layer_error_section(df), sinkhorn_section(df),
+            indexer_section(df), visible_section(df), anomaly_section(df), token_section(df, token_margin),
+            memory_section(df), threshold_section(df, thresholds)]
+
+
+# ---- rendering -------------------------------------------------------------------------------------------------
+
+CSS = """
+body{font-family:system-ui,sans-serif;color:#222;max-width:1150px;margin:1.5em auto;padding:0 1em}
+h1{font-size:1.5em}h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
+table{border-collapse:collapse;margin:.6em 0;font-size:13px}
+th,td{border:1px solid #ccc;padding:2px 8px;vertical-align:top}th{background:#f2f2f2;text-align:left}
+td.num{text-align:right;font-family:ui-monospace,Menlo,monospace}
+section.pass>p:first-of-type{color:#060;font-weight:bold;font-size:1.15em}
+section.fail>p:first-of-type{color:#b00;font-weight:bold;font-size:1.15em}
+figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}figcaption{font-size:13px;color:#555}
+pre{background:#f7f7f7;padding:.6em;overflow:auto;font-size:12px}
+"""
+
+
+def _caption(path: Path) -> str:
+    return PLOT_CAPTIONS.get(path.name, path.stem)
+
+
+def render_markdown(title: str, sections: Sequence[Section], base: Path) -> str:
+    """Markdown text; images are linked relative to ``base`` (the run directory)."""
+    out = [f"# {md_escape(title)}"]
+    for s in sections:
+        out += ["", f"## {md_escape(s.title)}"]
+        out += [x for line in s.text for x in ("", md_escape(line))]
+        if s.table is not None:
+            out += ["", md_table(s.table)]
+        for img in s.images:
+            rel = img.relative_to(base).as_posix() if img.is_relative_to(base) else img.as_posix()
+            out += ["", f"![{md_escape(_caption(img))}]({rel.replace(' ', '%20')})"]
+    return "\n".join(out) + "\n"
+
+
+def _img_tag(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    cap = html.escape(_caption(path))
+    return f'<figure><img alt="{cap}" src="data:image/png;base64,{data}"><figcaption>{cap}</figcaption></figure>'
+
+
+def render_html(title: str, sections: Sequence[Section]) -> str:
+    """A self-contained HTML page: inline CSS, images embedded as base64 PNG, every data string escaped."""
+    body = [f"<h1>{html.escape(title)}</h1>"]
+    for s in sections:
+        css = f' class="{html.escape(s.css)}"' if s.css else ""
+        body.append(f"<section{css}><h2>{html.escape(s.title)}</h2>")
+        body += [f"<p>{html.escape(line)}</p>" for line in s.text]
+        if s.table is not None:
+            body.append(html_table(s.table))
+        body += [_img_tag(img) for img in s.images]
+        if s.details:
+            body.append(f"<details><summary>details</summary><pre>{html.escape(s.details)}</pre></details>")
+        body.append("</section>")
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_report(run_dir: str | Path, df: pd.DataFrame, manifest: dict, thresholds: Sequence[Threshold] | None = None,
+                 plots: Sequence[Path] | None = None, token_margin: float = TOKEN_FLIP_MARGIN) -> tuple[Path, Path]:
+    """Write ``report.md`` and ``report.html`` into ``run_dir``; plots are made under ``run_dir/plots`` if None."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plots = make_plots(df, run_dir / "plots") if plots is None else [Path(p) for p in plots]
+    sections = build_sections(df, manifest, thresholds, token_margin)
+    sections.insert(len(sections) - 1, Section("Plots", [] if plots else ["No plot had data."], images=list(plots)))
+    run_ids = [str(r) for r in df["run_id"].unique()]
+    title = f"dsv4-fidelity report: {', '.join(run_ids) or manifest.get('run_id', run_dir.name)}"
+    md_path, html_path = run_dir / "report.md", run_dir / "report.html"
+    md_path.write_text(render_markdown(title, sections, run_dir), encoding="utf-8")
+    html_path.write_text(render_html(title, sections), encoding="utf-8")
+    return md_path, html_path

@@ -1,0 +1,309 @@
+"""Threshold rules that judge metric rows, their defaults per profile, and the first divergence of a run.
+
+A rule ``Threshold(site_regex, metric, op, value)`` applies to rows whose site fully matches ``site_regex`` and
+whose metric is ``metric``; a row passes when ``value op limit`` holds (a NaN value never passes). For each
+(site, metric) pair only the LAST matching rule applies, so rules appended after the defaults (a user TOML)
+override them; ``op="off"`` switches a default off. Metrics without a rule are informational.
+
+Profiles fall into three classes (``profile_class``): ``exact`` (fp32/fp64/exact/oracle: no quantization, the
+production decoder must agree with the oracle up to float rounding), ``bf16`` (``bf16``, ``bf16-*``) and
+``quantized`` (``reference``, ``fp8-*``, ``fp4-*`` and any other name: the official QAT numerics or variants).
+Cosine floors apply to every mode; free mode inherits upstream error, so it is the strictest test of a floor.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+# The metric table contract (long format, one value per row).
+COLUMNS = ("run_id", "mode", "profile", "step", "phase", "position", "layer", "site", "metric", "value")
+MODES = ("op", "layer", "free")  # tie-break order for a divergence: the most local evidence first
+METRIC_PRIORITY = ("nonfinite_mismatch", "cos", "calc_diff")  # then alphabetical, for rows failing together
+
+# Data-flow order of the sites inside one layer, and of the sites outside the layers. The one place it is defined.
+LAYER_SITE_ORDER = (
+    "mhc_attn.pre", "mhc_attn.post", "mhc_attn.comb",
+    "attn.q", "attn.kv", "attn.compressed_kv",
+    "indexer.q", "indexer.keys", "indexer.scores", "indexer.topk",
+    "attn.visible", "attn.core", "attn.out",
+    "mhc_ffn.pre", "mhc_ffn.post", "mhc_ffn.comb",
+    "moe.experts", "moe.weights", "moe.out",
+    "residual",
+)  # fmt: skip
+SITES_BEFORE_LAYERS = ("embed",)
+SITES_AFTER_LAYERS = ("final", "logits", "tokens", "memory")
+
+KNOWN_METRICS = frozenset(
+    "cos calc_diff rel_l2 max_abs max_abs_index sqnr_db nonfinite_mismatch nonfinite_first test_nonfinite "
+    "row_dev col_dev min_value negative_count orientation_err transposed_err orientation_flip rms_max "
+    "recall near_tie_miss true_miss first_true_miss_query rank_disp_mean rank_disp_max "
+    "missing extra first_query first_kv first_kind allocated reserved agree ref_margin test_margin "
+    "token_flip_with_margin".split()
+)
+_RMS_STREAM = re.compile(r"rms_stream\d+")
+
+EXACT_PROFILES = frozenset({"exact", "fp32", "fp64", "oracle"})
+COS_GAP = {"exact": 1e-8, "bf16": 1e-3, "quantized": 1e-2}  # cos >= 1 - gap, calc_diff <= gap
+RECALL_FLOOR = {"bf16": 0.95, "quantized": 0.90}  # exact profiles require true_miss == 0 instead
+# hc_sinkhorn_iters = 20 ends on a column normalisation: columns sum to 1 to rounding, but rows of peaky
+# (near-permutation) matrices are still ~1e-2 off after 20 iterations. Tighter bounds flag the algorithm, not a bug.
+SINKHORN_DEV = 1e-2
+# A greedy-token disagreement is only a failure when the oracle's top-1 beat its top-2 by more than this many
+# logits: below it the two candidates are a near tie that any rounding may flip (``agree`` stays informational).
+TOKEN_FLIP_MARGIN = 1.0
+
+MAIN_SITES = r"L\d+\.(attn\.(q|kv|compressed_kv|core|out)|moe\.out|residual)|final|logits"
+COMB_SITES = r"L\d+\.mhc_(attn|ffn)\.comb"
+
+
+class ThresholdError(ValueError):
+    """A threshold file or rule that cannot be used; the message names the file, key, expected and found."""
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """Rows at sites matching ``site_regex`` (full match) with metric ``metric`` must satisfy ``value op limit``."""
+
+    site_regex: str
+    metric: str
+    op: str  # ">=", "<=" or "off"
+    value: float
+    source: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.op not in (">=", "<=", "off"):
+            raise ThresholdError(f"threshold op: expected '>=', '<=' or 'off', found {self.op!r}")
+        try:
+            re.compile(self.site_regex)
+        except re.error as err:
+            raise ThresholdError(f"site regex {self.site_regex!r} is invalid: {err}") from None
+
+    @property
+    def text(self) -> str:
+        return "off" if self.op == "off" else f"{self.op} {fmt_num(self.value)}"
+
+    def matches(self, site: str, metric: str) -> bool:
+        return metric == self.metric and re.fullmatch(self.site_regex, site) is not None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def fmt_num(v: float) -> str:
+    """Six significant digits, more when that would round a value next to +-1 onto +-1 (cos 0.99999999)."""
+    s = format(float(v), ".6g")
+    return format(float(v), ".12g") if s in ("1", "-1") and abs(v) != 1 else s
+
+
+def profile_class(profile: str) -> str:
+    """'exact', 'bf16' or 'quantized' (the default class, also for unknown names)."""
+    if profile in EXACT_PROFILES or profile.startswith("exact"):
+        return "exact"
+    if profile == "bf16" or profile.startswith("bf16-"):
+        return "bf16"
+    return "quantized"
+
+
+def default_thresholds(profile: str) -> list[Threshold]:
+    """The built-in rules for ``profile`` (see the module docstring for the classes)."""
+    kind = profile_class(profile)
+    gap = COS_GAP[kind]
+    rules = [
+        Threshold(".*", "nonfinite_mismatch", "<=", 0),
+        Threshold(MAIN_SITES, "cos", ">=", 1 - gap),
+        Threshold(MAIN_SITES, "calc_diff", "<=", gap),
+        Threshold(COMB_SITES, "row_dev", "<=", SINKHORN_DEV),
+        Threshold(COMB_SITES, "col_dev", "<=", SINKHORN_DEV),
+        Threshold(COMB_SITES, "min_value", ">=", 0),
+        Threshold(COMB_SITES, "negative_count", "<=", 0),
+        Threshold(COMB_SITES, "orientation_flip", "<=", 0),
+        Threshold(r"L\d+\.attn\.visible", "missing", "<=", 0),
+        Threshold(r"L\d+\.attn\.visible", "extra", "<=", 0),
+        Threshold("tokens", "token_flip_with_margin", "<=", 0),
+    ]
+    if kind == "exact":
+        rules.append(Threshold(r"L\d+\.indexer\.topk", "true_miss", "<=", 0))
+    else:
+        rules.append(Threshold(r"L\d+\.indexer\.topk", "recall", ">=", RECALL_FLOOR[kind]))
+    return rules
+
+
+def thresholds_for(profile: str, path: str | Path | None = None) -> list[Threshold]:
+    """Defaults for ``profile`` followed by the rules of the TOML file ``path`` (which therefore win)."""
+    return default_thresholds(profile) + (load_thresholds(path) if path is not None else [])
+
+
+_SPEC = re.compile(r"\s*(<=|>=)\s*(\S+)\s*")
+
+
+def load_thresholds(path: str | Path) -> list[Threshold]:
+    """Read a TOML file mapping a quoted site regex to ``{metric = "<=1e-3" | ">=0.99" | "off"}``.
+
+    Example: ``['L\\d+\\.attn\\.out']`` then ``cos = ">=0.995"`` on the next line.
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as err:
+        raise ThresholdError(f"{path}: cannot read the threshold file: {err.strerror}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ThresholdError(f"{path}: not valid TOML: {err}") from None
+    rules = []
+    for regex, table in data.items():
+        if not isinstance(table, dict):
+            raise ThresholdError(f"{path}: key {regex!r}: expected a table of metric = \"<=limit\" entries, "
+                                 f"found {type(table).__name__} {table!r}")
+        for metric, spec in table.items():
+            rules.append(_parse_rule(path, regex, metric, spec))
+    return rules
+
+
+def _parse_rule(path: Path, regex: str, metric: str, spec: object) -> Threshold:
+    where = f"{path}: key {regex!r}.{metric}"
+    if isinstance(spec, dict):
+        raise ThresholdError(f"{where}: expected a string like \"<=1e-3\", found a table; quote the site regex "
+                             f"(['L3\\.attn\\.out']), a bare dotted key makes nested tables")
+    if metric not in KNOWN_METRICS and not _RMS_STREAM.fullmatch(metric):
+        raise ThresholdError(f"{where}: unknown metric; expected one of {', '.join(sorted(KNOWN_METRICS))}, "
+                             "rms_stream<k>")
+    source = f"{path.name}"
+    if spec == "off":
+        return _rule(where, regex, metric, "off", 0.0, source)
+    m = _SPEC.fullmatch(spec) if isinstance(spec, str) else None
+    limit = _to_float(m.group(2)) if m else None
+    if m is None or limit is None or math.isnan(limit):
+        raise ThresholdError(f"{where}: expected a string \"<=number\", \">=number\" or \"off\", "
+                             f"found {type(spec).__name__} {spec!r}")
+    return _rule(where, regex, metric, m.group(1), limit, source)
+
+
+def _rule(where: str, regex: str, metric: str, op: str, limit: float, source: str) -> Threshold:
+    try:
+        return Threshold(regex, metric, op, limit, source)
+    except ThresholdError as err:
+        raise ThresholdError(f"{where}: {err}") from None
+
+
+def _to_float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def token_flip_rows(df: pd.DataFrame, margin: float = TOKEN_FLIP_MARGIN) -> pd.DataFrame:
+    """Derived rows ``tokens / token_flip_with_margin``: 1.0 where tokens disagree and ref_margin > ``margin``."""
+    tok = df[(df["site"] == "tokens") & df["metric"].isin(["agree", "ref_margin"])]
+    keys = [c for c in COLUMNS if c not in ("metric", "value")]
+    if tok.empty or tok["metric"].nunique() < 2:
+        return df.iloc[0:0][list(COLUMNS)]
+    wide = tok.pivot_table(index=keys, columns="metric", values="value", aggfunc="first").reset_index()
+    flip = (wide["agree"] == 0) & (wide["ref_margin"] > margin)
+    return wide[keys].assign(metric="token_flip_with_margin", value=flip.astype(float))
+
+
+def apply_thresholds(df: pd.DataFrame, thresholds: Sequence[Threshold] | None = None,
+                     token_margin: float = TOKEN_FLIP_MARGIN) -> pd.DataFrame:
+    """Rows that have a rule, with columns ``op``, ``limit``, ``threshold``, ``rule``, ``source``, ``passed``.
+
+    ``thresholds=None`` uses ``default_thresholds`` of each row's profile. Derived token-flip rows are included.
+    """
+    flips = token_flip_rows(df, token_margin)
+    full = pd.concat([df, flips], ignore_index=True) if not flips.empty else df
+    if thresholds is None:
+        parts = [_judge(g, default_thresholds(str(p))) for p, g in full.groupby("profile", sort=False)]
+        return pd.concat(parts, ignore_index=True) if parts else _judge(full, [])
+    return _judge(full, thresholds)
+
+
+def _judge(df: pd.DataFrame, thresholds: Sequence[Threshold]) -> pd.DataFrame:
+    rows = []
+    for site, metric in df[["site", "metric"]].drop_duplicates().itertuples(index=False):
+        rule = next((t for t in reversed(thresholds) if t.matches(site, metric)), None)
+        if rule is not None and rule.op != "off":
+            rows.append((site, metric, rule.op, float(rule.value), rule.text, rule.site_regex, rule.source))
+    table = pd.DataFrame(rows, columns=["site", "metric", "op", "limit", "threshold", "rule", "source"])
+    out = df.merge(table, on=["site", "metric"], how="inner")
+    value = out["value"].astype(float)
+    out["passed"] = np.where(out["op"] == ">=", value >= out["limit"], value <= out["limit"])
+    return out
+
+
+def evaluate(df: pd.DataFrame, thresholds: Sequence[Threshold] | None = None,
+             token_margin: float = TOKEN_FLIP_MARGIN) -> pd.DataFrame:
+    """The failing rows with their rule (``op``, ``limit``, ``threshold``, ``rule``), in divergence order."""
+    judged = apply_thresholds(df, thresholds, token_margin)
+    return sort_divergence(judged[~judged["passed"]].drop(columns="passed"))
+
+
+_LAYER_SITE = re.compile(r"L(\d+)\.(.+)")
+
+
+def site_order_key(site: str) -> tuple[int, int, int]:
+    """(group, layer, rank): sites before the layers, then layer by layer in data-flow order, then the rest."""
+    m = _LAYER_SITE.fullmatch(site)
+    if m:
+        suffix = m.group(2)
+        rank = LAYER_SITE_ORDER.index(suffix) if suffix in LAYER_SITE_ORDER else len(LAYER_SITE_ORDER)
+        return (1, int(m.group(1)), rank)
+    if site in SITES_BEFORE_LAYERS:
+        return (0, 0, SITES_BEFORE_LAYERS.index(site))
+    rank = SITES_AFTER_LAYERS.index(site) if site in SITES_AFTER_LAYERS else len(SITES_AFTER_LAYERS)
+    return (2, 0, rank)
+
+
+def sort_divergence(rows: pd.DataFrame) -> pd.DataFrame:
+    """Sort by step, then site in data-flow order, then mode (op, layer, free), position and metric priority."""
+    if rows.empty:
+        return rows.reset_index(drop=True)
+    sites = sorted(rows["site"].unique(), key=site_order_key)
+    metrics = sorted(rows["metric"].unique(), key=lambda m: (METRIC_PRIORITY.index(m) if m in METRIC_PRIORITY
+                                                             else len(METRIC_PRIORITY), m))
+    order = pd.DataFrame({
+        "_step": rows["step"].to_numpy(),
+        "_site": rows["site"].map({s: i for i, s in enumerate(sites)}).to_numpy(),
+        "_mode": rows["mode"].map({m: i for i, m in enumerate(MODES)}).fillna(len(MODES)).to_numpy(),
+        "_pos": rows["position"].to_numpy(),
+        "_metric": rows["metric"].map({m: i for i, m in enumerate(metrics)}).to_numpy(),
+    }, index=rows.index)
+    return rows.loc[order.sort_values(list(order.columns), kind="stable").index].reset_index(drop=True)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The earliest failing row: ``str()`` gives 'step 3 (decode), L2.attn.out cos 0.95 < 0.99 (free mode)'."""
+
+    step: int
+    phase: str
+    site: str
+    metric: str
+    value: float
+    op: str
+    limit: float
+    mode: str
+    position: int
+
+    def __str__(self) -> str:
+        if math.isnan(self.value):
+            check = f"{self.metric} nan (expected {self.op} {fmt_num(self.limit)})"
+        else:
+            check = f"{self.metric} {fmt_num(self.value)} {'<' if self.op == '>=' else '>'} {fmt_num(self.limit)}"
+        where = f"{self.mode} mode" + (f", position {self.position}" if self.position >= 0 else "")
+        return f"step {self.step} ({self.phase}), {self.site} {check} ({where})"
+
+
+def first_divergence(failures: pd.DataFrame) -> Divergence | None:
+    """The earliest failure by (step, layer, site order within the layer); None when nothing failed."""
+    if failures.empty:
+        return None
+    r = sort_divergence(failures).iloc[0]
+    return Divergence(int(r["step"]), str(r["phase"]), str(r["site"]), str(r["metric"]), float(r["value"]),
+                      str(r["op"]), float(r["limit"]), str(r["mode"]), int(r["position"]))

@@ -1,0 +1,34 @@
+"""memory probe: allocated / reserved bytes per step (flat across decode = no allocator churn).
+
+CUDA: ``torch.cuda.memory_allocated`` / ``memory_reserved`` (the caching allocator's own counters; host-side,
+no device sync). CPU has no tensor allocator counters, so both report the process's current resident set
+size from ``/proc/self/statm`` (``memory_is_rss`` = 1); where that file is missing (not Linux) both are 0
+and ``memory_supported`` = 0. Values are 0-d int64 CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _rss_bytes() -> int | None:
+    """Current resident set size of this process in bytes, None if /proc is unavailable."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def memory_stats(device: torch.device | str) -> dict[str, torch.Tensor]:
+    """device -> allocated_bytes, reserved_bytes, memory_supported (0/1), memory_is_rss (0/1)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        values = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), 1, 0)
+    else:
+        rss = _rss_bytes()
+        values = (rss or 0, rss or 0, int(rss is not None), int(rss is not None))
+    names = ("allocated_bytes", "reserved_bytes", "memory_supported", "memory_is_rss")
+    return {k: torch.tensor(v, dtype=torch.int64) for k, v in zip(names, values, strict=True)}

@@ -1,0 +1,70 @@
+"""Probe metrics -> tidy rows, with one device-to-host transfer per step.
+
+``to_rows`` only labels tensors (no sync); ``collect`` casts every pending value to float64 on its own
+device, concatenates them per device and moves each device's block with a single ``.cpu()``.
+Row keys: site, layer, position (token position; -1 for whole-call aggregates), metric, value (float;
+integer metrics such as counts and indices are exact up to 2**53).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+AGGREGATE = -1  # position of a whole-call metric
+
+
+def to_rows(site: str, layer: int | None, metrics: dict[str, torch.Tensor],
+            positions: torch.Tensor | Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """metrics name -> 0-d or [n] tensor -> pending rows (one per metric; values stay tensors).
+
+    [n] metrics take their positions from ``positions`` ([n] tensor or ints; default 0..n-1).
+    """
+    pending = []
+    for name, value in metrics.items():
+        if value.ndim > 1:
+            raise ValueError(f"{site} {name}: metrics are 0-d or [n], got shape {tuple(value.shape)}")
+        pos = None
+        if value.ndim == 1:
+            pos = range(len(value)) if positions is None else positions
+            if len(pos) != len(value):
+                raise ValueError(f"{site} {name}: {len(value)} values but {len(pos)} positions")
+        pending.append({"site": site, "layer": layer, "metric": name, "value": value, "position": pos})
+    return pending
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """Tensors (any devices) -> their flattened float64 values, one ``.cpu()`` per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[list[float]] = [[] for _ in tensors]
+    for idx in by_device.values():
+        parts = [tensors[i].detach().reshape(-1).to(torch.float64) for i in idx]
+        flat = torch.cat(parts).cpu().tolist()
+        start = 0
+        for i, p in zip(idx, parts, strict=True):
+            out[i] = flat[start : start + p.numel()]
+            start += p.numel()
+    return out
+
+
+def collect(pending: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:
+    """Pending rows (from ``to_rows``) -> tidy rows; ``fields`` (e.g. step=3, phase="decode") are added to each."""
+    pending = list(pending)
+    tensors = [p["value"] for p in pending]
+    tensors += [p["position"] for p in pending if isinstance(p["position"], torch.Tensor)]
+    host = _to_host(tensors)
+    values, host_pos = host[: len(pending)], iter(host[len(pending) :])
+    rows = []
+    for p, vals in zip(pending, values, strict=True):
+        base = {"site": p["site"], "layer": p["layer"], "metric": p["metric"], **fields}
+        pos = p["position"]
+        if pos is None:
+            rows.append({**base, "position": AGGREGATE, "value": vals[0]})
+            continue
+        pos = next(host_pos) if isinstance(pos, torch.Tensor) else pos
+        rows.extend({**base, "position": int(t), "value": v} for t, v in zip(pos, vals, strict=True))
+    return rows

@@ -1,0 +1,111 @@
+"""similarity: how close a production tensor is to the oracle's, after checking that their non-finite
+patterns agree (design.md "Probes").
+
+Numeric metrics are float64 and computed only over coordinates that are finite in both tensors, so a
+planted NaN is reported by ``nonfinite_*`` without turning every other metric into NaN. Conventions for
+degenerate inputs (no coordinate differs, or a tensor is all zeros):
+  cos = 1 if both are zero, 0 if only one is; calc_diff = 0 and rel_l2 = 0 if both are zero;
+  sqnr_db = +inf when the error is exactly zero (identical tensors), -inf if only the signal is zero;
+  max_abs_index = -1 when max_abs == 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from probes.sets import first_true
+
+_NAN, _POS, _NEG = 1, 2, 3
+
+
+def nonfinite_code(x: torch.Tensor) -> torch.Tensor:
+    """Any shape -> int8, same shape: 0 finite, 1 NaN, 2 +inf, 3 -inf."""
+    code = torch.zeros(x.shape, dtype=torch.int8, device=x.device)
+    if not x.is_floating_point():
+        return code
+    code = code.masked_fill(x.isnan(), _NAN).masked_fill(x == float("inf"), _POS)
+    return code.masked_fill(x == float("-inf"), _NEG)
+
+
+def _prepare(ref: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Flatten both to [n, d] float64 with non-common-finite coordinates zeroed, plus the non-finite metrics."""
+    if ref.shape != test.shape:
+        raise ValueError(f"similarity: ref shape {tuple(ref.shape)} != test shape {tuple(test.shape)}")
+    test = test.to(ref.device)
+    cr, ct = nonfinite_code(ref), nonfinite_code(test)
+    mismatch = (cr != ct).flatten()
+    both = ((cr == 0) & (ct == 0)).flatten()
+    x = torch.where(both, ref.flatten().to(torch.float64), 0.0)
+    y = torch.where(both, test.flatten().to(torch.float64), 0.0)
+    nonfinite = {
+        "nonfinite_mismatch": mismatch.sum(),
+        "nonfinite_first": first_true(mismatch),
+        "test_nonfinite": (ct != 0).sum(),
+        "ref_nonfinite": (cr != 0).sum(),
+        "compared": both.sum(),
+    }
+    return x, y, nonfinite
+
+
+def _cos_calc_diff(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, y float64 [..., d] -> (cos, calc_diff, |x|^2) over the last dim."""
+    dot, xx, yy = (x * y).sum(-1), x.square().sum(-1), y.square().sum(-1)
+    both_zero = (xx == 0) & (yy == 0)
+    cos = torch.where(xx * yy > 0, dot / (xx * yy).sqrt(), both_zero.to(torch.float64))
+    calc_diff = torch.where(both_zero, 0.0, 1 - 2 * dot / (xx + yy))
+    return cos, calc_diff, xx
+
+
+def similarity(ref: torch.Tensor, test: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ref (oracle), test (production): same shape, any dtype -> 0-d metrics.
+
+    float64: cos, calc_diff, rel_l2, max_abs, sqnr_db; int64: max_abs_index (flat index into the shape,
+    see ``unravel``), nonfinite_mismatch, nonfinite_first (flat, -1 none), test_nonfinite, ref_nonfinite,
+    compared (coordinates finite in both).
+    """
+    x, y, out = _prepare(ref, test)
+    cos, calc_diff, xx = _cos_calc_diff(x, y)
+    err = (x - y).abs()
+    ee = err.square().sum()
+    padded = torch.cat((err, err.new_zeros(1)))  # defined for empty tensors
+    max_abs, idx = padded.max(dim=0)
+    out.update(
+        cos=cos,
+        calc_diff=calc_diff,
+        rel_l2=torch.where(ee == 0, 0.0, ee.sqrt() / xx.sqrt()),
+        max_abs=max_abs,
+        max_abs_index=torch.where(max_abs > 0, idx, -1),
+        sqnr_db=torch.where(ee == 0, float("inf"), 10 * torch.log10(xx / ee)),
+    )
+    return out
+
+
+def similarity_per_position(ref: torch.Tensor, test: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ref, test [n, ...] (dim 0 = tokens) -> [n] metrics: cos, calc_diff, max_abs (float64, over coordinates
+    finite in both) and nonfinite_mismatch (int64)."""
+    if ref.ndim == 0:
+        raise ValueError("similarity_per_position: needs a token dim 0")
+    x, y, _ = _prepare(ref, test)
+    cr, ct = nonfinite_code(ref), nonfinite_code(test.to(ref.device))
+    n, d = ref.shape[0], ref[0].numel() if ref.shape[0] else 0
+    x, y = x.reshape(n, d), y.reshape(n, d)
+    cos, calc_diff, _ = _cos_calc_diff(x, y)
+    err = torch.cat(((x - y).abs(), x.new_zeros(n, 1)), dim=1)
+    return {
+        "cos": cos,
+        "calc_diff": calc_diff,
+        "max_abs": err.amax(dim=1),
+        "nonfinite_mismatch": (cr != ct).reshape(n, d).sum(dim=1),
+    }
+
+
+def unravel(index: int, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...] | None:
+    """Flat index (as reported by ``max_abs_index`` / ``nonfinite_first``) -> coordinate; None for -1."""
+    index = int(index)
+    if index < 0:
+        return None
+    coord = []
+    for size in reversed(tuple(shape)):
+        coord.append(index % size)
+        index //= size
+    return tuple(reversed(coord))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -13,7 +14,14 @@ from fidelity import __version__
 from fidelity.config import ConfigError, ModelConfig
 
 EXAMPLES = """examples:
-  fidelity                                   oracle on the embedded tiny checkpoint, 1024-token prompt
+  fidelity run                               the default: tiny checkpoint, 1024-token prompt, 64 decode steps,
+                                             profile reference, modes free+layer+op; prints where the report is
+  fidelity run --profile fp8-fmha --decode 16 --mode layer --mode op --gate
+  fidelity run --checkpoint ckpt/ --prompt-file ids.txt --profile my_profile.toml --thresholds th.toml
+  fidelity report runs/<run-id>              re-render the report (optionally --thresholds)
+  fidelity compare runs/<a> runs/<b>         two profiles or versions side by side
+  fidelity memory --preset flash --context 1048576
+  fidelity oracle                            the oracle alone on the tiny checkpoint
   fidelity oracle --prompt-len 4096 --decode 32 --dtype fp64
   fidelity synth --preset tiny --seed 1 --out ckpt/ --layout deepseek
   fidelity oracle --checkpoint ckpt/         any checkpoint: deepseek, official or transformers layout
@@ -48,26 +56,150 @@ def _check_synth_size(cfg: ModelConfig, name: str) -> None:
                          "synthesize only width-reduced configs (e.g. --preset tiny) on a CPU")
 
 
-def cmd_oracle(args) -> int:
-    from fidelity.oracle_run import default_prompt, format_summary, run_oracle
+def _prompt(args, vocab: int) -> torch.Tensor:
+    from fidelity.oracle_run import default_prompt
+
+    if args.prompt_file:
+        return _read_prompt(args.prompt_file, vocab)
+    if args.prompt_len < 1:
+        raise UsageError(f"--prompt-len: expected >= 1, found {args.prompt_len}")
+    return default_prompt(vocab, args.prompt_len, args.seed)
+
+
+def _progress(label: str):
+    def show(k: int, n: int) -> None:
+        if sys.stderr.isatty():
+            print(f"\r{label} {k}/{n}", end="" if k < n else "\n", file=sys.stderr, flush=True)
+
+    return show
+
+
+def cmd_run(args) -> int:
+    from fidelity.job import run_job
+    from fidelity.production import get_profile
+    from fidelity.runner import RunSpec
+    from fidelity.sampling import SamplerConfig
 
     ckpt, what = _load(args)
     cfg = ckpt.config
-    if args.prompt_file:
-        prompt = _read_prompt(args.prompt_file, cfg.vocab_size)
-    else:
-        if args.prompt_len < 1:
-            raise UsageError(f"--prompt-len: expected >= 1, found {args.prompt_len}")
-        prompt = default_prompt(cfg.vocab_size, args.prompt_len, args.seed)
+    prompt = _prompt(args, cfg.vocab_size)
+    try:
+        profile = get_profile(args.profile)
+        sampler = SamplerConfig(args.temperature, args.top_p, args.repetition_penalty, args.sample_seed)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    continuation = _read_prompt(args.continuation_file, cfg.vocab_size) if args.continuation_file else None
+    max_context = args.max_context or len(prompt) + args.decode
+    if len(prompt) + args.decode > max_context:
+        raise UsageError(f"prompt: {len(prompt)} tokens + {args.decode} decode steps exceeds --max-context "
+                         f"{max_context}")
+    spec = RunSpec(prompt=prompt, decode_steps=args.decode, profile=profile.name if not args.profile.endswith(
+        (".toml", ".json")) else args.profile, modes=tuple(args.mode or ("free", "layer", "op")), stream=args.stream,
+        continuation=continuation, sampler=sampler, stop_ids=_stops(args, cfg), max_context=max_context,
+        oracle_dtype={"fp32": torch.float32, "fp64": torch.float64}[args.oracle_dtype],
+        sample_queries=args.sample_queries, device=args.device)
+    t0 = time.perf_counter()
+    res = run_job(ckpt, spec, args.out, args.run_id, args.thresholds, args.overwrite, _progress("decode"))
+    print(f"dsv4-fidelity {__version__}: {profile.name} vs oracle on {what}, modes {'+'.join(spec.modes)}")
+    print(f"prompt {len(prompt)} tokens, {res.manifest['decode_steps']} decode steps "
+          f"({res.manifest['stop_reason']}), {time.perf_counter() - t0:.1f} s")
+    _print_verdict(res)
+    print(f"report: {res.run_dir / 'report.md'} (and report.html, metrics.parquet, plots/)")
+    return 1 if args.gate and not res.passed else 0
+
+
+def _stops(args, cfg) -> tuple[int, ...] | None:
+    from fidelity.sampling import StopSet
+
+    if args.tokenizer:
+        return tuple(StopSet.from_tokenizer_file(args.tokenizer, extra=args.stop_id or ()))
+    if args.stop_id:
+        return tuple(StopSet.from_config(cfg, extra=args.stop_id))
+    return None
+
+
+def _print_verdict(res) -> None:
+    n = len(res.failures)
+    print(f"verdict: {'PASS' if res.passed else 'FAIL'}" + ("" if res.passed else f" ({n} threshold failures)"))
+    print(f"first divergence: {res.divergence}" if res.divergence else "first divergence: none")
+
+
+def cmd_report(args) -> int:
+    from fidelity.job import judge_run
+    from fidelity.report import write_report
+    from fidelity.rundir import read_run
+    from fidelity.thresholds import thresholds_for
+
+    df, manifest = read_run(args.run)
+    profile = str(df["profile"].iloc[0]) if len(df) else "reference"
+    md, html = write_report(args.run, df, manifest, thresholds_for(profile, args.thresholds))
+    _print_verdict(judge_run(args.run, args.thresholds))
+    print(f"report: {md} and {html}")
+    return 1 if args.gate and not judge_run(args.run, args.thresholds).passed else 0
+
+
+def cmd_plot(args) -> int:
+    from fidelity.plots import make_plots
+    from fidelity.rundir import read_run
+
+    df, _ = read_run(args.run)
+    for path in make_plots(df, Path(args.run) / "plots"):
+        print(path)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from fidelity.compare import compare_runs
+
+    table, plot = compare_runs(args.run_a, args.run_b, args.out)
+    print(table)
+    print(f"plot: {plot}")
+    return 0
+
+
+def cmd_memory(args) -> int:
+    from fidelity.memory import memory_main
+
+    try:
+        print(memory_main(None if args.config else args.preset, args.config, args.context))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return 0
+
+
+def cmd_mutants(args) -> int:
+    from fidelity.mutants import MutantSettings, gate_failures, matrix_table, run_mutants, write_matrix
+    from fidelity.report import md_table
+
+    ckpt, what = _load(args)
+    settings = MutantSettings(args.prompt_len, args.decode, tuple(args.mode or ("layer", "op")), args.seed)
+
+    def progress(k: int, n: int, name: str) -> None:
+        print(f"[{k + 1}/{n}] {name}", file=sys.stderr, flush=True)
+
+    try:
+        matrix = run_mutants(ckpt, args.only, settings, progress)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    out = write_matrix(matrix, args.out, args.run_id)
+    print(f"dsv4-fidelity {__version__}: mutants on {what}")
+    print(md_table(matrix_table(matrix)))
+    failures = gate_failures(matrix)
+    print("gate: PASS" if not failures else "gate: FAIL\n" + "\n".join(f"  - {f}" for f in failures))
+    print(f"matrix: {out / 'detection.md'} (and detection.html, detection.parquet)")
+    return 1 if args.gate and failures else 0
+
+
+def cmd_oracle(args) -> int:
+    from fidelity.oracle_run import format_summary, run_oracle
+
+    ckpt, what = _load(args)
+    prompt = _prompt(args, ckpt.config.vocab_size)
     if args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[args.dtype]
 
-    def progress(k: int, n: int) -> None:
-        if sys.stderr.isatty():
-            print(f"\rdecode {k}/{n}", end="" if k < n else "\n", file=sys.stderr, flush=True)
-
-    summary = run_oracle(ckpt, prompt, args.decode, dtype, progress)
+    summary = run_oracle(ckpt, prompt, args.decode, dtype, _progress("decode"))
     print(format_summary(summary, f"dsv4-fidelity {__version__}: oracle on {what}"))
     return 0
 
@@ -127,20 +259,84 @@ def cmd_config(args) -> int:
     return 0
 
 
+def _source_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="checkpoint directory (config.json + *.safetensors)")
+    src.add_argument("--preset", default="tiny", help="synthesize this preset instead (default: tiny)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic weights and default prompt seed")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--prompt-file", help="token ids (whitespace/comma separated) instead of a random prompt")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fidelity", description="Differential testing of DeepSeek-V4 decoders.",
                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"dsv4-fidelity {__version__}")
     sub = p.add_subparsers(dest="command")
 
+    r = sub.add_parser("run", help="production vs oracle side by side; writes runs/<run-id>/",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _source_args(r)
+    r.add_argument("--decode", type=int, default=64, help="decode steps after the prompt (default 64)")
+    r.add_argument("--profile", default="reference",
+                   help="built-in profile, base:field=value,..., or a .toml/.json profile file")
+    r.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="repeatable (default: all)")
+    r.add_argument("--stream", choices=("oracle", "production", "given"), default="oracle",
+                   help="whose pick drives the teacher-forced token stream")
+    r.add_argument("--continuation-file", help="token ids for --stream given")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--repetition-penalty", type=float, default=1.0)
+    r.add_argument("--sample-seed", type=int, default=0)
+    r.add_argument("--stop-id", type=int, action="append", help="extra stop token id (repeatable)")
+    r.add_argument("--tokenizer", help="tokenizer.json / tokenizer_config.json / generation_config.json for stops")
+    r.add_argument("--oracle-dtype", choices=("fp32", "fp64"), default="fp32")
+    r.add_argument("--max-context", type=int, help="production cache size (default: prompt + decode)")
+    r.add_argument("--sample-queries", type=int, help="layer/op modes: oracle on this many prefill queries")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--out", default="runs", help="parent folder of run directories (default runs/)")
+    r.add_argument("--run-id")
+    r.add_argument("--thresholds", help="TOML: site regex -> {metric = '>=0.99'} overriding the defaults")
+    r.add_argument("--gate", action="store_true", help="exit 1 when any threshold fails")
+    r.add_argument("--overwrite", action="store_true")
+    r.set_defaults(func=cmd_run)
+
+    mu = sub.add_parser("mutants", help="inject known DSv4 port bugs; which probe catches each, and where")
+    mu.add_argument("--checkpoint", help="checkpoint directory (default: synthesize --preset)")
+    mu.add_argument("--preset", default="tiny")
+    mu.add_argument("--seed", type=int, default=0)
+    mu.add_argument("--only", action="append", help="mutant name (repeatable; default: the whole catalogue)")
+    mu.add_argument("--prompt-len", type=int, default=300)
+    mu.add_argument("--decode", type=int, default=8)
+    mu.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="default: layer and op")
+    mu.add_argument("--out", default="runs")
+    mu.add_argument("--run-id")
+    mu.add_argument("--gate", action="store_true",
+                    help="exit 1 if the clean decoder alarms or a mutant is missed or found elsewhere")
+    mu.set_defaults(func=cmd_mutants)
+
+    rep = sub.add_parser("report", help="re-render a run's report.md / report.html")
+    rep.add_argument("run")
+    rep.add_argument("--thresholds")
+    rep.add_argument("--gate", action="store_true")
+    rep.set_defaults(func=cmd_report)
+    pl = sub.add_parser("plot", help="re-draw a run's plots")
+    pl.add_argument("run")
+    pl.set_defaults(func=cmd_plot)
+    cmp_ = sub.add_parser("compare", help="two runs side by side: one table and one plot")
+    cmp_.add_argument("run_a")
+    cmp_.add_argument("run_b")
+    cmp_.add_argument("--out", default=".", help="folder for the comparison plot")
+    cmp_.set_defaults(func=cmd_compare)
+    mem = sub.add_parser("memory", help="cache bytes per token and in total, bf16 vs packed storage")
+    mem.add_argument("--preset", default="flash")
+    mem.add_argument("--config", help="a config.json instead of a preset")
+    mem.add_argument("--context", type=int, default=1 << 20)
+    mem.set_defaults(func=cmd_memory)
+
     o = sub.add_parser("oracle", help="run the FP32/FP64 oracle and summarise it per layer",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = o.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", help="checkpoint directory (config.json + *.safetensors)")
-    src.add_argument("--preset", default="tiny", help="synthesize this preset instead (default: tiny)")
-    o.add_argument("--seed", type=int, default=0, help="synthetic weights and default prompt seed")
-    o.add_argument("--prompt-len", type=int, default=1024)
-    o.add_argument("--prompt-file", help="token ids (whitespace/comma separated) instead of a random prompt")
+    _source_args(o)
     o.add_argument("--decode", type=int, default=16, help="greedy decode steps after the prompt")
     o.add_argument("--dtype", choices=("fp32", "fp64"), default="fp32")
     o.set_defaults(func=cmd_oracle)
@@ -167,14 +363,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from fidelity.checkpoint import CheckpointError
+    from fidelity.production import ContextError
+    from fidelity.rundir import RunDirError
+    from fidelity.runner import RunError
+    from fidelity.sampling import TokenizerFileError
+    from fidelity.thresholds import ThresholdError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["oracle", *(argv or [])])
+        args = parser.parse_args(["run", *(argv or [])])
     try:
         return args.func(args)
-    except (UsageError, ConfigError, CheckpointError) as err:
+    except (UsageError, ConfigError, CheckpointError, RunDirError, ThresholdError, RunError, ContextError,
+            TokenizerFileError) as err:
         print(f"fidelity: error: {err}", file=sys.stderr)
         return 2
 

@@ -78,7 +78,7 @@ class ModelConfig:
     max_batch_size: int = 4
     bos_token_id: int = 0
     eos_token_id: int = 1
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # end-of-turn etc., stops besides EOS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
@@ -287,7 +287,7 @@ class ModelConfig:
             "num_nextn_predict_layers": self.n_mtp_layers,
             "max_position_embeddings": int(max(self.max_seq_len, self.original_seq_len * max(self.rope_factor, 1))),
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": [self.eos_token_id, *self.stop_token_ids] if self.stop_token_ids else self.eos_token_id,
             "tie_word_embeddings": False,
         }
         if self.dtype == "fp8":
@@ -363,7 +363,7 @@ def _from_hf(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     k.setdefault("n_mtp_layers", 1)
     eos = raw.get("eos_token_id", 1)
     if isinstance(eos, list):
-        k["eos_token_id"], k["stop_token_ids"] = (eos[0] if eos else 1), eos
+        k["eos_token_id"], k["stop_token_ids"] = (eos[0] if eos else 1), tuple(eos[1:])
     elif eos is not None:
         k["eos_token_id"] = eos
     head_dim = raw.get("head_dim", 512)
@@ -466,6 +466,7 @@ def _tiny() -> dict[str, Any]:
         "o_lora_rank": 128, "n_routed_experts": 8, "n_activated_experts": 2,
         "compress_ratios": (0, 0, 4, 128, 4, 128),
         "index_n_heads": 4, "index_head_dim": 64, "index_topk": 32, "max_seq_len": 4096,
+        "stop_token_ids": (2,),  # the tiny vocabulary's end-of-turn id (EOS is 1)
     }  # fmt: skip
 
 

@@ -16,9 +16,9 @@ from oracles import OracleModel
 
 
 def default_prompt(vocab_size: int, length: int, seed: int = 0) -> torch.Tensor:
-    """A deterministic pseudo-random prompt [length] of token ids in [2, vocab) (0/1 are BOS/EOS)."""
+    """A deterministic pseudo-random prompt [length] of token ids in [3, vocab) (0 BOS, 1 EOS, 2 end of turn)."""
     gen = torch.Generator().manual_seed(10_000 + seed)
-    return torch.randint(2, vocab_size, (length,), generator=gen)
+    return torch.randint(3, vocab_size, (length,), generator=gen)
 
 
 @dataclass
@@ -93,7 +93,8 @@ def format_summary(s: OracleSummary, title: str) -> str:
         title,
         f"prompt {s.prompt_len} tokens, {s.decode_steps} greedy decode steps, {s.dtype}",
         f"time: prefill {s.seconds_prefill:.2f} s, decode {s.seconds_decode:.2f} s "
-        f"({1000 * s.seconds_decode / max(s.decode_steps, 1):.0f} ms/token), full-sequence re-run {s.seconds_full:.2f} s",
+        f"({1000 * s.seconds_decode / max(s.decode_steps, 1):.0f} ms/token), "
+        f"full-sequence re-run {s.seconds_full:.2f} s",
         "",
         "layer kind residual_rms attn_out_rms moe_out_rms sinkhorn|row-1| sinkhorn|col-1| nonfinite",
     ]

@@ -56,6 +56,7 @@ class Section:
     css: str = ""
     images: list[Path] = field(default_factory=list)
     details: str = ""  # preformatted text shown collapsed in HTML only
+    details_title: str = "details"
 
 
 # ---- value formatting and tables -------------------------------------------------------------------------------
@@ -153,6 +154,8 @@ def first_location(df: pd.DataFrame, site_regex: str, trigger: Sequence[str], wh
     wide = sub.pivot_table(index=keys, columns="metric", values="value", aggfunc="first").reset_index()
     bad = wide[wide[[t for t in trigger if t in wide]].sum(axis=1) > 0].sort_values(["step", "position"])
     group = ["site"] + (["mode"] if sub["mode"].nunique() > 1 else [])
+    if bad.empty:
+        return pd.Series(dtype=object)
 
     def describe(r: pd.Series) -> str:
         parts = [f"step {int(r['step'])}"] + [f"{w.removeprefix('first_')} {fmt_value(r[w])}" for w in where if w in r]
@@ -175,10 +178,15 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
         "layers": f"{len(layers)} (L{layers[0]}..L{layers[-1]})" if layers else "none",
         "metric rows": len(df),
     }
-    facts.update({k: v for k, v in manifest.items() if isinstance(v, str | int | float | bool) and k not in facts})
+    for key, v in manifest.items():
+        if isinstance(v, list | tuple) and all(isinstance(x, str | int | float) for x in v):
+            v = " ".join(map(str, v))  # e.g. the command line
+        if isinstance(v, str | int | float | bool) and key not in facts:
+            facts[key] = v
     table = pd.DataFrame({"field": list(facts), "value": [fmt_value(v) for v in facts.values()]})
     manifest_json = json.dumps(manifest, indent=2, sort_keys=True, default=str)
-    return Section("Run", ["The full manifest is in manifest.json."], table, details=manifest_json)
+    return Section("Run", ["The full manifest is in manifest.json."], table, details=manifest_json,
+                   details_title="manifest.json")
 
 
 def verdict_section(judged: pd.DataFrame) -> Section:
@@ -434,7 +442,8 @@ def render_html(title: str, sections: Sequence[Section]) -> str:
             body.append(html_table(s.table))
         body += [_img_tag(img) for img in s.images]
         if s.details:
-            body.append(f"<details><summary>details</summary><pre>{html.escape(s.details)}</pre></details>")
+            body.append(f"<details><summary>{html.escape(s.details_title)}</summary>"
+                        f"<pre>{html.escape(s.details)}</pre></details>")
         body.append("</section>")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")

@@ -86,6 +86,7 @@ def write_run(out_root: str | Path, run_id: str, df: pd.DataFrame, manifest: dic
     out_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{run_id}.partial-", dir=out_root))
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; a run directory is an ordinary folder
         _fill(tmp, df, manifest, thresholds)
         _swap_in(tmp, target, overwrite)
     except BaseException:

@@ -25,6 +25,9 @@ O(1) through every layer (residual RMS grows slowly, like sqrt(layers)) and noth
   ``hc_head_base``: ``0.5 N``.
 - ``ffn.gate.bias``: ``0.1 N`` (moves some top-k choices, does not dominate sqrt(softplus) scores ~ 0.5-1.3).
 - ``ffn.gate.tid2eid`` [vocab, k]: k distinct random experts per token id (uniform).
+- shared expert outlier channels: every 16th intermediate channel of ``shared_experts.w1/w3`` is scaled by
+  ``OUTLIER_GAIN`` (and the matching ``w2`` column by its inverse), so a few pre-activations exceed
+  ``swiglu_limit`` (10) as in trained models: the clamp binds and a port without it is visible.
 """
 
 from __future__ import annotations
@@ -102,7 +105,24 @@ def _values(spec: TensorSpec, config: ModelConfig, gen: torch.Generator) -> torc
         return 0.5 * z
     if name.endswith("gate.bias"):
         return 0.1 * z
-    return z / math.sqrt(shape[-1])
+    return _outlier_channels(z / math.sqrt(shape[-1]), name)
+
+
+OUTLIER_GAIN = 6.0
+OUTLIER_STRIDE = 16
+_SHARED = re.compile(r"shared_experts\.(w1|w2|w3)\.weight$")
+
+
+def _outlier_channels(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Scale every OUTLIER_STRIDE-th intermediate channel of a shared expert (rows of w1/w3, columns of w2)."""
+    m = _SHARED.search(name)
+    if m is None:
+        return x
+    if m.group(1) == "w2":
+        x[:, ::OUTLIER_STRIDE] /= OUTLIER_GAIN
+    else:
+        x[::OUTLIER_STRIDE] *= OUTLIER_GAIN
+    return x
 
 
 def _hc_base(z: torch.Tensor, hc: int) -> torch.Tensor:

@@ -39,20 +39,30 @@ LAYER_SITE_ORDER = (
     "residual",
 )  # fmt: skip
 SITES_BEFORE_LAYERS = ("embed",)
-SITES_AFTER_LAYERS = ("final", "logits", "tokens", "memory")
+SITES_AFTER_LAYERS = ("final", "logits", "tokens", "sampler", "stops", "memory")
 
 KNOWN_METRICS = frozenset(
     "cos calc_diff rel_l2 max_abs max_abs_index sqnr_db nonfinite_mismatch nonfinite_first test_nonfinite "
     "row_dev col_dev min_value negative_count orientation_err transposed_err orientation_flip rms_max "
     "recall near_tie_miss true_miss first_true_miss_query rank_disp_mean rank_disp_max "
     "missing extra first_query first_kv first_kind allocated reserved agree ref_margin test_margin "
-    "token_flip_with_margin".split()
+    "token_flip_with_margin same_pick pick_margin pick_flip_with_margin stop_mismatch cache_bytes cache_growth "
+    "routing_agree routing_flips weight_max_err sampler_impl_mismatch".split()
 )
 _RMS_STREAM = re.compile(r"rms_stream\d+")
 
 EXACT_PROFILES = frozenset({"exact", "fp32", "fp64", "oracle"})
-COS_GAP = {"exact": 1e-8, "bf16": 1e-3, "quantized": 1e-2}  # cos >= 1 - gap, calc_diff <= gap
-RECALL_FLOOR = {"bf16": 0.95, "quantized": 0.90}  # exact profiles require true_miss == 0 instead
+# Calibrated on the tiny default (seeds 0 and 1, 1024-token prompt, 64 decode steps; measured worst values in
+# BENCHMARKS-style notes of the closing report): op-mode cos >= 1 - gap, layer-mode >= 1 - layer_gap.
+COS_GAP = {"exact": 1e-8, "bf16": 1e-3, "quantized": 1e-2}  # op mode: cos >= 1 - gap, calc_diff <= gap
+LAYER_GAP = {"exact": 1e-6, "bf16": 5e-3, "quantized": 2e-2}  # layer mode, non-CSA attention sites
+CSA_LAYER_COS = {"exact": 1 - 1e-6, "bf16": 0.9, "quantized": 0.85}  # layer mode, CSA attn.core / attn.out
+FREE_LOGITS_COS = {"exact": 1 - 1e-6, "bf16": 0.9, "quantized": 0.8}  # free mode: gross divergence only
+CORE_GAP = 5e-4  # op mode attn.core: the bf16 kernel on production's own q / KV measures cos 0.999998
+INDEXER_QK_COS = {"exact": 1 - 1e-6, "bf16": 0.999, "quantized": 0.98}  # FP4 e2m1 q / keys measured ~0.99
+COMB_ERR = 1e-4  # op mode: fp32 Sinkhorn vs the oracle's on the same streams differ by ~1e-7
+ROUTING_WEIGHT_ERR = 1e-3  # op mode: the fp32 gate on production's own input leaves ~1e-6
+RECALL_FLOOR = {"bf16": 0.5, "quantized": 0.4}  # layer mode recall@k; op mode requires true_miss == 0
 # hc_sinkhorn_iters = 20 ends on a column normalisation: columns sum to 1 to rounding, but rows of peaky
 # (near-permutation) matrices are still ~1e-2 off after 20 iterations. Tighter bounds flag the algorithm, not a bug.
 SINKHORN_DEV = 1e-2
@@ -77,6 +87,7 @@ class Threshold:
     op: str  # ">=", "<=" or "off"
     value: float
     source: str = "default"
+    modes: tuple[str, ...] = ()  # comparison modes the rule judges; () = every mode
 
     def __post_init__(self) -> None:
         if self.op not in (">=", "<=", "off"):
@@ -90,8 +101,9 @@ class Threshold:
     def text(self) -> str:
         return "off" if self.op == "off" else f"{self.op} {fmt_num(self.value)}"
 
-    def matches(self, site: str, metric: str) -> bool:
-        return metric == self.metric and re.fullmatch(self.site_regex, site) is not None
+    def matches(self, site: str, metric: str, mode: str | None = None) -> bool:
+        in_mode = not self.modes or mode is None or mode in self.modes
+        return metric == self.metric and in_mode and re.fullmatch(self.site_regex, site) is not None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,14 +124,28 @@ def profile_class(profile: str) -> str:
     return "quantized"
 
 
-def default_thresholds(profile: str) -> list[Threshold]:
-    """The built-in rules for ``profile`` (see the module docstring for the classes)."""
+def csa_layers_regex(csa_layers: Sequence[int] | None) -> str:
+    """``L(2|4|...)`` for the CSA layers of a config, every layer when unknown, none for an empty list."""
+    if csa_layers is None:
+        return r"L\d+"
+    if not csa_layers:
+        return "(?!)"
+    return "L(" + "|".join(str(i) for i in csa_layers) + ")"
+
+
+def default_thresholds(profile: str, csa_layers: Sequence[int] | None = None) -> list[Threshold]:
+    """The built-in rules for ``profile``; ``csa_layers`` (from the config) gets the looser layer-mode floor.
+
+    op mode (a kernel alone, on production's inputs) is held tightest; layer mode adds the layer's cache
+    precision and the indexer's own selection (CSA attention looser: FP4 keys reorder near-tied entries);
+    free mode inherits everything upstream and only guards against gross divergence of the output.
+    Structural checks (non-finite, Sinkhorn, orientation, visible sets) hold in every mode.
+    """
     kind = profile_class(profile)
-    gap = COS_GAP[kind]
+    gap, layer_gap = COS_GAP[kind], LAYER_GAP[kind]
+    csa = csa_layers_regex(csa_layers) + r"\.(attn\.(core|out)|residual)"
     rules = [
         Threshold(".*", "nonfinite_mismatch", "<=", 0),
-        Threshold(MAIN_SITES, "cos", ">=", 1 - gap),
-        Threshold(MAIN_SITES, "calc_diff", "<=", gap),
         Threshold(COMB_SITES, "row_dev", "<=", SINKHORN_DEV),
         Threshold(COMB_SITES, "col_dev", "<=", SINKHORN_DEV),
         Threshold(COMB_SITES, "min_value", ">=", 0),
@@ -127,18 +153,37 @@ def default_thresholds(profile: str) -> list[Threshold]:
         Threshold(COMB_SITES, "orientation_flip", "<=", 0),
         Threshold(r"L\d+\.attn\.visible", "missing", "<=", 0),
         Threshold(r"L\d+\.attn\.visible", "extra", "<=", 0),
-        Threshold("tokens", "token_flip_with_margin", "<=", 0),
+        Threshold("tokens", "token_flip_with_margin", "<=", 0, modes=("free",)),
+        Threshold("sampler", "pick_flip_with_margin", "<=", 0),
+        Threshold("sampler", "sampler_impl_mismatch", "<=", 0),
+        Threshold("stops", "stop_mismatch", "<=", 0),
+        Threshold("memory", "cache_growth", "<=", 0),
+        Threshold(MAIN_SITES, "cos", ">=", 1 - gap, modes=("op",)),
+        Threshold(MAIN_SITES, "calc_diff", "<=", gap, modes=("op",)),
+        Threshold(r"L\d+\.attn\.core", "cos", ">=", 1 - CORE_GAP, modes=("op",)),
+        Threshold(r"L\d+\.attn\.core", "calc_diff", "<=", CORE_GAP, modes=("op",)),
+        Threshold(r"L\d+\.indexer\.scores", "cos", ">=", 1 - gap, modes=("op",)),
+        Threshold(r"L\d+\.indexer\.(q|keys)", "cos", ">=", INDEXER_QK_COS[kind], modes=("op", "layer")),
+        Threshold(COMB_SITES, "orientation_err", "<=", COMB_ERR, modes=("op",)),
+        Threshold(r"L\d+\.indexer\.topk", "true_miss", "<=", 0, modes=("op",)),
+        Threshold(r"L\d+\.moe\.weights", "weight_max_err", "<=", ROUTING_WEIGHT_ERR, modes=("op",)),
+        Threshold(MAIN_SITES, "cos", ">=", 1 - layer_gap, modes=("layer",)),
+        Threshold(MAIN_SITES, "calc_diff", "<=", layer_gap, modes=("layer",)),
+        Threshold(csa, "cos", ">=", CSA_LAYER_COS[kind], modes=("layer",)),
+        Threshold(csa, "calc_diff", "<=", 1 - CSA_LAYER_COS[kind], modes=("layer",)),
+        Threshold("logits", "cos", ">=", FREE_LOGITS_COS[kind], modes=("free",)),
     ]
     if kind == "exact":
         rules.append(Threshold(r"L\d+\.indexer\.topk", "true_miss", "<=", 0))
     else:
-        rules.append(Threshold(r"L\d+\.indexer\.topk", "recall", ">=", RECALL_FLOOR[kind]))
+        rules.append(Threshold(r"L\d+\.indexer\.topk", "recall", ">=", RECALL_FLOOR[kind], modes=("layer",)))
     return rules
 
 
-def thresholds_for(profile: str, path: str | Path | None = None) -> list[Threshold]:
+def thresholds_for(profile: str, path: str | Path | None = None,
+                   csa_layers: Sequence[int] | None = None) -> list[Threshold]:
     """Defaults for ``profile`` followed by the rules of the TOML file ``path`` (which therefore win)."""
-    return default_thresholds(profile) + (load_thresholds(path) if path is not None else [])
+    return default_thresholds(profile, csa_layers) + (load_thresholds(path) if path is not None else [])
 
 
 _SPEC = re.compile(r"\s*(<=|>=)\s*(\S+)\s*")
@@ -151,7 +196,7 @@ def load_thresholds(path: str | Path) -> list[Threshold]:
     """
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise ThresholdError(f"{path}: cannot read the threshold file: {err.strerror}") from None
     except tomllib.TOMLDecodeError as err:
@@ -174,7 +219,7 @@ def _parse_rule(path: Path, regex: str, metric: str, spec: object) -> Threshold:
     if metric not in KNOWN_METRICS and not _RMS_STREAM.fullmatch(metric):
         raise ThresholdError(f"{where}: unknown metric; expected one of {', '.join(sorted(KNOWN_METRICS))}, "
                              "rms_stream<k>")
-    source = f"{path.name}"
+    source = path.name
     if spec == "off":
         return _rule(where, regex, metric, "off", 0.0, source)
     m = _SPEC.fullmatch(spec) if isinstance(spec, str) else None
@@ -225,13 +270,15 @@ def apply_thresholds(df: pd.DataFrame, thresholds: Sequence[Threshold] | None = 
 
 
 def _judge(df: pd.DataFrame, thresholds: Sequence[Threshold]) -> pd.DataFrame:
+    """Rules judge whole-call aggregates (position -1); per-position rows are informational."""
+    df = df[df["position"] == -1]
     rows = []
-    for site, metric in df[["site", "metric"]].drop_duplicates().itertuples(index=False):
-        rule = next((t for t in reversed(thresholds) if t.matches(site, metric)), None)
+    for site, metric, mode in df[["site", "metric", "mode"]].drop_duplicates().itertuples(index=False):
+        rule = next((t for t in reversed(thresholds) if t.matches(site, metric, mode)), None)
         if rule is not None and rule.op != "off":
-            rows.append((site, metric, rule.op, float(rule.value), rule.text, rule.site_regex, rule.source))
-    table = pd.DataFrame(rows, columns=["site", "metric", "op", "limit", "threshold", "rule", "source"])
-    out = df.merge(table, on=["site", "metric"], how="inner")
+            rows.append((site, metric, mode, rule.op, float(rule.value), rule.text, rule.site_regex, rule.source))
+    table = pd.DataFrame(rows, columns=["site", "metric", "mode", "op", "limit", "threshold", "rule", "source"])
+    out = df.merge(table, on=["site", "metric", "mode"], how="inner")
     value = out["value"].astype(float)
     out["passed"] = np.where(out["op"] == ">=", value >= out["limit"], value <= out["limit"])
     return out

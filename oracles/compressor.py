@@ -36,6 +36,12 @@ class CompressorState:
     entries: list[torch.Tensor] = field(default_factory=list)
 
 
+def compressor_weights(w, prefix: str) -> CompressorWeights:
+    """The four tensors under ``prefix`` (``layers.{i}.attn.compressor.`` or ``...indexer.compressor.``)."""
+    return CompressorWeights(w(prefix + "wkv.weight"), w(prefix + "wgate.weight"), w(prefix + "ape"),
+                             w(prefix + "norm.weight"))
+
+
 def project(x: torch.Tensor, positions: torch.Tensor, w: CompressorWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, dim] -> (kv [n, coff*d], score [n, coff*d]) with ape[pos % r] added to the score."""
     r = w.ape.shape[0]

@@ -19,7 +19,7 @@ from fidelity.sites import Recorder
 from oracles import attention as attn
 from oracles import mhc
 from oracles import moe as moe_ops
-from oracles.compressor import CompressorState, CompressorWeights, all_entries, compress
+from oracles.compressor import CompressorState, all_entries, compress, compressor_weights
 from oracles.indexer import index_scores, select_topk
 from oracles.norms import rms_norm
 from oracles.rope import apply_rope, inv_freq
@@ -112,16 +112,38 @@ class OracleSession:
         self.calls += 1
         return logits
 
+    @torch.no_grad()
+    def forward_layers(self, input_ids: torch.Tensor, layer_input, rows: torch.Tensor | None = None) -> None:
+        """Layer mode: layer i runs on ``layer_input(i)`` [n, hc, dim] (another model's input to that layer)
+        and keeps its own exact caches; ``rows`` restricts attention/MoE to sampled query rows."""
+        ids = torch.as_tensor(input_ids).long().flatten()
+        if self.rec is not None:
+            self.rec.step = self.calls
+        positions = torch.arange(self.pos, self.pos + ids.numel())
+        for i in range(self.cfg.n_layers):
+            self.block(i, layer_input(i).to(self.m.dtype), positions, ids, rows)
+        self.pos += ids.numel()
+        self.calls += 1
+
     # ---- one block ------------------------------------------------------------------------
-    def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Layer i on streams x [n, hc, dim] -> [n, hc, dim]."""
+    def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i on streams x [n, hc, dim] -> [n, hc, dim], or [len(rows), hc, dim] for the query rows
+        ``rows`` only: KV and compressed entries are still computed for every row (later queries need them),
+        attention, MoE and the mixing only for the selected ones (sampled-query evaluation)."""
         w, cfg = self.m.w, self.cfg
         y = self.hc_pre(i, "attn", x)
-        f = self.attention(i, rms_norm(y[0], w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps), positions)
+        h = rms_norm(y[0], w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps)
+        self.emit(f"L{i}.attn.in", h)
+        f = self.attention(i, h, positions, rows)
         self.emit(f"L{i}.attn.out", f)
+        if rows is not None:
+            x, y, ids = x[rows], tuple(t[rows] for t in y), ids[rows]
         x = mhc.hc_post(f, x, y[1], y[2])
         y = self.hc_pre(i, "ffn", x)
-        f = self.moe(i, rms_norm(y[0], w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps), ids)
+        h = rms_norm(y[0], w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps)
+        self.emit(f"L{i}.moe.in", h)
+        f = self.moe(i, h, ids)
         self.emit(f"L{i}.moe.out", f)
         x = mhc.hc_post(f, x, y[1], y[2])
         self.emit(f"L{i}.residual", x)
@@ -148,12 +170,14 @@ class OracleSession:
         return logits
 
     # ---- attention ------------------------------------------------------------------------
-    def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [n, dim] (normed) -> [n, dim]."""
+    def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, dim] (normed) -> [n, dim], or [len(rows), dim] for the selected query rows."""
         w, cfg, st = self.m.w, self.cfg, self.layers[i]
         ratio, p = cfg.ratio(i), f"layers.{i}.attn."
         freqs = self.m.freqs[ratio]
-        q, qr = attn.query(x, w(p + "wq_a.weight"), w(p + "q_norm.weight"), w(p + "wq_b.weight"), positions, freqs,
+        qx, qpos = (x, positions) if rows is None else (x[rows], positions[rows])
+        q, qr = attn.query(qx, w(p + "wq_a.weight"), w(p + "q_norm.weight"), w(p + "wq_b.weight"), qpos, freqs,
                            cfg.n_heads, cfg.norm_eps)
         kv = attn.window_kv(x, w(p + "wkv.weight"), w(p + "kv_norm.weight"), positions, freqs, cfg.norm_eps)
         self.emit(f"L{i}.attn.q", q)
@@ -164,20 +188,15 @@ class OracleSession:
             st.kv = torch.cat((st.kv, kv))
         entries = x.new_zeros((0, cfg.head_dim))
         if ratio:
-            new = compress(x, positions, st.comp, self.compressor_weights(p + "compressor."), freqs, cfg.norm_eps)
+            new = compress(x, positions, st.comp, compressor_weights(self.m.w, p + "compressor."), freqs, cfg.norm_eps)
             self.emit(f"L{i}.attn.compressed_kv", new)
             entries = all_entries(st.comp, cfg.head_dim, x)
-        picks = self.indexer(i, x, qr, positions) if ratio == 4 else None
-        o = self.attend(i, q, positions, st, entries, picks)
+        picks = self.indexer(i, x, qr, positions, rows) if ratio == 4 else None
+        o = self.attend(i, q, qpos, st, entries, picks)
         self.emit(f"L{i}.attn.core", o)
         keep = max(0, int(positions[-1]) + 1 - (cfg.window_size - 1))
         st.kv, st.kv_start = st.kv[keep - st.kv_start :], keep
-        return attn.output_projection(o, positions, freqs, w(p + "wo_a.weight"), w(p + "wo_b.weight"), cfg.o_groups)
-
-    def compressor_weights(self, prefix: str) -> CompressorWeights:
-        w = self.m.w
-        return CompressorWeights(w(prefix + "wkv.weight"), w(prefix + "wgate.weight"), w(prefix + "ape"),
-                                 w(prefix + "norm.weight"))
+        return attn.output_projection(o, qpos, freqs, w(p + "wo_a.weight"), w(p + "wo_b.weight"), cfg.o_groups)
 
     def attend(self, i: int, q: torch.Tensor, positions: torch.Tensor, st: LayerState, entries: torch.Tensor,
                picks: torch.Tensor | None) -> torch.Tensor:
@@ -205,25 +224,28 @@ class OracleSession:
             out.append(attn.sparse_attention(q[sl], table[rows_idx[sl]], valid[sl], sink, scale))
         return torch.cat(out)
 
-    def indexer(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Top-k compressed entries per query [n, index_topk] (-1 = none)."""
+    def indexer(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Top-k compressed entries per query [n_queries, index_topk] (-1 = none); qr holds the query rows."""
         w, cfg, st = self.m.w, self.cfg, self.layers[i]
         p = f"layers.{i}.attn.indexer."
         freqs = self.m.freqs[4]
+        qx, qpos = (x, positions) if rows is None else (x[rows], positions[rows])
         q = (qr @ w(p + "wq_b.weight").T).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-        q = apply_rope(q, positions, freqs)
+        q = apply_rope(q, qpos, freqs)
         self.emit(f"L{i}.indexer.q", q)
-        new = compress(x, positions, st.index, self.compressor_weights(p + "compressor."), freqs, cfg.norm_eps)
+        new = compress(x, positions, st.index, compressor_weights(self.m.w, p + "compressor."), freqs, cfg.norm_eps)
         self.emit(f"L{i}.indexer.keys", new)
         keys = all_entries(st.index, cfg.index_head_dim, x)
-        weights = (x @ w(p + "weights_proj.weight").T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        weights = (qx @ w(p + "weights_proj.weight").T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        self.emit(f"L{i}.indexer.weights", weights)
         picks = []
         step = max(1, CHUNK_ELEMENTS // max(1, keys.shape[0] * cfg.index_n_heads))
-        for s in range(0, len(positions), step):
+        for s in range(0, len(qpos), step):
             sl = slice(s, s + step)
-            scores = index_scores(q[sl], keys, weights[sl], positions[sl], 4)
+            scores = index_scores(q[sl], keys, weights[sl], qpos[sl], 4)
             self.emit(f"L{i}.indexer.scores", scores)
-            picks.append(select_topk(scores, positions[sl], 4, cfg.index_topk))
+            picks.append(select_topk(scores, qpos[sl], 4, cfg.index_topk))
         picks = torch.cat(picks)
         self.emit(f"L{i}.indexer.topk", picks)
         return picks

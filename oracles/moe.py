@@ -60,5 +60,5 @@ def moe(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
     y = torch.zeros_like(x)
     for e in torch.unique(indices).tolist():
         rows, slot = torch.where(indices == e)
-        y.index_add_(0, rows, expert(x[rows], *expert_weights(e), limit, weights[rows, slot, None]))
+        y[rows] += expert(x[rows], *expert_weights(e), limit, weights[rows, slot, None])
     return y + expert(x, *shared, limit)

@@ -4,7 +4,9 @@ Definitions (per query q; ids < 0 are ignored, duplicates count once):
   recall@k   = |test ∩ ref| / |ref|, averaged over queries with a non-empty ref set (1.0 if there is none).
   kth        = the k-th largest oracle score of q, k = number of valid ref picks.
   A miss (ref pick absent from test) with oracle score s is a near-tie when s == kth or
-  |s - kth| <= margin * |kth|, else a true miss. (Ref picks score >= kth, so the gap is s - kth; exact
+  |s - kth| <= margin * max(|kth|, scale), scale = the query's largest finite |score| (so a k-th score near
+  0, common under the ReLU, does not make every rounding-sized gap a true miss), else a true miss.
+  (Ref picks score >= kth, so the gap is s - kth; exact
   ties, including the all-zero ReLU scores, are always near-ties.) Extras (test picks absent from ref) are
   classified the same way with the oracle score of the test pick.
   Rank displacement, for each test pick visible to the oracle (finite oracle score): the test rank i is its
@@ -20,9 +22,10 @@ import torch
 from probes.sets import first_true, gather_or, member, unique_sorted
 
 
-def _near_tie(s: torch.Tensor, kth: torch.Tensor, margin: float) -> torch.Tensor:
-    """float64 [n, k], kth [n, 1] -> bool: s is within ``margin`` (relative to |kth|) of kth, exact ties incl."""
-    return (s == kth) | ((s - kth).abs() <= margin * kth.abs())
+def _near_tie(s: torch.Tensor, kth: torch.Tensor, margin: float, scale: torch.Tensor) -> torch.Tensor:
+    """float64 [n, k], kth [n, 1], scale [n, 1] -> bool: s is within ``margin * max(|kth|, scale)`` of kth,
+    exact ties included."""
+    return (s == kth) | ((s - kth).abs() <= margin * torch.maximum(kth.abs(), scale))
 
 
 def _rank_displacement(test: torch.Tensor, scores: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -67,9 +70,11 @@ def indexer_recall(test_topk: torch.Tensor, ref_topk: torch.Tensor, ref_scores: 
     kth = gather_or(top, (count - 1)[:, None], float("nan")).to(torch.float64)  # [n, 1]
     miss_s = gather_or(ref_scores, torch.where(miss, ref_s, -1), float("nan")).to(torch.float64)
     extra_s = gather_or(ref_scores, torch.where(extra & (test_s < e), test_s, -1), float("nan")).to(torch.float64)
-    near_miss = miss & _near_tie(miss_s, kth, margin)
+    finite = ref_scores.isfinite()
+    scale = torch.where(finite, ref_scores.abs(), 0).amax(dim=-1, keepdim=True).to(torch.float64)
+    near_miss = miss & _near_tie(miss_s, kth, margin, scale)
     true_miss = miss & ~near_miss
-    near_extra = extra & _near_tie(extra_s, kth, margin)
+    near_extra = extra & _near_tie(extra_s, kth, margin, scale)
 
     has_ref = count > 0
     recall_q = hit.sum(dim=-1).to(torch.float64) / count.clamp(min=1)

@@ -86,7 +86,10 @@ def failing(clean: pd.DataFrame) -> pd.DataFrame:
     df = plant(df, 3, "L3.attn.out", "cos", 0.96)  # later layer, same step
     df = plant(df, 4, "L0.attn.out", "cos", 0.90)  # earlier layer, later step
     df = plant(df, 5, "L1.mhc_ffn.comb", "orientation_flip", 1, mode="op")  # a transposed comb
-    return plant(df, 5, "L1.mhc_ffn.comb", "orientation_err", 0.3, mode="op")
+    df = plant(df, 5, "L1.mhc_ffn.comb", "orientation_err", 0.3, mode="op")
+    for metric, value in {"missing": 2, "first_query": 5, "first_kv": 17, "first_kind": 1}.items():
+        df = plant(df, 5, "L3.attn.visible", metric, value, mode="op")
+    return df
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +108,9 @@ def test_first_divergence_is_named_exactly(failing):
     div = first_divergence(failures)
     assert (div.step, div.site, div.metric, div.mode) == (3, "L2.attn.out", "cos", "free")
     assert str(div) == "step 3 (decode), L2.attn.out cos 0.95 < 0.99 (free mode)"
-    assert {"L2.attn.out", "L2.moe.out", "L3.attn.out", "L0.attn.out", "L1.mhc_ffn.comb"} == set(failures["site"])
+    assert set(failures["site"]) == {"L2.attn.out", "L2.moe.out", "L3.attn.out", "L0.attn.out", "L1.mhc_ffn.comb",
+                                     "L3.attn.visible"}
+    assert failures["site"].tolist()[-2:] == ["L1.mhc_ffn.comb", "L3.attn.visible"]  # step 5, data-flow order
     flip = failures[failures["metric"] == "orientation_flip"]
     assert flip["threshold"].tolist() == ["<= 0"]
 
@@ -181,7 +186,8 @@ def test_plots_are_png_and_skipped_without_data(clean, tmp_path):
 @pytest.fixture(scope="module")
 def written(failing, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    manifest = {"profile": "reference", "seed": 1, "device": "cpu <script>alert(1)</script>", "git_revision": "abc"}
+    manifest = {"profile": "reference", "seed": 1, "command_line": ["fidelity", "run", "--profile", "reference"],
+                "device": "cpu <script>alert(1)</script>", "git_revision": "abc", "config": {"n_layers": LAYERS}}
     return write_run(root, "failing-run", failing, manifest), manifest
 
 
@@ -194,11 +200,13 @@ def test_report_contents(written):
         assert f"## {title}" in md and f"<h2>{title}" in page
     assert "| site | cos local | cos inherited | calc_diff local | calc_diff inherited |" in md
     assert "| L2.attn.out | 0.99997 | 0.95 | 3e-05 | 0.05 |" in md
+    assert "| L3.attn.visible | op | 2 | 0 | step 5, query 5, kv 17, kind 1 |" in md
+    assert "| L1.mhc_ffn.comb | op | 0.003 | 1e-07 | 0.0001 | 0 | 0.3 | 0.3 | 1 |" in md
     assert md.count("![") == 5 and "(plots/heatmap_1mcos.png)" in md
     assert page.count("data:image/png;base64,") == 5 and page.count("<table>") >= 8
     assert "<script>" not in page and "&lt;script&gt;" in page
     assert "http://" not in page and "https://" not in page and "<link" not in page
-    assert "\\<script>" in md
+    assert "\\<script>" in md and "| command_line | fidelity run --profile reference |" in md
 
 
 def test_report_pass_verdict(clean, tmp_path):
@@ -257,7 +265,7 @@ def test_new_run_id_is_unique_and_sortable():
 
 
 def test_compare_runs(written, tmp_path):
-    bf16 = make_df("bf16-run", "bf16").assign(value=lambda f: f["value"])
+    bf16 = make_df("bf16-run", "bf16")
     table, plot = compare_runs(written[0], (bf16, {"profile": "bf16", "run_id": "bf16-run"}), tmp_path)
     assert "| layer | family | cos A | cos B | calc_diff A | calc_diff B |" in table
     assert "| L2 | attn |" in table and "| - | logits |" in table and "free mode" in table

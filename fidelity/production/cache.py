@@ -123,9 +123,12 @@ class LayerCache:
             self.index_carry = CompressorCarry.empty(4, cfg.index_head_dim, device)
         visible = w + (min(cfg.index_topk, self.n_compressed) if ratio == 4 else self.n_compressed)
         self.gather = torch.zeros(visible, cfg.head_dim, dtype=BF16, device=device)
+        self.spill: list[torch.Tensor] = []  # only the ``cache-concat-growth`` fault ever appends here
 
     def nbytes(self) -> dict[str, int]:
         out = {"kv": self.kv.nbytes(), "gather": self.gather.numel() * 2}
+        if self.spill:
+            out["spill"] = sum(t.numel() * t.element_size() for t in self.spill)
         if self.carry is not None:
             out["compressor_state"] = self.carry.nbytes()
         if self.keys is not None:

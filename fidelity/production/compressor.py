@@ -7,6 +7,7 @@ import torch
 
 from fidelity.production import ops
 from fidelity.production.cache import CompressorCarry
+from fidelity.production.faults import on
 
 BF16 = torch.bfloat16
 
@@ -54,7 +55,8 @@ def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: in
     if overlap:
         kv, score = _overlap(kv, ratio, d, 0.0), _overlap(score, ratio, d, float("-inf"))
     pooled = (kv * score.softmax(dim=1)).sum(dim=1)
-    return _finish(pooled, norm, freqs, torch.arange(kv.shape[0]) * ratio, eps), 0
+    starts = torch.arange(kv.shape[0]) * ratio + (ratio - 1 if on("compressed-rope-last") else 0)
+    return _finish(pooled, norm, freqs, starts, eps), 0
 
 
 def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
@@ -75,4 +77,5 @@ def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ra
         carry.kv[:ratio], carry.score[:ratio] = carry.kv[ratio:].clone(), carry.score[ratio:].clone()
     else:
         pooled = (carry.kv * carry.score.softmax(dim=0)).sum(dim=0, keepdim=True)
-    return _finish(pooled, norm, freqs, torch.tensor([t + 1 - ratio]), eps), t // ratio
+    start = t if on("compressed-rope-last") else t + 1 - ratio
+    return _finish(pooled, norm, freqs, torch.tensor([start]), eps), t // ratio

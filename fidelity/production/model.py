@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from fidelity.config import ModelConfig
+from fidelity.formats import hadamard
 from fidelity.production import ops
 from fidelity.production.cache import LayerCache
 from fidelity.production.compressor import compress_decode, compress_prefill
+from fidelity.production.faults import on
 from fidelity.production.profiles import Profile, get_profile
 from fidelity.production.registry import implementation
 from fidelity.sites import Recorder
@@ -132,12 +133,15 @@ class ProductionSession:
     def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         w, cfg = self.m.w, self.cfg
         y, post, comb = self.mhc_pre(i, "attn", x)
-        f = self.attention(i, implementation("rms_norm")(y, w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps),
-                           positions)
+        h = implementation("rms_norm")(y, w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps)
+        self.emit(f"L{i}.attn.in", h)
+        f = self.attention(i, h, positions)
         self.emit(f"L{i}.attn.out", f)
         x = implementation("hc_post")(f, x, post, comb, self.res_dtype)
         y, post, comb = self.mhc_pre(i, "ffn", x)
-        f = self.moe(i, implementation("rms_norm")(y, w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps), ids)
+        h = implementation("rms_norm")(y, w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps)
+        self.emit(f"L{i}.moe.in", h)
+        f = self.moe(i, h, ids)
         self.emit(f"L{i}.moe.out", f)
         x = implementation("hc_post")(f, x, post, comb, self.res_dtype)
         self.emit(f"L{i}.residual", x)
@@ -157,6 +161,8 @@ class ProductionSession:
         w, cfg, prof = self.m.w, self.cfg, self.p
         ratio, pre, act = cfg.ratio(i), f"layers.{i}.attn.", self.p.gemm_act
         freqs, rd = self.m.freqs[ratio], cfg.rope_head_dim
+        if ratio == 0 and on("yarn-on-swa"):
+            freqs = inv_freq(cfg, 4, torch.float32)
         rope = implementation("apply_rope")
         qr = implementation("rms_norm")(ops.act_linear(x, w(pre + "wq_a.weight"), act), w(pre + "q_norm.weight"),
                                         cfg.norm_eps)
@@ -172,7 +178,8 @@ class ProductionSession:
         else:
             o = self.attend_decode(i, x, qr, q, kv, int(positions[0]))
         self.emit(f"L{i}.attn.core", o)
-        o = rope(o, positions, freqs, inverse=True)
+        if not on("no-inverse-rope"):
+            o = rope(o, positions, freqs, inverse=True)
         o = ops.grouped_out(o, w(pre + "wo_a.weight"), cfg.o_groups)
         return ops.act_linear(o, w(pre + "wo_b.weight"), act)
 
@@ -195,7 +202,11 @@ class ProductionSession:
         if entries is None:
             return None
         if index:
-            entries = ops.indexer_round(entries, prof.indexer_qk, prof.hadamard == "on")
+            rotate = prof.hadamard == "on" and not on("hadamard-q-only")
+            entries = ops.indexer_round(entries, prof.indexer_qk, rotate)
+            if on("indexer-key-width"):
+                entries = entries.clone()
+                entries[:, -cfg.rope_head_dim :] = 0
             cache.keys.write(slice(first, first + len(entries)), entries)
         else:
             entries = ops.kv_round(entries, cfg.rope_head_dim, prof.kv_nope)
@@ -228,11 +239,13 @@ class ProductionSession:
         cfg, cache = self.cfg, self.layers[i]
         ratio, win = cfg.ratio(i), cfg.window_size
         cache.kv.write(slice(t % win, t % win + 1), kv)
+        if on("cache-concat-growth"):
+            cache.spill.append(kv.clone())
         comp = None
         if ratio:
             new = self.compress(i, x, torch.tensor([t]), index=False)
             self.emit(f"L{i}.attn.compressed_kv", new if new is not None else kv.new_zeros((0, cfg.head_dim)))
-            n_vis = (t + 1) // ratio
+            n_vis = (t + 1) // ratio + (1 if on("causal-off-by-one") and (t + 1) % ratio else 0)
             comp = self.index_decode(i, x, qr, t) if ratio == 4 else torch.arange(n_vis)[None]
         idx = _window_decode_idx(t, win)
         self.emit(f"L{i}.attn.visible", _visible(idx, comp, torch.tensor([t]), win, prefill=False))
@@ -254,9 +267,15 @@ class ProductionSession:
             -1, (cfg.index_n_heads, cfg.index_head_dim))
         q = implementation("apply_rope")(q, positions, self.m.freqs[4])
         q = ops.indexer_round(q, prof.indexer_qk, prof.hadamard == "on")
-        self.emit(f"L{i}.indexer.q", q)
+        self.emit(f"L{i}.indexer.q", _unrotated(q, prof))
         weights = (x @ w(pre + "weights_proj.weight").to(BF16).T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        self.emit(f"L{i}.indexer.weights", weights)
         return q, weights
+
+    def emit_keys(self, i: int, new: torch.Tensor | None) -> None:
+        if new is None:
+            new = torch.zeros(0, self.cfg.index_head_dim)
+        self.emit(f"L{i}.indexer.keys", _unrotated(new, self.p))
 
     def _scores(self, q, keys, weights) -> torch.Tensor:
         dtype = torch.float32 if self.p.index_scores == "fp32" else BF16
@@ -266,16 +285,16 @@ class ProductionSession:
         cfg, cache = self.cfg, self.layers[i]
         q, weights = self.index_query(i, x, qr, positions)
         new = self.compress(i, x, positions, index=True)
-        self.emit(f"L{i}.indexer.keys", new if new is not None else x.new_zeros((0, cfg.index_head_dim)))
+        self.emit_keys(i, new)
         t = len(positions)
         n = t // 4
         keys = cache.keys.read(slice(0, n))
-        k = min(cfg.index_topk, n)
+        k = min(_topk_cap(cfg.index_topk), n)
         out = []
         for s in range(0, t, QUERY_CHUNK):
             sl = slice(s, s + QUERY_CHUNK)
             scores = self._scores(q[sl], keys, weights[sl]).float()
-            limit = ((positions[sl] + 1) // 4)[:, None]
+            limit = ((positions[sl] + 1) // 4 + (1 if on("causal-off-by-one") else 0))[:, None]
             scores = scores.masked_fill(torch.arange(n)[None] >= limit, float("-inf"))
             self.emit(f"L{i}.indexer.scores", scores)
             picks = _topk(scores, k)
@@ -288,11 +307,11 @@ class ProductionSession:
         cfg, cache = self.cfg, self.layers[i]
         q, weights = self.index_query(i, x, qr, torch.tensor([t]))
         new = self.compress(i, x, torch.tensor([t]), index=True)
-        self.emit(f"L{i}.indexer.keys", new if new is not None else x.new_zeros((0, cfg.index_head_dim)))
+        self.emit_keys(i, new)
         n = (t + 1) // 4
         scores = self._scores(q, cache.keys.read(slice(0, n)), weights).float()
         self.emit(f"L{i}.indexer.scores", scores)
-        picks = _topk(scores, min(cfg.index_topk, n))
+        picks = _topk(scores, min(_topk_cap(cfg.index_topk), n))
         self.emit(f"L{i}.indexer.topk", _pad(picks, cfg.index_topk))
         return picks
 
@@ -304,6 +323,8 @@ class ProductionSession:
         weights, experts = implementation("gate")(x.float(), w(p + "gate.weight").float(),
                                                  None if hashed else w(p + "gate.bias"),
                                                  w(p + "gate.tid2eid") if hashed else None, ids, cfg)
+        if on("routing-bias-in-weights") and not hashed:
+            weights = _biased_weights(x, w(p + "gate.weight"), w(p + "gate.bias"), experts, cfg.route_scale)
         self.emit(f"L{i}.moe.experts", experts)
         self.emit(f"L{i}.moe.weights", weights)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -311,11 +332,28 @@ class ProductionSession:
         for e in torch.unique(experts).tolist():
             rows, slot = torch.where(experts == e)
             q = f"{p}experts.{e}."
-            y.index_add_(0, rows, expert(x[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
-                                         cfg.swiglu_limit, weights[rows, slot, None], act).float())
+            y[rows] += expert(x[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
+                              cfg.swiglu_limit, weights[rows, slot, None], act).float()
         q = f"{p}shared_experts."
         y += expert(x, w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"), cfg.swiglu_limit, None, act).float()
         return y.to(BF16)
+
+
+def _unrotated(x: torch.Tensor, prof: Profile) -> torch.Tensor:
+    """Indexer q / keys as emitted at their sites: the quantized values taken back out of the Hadamard domain
+    (H is orthonormal and self-inverse), so they compare with the oracle's and dot products are unchanged."""
+    return hadamard(x.float()) if prof.hadamard == "on" else x
+
+
+def _topk_cap(topk: int) -> int:
+    return topk // 2 if on("topk-cap-half") else topk
+
+
+def _biased_weights(x, gate_w, bias, experts, route_scale) -> torch.Tensor:
+    """Fault ``routing-bias-in-weights``: weights gathered from the biased scores."""
+    s = torch.nn.functional.softplus(x.float() @ gate_w.float().T).sqrt() + bias
+    w = s.gather(1, experts)
+    return w / w.sum(-1, keepdim=True) * route_scale
 
 
 def _topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -338,21 +376,33 @@ def _window_prefill_idx(t: int, win: int) -> torch.Tensor:
     """Official prefill window indices [t, min(t, win)]: query i sees rows max(0, i-win+1) .. i, valid first."""
     base = torch.arange(t)[:, None]
     idx = (base - win + 1).clamp(min=0) + torch.arange(min(t, win))[None]
-    return torch.where(idx > base, -1, idx)
+    idx = torch.where(idx > base, -1, idx)
+    if on("window-127"):
+        idx = torch.where(idx == base - win + 1, -1, idx)
+    if on("window-no-self"):
+        idx = torch.where(idx == base, torch.where(base >= win, base - win, -1), idx)
+    return idx
 
 
 def _window_decode_idx(t: int, win: int) -> torch.Tensor:
     """Official decode window indices [1, win] into the ring buffer, oldest first."""
     if t >= win - 1:
         s = t % win
-        return torch.cat((torch.arange(s + 1, win), torch.arange(0, s + 1)))[None]
-    return torch.nn.functional.pad(torch.arange(t + 1), (0, win - t - 1), value=-1)[None]
+        idx = torch.cat((torch.arange(s + 1, win), torch.arange(0, s + 1)))[None]
+        if on("window-127"):
+            idx[0, 0] = -1
+    else:
+        idx = torch.nn.functional.pad(torch.arange(t + 1), (0, win - t - 1), value=-1)[None]
+    if on("window-no-self"):
+        idx = torch.where(idx == t % win, -1, idx)
+    return idx
 
 
 def _hca_prefill_idx(t: int, ratio: int) -> torch.Tensor:
     """All entries j < (i+1)//ratio per query [t, t//ratio], -1 otherwise."""
     j = torch.arange(t // ratio)[None]
-    return torch.where(j >= (torch.arange(1, t + 1) // ratio)[:, None], -1, j)
+    limit = (torch.arange(1, t + 1) // ratio)[:, None] + (1 if on("causal-off-by-one") else 0)
+    return torch.where(j >= limit, -1, j)
 
 
 def _visible(window_idx: torch.Tensor, comp: torch.Tensor | None, positions: torch.Tensor, win: int,

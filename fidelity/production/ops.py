@@ -9,7 +9,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fidelity.formats import fake_quant_fp4, fake_quant_fp8, hadamard, round_fp8_e4m3
+from fidelity.formats import (
+    decode_e8m0,
+    encode_e8m0,
+    fake_quant_fp4,
+    fake_quant_fp8,
+    hadamard,
+    quantize_fp8,
+    round_fp4_e2m1,
+    round_fp8_e4m3,
+)
+from fidelity.production.faults import on
 
 BF16 = torch.bfloat16
 ATTN_BLOCK = 64  # sparse_attn processes 64 indices per online-softmax step
@@ -26,6 +36,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``(w_fp32 * (x_f32 * rsqrt(mean(x^2) + eps))).to(x.dtype)`` (model.py RMSNorm)."""
     xf = x.float()
     return (weight.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm then the 1x128 e4m3 activation quantization of every FP8 GEMM input (spec §3 ``act_quant``):
+    ``quantize_fp8(rms_norm(x, weight, eps), 128)`` -> (codes float8_e4m3fn, ue8m0 scale bytes uint8)."""
+    return quantize_fp8(rms_norm(x, weight, eps), 128)
 
 
 def rms_norm_weightless(q: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,10 +80,19 @@ def indexer_round(x: torch.Tensor, fmt: str, rotate: bool) -> torch.Tensor:
     if rotate:
         x = hadamard(x)
     if fmt == "fp4":
-        return fake_quant_fp4(x, 32)
+        return _fake_quant_fp4_floor(x) if on("fp4-scale-floor") else fake_quant_fp4(x, 32)
     if fmt == "fp8":
         return fake_quant_fp8(x, min(128, x.shape[-1]))
     return x
+
+
+def _fake_quant_fp4_floor(x: torch.Tensor) -> torch.Tensor:
+    """Fault ``fp4-scale-floor``: scale 2^floor(log2(amax/6)), so the block maximum saturates at 6*s."""
+    blocks = x.float().unflatten(-1, (-1, 32))
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=6 * 2.0**-126)
+    s = torch.exp2(torch.floor(torch.log2(amax / 6)))
+    s = decode_e8m0(encode_e8m0(s))
+    return (round_fp4_e2m1(blocks / s) * s).flatten(-2).to(x.dtype)
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype = BF16) -> torch.Tensor:
@@ -88,9 +113,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     n, h, d = q.shape
     qf = (fake_quant_fp8(q, 64) if fmt == "fp8" else q).float()
     kvf = (fake_quant_fp8(kv, 64) if fmt == "fp8" else kv).float()
-    m = torch.full((n, h), float("-inf"))
-    total = torch.zeros(n, h)
-    acc = torch.zeros(n, h, d)
+    m = torch.full((n, h), float("-inf"), device=q.device)
+    total = torch.zeros(n, h, device=q.device)
+    acc = torch.zeros(n, h, d, device=q.device)
     for b in range(0, idx.shape[1], ATTN_BLOCK):
         ids = idx[:, b : b + ATTN_BLOCK].long()
         valid = ids >= 0
@@ -104,7 +129,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
         p_mma = round_fp8_e4m3(p) if fmt == "fp8" else p.to(BF16).float()
         acc = acc * alpha.unsqueeze(-1) + torch.einsum("nhb,nbd->nhd", p_mma, rows)
         m = m_new
-    total = total + torch.exp(sink.float().unsqueeze(0) - m)
+    share = torch.exp(sink.float().unsqueeze(0) - m)  # [n, H]
+    if on("sink-value-row"):  # fault: the sink also carries a value (the query's first visible row)
+        acc = acc + share.unsqueeze(-1) * kvf[idx[:, :1].long()]
+    if not on("sink-dropped"):
+        total = total + share
     return (acc / total.unsqueeze(-1)).to(BF16)
 
 
@@ -121,9 +150,11 @@ def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     post = 2 * torch.sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc)).softmax(-1) + eps
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
+    for _ in range((3 if on("sinkhorn-3-iters") else iters) - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
         comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    if on("comb-transposed"):
+        comb = comb.transpose(-1, -2)
     return pre, post, comb
 
 
@@ -160,7 +191,7 @@ def expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
     w2's activation quantization sees the weighted h), cast to bf16, w2 GEMM -> bf16 [n, dim]."""
     g = act_linear(x, w1, act).float()
     u = act_linear(x, w3, act).float()
-    if limit > 0:
+    if limit > 0 and not (weight is None and on("shared-clamp-missing")):
         u = u.clamp(min=-limit, max=limit)
         g = g.clamp(max=limit)
     h = F.silu(g) * u

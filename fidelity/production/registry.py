@@ -54,3 +54,10 @@ for _name, _fn in {
     "expert": ops.expert,
 }.items():
     register(_name, "cpu", _fn)
+
+# GPU kernels (Triton): registered as "triton" only when triton imports and CUDA is available. Only ops that
+# already have a CPU emulation here are registered (``ops.rms_norm_fp8`` waits for its contract in
+# fidelity.testing.CONTRACTS before it joins the dict above).
+from fidelity.production import kernels as _kernels  # noqa: E402
+
+_kernels.register_available(register, known=set(REGISTRY))

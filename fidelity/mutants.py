@@ -1,0 +1,240 @@
+"""Fault injection: run the clean decoder and every mutant against the oracle; record which probe caught each
+mutant, where it was first detected, and whether that is where the fault was planted (``fidelity mutants``).
+
+A mutant is a named fault patch point of the production path (``fidelity.production.faults``) plus where it
+must be caught: the expected first site (regex) and layer (a function of the config: the first layer of the
+kind the fault lives in), and the run options it needs to show (a sampler penalty, an end-of-turn token in
+the stream, a decode step, enough context past top-k * ratio).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from fidelity.config import ModelConfig
+from fidelity.job import tidy
+from fidelity.oracle_run import default_prompt
+from fidelity.production.faults import FAULTS, inject
+from fidelity.report import html_table, md_table
+from fidelity.rundir import new_run_id
+from fidelity.runner import Runner, RunSpec
+from fidelity.sampling import SamplerConfig
+from fidelity.thresholds import apply_thresholds, first_divergence, sort_divergence, thresholds_for
+
+PROBE_OF_METRIC = {
+    "cos": "similarity", "calc_diff": "similarity", "nonfinite_mismatch": "similarity",
+    "row_dev": "sinkhorn", "col_dev": "sinkhorn", "min_value": "sinkhorn", "negative_count": "sinkhorn",
+    "orientation_flip": "sinkhorn", "orientation_err": "sinkhorn",
+    "recall": "indexer", "true_miss": "indexer",
+    "missing": "visible", "extra": "visible",
+    "weight_max_err": "routing",
+    "token_flip_with_margin": "tokens", "pick_flip_with_margin": "sampler", "stop_mismatch": "stops",
+    "cache_growth": "memory",
+}  # fmt: skip
+PROBES = ("similarity", "sinkhorn", "indexer", "visible", "routing", "tokens", "sampler", "stops", "memory")
+
+
+def _kind(*kinds: str) -> Callable[[ModelConfig], set[int]]:
+    """The layers of these kinds ('swa', 'csa', 'hca')."""
+    return lambda cfg: {i for i, k in enumerate(cfg.layer_kinds) if k in kinds}
+
+
+def _every_layer(cfg: ModelConfig) -> set[int]:
+    return set(range(cfg.n_layers))
+
+
+def _routed(cfg: ModelConfig) -> set[int]:
+    return {i for i in range(cfg.n_layers) if not cfg.is_hash_layer(i)}
+
+
+def _run_level(cfg: ModelConfig) -> set[int]:
+    return {-1}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    site: str  # regex the first detection's site (without the L{i}. prefix) must match
+    layers: Callable[[ModelConfig], set[int]]  # where the fault is planted (-1: the decode loop, not a layer)
+    options: dict = field(default_factory=dict)  # RunSpec overrides the fault needs to show
+
+    @property
+    def description(self) -> str:
+        return FAULTS[self.name]
+
+
+CATALOGUE: tuple[Mutant, ...] = (
+    Mutant("indexer-key-width", r"indexer\.keys", _kind("csa")),
+    Mutant("causal-off-by-one", r"indexer\.(scores|topk)|attn\.visible", _kind("csa", "hca")),
+    Mutant("window-127", r"attn\.visible", _every_layer),
+    Mutant("window-no-self", r"attn\.visible", _every_layer),
+    Mutant("no-inverse-rope", r"attn\.out", _every_layer),
+    Mutant("sink-value-row", r"attn\.core", _every_layer),
+    Mutant("sink-dropped", r"attn\.core", _every_layer),
+    Mutant("sinkhorn-3-iters", r"mhc_attn\.comb", _every_layer),
+    Mutant("comb-transposed", r"mhc_attn\.comb", _every_layer),
+    Mutant("hadamard-q-only", r"indexer\.keys", _kind("csa")),
+    Mutant("fp4-scale-floor", r"indexer\.(q|keys)", _kind("csa")),
+    Mutant("compressed-rope-last", r"attn\.compressed_kv", _kind("csa", "hca")),
+    Mutant("yarn-on-swa", r"attn\.q", _kind("swa")),
+    Mutant("shared-clamp-missing", r"moe\.out", _every_layer),
+    Mutant("routing-bias-in-weights", r"moe\.weights", _routed),
+    Mutant("rep-penalty-no-prompt", r"sampler", _run_level,
+           {"sampler": SamplerConfig(repetition_penalty=2.0), "decode_steps": 24}),
+    Mutant("stop-missing-eot", r"stops", _run_level, {"stream": "given", "eot_at": 3}),
+    Mutant("cache-concat-growth", r"memory", _run_level),
+    Mutant("topk-cap-half", r"indexer\.topk", _kind("csa")),
+)
+BY_NAME = {m.name: m for m in CATALOGUE}
+
+
+@dataclass
+class MutantSettings:
+    prompt_len: int = 300
+    decode_steps: int = 8
+    modes: tuple[str, ...] = ("layer", "op")
+    seed: int = 0
+
+
+def _spec(cfg: ModelConfig, s: MutantSettings, options: dict) -> RunSpec:
+    opts = dict(options)
+    eot_at = opts.pop("eot_at", None)
+    decode = opts.pop("decode_steps", s.decode_steps)
+    prompt = default_prompt(cfg.vocab_size, s.prompt_len, s.seed)
+    spec = RunSpec(prompt=prompt, decode_steps=decode, modes=s.modes, **opts)
+    if eot_at is not None:
+        if not cfg.stop_token_ids:
+            raise ValueError("stop-missing-eot: the config names no end-of-turn id (stop_token_ids)")
+        cont = default_prompt(cfg.vocab_size, decode + 1, s.seed + 1)
+        cont[eot_at] = cfg.stop_token_ids[0]
+        spec.continuation = cont
+    return spec
+
+
+def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings) -> pd.DataFrame:
+    """Judged metric rows of one run (the clean decoder when ``mutant`` is None)."""
+    cfg = checkpoint.config
+    spec = _spec(cfg, s, mutant.options if mutant else {})
+    names = (mutant.name,) if mutant else ()
+    with inject(*names):
+        df, _ = Runner(checkpoint, spec).run()
+    csa = [i for i, k in enumerate(cfg.layer_kinds) if k == "csa"]
+    df = tidy(df, mutant.name if mutant else "clean", spec.profile)
+    return apply_thresholds(df, thresholds_for(spec.profile, None, csa))
+
+
+def _split_site(site: str) -> tuple[int, str]:
+    m = re.fullmatch(r"L(\d+)\.(.+)", site)
+    return (int(m.group(1)), m.group(2)) if m else (-1, site)
+
+
+def detection_rows(name: str, judged: pd.DataFrame, mutant: Mutant | None, cfg: ModelConfig) -> list[dict]:
+    """One row per probe: detected?, first (step, layer, site), metric value vs threshold, located?"""
+    failures = sort_divergence(judged[~judged["passed"]].drop(columns="passed"))
+    first = first_divergence(failures)
+    rows = []
+    for probe in PROBES:
+        hits = failures[failures["metric"].map(PROBE_OF_METRIC).eq(probe)]
+        row = {"mutant": name, "probe": probe, "detected": not hits.empty}
+        if not hits.empty:
+            h = hits.iloc[0]
+            row.update(step=int(h["step"]), layer=int(h["layer"]), site=str(h["site"]), metric=str(h["metric"]),
+                       value=float(h["value"]), threshold=str(h["threshold"]), mode=str(h["mode"]))
+        rows.append(row)
+    summary = {"mutant": name, "probe": "first", "detected": first is not None}
+    if first is not None:
+        layer, site = _split_site(first.site)
+        summary.update(step=first.step, layer=layer, site=first.site, metric=first.metric, value=first.value,
+                       threshold=f"{first.op} {first.limit:g}", mode=first.mode)
+        if mutant is not None:
+            summary["located"] = bool(re.fullmatch(mutant.site, site)) and layer in mutant.layers(cfg)
+    if mutant is not None:
+        layers = sorted(mutant.layers(cfg))
+        where = mutant.site.replace("\\", "")
+        summary["expected"] = where if layers == [-1] else f"L{{{','.join(map(str, layers))}}}.{where}"
+    return [summary] + rows
+
+
+def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSettings | None = None,
+                progress: Callable[[int, int, str], None] | None = None) -> pd.DataFrame:
+    """The detection matrix: the clean decoder first, then each mutant (``names`` = all by default)."""
+    s = settings or MutantSettings()
+    unknown = sorted(set(names or ()) - set(BY_NAME))
+    if unknown:
+        raise ValueError(f"mutants: unknown name(s) {unknown}; expected some of {sorted(BY_NAME)}")
+    chosen = [BY_NAME[n] for n in names] if names else list(CATALOGUE)
+    rows = []
+    for k, mutant in enumerate([None, *chosen]):
+        name = mutant.name if mutant else "clean"
+        if progress:
+            progress(k, len(chosen) + 1, name)
+        t0 = time.perf_counter()
+        judged = run_one(checkpoint, mutant, s)
+        for r in detection_rows(name, judged, mutant, checkpoint.config):
+            rows.append({**r, "seconds": round(time.perf_counter() - t0, 2)})
+    return pd.DataFrame(rows)
+
+
+def gate_failures(matrix: pd.DataFrame) -> list[str]:
+    """Why ``--gate`` fails: the clean decoder alarmed, a mutant went undetected, or was found elsewhere."""
+    first = matrix[matrix["probe"] == "first"]
+    out = []
+    for r in first.itertuples():
+        if r.mutant == "clean":
+            if r.detected:
+                out.append(f"clean decoder raised an alarm: {r.site} {r.metric} {r.value:g} ({r.threshold})")
+        elif not r.detected:
+            out.append(f"{r.mutant}: not detected")
+        elif not r.located:
+            out.append(f"{r.mutant}: first detected at {r.site} (step {int(r.step)}, {r.mode} mode), "
+                       f"expected {r.expected}")
+    return out
+
+
+def matrix_table(matrix: pd.DataFrame) -> pd.DataFrame:
+    """mutant x probe table: first detection step/site per probe, '-' when the probe stayed silent."""
+    probe_rows = matrix[matrix["probe"] != "first"]
+    cell = probe_rows.apply(lambda r: f"step {int(r.step)} {r.site}" if r.detected else "-", axis=1)
+    wide = probe_rows.assign(cell=cell).pivot(index="mutant", columns="probe", values="cell")
+    first = matrix[matrix["probe"] == "first"].set_index("mutant")
+    wide.insert(0, "first detection", first.apply(
+        lambda r: f"step {int(r.step)} {r.site} {r.metric} {r['value']:.4g} ({r.threshold}, {r['mode']})"
+        if r.detected else "none", axis=1))
+    if "located" in first:
+        wide.insert(1, "where planted", first["expected"].fillna("-"))
+        wide.insert(2, "located", first["located"].map({True: "yes", False: "NO"}).fillna("-"))
+    order = ["clean"] + [m.name for m in CATALOGUE]
+    return wide.reindex([m for m in order if m in wide.index]).reset_index()
+
+
+def write_matrix(matrix: pd.DataFrame, out_dir: str | Path, run_id: str | None = None) -> Path:
+    """detection.parquet, detection.md and detection.html under ``out_dir/<run_id>/`` (atomic rename)."""
+    import shutil
+    import tempfile
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / (run_id or f"mutants-{new_run_id()}")
+    tmp = Path(tempfile.mkdtemp(prefix=".mutants-", dir=out_dir))
+    try:
+        matrix.to_parquet(tmp / "detection.parquet", index=False)
+        table = matrix_table(matrix)
+        failures = gate_failures(matrix)
+        verdict = "PASS" if not failures else "FAIL: " + "; ".join(failures)
+        (tmp / "detection.md").write_text(f"# Mutant detection matrix\n\ngate: {verdict}\n\n{md_table(table)}\n")
+        (tmp / "detection.html").write_text(
+            "<!doctype html><meta charset='utf-8'><title>mutants</title><h1>Mutant detection matrix</h1>"
+            f"<p>gate: {verdict}</p>{html_table(table)}")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,57 @@
+"""GPU production kernels (Triton) registered under the op names of their CPU emulations.
+
+Importing this package never fails: without triton the submodules are not imported (``HAVE_TRITON`` is
+False), and :func:`register_available` registers the ``"triton"`` implementations only when triton imports
+and ``torch.cuda.is_available()``. Registered wrappers accept tensors on any device (CPU inputs are run on
+the current CUDA device and the results copied back), so the registry's contract tests apply unchanged.
+
+Ops: ``sparse_attention`` (bf16 KV; ``sparse_attention_fp8kv`` for the 584 B/token FP8 cache),
+``index_scores`` (bf16 keys; ``index_scores_fp4`` for packed FP4 keys), ``rms_norm``, ``rms_norm_fp8``
+(fused RMSNorm + 1x128 e4m3 quantization), ``hc_pre`` (fused mixes + Sinkhorn + collapse).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+try:  # triton is optional: CPU-only installs have none
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the environment
+    HAVE_TRITON = False
+else:
+    HAVE_TRITON = True
+
+# op name -> (module, attribute) of the registered wrapper
+KERNELS = {
+    "sparse_attention": ("sparse_attention", "sparse_attention"),
+    "index_scores": ("indexer", "index_scores"),
+    "rms_norm": ("rms_norm", "rms_norm"),
+    "rms_norm_fp8": ("rms_norm", "rms_norm_fp8"),
+    "hc_pre": ("mhc", "hc_pre"),
+}
+
+
+def available() -> bool:
+    """True when the Triton kernels can run here (triton imports and a CUDA device is visible)."""
+    return HAVE_TRITON and torch.cuda.is_available()
+
+
+def load(name: str) -> Callable:
+    """The registered wrapper of op ``name`` (imports its module; needs triton)."""
+    import importlib
+
+    module, attr = KERNELS[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+
+
+def register_available(register: Callable[[str, str, Callable], None], known: set[str] | None = None) -> list[str]:
+    """Register every kernel as implementation ``"triton"`` when :func:`available`; ops not in ``known`` (when
+    given) are skipped, so no op appears in the registry without its CPU emulation. Returns the names."""
+    if not available():
+        return []
+    names = [n for n in KERNELS if known is None or n in known]
+    for name in names:
+        register(name, "triton", load(name))
+    return names

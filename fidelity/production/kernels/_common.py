@@ -1,0 +1,47 @@
+"""Helpers shared by the Triton kernels: device handling for registered ops, small torch utilities."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+
+# TRITON_INTERPRET=1 runs the kernels on CPU tensors through triton's interpreter (debugging without a GPU)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_device(t: torch.Tensor) -> bool:
+    """True when the kernels can take ``t`` as is: a CUDA tensor (any tensor under the interpreter)."""
+    return t.is_cuda or INTERPRET
+
+
+def _move(v, device):
+    return v.to(device) if isinstance(v, torch.Tensor) else v
+
+
+def device_transparent(fn: Callable) -> Callable:
+    """Wrap a CUDA-only implementation so that it accepts tensors on any device.
+
+    Tensor arguments not on CUDA are copied to the current CUDA device, and tensor results are copied back to
+    the device of the first tensor argument. The registry's contract tests (``tests/test_registry.py``) call
+    every registered implementation with CPU tensors; the production model may do so too.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is None or on_device(first):
+            return fn(*args, **kwargs)
+        dev = torch.device("cuda")
+        out = fn(*(_move(a, dev) for a in args), **{k: _move(v, dev) for k, v in kwargs.items()})
+        if isinstance(out, tuple):
+            return tuple(_move(o, first.device) for o in out)
+        return _move(out, first.device)
+
+    return wrapper
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

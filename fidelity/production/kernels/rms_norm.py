@@ -1,0 +1,106 @@
+"""RMSNorm and fused RMSNorm + FP8 activation quantization (1x128 e4m3, ue8m0 scales) in Triton.
+
+``rms_norm``: ``(w_fp32 * (x_f32 * (1 / sqrt(mean(x^2) + eps)))).to(x.dtype)`` (spec §3: the reference norm is
+torch; ``ops.rms_norm``), one row per program, the row held in registers. The mean uses a tree sum in fp32,
+so ``y`` can differ from torch's by a rounding flip (one bf16 ulp) on a small fraction of elements.
+
+``rms_norm_fp8``: the same ``y``, then the ``act_quant(y, 128, "ue8m0")`` of spec §3 on it in the same
+program: per 128 elements ``amax = max(|y|, 1e-4)``, ``s = 2^(exp(v) - 127 + (mantissa(v) != 0))`` from the
+bits of ``v = amax * fp32(1/448)``, codes ``e4m3(clamp(y / s, -448, 448))`` (RNE, the hardware cvt), scale
+bytes ``exp(s) + 127``. Given ``y``, codes and scales are bit-identical to ``formats.quantize_fp8(y, 128)``,
+NaN included (a NaN block gets scale byte 0xFF and NaN codes, as in ``fidelity.formats``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fidelity.production import ops
+from fidelity.production.kernels._common import device_transparent, next_pow2, on_device
+
+
+@triton.jit(do_not_specialize=["n_cols"])
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_cols, eps, stride_x, stride_y, stride_q, stride_s,
+                     BLOCK: tl.constexpr, QB: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    ms = tl.math.div_rn(tl.sum(x * x, axis=0), n_cols.to(tl.float32))
+    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (w * (x * r)).to(y_ptr.dtype.element_ty)
+    if WRITE_Y:
+        tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+    if WRITE_Q:
+        yb = tl.reshape(y.to(tl.float32), [BLOCK // QB, QB])
+        amax = tl.max(tl.abs(yb), axis=1)
+        has_nan = tl.max((yb != yb).to(tl.int32), axis=1) > 0
+        v = tl.maximum(amax, 1e-4) * 0.002232142857142857  # fp32(1e-4), fp32(1/448) as in kernel.py
+        bits = v.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        inv_s = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact: e in [-22, 127] here
+        qv = tl.minimum(tl.maximum(yb * inv_s[:, None], -448.0), 448.0)
+        qv = tl.where(has_nan[:, None], float("nan"), qv)
+        codes = tl.reshape(qv.to(tl.float8e4nv), [BLOCK])
+        tl.store(q_ptr + row * stride_q + cols, codes, mask=mask)
+        sbyte = tl.where(has_nan, 255, e + 127)
+        blocks = tl.arange(0, BLOCK // QB)
+        tl.store(s_ptr + row * stride_s + blocks, sbyte.to(tl.uint8), mask=blocks * QB < n_cols)
+
+
+def _launch(x, weight, eps, write_y, write_q):
+    shape = x.shape
+    d = shape[-1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = x2.shape[0]
+    y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    q = torch.empty((n, d), dtype=torch.float8_e4m3fn, device=x.device) if write_q else y
+    s = torch.empty((n, d // 128), dtype=torch.uint8, device=x.device) if write_q else y
+    if n:
+        block = max(128, next_pow2(d))
+        warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+        _rms_norm_kernel[(n,)](
+            x2, weight.contiguous(), y, q, s, d, float(eps), x2.stride(0), y.stride(0), q.stride(0), s.stride(0),
+            BLOCK=block, QB=128, WRITE_Y=write_y, WRITE_Q=write_q, num_warps=warps)
+    y = y.reshape(shape)
+    if not write_q:
+        return y
+    q, s = q.reshape(shape), s.reshape(*shape[:-1], d // 128)
+    return (q, s, y) if write_y else (q, s)
+
+
+def _ok(x, weight) -> bool:
+    return (on_device(x) and x.dtype in (torch.bfloat16, torch.float32) and x.dim() >= 1 and weight.dim() == 1
+            and weight.shape[0] == x.shape[-1] and 1 <= x.shape[-1] <= 32768)
+
+
+def rms_norm_cuda(x, weight, eps):
+    """Same signature and result as ``ops.rms_norm`` (up to the fp32 summation order of the mean)."""
+    if not _ok(x, weight):
+        return ops.rms_norm(x, weight, eps)
+    return _launch(x, weight, eps, True, False)
+
+
+def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False):
+    """``formats.quantize_fp8(ops.rms_norm(x, weight, eps), 128)`` in one pass: (codes float8_e4m3fn [..., d],
+    scale bytes uint8 [..., d/128]) plus the bf16 ``y`` when ``return_y``. d must be a multiple of 128."""
+    if x.shape[-1] % 128:
+        raise ValueError(f"last dim must be a multiple of 128, found {x.shape[-1]}")
+    if not _ok(x, weight):
+        y = ops.rms_norm(x, weight, eps)
+        from fidelity.formats import quantize_fp8
+
+        q, s = quantize_fp8(y, 128)
+        return (q, s, y) if return_y else (q, s)
+    return _launch(x, weight, eps, return_y, True)
+
+
+rms_norm = device_transparent(rms_norm_cuda)
+rms_norm.__name__ = "triton_rms_norm"
+rms_norm_fp8 = device_transparent(rms_norm_fp8_cuda)
+rms_norm_fp8.__name__ = "triton_rms_norm_fp8"

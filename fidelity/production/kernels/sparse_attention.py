@@ -1,0 +1,234 @@
+"""Sparse FMHA (spec §3 ``sparse_attn``) in Triton: decode and prefill, shared K = V rows, per-head sink.
+
+Semantics are those of :func:`fidelity.production.ops.sparse_attention` (the CPU emulation):
+
+* q [n, H, d] bf16, kv [m, d] bf16 (K = V, one KV head), idx [n, K] int (-1 = masked), sink [H] fp32;
+* online softmax over consecutive blocks of 64 indices in idx order: ``s = (q . k) * scale`` with fp32
+  accumulation, running max / sum in fp32, ``P = exp(s - m)`` rounded to bf16 before ``P . V`` (fp32
+  accumulation), the denominator keeps fp32 P; a -1 index loads no row (the tile row is 0, its logit -inf);
+* after the loop ``sum += exp(sink - m)`` (sink in the denominator only), ``o = acc / sum`` rounded to bf16.
+
+One program handles one query token and ``BLOCK_H`` heads (MQA: every head of a token reads the same gathered
+rows, so a tile of 64 rows feeds ``BLOCK_H`` heads), optionally one slice of the output dims (``split_d``:
+the QK product over all d is recomputed per slice, the P.V accumulator shrinks) and optionally one chunk of
+the index blocks (``num_splits`` > 1, flash-decoding: partial (acc, max, sum) combined by a second kernel;
+this changes the reference max against which P is rounded to bf16, so it is opt-in, default off).
+
+FP8 KV (``sparse_attention_fp8kv``): the 584 B/token production layout, per row
+``[448 e4m3 nope | 64 bf16 rope (128 B) | 7 ue8m0 scale bytes (per 64 nope dims) | 1 pad]``, dequantized
+once per tile in registers (``e4m3 * 2^(b-127)`` is exact in bf16, so the result is bit-identical to the
+bf16 kernel on ``ops.kv_round(kv, 64, "fp8")`` rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fidelity.formats import quantize_fp8
+from fidelity.production import ops
+from fidelity.production.faults import on
+from fidelity.production.kernels._common import device_transparent, next_pow2, on_device
+
+BLOCK_N = 64  # indices per online-softmax step: the reference's block (fixes where P is rounded)
+FP8_ROW_BYTES = 584
+FP8_NOPE = 448
+FP8_ROPE = 64
+FP8_SCALE_OFFSET = FP8_NOPE + 2 * FP8_ROPE  # 576: 7 scale bytes, then 1 pad byte
+
+
+@triton.jit
+def _kv_tile(kv_ptr, kv16_ptr, rows, valid, c0, stride_kv, C: tl.constexpr, FP8: tl.constexpr):
+    """Rows ``rows`` (int64 [BN]) of the cache, columns c0 .. c0+C-1, as bf16 [BN, C]; invalid rows are 0."""
+    cols = c0 + tl.arange(0, C)
+    if FP8:
+        base = rows[:, None] * 584
+        is_nope = cols[None, :] < 448
+        u8 = tl.load(kv_ptr + base + cols[None, :], mask=valid[:, None] & is_nope, other=0)
+        sc_idx = c0 // 64 + tl.arange(0, C // 64)
+        sb = tl.load(kv_ptr + base + 576 + sc_idx[None, :], mask=valid[:, None] & (sc_idx[None, :] < 7), other=127)
+        scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(b-127), exact for b in 1..254
+        nope = u8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        nope = tl.reshape(tl.reshape(nope, [rows.shape[0], C // 64, 64]) * scale[:, :, None], [rows.shape[0], C])
+        rope = tl.load(kv16_ptr + rows[:, None] * 292 + 224 + (cols[None, :] - 448),
+                       mask=valid[:, None] & (cols[None, :] >= 448), other=0.0)
+        return tl.where(is_nope, nope, rope.to(tl.float32)).to(tl.bfloat16)
+    else:
+        return tl.load(kv_ptr + rows[:, None] * stride_kv + cols[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "n_heads", "topk", "blocks_per_split"])
+def _sparse_attn_kernel(q_ptr, kv_ptr, kv16_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
+                        n_tokens, n_heads, topk, blocks_per_split, scale,
+                        stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
+                        D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, FP8: tl.constexpr):
+    pid_n = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    pid_z = tl.program_id(2)
+    pid_d = pid_z // NUM_SPLITS
+    pid_s = pid_z % NUM_SPLITS
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < n_heads
+    dk = tl.arange(0, D)
+    q = tl.load(q_ptr + pid_n * stride_qn + heads[:, None] * stride_qh + dk[None, :], mask=hmask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    start = pid_s * blocks_per_split * BLOCK_N
+    for j in range(0, blocks_per_split):
+        cols = start + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        ids = tl.load(idx_ptr + pid_n * stride_in + cols, mask=cols < topk, other=-1)
+        valid = ids >= 0
+        rows = tl.where(valid, ids, 0).to(tl.int64)
+        k = _kv_tile(kv_ptr, kv16_ptr, rows, valid, 0, stride_kv, D, FP8)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid logit yet: keep exp() finite
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DV == D:
+            v = k
+        else:
+            v = _kv_tile(kv_ptr, kv16_ptr, rows, valid, pid_d * DV, stride_kv, DV, FP8)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
+        m_i = m_new
+    dv = pid_d * DV + tl.arange(0, DV)
+    if NUM_SPLITS == 1:
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+        l_i = l_i + tl.exp(sink - m_i)
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + pid_n * stride_on + heads[:, None] * stride_oh + dv[None, :], o.to(tl.bfloat16),
+                 mask=hmask[:, None])
+    else:
+        # partials: acc [S, n, H, D] fp32, ml [S, n, H, 2] fp32 (running max, running sum)
+        row = (pid_s * n_tokens + pid_n) * n_heads + heads
+        tl.store(acc_ptr + row[:, None] * D + dv[None, :], acc, mask=hmask[:, None])
+        if pid_d == 0:
+            tl.store(ml_ptr + row * 2, m_i, mask=hmask)
+            tl.store(ml_ptr + row * 2 + 1, l_i, mask=hmask)
+
+
+@triton.jit
+def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n_tokens, n_heads, num_splits, stride_on, stride_oh,
+                    D: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid_n = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < n_heads
+    dk = tl.arange(0, D)
+    m_tot = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        row = (s * n_tokens + pid_n) * n_heads + heads
+        m_tot = tl.maximum(m_tot, tl.load(ml_ptr + row * 2, mask=hmask, other=float("-inf")))
+    m_use = tl.where(m_tot == float("-inf"), 0.0, m_tot)
+    l_tot = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for s in range(num_splits):
+        row = (s * n_tokens + pid_n) * n_heads + heads
+        w = tl.exp(tl.load(ml_ptr + row * 2, mask=hmask, other=float("-inf")) - m_use)
+        l_tot += w * tl.load(ml_ptr + row * 2 + 1, mask=hmask, other=0.0)
+        acc += w[:, None] * tl.load(acc_ptr + row[:, None] * D + dk[None, :], mask=hmask[:, None], other=0.0)
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+    l_tot = l_tot + tl.exp(sink - m_tot)
+    o = acc / l_tot[:, None]
+    tl.store(o_ptr + pid_n * stride_on + heads[:, None] * stride_oh + dk[None, :], o.to(tl.bfloat16),
+             mask=hmask[:, None])
+
+
+def default_config(n_tokens: int, n_heads: int, d: int, topk: int) -> dict:
+    """Launch parameters (chosen from the sweep in ``benchmarks/bench_kernels.py``, see BENCHMARKS.md)."""
+    block_h = max(16, min(next_pow2(n_heads), 64 if d <= 128 else 32))
+    return {"block_h": block_h, "split_d": 1, "num_splits": 1, "num_warps": 4 if d <= 128 else 8, "num_stages": 1}
+
+
+def _launch(q, kv_main, kv16, idx, sink, scale, d, fp8, cfg):
+    n, h, dq = q.shape
+    topk = idx.shape[1]
+    o = torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
+    if n == 0 or h == 0:
+        return o
+    c = default_config(n, h, d, topk)
+    c.update({k: v for k, v in (cfg or {}).items() if v is not None})
+    block_h, split_d, num_splits = c["block_h"], c["split_d"], c["num_splits"]
+    n_blocks = triton.cdiv(topk, BLOCK_N)
+    num_splits = max(1, min(num_splits, n_blocks))
+    per_split = triton.cdiv(n_blocks, num_splits)
+    num_splits = max(1, triton.cdiv(n_blocks, max(per_split, 1)))
+    q = q.contiguous()
+    idx = idx.to(torch.int32).contiguous()
+    sink = sink.to(torch.float32).contiguous()
+    if num_splits > 1:
+        acc = torch.empty((num_splits, n, h, d), dtype=torch.float32, device=q.device)
+        ml = torch.empty((num_splits, n, h, 2), dtype=torch.float32, device=q.device)
+    else:
+        acc = ml = o
+    grid = (n, triton.cdiv(h, block_h), split_d * num_splits)
+    _sparse_attn_kernel[grid](
+        q, kv_main, kv16, idx, sink, o, acc, ml, n, h, topk, per_split, scale,
+        q.stride(0), q.stride(1), kv_main.stride(0), idx.stride(0), o.stride(0), o.stride(1),
+        D=d, DV=d // split_d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, FP8=fp8,
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if num_splits > 1:
+        _combine_kernel[(n, triton.cdiv(h, block_h))](
+            acc, ml, sink, o, n, h, num_splits, o.stride(0), o.stride(1), D=d, BLOCK_H=block_h, num_warps=4)
+    return o
+
+
+def _supported(q, kv, idx) -> bool:
+    d = q.shape[-1]
+    return (on_device(q) and q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16 and q.dim() == 3
+            and kv.dim() == 2 and kv.shape[1] == d and d in (16, 32, 64, 128, 256, 512) and idx.dim() == 2)
+
+
+def sparse_attention_cuda(q, kv, idx, sink, scale, fmt="bf16", *, config=None):
+    """CUDA-tensor entry point; same signature and result as ``ops.sparse_attention`` (``fmt="fp8"``, the
+    QK/PV-in-FP8 profile, unsupported shapes and injected sink faults run the torch emulation on the GPU)."""
+    if fmt != "bf16" or not _supported(q, kv, idx) or on("sink-value-row") or on("sink-dropped"):
+        return ops.sparse_attention(q, kv, idx, sink, scale, fmt)
+    kv = kv.contiguous()
+    return _launch(q, kv, kv, idx, sink, float(scale), q.shape[-1], False, config)
+
+
+sparse_attention = device_transparent(sparse_attention_cuda)
+sparse_attention.__name__ = "triton_sparse_attention"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FP8 KV cache layout (584 B per token)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def pack_kv_fp8(kv: torch.Tensor) -> torch.Tensor:
+    """kv [m, 512] bf16 -> uint8 [m, 584]: e4m3 codes of the 448 nope dims (1x64 ue8m0 blocks, the in-place
+    ``act_quant`` of spec §3), the 64 rope dims as raw bf16, 7 scale bytes, 1 zero pad byte."""
+    if kv.dim() != 2 or kv.shape[1] != FP8_NOPE + FP8_ROPE:
+        raise ValueError(f"kv: expected [m, 512], found {list(kv.shape)}")
+    codes, scales = quantize_fp8(kv[:, :FP8_NOPE], 64)
+    rope = kv[:, FP8_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    pad = torch.zeros((kv.shape[0], 1), dtype=torch.uint8, device=kv.device)
+    return torch.cat((codes.view(torch.uint8), rope, scales, pad), dim=1).contiguous()
+
+
+def unpack_kv_fp8(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [m, 584] -> bf16 [m, 512] (exact; equals ``ops.kv_round(kv, 64, "fp8")`` of the packed kv)."""
+    codes = packed[:, :FP8_NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    sb = packed[:, FP8_SCALE_OFFSET : FP8_SCALE_OFFSET + 7].to(torch.int32)
+    scale = torch.exp2((sb - 127).to(torch.float32)).repeat_interleave(64, dim=1)
+    rope = packed[:, FP8_NOPE:FP8_SCALE_OFFSET].contiguous().view(torch.bfloat16)
+    return torch.cat(((codes * scale).to(torch.bfloat16), rope), dim=1)
+
+
+def sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, *, config=None):
+    """``sparse_attention`` reading the 584 B/token FP8 cache (uint8 [m, 584], see :func:`pack_kv_fp8`);
+    q [n, H, 512] bf16 on CUDA. Bit-identical to ``sparse_attention_cuda(q, unpack_kv_fp8(kv_packed), ...)``."""
+    if kv_packed.dtype != torch.uint8 or kv_packed.dim() != 2 or kv_packed.shape[1] != FP8_ROW_BYTES:
+        raise ValueError(f"kv_packed: expected uint8 [m, {FP8_ROW_BYTES}], found {kv_packed.dtype} "
+                         f"{list(kv_packed.shape)}")
+    if q.shape[-1] != 512:
+        raise ValueError(f"q: the FP8 layout has head_dim 512, found {q.shape[-1]}")
+    kv_packed = kv_packed.contiguous()
+    return _launch(q, kv_packed, kv_packed.view(torch.bfloat16), idx, sink, float(scale), 512, True, config)

@@ -1,0 +1,277 @@
+"""Side-by-side runner: the production decoder next to the oracle over a prompt and N decode steps.
+
+One production pass per step feeds three comparisons (design.md "Three comparison modes"):
+``free`` (the oracle runs its own model on the same tokens: inherited + local error), ``layer`` (each
+oracle layer gets production's input to that layer and keeps its own exact caches: what the layer adds),
+``op`` (oracle ops on production's exact op inputs and cache contents: the kernel alone).
+The token stream is teacher-forced: both models see the same tokens (oracle greedy, production greedy,
+a seeded sampler on the oracle's logits, or a given continuation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from fidelity import __version__
+from fidelity.compare_sites import compare_recordings
+from fidelity.opmode import OpMode
+from fidelity.production import ProductionModel
+from fidelity.production.faults import on
+from fidelity.production.profiles import profile_dict
+from fidelity.production.registry import implementations_used
+from fidelity.sampling import Sampler, SamplerConfig, StopSet
+from fidelity.sites import Recorder
+from oracles import OracleModel
+from probes import collect, memory_stats
+from probes.sampler import sampler_agreement
+
+MODES = ("free", "layer", "op")
+PICK_FLIP_MARGIN = 1.0  # log-space gap of the oracle's winning draw; below it a differing pick is a near tie
+STREAMS = ("oracle", "production", "given")
+
+
+@dataclass
+class RunSpec:
+    """What to run. ``prompt`` [T] token ids; ``continuation`` only for ``stream == "given"``."""
+
+    prompt: torch.Tensor
+    decode_steps: int = 64
+    profile: str = "reference"
+    modes: tuple[str, ...] = MODES
+    stream: str = "oracle"
+    continuation: torch.Tensor | None = None
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    stop_ids: tuple[int, ...] | None = None  # None: the config's EOS + stop ids
+    oracle_dtype: torch.dtype = torch.float32
+    max_context: int | None = None
+    sample_queries: int | None = None
+    device: str = "cpu"
+
+    def problems(self, vocab: int) -> list[str]:
+        p = []
+        if any(m not in MODES for m in self.modes) or not self.modes:
+            p.append(f"mode: expected some of {MODES}, found {list(self.modes)}")
+        if self.stream not in STREAMS:
+            p.append(f"stream: expected one of {STREAMS}, found {self.stream!r}")
+        if self.stream == "given" and (self.continuation is None or len(self.continuation) < self.decode_steps):
+            p.append(f"continuation: stream 'given' needs >= {self.decode_steps} token ids")
+        if self.decode_steps < 0:
+            p.append(f"decode steps: expected >= 0, found {self.decode_steps}")
+        if len(self.prompt) == 0:
+            p.append("prompt: expected at least one token, found 0")
+        elif int(self.prompt.min()) < 0 or int(self.prompt.max()) >= vocab:
+            p.append(f"prompt: expected token ids in [0, {vocab}), found [{int(self.prompt.min())}, "
+                     f"{int(self.prompt.max())}]")
+        if self.sample_queries is not None and "free" in self.modes:
+            p.append("sample_queries: applies to layer and op modes only (free mode needs every position)")
+        need = len(self.prompt) + self.decode_steps
+        if self.max_context is not None and need > self.max_context:
+            p.append(f"max_context: prompt {len(self.prompt)} + {self.decode_steps} decode steps = {need} tokens "
+                     f"exceeds max_context {self.max_context}")
+        return p
+
+
+class RunError(ValueError):
+    """A run that cannot start; the message lists every problem."""
+
+
+def sampled_rows(n: int, k: int | None, seed: int = 0) -> torch.Tensor | None:
+    """A deterministic subset of k query rows of a prefill (always including the last), or None for all."""
+    if k is None or k >= n:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(n - 1, generator=gen)[: k - 1]
+    return torch.cat((rows, torch.tensor([n - 1]))).sort().values
+
+
+class Runner:
+    """Holds the models and sessions of one run; ``run()`` returns the metric table and the manifest."""
+
+    def __init__(self, checkpoint, spec: RunSpec, progress: Callable[[int, int], None] | None = None):
+        cfg = checkpoint.config
+        problems = spec.problems(cfg.vocab_size)
+        if problems:
+            raise RunError("run: " + "; ".join(problems))
+        self.ckpt, self.cfg, self.spec, self.progress = checkpoint, cfg, spec, progress
+        max_context = spec.max_context or len(spec.prompt) + spec.decode_steps
+        self.prod = ProductionModel(checkpoint, spec.profile, max_context, spec.device)
+        self.oracle = OracleModel(checkpoint, spec.oracle_dtype)
+        self.p_sess = self.prod.session()
+        self.free = self.oracle.session() if "free" in spec.modes else None
+        self.layer = self.oracle.session() if "layer" in spec.modes else None
+        self.op = OpMode(self.oracle) if "op" in spec.modes else None
+        self.sampler = Sampler(spec.sampler)  # the oracle side's sampler
+        self.prod_sampler = Sampler(spec.sampler)  # the decoder under test's sampler (fault patch points)
+        self.stops = StopSet.of(spec.stop_ids) if spec.stop_ids is not None else StopSet.from_config(cfg)
+        eot = set(cfg.stop_token_ids)
+        self.prod_stops = StopSet.of(set(self.stops) - eot) if on("stop-missing-eot") else self.stops
+        self.run_mode = "free" if "free" in spec.modes else spec.modes[0]  # label of whole-run rows
+        self.rows: list[dict] = []
+        self.tokens: list[int] = []
+        self.cache_bytes0: int | None = None
+
+    def run(self) -> tuple[pd.DataFrame, dict]:
+        t0 = time.perf_counter()
+        ids, history = self.spec.prompt.long(), self.spec.prompt.long().tolist()
+        stop_reason = "length"
+        for step in range(self.spec.decode_steps + 1):
+            logits = self.step(step, ids)
+            if step == self.spec.decode_steps:
+                break
+            nxt = self.next_token(step, logits, history)
+            self.tokens.append(nxt)
+            history.append(nxt)
+            if self.progress:
+                self.progress(step + 1, self.spec.decode_steps)
+            self.record_stop(step, nxt)
+            if nxt in self.prod_stops:
+                stop_reason = "stop"
+                break
+            ids = torch.tensor([nxt])
+        df = pd.DataFrame(self.rows)
+        return df, self.manifest(time.perf_counter() - t0, stop_reason)
+
+    def step(self, step: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One model call in every mode; appends this step's metric rows. Returns last-position logits."""
+        prefill = step == 0
+        positions = torch.arange(self.p_sess.pos, self.p_sess.pos + len(ids))
+        prod_rec = Recorder()
+        self.p_sess.rec = prod_rec
+        test_logits = self.p_sess.prefill(ids) if prefill else self.p_sess.step(ids[0])[None]
+        rows = sampled_rows(len(ids), self.spec.sample_queries) if prefill else None
+        out = {"production": test_logits[-1]}
+        pending: dict[str, list[dict]] = {}
+        if self.free is not None:
+            rec = Recorder()
+            self.free.rec = rec
+            out["oracle"] = self.free.forward(ids)[-1]
+            pending["free"] = compare_recordings(rec, prod_rec, positions, self.cfg, None, prefill)
+        if self.layer is not None:
+            rec = Recorder()
+            self.layer.rec = rec
+            self.layer.forward_layers(ids, lambda i: _layer_input(prod_rec, i, self.cfg.hc_mult), rows)
+            pending["layer"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill)
+        if self.op is not None:
+            rec = Recorder()
+            self.op.step(prod_rec, positions, ids, rec, rows)
+            pending["op"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill)
+        phase = "prefill" if prefill else "decode"
+        for mode, rows_ in pending.items():
+            self.rows += collect(rows_, step=step, phase=phase, mode=mode)
+        self.record_memory(step, phase)
+        return out
+
+    def _run_rows(self, site: str, metrics: dict, step: int) -> None:
+        pending = [{"site": site, "layer": -1, "position": None, "metric": k, "value": v} for k, v in metrics.items()]
+        self.rows += collect(pending, step=step, phase="prefill" if step == 0 else "decode", mode=self.run_mode)
+
+    def record_memory(self, step: int, phase: str) -> None:
+        """Allocator / RSS bytes and the production caches' bytes; cache_growth > 0 = per-step growth."""
+        cache = self.p_sess.cache_bytes()
+        if self.cache_bytes0 is None:
+            self.cache_bytes0 = cache
+        metrics = dict(memory_stats(self.spec.device))
+        growth = float(cache - self.cache_bytes0)
+        metrics.update(cache_bytes=torch.tensor(float(cache)), cache_growth=torch.tensor(growth))
+        self._run_rows("memory", metrics, step)
+
+    def record_stop(self, step: int, token: int) -> None:
+        """stop_mismatch = 1 when the reference stop set and the decoder's disagree on this token."""
+        mismatch = (token in self.stops) != (token in self.prod_stops)
+        self._run_rows("stops", {"stop_mismatch": torch.tensor(float(mismatch))}, step)
+
+    def next_token(self, step: int, logits: dict[str, torch.Tensor], history: list[int]) -> int:
+        """The stream's next token; records whether the oracle's and the decoder's samplers agree."""
+        hist = torch.tensor(history)
+        prod_hist = hist[len(self.spec.prompt) :] if on("rep-penalty-no-prompt") else hist
+        prod_pick = self.prod_sampler.pick(logits["production"].float(), prod_hist, step)
+        ref_pick = self.sampler.pick(logits["oracle"].float(), hist, step) if "oracle" in logits else None
+        if self.spec.stream == "given":
+            nxt = int(self.spec.continuation[step])
+        else:
+            nxt = ref_pick if self.spec.stream == "oracle" and ref_pick is not None else prod_pick
+        # the reference sampler on the decoder's own logits: any difference is the decoder's sampler
+        impl = torch.tensor(float(self.sampler.pick(logits["production"].float(), hist, step) != prod_pick))
+        metrics = {"sampler_impl_mismatch": impl}
+        if ref_pick is not None:
+            margin = sampler_agreement(logits["oracle"].float(), logits["production"].float(), hist,
+                                       self.spec.sampler, step)["pick_margin"]
+            differ = torch.tensor(float(ref_pick != prod_pick))
+            metrics.update(same_pick=1 - differ, pick_margin=margin,
+                           pick_flip_with_margin=differ * (margin > PICK_FLIP_MARGIN))
+        self._run_rows("sampler", metrics, step)
+        return nxt
+
+    def manifest(self, seconds: float, stop_reason: str) -> dict:
+        s = self.spec
+        return {
+            "package": f"dsv4-fidelity {__version__}",
+            "config": self.cfg.to_official_dict(),
+            "checkpoint": {"layout": self.ckpt.layout, "path": str(self.ckpt.path or ""),
+                           "hash": checkpoint_hash(self.ckpt)},
+            "profile": profile_dict(self.prod.profile),
+            "modes": list(s.modes),
+            "stream": s.stream,
+            "sampler": vars(s.sampler),
+            "prompt_len": len(s.prompt),
+            "decode_steps": len(self.tokens),
+            "stop_reason": stop_reason,
+            "generated": self.tokens,
+            "oracle_dtype": str(s.oracle_dtype).removeprefix("torch."),
+            "max_context": self.prod.max_context,
+            "sample_queries": s.sample_queries,
+            "cache_bytes": self.p_sess.cache_bytes(),
+            "implementations": implementations_used(),
+            "command": " ".join(sys.argv),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__},
+            "device": _device_name(s.device),
+            "git_revision": _git_revision(),
+            "seconds": round(seconds, 3),
+        }
+
+
+def _layer_input(rec: Recorder, i: int, hc: int) -> torch.Tensor:
+    """Production's input streams to layer i: the embedding repeated for layer 0, else L{i-1}.residual."""
+    if i == 0:
+        return rec.get("embed").unsqueeze(1).repeat(1, hc, 1)
+    return rec.get(f"L{i - 1}.residual")
+
+
+def checkpoint_hash(ckpt) -> str:
+    """sha256 over the config and every tensor's name, format and shape, plus the stored bytes of small
+    tensors (norms, biases, hc, sinks): identifies a checkpoint without reading a 160 GB model."""
+    h = hashlib.sha256(json.dumps(ckpt.config.to_official_dict(), sort_keys=True).encode())
+    for name in ckpt.names():
+        st = ckpt.stored(name) if hasattr(ckpt, "stored") else None
+        h.update(name.encode())
+        if st is not None:
+            h.update(f"{st.fmt}{tuple(st.data.shape)}".encode())
+            if st.data.numel() <= 65536:
+                h.update(st.data.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def _git_revision() -> str | None:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

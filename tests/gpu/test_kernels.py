@@ -1,0 +1,305 @@
+"""GPU production kernels (fidelity.production.kernels, Triton) against the CPU emulation and the fp64 oracle.
+
+Skipped as a module without triton or without a CUDA device (CI runs on CPU). Property tests are hypothesis,
+derandomized, no deadline. Contracts:
+
+* vs the oracle: ``fidelity.testing.check_against_oracle`` / ``check_case`` (the op's published contract);
+* vs the CPU emulation (``fidelity.production.ops``): sparse attention per (query, head) row
+  ``calc_diff <= (2 * 1.25 * 2^-8)^2 / 2`` (P's bf16 rounding may flip where fp32 exp / summation order differ);
+  index scores within twice the contract's elementwise bound; RMSNorm ``y`` within one bf16 ulp;
+* bit-exact: the FP8 quantizer of ``rms_norm_fp8`` (codes and scale bytes, given the kernel's ``y``), the
+  584 B/token FP8 KV path vs the bf16 path on the same (dequantized) rows, FP4 keys vs their dequantized bf16
+  copy, and the causal mask.
+"""
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fidelity.formats import dequantize_fp4, quantize_fp4, quantize_fp8  # noqa: E402
+from fidelity.production import ops  # noqa: E402
+from fidelity.production.kernels import indexer, mhc, rms_norm, sparse_attention  # noqa: E402
+from fidelity.production.registry import REGISTRY  # noqa: E402
+from fidelity.testing import Case, check_against_oracle, check_case, strategies  # noqa: E402
+
+BF16 = torch.bfloat16
+CUDA = "cuda"
+ROW_CALC_DIFF = (2 * 1.25 * 2.0**-8) ** 2 / 2
+PROPS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=list(HealthCheck))
+REGISTERED = ("sparse_attention", "index_scores", "rms_norm", "hc_pre")
+
+
+def _gen(draw) -> torch.Generator:
+    return torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+
+
+def _row_calc_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row calc_diff (last dim), fp64, rows where both are all-zero count as 0."""
+    a, b = a.double().flatten(0, -2), b.double().flatten(0, -2)
+    den = (a * a).sum(-1) + (b * b).sum(-1)
+    return torch.where(den > 0, 1 - 2 * (a * b).sum(-1) / den.clamp(min=1e-300), 0.0)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other has NaN (+0 == -0)."""
+    a, b = a.double(), b.double()
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# registry and the published contracts (oracle in fp64)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_kernels_are_registered_under_the_cpu_op_names():
+    for op in REGISTERED:
+        assert "cpu" in REGISTRY[op] and "triton" in REGISTRY[op], op
+
+
+@pytest.mark.parametrize("op", REGISTERED)
+def test_kernel_meets_the_op_contract(op):
+    check_against_oracle(op, REGISTRY[op]["triton"], max_examples=40, device=CUDA)
+
+
+def test_sparse_attention_contract_wide_heads():
+    check_against_oracle("sparse_attention", sparse_attention.sparse_attention, max_examples=25, device=CUDA,
+                         strategy=strategies.sparse_attention_inputs(head_dims=(128, 512), max_heads=128))
+
+
+def test_index_scores_contract_64_heads():
+    check_against_oracle("index_scores", indexer.index_scores, max_examples=25, device=CUDA,
+                         strategy=strategies.index_scores_inputs(dims=(128,), max_heads=64))
+
+
+def test_registered_kernels_accept_cpu_tensors():
+    q = torch.randn(2, 4, 128).to(BF16)
+    kv = torch.randn(10, 128).to(BF16)
+    idx = torch.tensor([[0, 1, -1], [2, -1, 3]], dtype=torch.int32)
+    out = sparse_attention.sparse_attention(q, kv, idx, torch.zeros(4), 128**-0.5)
+    assert out.device.type == "cpu" and out.dtype == BF16
+    assert _row_calc_diff(out, ops.sparse_attention(q, kv, idx, torch.zeros(4), 128**-0.5)).max() <= ROW_CALC_DIFF
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sparse attention: DSv4-shaped cases (window of 128 incl. self, compressed picks, -1 padding)
+# ---------------------------------------------------------------------------------------------------------------
+
+_T_EDGES = (0, 1, 2, 3, 4, 5, 7, 8, 126, 127, 128, 129, 255, 256, 511, 512, 513)
+
+
+@st.composite
+def attention_cases(draw):
+    """q [n, H, d], kv [window rows | compressed rows], idx = 128 window entries (positions t-127..t, -1 before 0,
+    valid first or in position order) + a top-k part over the visible compressed entries j < (t+1)//ratio
+    (HCA: all of them; CSA: a random subset; ragged / all -1 / empty cache)."""
+    h = draw(st.sampled_from((4, 64, 128)))
+    d = 128 if h == 4 else draw(st.sampled_from((128, 512)))
+    n = draw(st.integers(1, 4))
+    t_last = draw(st.one_of(st.sampled_from(_T_EDGES), st.integers(0, 2000)))
+    ratio = draw(st.sampled_from((4, 128)))
+    topk = draw(st.sampled_from((0, 1, 63, 64, 65, 128, 512)))
+    picks = draw(st.sampled_from(("visible", "ragged", "all_masked")))
+    valid_first = draw(st.booleans())
+    g = _gen(draw)
+    positions = [max(0, t_last - n + 1 + i) for i in range(n)]
+    n_comp = (t_last + 1) // ratio
+    idx = torch.full((n, 128 + topk), -1, dtype=torch.int32)
+    for i, t in enumerate(positions):
+        win = torch.arange(t - 127, t + 1)
+        win = torch.where(win >= 0, win, -1)
+        if valid_first:
+            win = torch.cat((win[win >= 0], win[win < 0]))
+        idx[i, :128] = win.to(torch.int32)
+        visible = (t + 1) // ratio
+        if topk and visible and picks != "all_masked":
+            chosen = torch.randperm(visible, generator=g)[: min(topk, visible)]
+            if picks == "ragged":
+                chosen = chosen[torch.rand(len(chosen), generator=g) < 0.6]
+            idx[i, 128 : 128 + len(chosen)] = (t_last + 1 + chosen).to(torch.int32)
+    kv_scale = draw(st.sampled_from((0.25, 1.0, 4.0)))
+    temperature = draw(st.sampled_from((0.5, 1.0, 4.0)))
+    kv = (torch.randn(t_last + 1 + n_comp, d, generator=g) * kv_scale).to(BF16)
+    q = (torch.randn(n, h, d, generator=g) * (temperature / kv_scale)).to(BF16)
+    sink = torch.randn(h, generator=g) * 2 + draw(st.sampled_from((0.0, 4.0, -8.0)))
+    args = {"q": q, "kv": kv, "idx": idx, "sink": sink, "scale": d**-0.5, "fmt": "bf16"}
+    return Case(args, note=f"H={h} d={d} t={t_last} ratio={ratio} topk={topk} picks={picks} n_comp={n_comp}")
+
+
+@PROPS
+@given(case=attention_cases())
+def test_sparse_attention_matches_emulation_and_oracle(case):
+    a = case.args
+    found = sparse_attention.sparse_attention_cuda(*(v.to(CUDA) if isinstance(v, torch.Tensor) else v
+                                                     for v in a.values())).cpu()
+    emulated = ops.sparse_attention(*a.values())
+    worst = float(_row_calc_diff(found, emulated).max())
+    assert worst <= ROW_CALC_DIFF, f"calc_diff vs emulation {worst:.3g} > {ROW_CALC_DIFF:.3g}; {case.note}"
+    check_case("sparse_attention", sparse_attention.sparse_attention, case, device=CUDA)
+
+
+@PROPS
+@given(case=attention_cases(), splits=st.sampled_from((2, 3, 5)), split_d=st.sampled_from((1, 2)))
+def test_sparse_attention_split_variants(case, splits, split_d):
+    a = case.args
+    if a["q"].shape[-1] != 512:
+        split_d = 1
+    args = [v.to(CUDA) if isinstance(v, torch.Tensor) else v for v in a.values()]
+    found = sparse_attention.sparse_attention_cuda(*args, config={"num_splits": splits, "split_d": split_d}).cpu()
+    assert float(_row_calc_diff(found, ops.sparse_attention(*a.values())).max()) <= ROW_CALC_DIFF, case.note
+    if split_d == 1 and a["idx"].shape[1] <= 64:  # a single index block: the default launch's arithmetic
+        assert torch.equal(found, sparse_attention.sparse_attention_cuda(*args).cpu())
+
+
+@PROPS
+@given(case=attention_cases())
+def test_fp8_kv_layout_is_bit_identical_to_bf16_rows(case):
+    a = case.args
+    if a["q"].shape[-1] != 512:
+        return
+    kv = ops.kv_round(a["kv"].to(CUDA), 64, "fp8")
+    packed = sparse_attention.pack_kv_fp8(kv)
+    assert packed.shape == (kv.shape[0], 584)
+    assert torch.equal(sparse_attention.unpack_kv_fp8(packed).view(torch.int16), kv.view(torch.int16))
+    q, idx, sink = a["q"].to(CUDA), a["idx"].to(CUDA), a["sink"].to(CUDA)
+    got = sparse_attention.sparse_attention_fp8kv(q, packed, idx, sink, a["scale"])
+    ref = sparse_attention.sparse_attention_cuda(q, kv, idx, sink, a["scale"])
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), case.note
+
+
+def test_sparse_attention_all_masked_and_empty():
+    q = torch.randn(3, 64, 512).to(BF16)
+    kv = torch.randn(5, 512).to(BF16)
+    sink = torch.randn(64)
+    for idx in (torch.full((3, 130), -1, dtype=torch.int32), torch.zeros((3, 0), dtype=torch.int32)):
+        out = sparse_attention.sparse_attention(q, kv, idx, sink, 512**-0.5)
+        assert torch.equal(out, ops.sparse_attention(q, kv, idx, sink, 512**-0.5))
+        assert not out.abs().any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# indexer scores
+# ---------------------------------------------------------------------------------------------------------------
+
+_E_EDGES = (0, 1, 3, 4, 5, 63, 64, 65, 127, 128, 129, 4095, 4096, 4097)
+
+
+def _bound(q, keys, w) -> torch.Tensor:
+    """The index_scores contract's elementwise bound (fidelity.testing), recomputed here in fp64."""
+    q, keys, w = q.double(), keys.double(), w.double().abs()
+    terms = torch.einsum("nhd,ed->nhe", q, keys).relu()
+    absdots = torch.einsum("nhd,ed->nhe", q.abs(), keys.abs())
+    return 4 * 2.0**-8 * (terms * w[..., None]).sum(1) + q.shape[-1] * 2.0**-23 * (absdots * w[..., None]).sum(1)
+
+
+@st.composite
+def indexer_cases(draw):
+    h = draw(st.sampled_from((4, 64)))
+    d = draw(st.sampled_from((64, 128)))
+    n = draw(st.integers(1, 3))
+    e = draw(st.one_of(st.sampled_from(_E_EDGES), st.integers(0, 5000)))
+    g = _gen(draw)
+    q = torch.randn(n, h, d, generator=g)
+    keys = torch.randn(e, d, generator=g) * draw(st.sampled_from((0.1, 1.0, 8.0)))
+    q = ops.indexer_round(q, "fp4", rotate=True).to(BF16)  # the production q: Hadamard + FP4, stored bf16
+    w = (torch.randn(n, h, generator=g) * (d**-0.5 * h**-0.5)).to(BF16)
+    return q, keys, w
+
+
+@PROPS
+@given(case=indexer_cases())
+def test_index_scores_match_emulation(case):
+    q, keys, w = case
+    keys = keys.to(BF16)
+    found = indexer.index_scores_cuda(q.to(CUDA), keys.to(CUDA), w.to(CUDA)).cpu()
+    emulated = ops.index_scores(q, keys, w)
+    assert found.shape == emulated.shape and found.dtype == BF16
+    err = (found.double() - emulated.double()).abs()
+    assert bool((err <= 2 * _bound(q, keys, w)).all())
+
+
+@PROPS
+@given(case=indexer_cases(), t0=st.sampled_from((0, 3, 4, 7, 8, 127, 128, 511, 4095, 4096)))
+def test_index_scores_fp4_keys_and_causal_mask(case, t0):
+    q, keys, w = case
+    d = q.shape[-1]
+    packed, scales = quantize_fp4(keys, 32)
+    deq = dequantize_fp4(packed, scales).to(BF16)
+    qc, wc = q.to(CUDA), w.to(CUDA)
+    ref = indexer.index_scores_cuda(qc, deq.to(CUDA), wc)
+    got = indexer.index_scores_fp4(qc, packed.to(CUDA), scales.to(CUDA), wc)
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    assert torch.equal(ref.cpu().view(torch.int16), indexer.index_scores(q, deq, w).view(torch.int16))
+    positions = torch.arange(q.shape[0]) + t0
+    masked = indexer.index_scores_fp4(qc, packed.to(CUDA), scales.to(CUDA), wc, positions=positions.to(CUDA)).cpu()
+    hidden = torch.arange(keys.shape[0])[None, :] >= ((positions + 1) // 4)[:, None]
+    assert bool(torch.isneginf(masked[hidden]).all())
+    assert torch.equal(masked[~hidden], ref.cpu()[~hidden])
+    assert d % 32 == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RMSNorm (+ FP8 quantization)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def norm_cases(draw):
+    n = draw(st.integers(1, 8))
+    d = draw(st.sampled_from((128, 512, 1024, 4096, 7168)))
+    g = _gen(draw)
+    scales = torch.exp2(torch.empty(n, 1).uniform_(-10, 10, generator=g))
+    x = torch.randn(n, d, generator=g) * scales
+    if draw(st.integers(0, 4)) == 4:
+        x[int(torch.randint(0, n, (1,), generator=g))] = 0.0
+    if draw(st.integers(0, 4)) == 4:
+        x.view(-1)[int(torch.randint(0, n * d, (1,), generator=g))] = math.nan
+    w = torch.randn(d, generator=g) * draw(st.sampled_from((0.1, 1.0, 30.0)))
+    return x.to(BF16), w
+
+
+@PROPS
+@given(case=norm_cases())
+def test_rms_norm_fp8_quantizer_is_bit_exact(case):
+    x, w = case
+    codes, sbytes, y = rms_norm.rms_norm_fp8_cuda(x.to(CUDA), w.to(CUDA), 1e-6, return_y=True)
+    codes, sbytes, y = codes.cpu(), sbytes.cpu(), y.cpu()
+    ref_codes, ref_bytes = quantize_fp8(y, 128)
+    assert torch.equal(sbytes, ref_bytes)
+    assert _same(codes.float(), ref_codes.float())
+    assert torch.equal(rms_norm.rms_norm_fp8_cuda(x.to(CUDA), w.to(CUDA), 1e-6)[0].cpu().view(torch.uint8),
+                       codes.view(torch.uint8))
+    emulated = ops.rms_norm(x, w, 1e-6)
+    ulp = emulated.double().abs() * 2.0**-7
+    ok = ((y.double() - emulated.double()).abs() <= ulp) | (y.isnan() & emulated.isnan())
+    assert bool(ok.all())
+    same = (emulated.view(torch.int16) == y.view(torch.int16)) | (y.isnan() & emulated.isnan())
+    assert float(same.float().mean()) >= 0.99
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mHC pre
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [4096, 7168])
+def test_hc_pre_at_model_width(dim):
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(37, 4, dim, generator=g).to(BF16)
+    fn = torch.randn(24, 4 * dim, generator=g) * (4 * dim) ** -0.5
+    scale, base = torch.rand(3, generator=g) * 2, torch.randn(24, generator=g)
+    found = mhc.hc_pre_cuda(x.to(CUDA), fn.to(CUDA), scale.to(CUDA), base.to(CUDA), 1e-6, 20, 1e-6)
+    emulated = ops.hc_pre(x, fn, scale, base, 1e-6, 20, 1e-6)
+    assert float(_row_calc_diff(found[0].cpu(), emulated[0]).max()) <= (1.25 * 2.0**-8) ** 2 / 2
+    for f, e in zip(found[1:], emulated[1:], strict=True):
+        assert float(((f.cpu() - e).abs() / e.abs().clamp(min=1e-30)).max()) <= 2.0**-12  # 2 x (2^-14 vs fp64)
+    check_case("hc_pre", mhc.hc_pre, Case({"x": x[:4], "fn": fn, "scale": scale, "base": base, "norm_eps": 1e-6,
+                                           "iters": 20, "hc_eps": 1e-6}), device=CUDA)

@@ -1,0 +1,415 @@
+"""The production decoder (``fidelity.production``): official numerics per precision profile vs the fp32 oracle,
+incremental decode vs its own prefill, preallocated caches, visibility, op-level numerics, profiles.
+
+Bounds are stated a little below measured values (torch 2.13 CPU, 2 threads); each docstring gives the
+measurement. Prompts are 256 tokens or fewer so the module runs in well under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fidelity.config import ModelConfig
+from fidelity.formats import dequantize_fp8, quantize_fp8
+from fidelity.production import PROFILES, ContextError, ProductionModel, ProductionSession, get_profile, ops
+from fidelity.production.profiles import load_profile
+from fidelity.sites import Recorder
+from fidelity.synthesize import synthesize
+from oracles import OracleModel
+from oracles import attention as oracle_attention
+from oracles.moe import gate as oracle_gate
+
+BF16 = torch.bfloat16
+TINY = ModelConfig.preset("tiny")
+# No discrete selection can flip: every compressed entry is selected (64 <= 128 at 256 tokens), every expert is
+# active, no hash layers. What remains between profiles / the oracle is rounding only.
+FLIP_FREE = TINY.replace(vocab_size=1024, n_hash_layers=0, n_routed_experts=4, n_activated_experts=4, index_topk=128)
+# SWA + HCA only, narrow: visibility does not depend on the width
+VIS = TINY.replace(
+    vocab_size=256, dim=128, n_layers=2, compress_ratios=(0, 128), n_hash_layers=0, n_heads=2, o_groups=1,
+    q_lora_rank=128, o_lora_rank=128, moe_inter_dim=128, n_routed_experts=2, n_activated_experts=1,
+)  # fmt: skip
+T = 256
+
+
+def _ids(cfg: ModelConfig, n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(2, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row cosine (leading dim = positions), float64."""
+    return F.cosine_similarity(a.double().flatten(1), b.double().flatten(1), dim=-1)
+
+
+def _decode(session: ProductionSession, ids: torch.Tensor, n_prefill: int) -> torch.Tensor:
+    """Prefill ids[:n_prefill], then one step per remaining id -> logits [len(ids), vocab]."""
+    out = [session.prefill(ids[:n_prefill])]
+    return torch.cat(out + [session.step(int(t))[None] for t in ids[n_prefill:]])
+
+
+def _cache_tensors(session: ProductionSession) -> dict[str, torch.Tensor]:
+    """Every tensor the session's layer caches hold (KV / key stores, carries, gather buffers), by path."""
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(session.layers):
+        for name, obj in vars(layer).items():
+            if isinstance(obj, torch.Tensor):
+                out[f"{i}.{name}"] = obj
+            elif obj is not None and hasattr(obj, "__dict__"):
+                out.update({f"{i}.{name}.{k}": t for k, t in vars(obj).items() if isinstance(t, torch.Tensor)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return synthesize(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def flip_free():
+    return synthesize(FLIP_FREE, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_decoded(tiny):
+    """profile -> logits of prefill 250 + 8 decode steps on tiny (memoized)."""
+    memo: dict[str, torch.Tensor] = {}
+
+    def run(profile: str) -> torch.Tensor:
+        if profile not in memo:
+            memo[profile] = _decode(ProductionModel(tiny, profile, max_context=258).session(), _ids(TINY, 258), 250)
+        return memo[profile]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def vis_ckpt():
+    return synthesize(VIS, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_oracle(tiny):
+    rec = Recorder([r"L\d+\.residual"])
+    return OracleModel(tiny).logits(_ids(TINY, T), rec), rec
+
+
+# ---- profiles that change storage only --------------------------------------------------------------------
+@pytest.mark.parametrize(("profile", "base"), [("fp8-kv-storage", "reference"), ("fp4-indexer-packed", "reference"),
+                                               ("fp8-indexer:indexer_storage=packed", "fp8-indexer")])
+def test_packed_storage_is_bit_identical(tiny, tiny_decoded, profile, base):
+    """FP8 KV rows (e4m3 codes + ue8m0 scales) and packed FP4 / FP8 indexer keys hold exactly the values the
+    bf16 rows hold (already FP8 / FP4 grid values), so logits are bit-identical in prefill and in decode
+    (prefill 250, then 8 steps across a CSA entry and the HCA entry completed at position 255)."""
+    packed = ProductionModel(tiny, profile, max_context=258).session()
+    assert packed.cache_bytes() < ProductionModel(tiny, base, max_context=258).session().cache_bytes()
+    assert torch.equal(_decode(packed, _ids(TINY, 258), 250), tiny_decoded(base))
+
+
+# ---- production vs the fp32 oracle --------------------------------------------------------------------------
+def test_bf16_profile_matches_oracle_without_discrete_flips(flip_free):
+    """Profile bf16 (no FP8/FP4 anywhere; bf16 storage and GEMM outputs) on the flip-free config: every
+    position's logits cos >= 0.9998 (measured, 2 / 1 threads: min 0.999909 / 0.999897, mean 0.99995)."""
+    ids = _ids(FLIP_FREE, T)
+    cos = _cos(ProductionModel(flip_free, "bf16", max_context=T).logits(ids), OracleModel(flip_free).logits(ids))
+    assert float(cos.min()) >= 0.9998
+
+
+def test_bf16_profile_matches_oracle_on_tiny(tiny, tiny_oracle):
+    """Profile bf16 on the tiny default: last-position logits cos >= 0.999 (measured 0.999925 / 0.999929 with
+    2 / 1 threads). Earlier positions can be far off (min 0.87): index top-k and routing near-ties flip there
+    (see the decode test)."""
+    logits = ProductionModel(tiny, "bf16", max_context=T).logits(_ids(TINY, T))
+    assert float(_cos(logits[-1:], tiny_oracle[0][-1:])) >= 0.999
+
+
+# measured mean-over-positions cos of L{i}.residual, reference vs fp32 oracle, 256 tokens (seeds 0 / 1 / 2):
+#   L0 .99932/.99938/.99942  L1 .99872/.99883/.99874  L2 .99810/.99817/.99800
+#   L3 .99420/.99397/.99279  L4 .99103/.99050/.98805  L5 .98592/.98654/.98185
+# (1 thread: within 0.002 of these, lowest L4 .98745 and L5 .98168 on seed 2)
+REFERENCE_LAYER_COS = (0.999, 0.998, 0.997, 0.990, 0.984, 0.975)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reference_profile_per_layer_cosine(tiny, tiny_oracle, seed):
+    """Profile reference (official QAT numerics) stays within REFERENCE_LAYER_COS of the oracle per layer
+    (residual streams, mean over 256 positions). Layers 0-2 use hash routing; from layer 3 on, biased top-2
+    routing and the layer-2 index top-k flip on near-ties, so the per-position minimum drops to ~0.84-0.93
+    while the mean stays >= 0.98. Measured values in the comment above."""
+    ckpt = tiny if seed == 0 else synthesize(TINY, seed=seed)
+    ids = _ids(TINY, T, seed)
+    if seed == 0:
+        oracle = tiny_oracle[1]
+    else:
+        oracle = Recorder([r"L\d+\.residual"])
+        OracleModel(ckpt).logits(ids, oracle)
+    prod = Recorder([r"L\d+\.residual"])
+    ProductionModel(ckpt, "reference", max_context=T).logits(ids, prod)
+    got = [float(_cos(prod.get(f"L{i}.residual"), oracle.get(f"L{i}.residual")).mean()) for i in range(TINY.n_layers)]
+    assert all(g >= b for g, b in zip(got, REFERENCE_LAYER_COS, strict=True)), got
+
+
+# ---- incremental decode vs the model's own prefill ------------------------------------------------------------
+@pytest.mark.parametrize(("profile", "bound"), [("reference", 0.99), ("bf16", 0.9997)])
+def test_decode_matches_own_prefill(flip_free, profile, bound):
+    """Prefill 232 tokens then 24 decode steps (ring wrap, CSA entries, the HCA entry at 255) vs one prefill
+    of all 256, flip-free config: min logits cos >= bound (measured, 2 / 1 threads: reference 0.993771 / 0.993789, bf16
+    0.999879 / 0.999896).
+
+    The difference is rounding only: a decode step runs [1, k] GEMMs where the prefill runs [T, k] ones, so
+    fp32 accumulation order differs, some bf16 outputs round the other way, and FP8 activation quantization
+    (reference) turns those 1-ulp changes into whole e4m3 steps, growing layer by layer. On the tiny default
+    config the same comparison has occasional large per-position deviations (measured min: reference 0.892,
+    bf16 0.99967 / 0.99978): bf16 index scores tie or nearly tie at the top-k boundary and MoE routing scores nearly
+    tie, so a rounding difference flips a discrete choice (another entry or expert), not just a low bit.
+    """
+    ids = _ids(FLIP_FREE, T)
+    model = ProductionModel(flip_free, profile, max_context=T)
+    full = model.logits(ids)
+    inc = _decode(model.session(), ids, 232)
+    assert float(_cos(inc[231:], full[231:]).min()) >= bound
+
+
+# ---- caches ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("profile", ["reference", "reference:kv_storage=fp8,indexer_storage=packed"])
+def test_caches_allocated_once(flip_free, profile):
+    """Every cache tensor keeps its storage (data_ptr) over prefill + 20 decode steps; cache_bytes constant."""
+    session = ProductionModel(flip_free, profile, max_context=160).session()
+    tensors = _cache_tensors(session)
+    ptrs = {k: t.data_ptr() for k, t in tensors.items()}
+    nbytes = session.cache_bytes()
+    ids = _ids(FLIP_FREE, 160)
+    session.prefill(ids[:140])
+    after_prefill = {k: t.clone() for k, t in tensors.items()}
+    for t in ids[140:]:
+        session.step(int(t))
+        now = _cache_tensors(session)
+        assert now.keys() == ptrs.keys()
+        assert {k: v.data_ptr() for k, v in now.items()} == ptrs
+        assert session.cache_bytes() == nbytes
+    assert any(not torch.equal(after_prefill[k], t) for k, t in tensors.items() if ".kv." in k)  # caches used
+
+
+def _snapshot(session: ProductionSession) -> dict[str, torch.Tensor]:
+    return {k: t.clone() for k, t in _cache_tensors(session).items()}
+
+
+def _unchanged(session: ProductionSession, snap: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(t, snap[k]) for k, t in _cache_tensors(session).items())
+
+
+def test_context_overflow_raises_before_state_changes(flip_free):
+    model = ProductionModel(flip_free, "reference", max_context=130)
+    ids = _ids(FLIP_FREE, 131)
+    session = model.session()
+    snap = _snapshot(session)
+    with pytest.raises(ContextError, match="0 \\+ 131 tokens exceeds max_context 130"):
+        session.prefill(ids)
+    assert session.pos == 0 and _unchanged(session, snap)
+    session.prefill(ids[:129])
+    session.step(int(ids[129]))  # position 129: the last that fits
+    snap, pos = _snapshot(session), session.pos
+    with pytest.raises(ContextError, match="max_context 130"):
+        session.step(int(ids[130]))
+    assert session.pos == pos == 130 and _unchanged(session, snap)
+
+
+def test_bad_calls_raise_without_state_change(flip_free):
+    session = ProductionModel(flip_free, "reference", max_context=64).session()
+    ids = _ids(FLIP_FREE, 8)
+    with pytest.raises(ValueError, match="decode: expected one token after a prefill"):
+        session.step(5)
+    with pytest.raises(ValueError, match=r"input_ids: expected ids in \[0, 1024\), found \[2, 1024\]"):
+        session.prefill(torch.tensor([2, 1024]))
+    with pytest.raises(ValueError, match="expected at least one token"):
+        session.prefill(torch.tensor([], dtype=torch.long))
+    assert session.pos == 0
+    session.prefill(ids[:4])
+    snap = _snapshot(session)
+    with pytest.raises(ValueError, match="no chunked prefill"):
+        session.prefill(ids[4:])
+    with pytest.raises(ValueError, match="expected one token after a prefill, found 2 token"):
+        session.forward(ids[4:6])
+    with pytest.raises(ValueError, match=r"expected ids in \[0, 1024\), found \[-1, -1\]"):
+        session.step(-1)
+    assert session.pos == 4 and _unchanged(session, snap)
+
+
+# ---- visibility: window ring + HCA entries --------------------------------------------------------------------
+def _sets(visible: torch.Tensor, lo: int, hi: int | None = None) -> list[set[int]]:
+    return [{int(v) for v in row[lo:hi] if v >= 0} for row in visible]
+
+
+@pytest.mark.parametrize(("n_prefill", "n_total"), [(127, 127), (128, 128), (129, 129), (255, 255), (256, 256),
+                                                    (257, 257), (126, 130), (254, 258)])
+def test_visible_sets_match_oracle(vis_ckpt, n_prefill, n_total):
+    """``L{i}.attn.visible`` equals the oracle's per query as sets and the rule: window {t-127 .. t} (incl.
+    self), HCA entries {j < (t+1)//128}; prefill of 127-129 / 255-257 tokens and decode through them."""
+    ckpt = vis_ckpt
+    ids, win = _ids(VIS, n_total), VIS.window_size
+    prod, orac = Recorder([r"L\d+\.attn\.visible"]), Recorder([r"L\d+\.attn\.visible"])
+    _decode(ProductionModel(ckpt, "reference", max_context=n_total).session(prod), ids, n_prefill)
+    oracle = OracleModel(ckpt).session(orac)
+    oracle.prefill(ids[:n_prefill])
+    for t in ids[n_prefill:]:
+        oracle.step(int(t))
+    for i in range(VIS.n_layers):
+        p, o = prod.get(f"L{i}.attn.visible"), orac.get(f"L{i}.attn.visible")
+        assert len(p) == len(o) == n_total
+        assert _sets(p, 0, win) == _sets(o, 0, win) == [set(range(max(0, t - win + 1), t + 1)) for t in range(n_total)]
+        if VIS.ratio(i):
+            rule = [set(range((t + 1) // VIS.ratio(i))) for t in range(n_total)]
+            assert _sets(p, win) == _sets(o, win) == rule
+
+
+# ---- official numerics, op level ------------------------------------------------------------------------------
+def _attention_inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(3, 4, 64, generator=g).to(BF16)
+    kv = torch.randn(50, 64, generator=g).to(BF16)
+    idx = torch.randint(0, 50, (3, 40), generator=g)
+    idx[:, 30:] = -1
+    return q, kv, idx, torch.randn(4, generator=g), 64**-0.5
+
+
+def _one_block_attention(q, kv, idx, sink, scale, round_p: bool) -> torch.Tensor:
+    """``sparse_attn`` for <= 64 indices (one online-softmax block): fp32 logits, P (optionally bf16) . V."""
+    valid = idx >= 0
+    rows = kv.float()[idx.clamp(min=0)] * valid.unsqueeze(-1)
+    logits = torch.einsum("nhd,nbd->nhb", q.float(), rows) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    m = logits.amax(dim=-1)
+    p = torch.exp(logits - m.unsqueeze(-1))
+    total = p.sum(dim=-1) + torch.exp(sink.unsqueeze(0) - m)
+    acc = torch.einsum("nhb,nbd->nhd", p.to(BF16).float() if round_p else p, rows)
+    return (acc / total.unsqueeze(-1)).to(BF16)
+
+
+def test_sparse_attention_rounds_p_to_bf16_before_pv():
+    q, kv, idx, sink, scale = _attention_inputs()
+    got = ops.sparse_attention(q, kv, idx, sink, scale)
+    assert torch.equal(got, _one_block_attention(q, kv, idx, sink, scale, round_p=True))
+    assert not torch.equal(got, _one_block_attention(q, kv, idx, sink, scale, round_p=False))
+    exact = oracle_attention.sparse_attention(q.float(), kv.float()[idx.clamp(min=0)], idx >= 0, sink, scale)
+    torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-3)
+
+
+def test_sparse_attention_sink_only_in_denominator():
+    """The sink adds exp(sink - m) to the softmax denominator and has no value row: the output is the sink-free
+    output scaled by Z / (Z + exp(sink)) per head, and a huge sink drives it to 0."""
+    q, kv, idx, sink, scale = _attention_inputs(1)
+    no_sink = ops.sparse_attention(q, kv, idx, torch.full((4,), float("-inf")), scale).float()
+    with_sink = ops.sparse_attention(q, kv, idx, sink, scale).float()
+    valid = idx >= 0
+    logits = torch.einsum("nhd,nbd->nhb", q.float(), kv.float()[idx.clamp(min=0)]) * scale
+    z = logits.masked_fill(~valid.unsqueeze(1), float("-inf")).exp().sum(-1)  # [n, H]
+    torch.testing.assert_close(with_sink, no_sink * (z / (z + sink.exp())).unsqueeze(-1), rtol=2e-2, atol=1e-3)
+    assert not torch.allclose(with_sink, no_sink, rtol=1e-2, atol=1e-3)
+    huge = ops.sparse_attention(q, kv, idx, torch.full((4,), 60.0), scale).float()
+    assert float(huge.abs().max()) < 1e-6 and float(no_sink.abs().max()) > 0.1
+
+
+def test_act_linear_is_fp8_1x128_then_fp32_gemm():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 256, generator=g) * torch.logspace(-2, 1, 256)).to(BF16)
+    w = torch.randn(64, 256, generator=g) / 16
+    want = (dequantize_fp8(*quantize_fp8(x, 128), 128) @ w.T).to(BF16)
+    assert torch.equal(ops.act_linear(x, w), want)
+    assert not torch.equal(ops.act_linear(x, w), (x.float() @ w.T).to(BF16))
+    assert torch.equal(ops.act_linear(x, w, "bf16"), (x.float() @ w.T).to(BF16))
+
+
+def _expert_weights(tiny, layer: int, e: int):
+    return [tiny[f"layers.{layer}.ffn.experts.{e}.{k}.weight"].float() for k in ("w1", "w2", "w3")]
+
+
+def test_routing_weight_applied_before_w2(tiny):
+    """w2's FP8 activation quantization sees the weighted h: weight before w2 != weight after w2 for 0.7; for a
+    power of two the orders agree (pow2 ue8m0 scales shift with h: same e4m3 codes)."""
+    x = (torch.randn(6, TINY.dim, generator=torch.Generator().manual_seed(0))).to(BF16)
+    w1, w2, w3 = _expert_weights(tiny, 3, 0)
+    limit = TINY.swiglu_limit
+
+    def before(weight: torch.Tensor) -> torch.Tensor:
+        g, u = ops.act_linear(x, w1).float(), ops.act_linear(x, w3).float()
+        h = F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+        return ops.act_linear((weight * h).to(BF16), w2)
+
+    def after(weight: torch.Tensor) -> torch.Tensor:
+        return (ops.expert(x, w1, w2, w3, limit, None, "fp8").float() * weight).to(BF16)
+
+    for value in (0.7, 0.5):
+        weight = torch.full((6, 1), value)
+        got = ops.expert(x, w1, w2, w3, limit, weight, "fp8")
+        assert torch.equal(got, before(weight))
+        assert torch.equal(got, after(weight)) == (value == 0.5)
+
+
+def test_session_moe_uses_before_w2_experts(tiny):
+    """The production MoE (gate, routed experts with their weights before w2, shared expert, fp32 sum)."""
+    layer, n = 3, 6  # a non-hash layer
+    x = torch.randn(n, TINY.dim, generator=torch.Generator().manual_seed(1)).to(BF16)
+    ids = torch.arange(2, 2 + n)
+    got = ProductionModel(tiny).session().moe(layer, x, ids)
+    p = f"layers.{layer}.ffn."
+    weights, experts = oracle_gate(x.float(), tiny[p + "gate.weight"].float(), tiny[p + "gate.bias"].float(), None,
+                                   ids, TINY)
+    assert bool((torch.log2(weights).frac() != 0).all())  # no routing weight is a power of two
+    y = torch.zeros(n, TINY.dim)
+    y_after = torch.zeros(n, TINY.dim)
+    for e in torch.unique(experts).tolist():
+        rows, slot = torch.where(experts == e)
+        w1, w2, w3 = _expert_weights(tiny, layer, e)
+        wt = weights[rows, slot, None]
+        y.index_add_(0, rows, ops.expert(x[rows], w1, w2, w3, TINY.swiglu_limit, wt, "fp8").float())
+        y_after.index_add_(0, rows, ops.expert(x[rows], w1, w2, w3, TINY.swiglu_limit, None, "fp8").float() * wt)
+    shared = [tiny[f"{p}shared_experts.{k}.weight"].float() for k in ("w1", "w2", "w3")]
+    y_shared = ops.expert(x, *shared, TINY.swiglu_limit, None, "fp8").float()
+    assert torch.equal(got, (y + y_shared).to(BF16))
+    assert not torch.equal(got, (y_after + y_shared).to(BF16))
+
+
+# ---- profiles -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_builtin_profile_runs(tiny, profile):
+    ids = _ids(TINY, 153)
+    session = ProductionModel(tiny, profile, max_context=153).session()
+    logits = _decode(session, ids, 150)
+    assert logits.shape == (153, TINY.vocab_size) and bool(torch.isfinite(logits).all())
+
+
+def test_user_profiles_parse(tmp_path, flip_free):
+    path = tmp_path / "mine.toml"
+    path.write_text('name = "mine"\nbase = "fp8-kv-storage"\nresidual = "fp32"\n')
+    mine = get_profile(str(path))
+    assert (mine.name, mine.kv_storage, mine.residual, mine.changes()) == (
+        "mine", "fp8", "fp32", {"kv_storage": "fp8", "residual": "fp32"})
+    assert load_profile(path) == mine
+    cli = get_profile("reference:kv_storage=fp8")
+    assert cli.kv_storage == "fp8" and cli.changes() == {"kv_storage": "fp8"}
+    assert ProductionModel(flip_free, str(path)).profile == mine
+    (tmp_path / "j.json").write_text('{"base": "bf16", "index_scores": "fp32"}')
+    assert get_profile(str(tmp_path / "j.json")).changes()["index_scores"] == "fp32"
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("reference:kv_storage=fp16", r"kv_storage: expected one of \('bf16', 'fp8'\), found 'fp16'"),
+    ("reference:colour=red", r"unknown profile field\(s\) \['colour'\]; fields are \['fmha', 'gemm_act'"),
+    ("fastest", r"profile: expected one of \['bf16', .*'reference'\].*found 'fastest'"),
+    ("reference:kv_storage", r"expected field=value, found 'kv_storage'"),
+    ("bf16:kv_storage=fp8", r"kv_storage: 'fp8' stores FP8 codes, so kv_nope must be 'fp8' too"),
+    ("reference:indexer_qk=bf16,indexer_storage=packed", r"indexer_storage: 'packed' needs indexer_qk"),
+])  # fmt: skip
+def test_bad_profiles_name_the_field(spec, message):
+    with pytest.raises(ValueError, match=message):
+        get_profile(spec)
+
+
+def test_bad_profile_file_names_the_field(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('base = "reference"\nfmha = "fp16"\n')
+    with pytest.raises(ValueError, match=r"fmha: expected one of \('bf16', 'fp8'\), found 'fp16'"):
+        get_profile(str(path))
+    with pytest.raises(ValueError, match="profile file not found"):
+        get_profile(str(tmp_path / "missing.toml"))

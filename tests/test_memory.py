@@ -18,7 +18,7 @@ FLASH_HEADS = TINY.replace(
     index_topk=512,
 )  # fmt: skip
 PROFILES = ("reference", "fp8-kv-storage", "fp4-indexer-packed", "fp8-indexer:indexer_storage=packed")
-CONTEXTS = (1, 3, 4, 127, 128, 129, 130, 1000, 2053, 4097)
+CONTEXTS = (1, 3, 4, 127, 128, 129, 130, 1000, 4097)
 GiB = 1 << 30
 
 
@@ -35,6 +35,7 @@ def test_analytic_sizes_equal_the_session_allocation(cfg: ModelConfig, profile: 
         for i, layer in enumerate(session.layers):
             m = report.layers[cfg.layer_kinds[i]]
             got = layer.nbytes()
+            assert set(got) <= {"kv", "gather", "indexer_keys", "compressor_state"}
             assert got["kv"] == m.window + m.compressed_kv, f"layer {i}, max_context {n}"
             assert got["gather"] == m.gather
             assert got.get("indexer_keys", 0) == m.indexer_keys

@@ -1,8 +1,9 @@
 """The production decoder (``fidelity.production``): official numerics per precision profile vs the fp32 oracle,
 incremental decode vs its own prefill, preallocated caches, visibility, op-level numerics, profiles.
 
-Bounds are stated a little below measured values (torch 2.13 CPU, 2 threads); each docstring gives the
-measurement. Prompts are 256 tokens or fewer so the module runs in well under a minute on 2 cores.
+Bounds are stated a little below measured values (torch 2.13 CPU, 2 and 1 threads; synthetic weights with the
+shared-expert outlier channels); each docstring gives the measurement. Prompts are 256 tokens or fewer: the
+module runs in ~30 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def _cache_tensors(session: ProductionSession) -> dict[str, torch.Tensor]:
         for name, obj in vars(layer).items():
             if isinstance(obj, torch.Tensor):
                 out[f"{i}.{name}"] = obj
+            elif isinstance(obj, (list, tuple)):
+                out.update({f"{i}.{name}[{j}]": t for j, t in enumerate(obj) if isinstance(t, torch.Tensor)})
             elif obj is not None and hasattr(obj, "__dict__"):
                 out.update({f"{i}.{name}.{k}": t for k, t in vars(obj).items() if isinstance(t, torch.Tensor)})
     return out
@@ -110,33 +113,33 @@ def test_packed_storage_is_bit_identical(tiny, tiny_decoded, profile, base):
 # ---- production vs the fp32 oracle --------------------------------------------------------------------------
 def test_bf16_profile_matches_oracle_without_discrete_flips(flip_free):
     """Profile bf16 (no FP8/FP4 anywhere; bf16 storage and GEMM outputs) on the flip-free config: every
-    position's logits cos >= 0.9998 (measured, 2 / 1 threads: min 0.999909 / 0.999897, mean 0.99995)."""
+    position's logits cos >= 0.9995 (measured, 2 / 1 threads: min 0.999757 / 0.999762, mean 0.999929)."""
     ids = _ids(FLIP_FREE, T)
     cos = _cos(ProductionModel(flip_free, "bf16", max_context=T).logits(ids), OracleModel(flip_free).logits(ids))
-    assert float(cos.min()) >= 0.9998
+    assert float(cos.min()) >= 0.9995
 
 
 def test_bf16_profile_matches_oracle_on_tiny(tiny, tiny_oracle):
-    """Profile bf16 on the tiny default: last-position logits cos >= 0.999 (measured 0.999925 / 0.999929 with
-    2 / 1 threads). Earlier positions can be far off (min 0.87): index top-k and routing near-ties flip there
+    """Profile bf16 on the tiny default: last-position logits cos >= 0.999 (measured 0.999949 / 0.999947 with
+    2 / 1 threads). Earlier positions can be far off (min 0.86): index top-k and routing near-ties flip there
     (see the decode test)."""
     logits = ProductionModel(tiny, "bf16", max_context=T).logits(_ids(TINY, T))
     assert float(_cos(logits[-1:], tiny_oracle[0][-1:])) >= 0.999
 
 
 # measured mean-over-positions cos of L{i}.residual, reference vs fp32 oracle, 256 tokens (seeds 0 / 1 / 2):
-#   L0 .99932/.99938/.99942  L1 .99872/.99883/.99874  L2 .99810/.99817/.99800
-#   L3 .99420/.99397/.99279  L4 .99103/.99050/.98805  L5 .98592/.98654/.98185
-# (1 thread: within 0.002 of these, lowest L4 .98745 and L5 .98168 on seed 2)
-REFERENCE_LAYER_COS = (0.999, 0.998, 0.997, 0.990, 0.984, 0.975)
+#   L0 .99913/.99918/.99921  L1 .99832/.99844/.99818  L2 .99745/.99760/.99707
+#   L3 .99490/.99476/.99416  L4 .99099/.99198/.99070  L5 .98743/.98910/.98677
+# (1 thread: within 0.0005 of these, lowest L3 .99397, L4 .99030, L5 .98648 on seed 2)
+REFERENCE_LAYER_COS = (0.9985, 0.997, 0.995, 0.990, 0.984, 0.978)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reference_profile_per_layer_cosine(tiny, tiny_oracle, seed):
     """Profile reference (official QAT numerics) stays within REFERENCE_LAYER_COS of the oracle per layer
     (residual streams, mean over 256 positions). Layers 0-2 use hash routing; from layer 3 on, biased top-2
-    routing and the layer-2 index top-k flip on near-ties, so the per-position minimum drops to ~0.84-0.93
-    while the mean stays >= 0.98. Measured values in the comment above."""
+    routing and the layer-2 index top-k flip on near-ties, so the per-position minimum drops to ~0.86-0.93
+    while the mean stays >= 0.986. Measured values in the comment above."""
     ckpt = tiny if seed == 0 else synthesize(TINY, seed=seed)
     ids = _ids(TINY, T, seed)
     if seed == 0:
@@ -151,17 +154,17 @@ def test_reference_profile_per_layer_cosine(tiny, tiny_oracle, seed):
 
 
 # ---- incremental decode vs the model's own prefill ------------------------------------------------------------
-@pytest.mark.parametrize(("profile", "bound"), [("reference", 0.99), ("bf16", 0.9997)])
+@pytest.mark.parametrize(("profile", "bound"), [("reference", 0.98), ("bf16", 0.9995)])
 def test_decode_matches_own_prefill(flip_free, profile, bound):
     """Prefill 232 tokens then 24 decode steps (ring wrap, CSA entries, the HCA entry at 255) vs one prefill
-    of all 256, flip-free config: min logits cos >= bound (measured, 2 / 1 threads: reference 0.993771 / 0.993789, bf16
-    0.999879 / 0.999896).
+    of all 256, flip-free config: min logits cos >= bound (measured, 2 / 1 threads: reference 0.988819 / 0.986270, bf16
+    0.999749 / 0.999795).
 
     The difference is rounding only: a decode step runs [1, k] GEMMs where the prefill runs [T, k] ones, so
     fp32 accumulation order differs, some bf16 outputs round the other way, and FP8 activation quantization
     (reference) turns those 1-ulp changes into whole e4m3 steps, growing layer by layer. On the tiny default
-    config the same comparison has occasional large per-position deviations (measured min: reference 0.892,
-    bf16 0.99967 / 0.99978): bf16 index scores tie or nearly tie at the top-k boundary and MoE routing scores nearly
+    config the same comparison has occasional large per-position deviations (measured min: reference 0.943 / 0.976,
+    bf16 0.99978): bf16 index scores tie or nearly tie at the top-k boundary and MoE routing scores nearly
     tie, so a rounding difference flips a discrete choice (another entry or expert), not just a low bit.
     """
     ids = _ids(FLIP_FREE, T)

@@ -119,7 +119,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     for b in range(0, idx.shape[1], ATTN_BLOCK):
         ids = idx[:, b : b + ATTN_BLOCK].long()
         valid = ids >= 0
-        rows = kvf[ids.clamp(min=0)] * valid.unsqueeze(-1)  # [n, B, d], masked rows zeroed
+        rows = torch.where(valid.unsqueeze(-1), kvf[ids.clamp(min=0)], 0.0)  # [n, B, d], masked rows selected 0
         logits = torch.einsum("nhd,nbd->nhb", qf, rows) * scale
         logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
         m_new = torch.maximum(m, logits.amax(dim=-1))

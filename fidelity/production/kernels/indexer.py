@@ -37,7 +37,7 @@ def _e2m1(c):
     return tl.where((c & 8) != 0, -mag, mag)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_keys", "n_heads", "ratio"])
+@triton.jit(do_not_specialize=["n_q", "n_heads", "ratio"])
 def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, n_q, n_keys, n_heads, ratio,
                          stride_qn, stride_qh, stride_k, stride_ks, stride_wn, stride_on,
                          D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, Q_PER_PROG: tl.constexpr,
@@ -127,6 +127,18 @@ def index_scores_cuda(q, keys, weights, dtype=torch.bfloat16, *, positions=None,
 
 index_scores = device_transparent(index_scores_cuda)
 index_scores.__name__ = "triton_index_scores"
+
+
+def dequantize_fp4_keys(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Torch (any device) dequantization of an FP4 key cache: packed uint8 [e, d/2], scale bytes uint8 [e, d/32]
+    -> bf16 [e, d] (exact; equals ``fidelity.formats.dequantize_fp4(...).to(bf16)``)."""
+    packed = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
+    scales = scales.view(torch.uint8) if scales.dtype == torch.float8_e8m0fnu else scales
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=packed.device)
+    table = torch.cat((table, -table))
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+    s = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
+    return (table[codes] * s).to(torch.bfloat16)
 
 
 def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, config=None):

@@ -22,7 +22,7 @@ from fidelity.production.kernels._common import device_transparent, on_device
 @triton.jit(do_not_specialize=["n", "iters"])
 def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr,
                    n, dim, norm_eps, hc_eps, iters, stride_xn,
-                   BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+                   BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
     toks = (pid * BT + tl.arange(0, BT)).to(tl.int64)
     tmask = toks < n
@@ -37,7 +37,7 @@ def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
                      other=0.0).to(tl.float32)
         ssq += tl.sum(xk * xk, axis=1)
         fk = tl.load(fn_ptr + r32[None, :] * K + ks[:, None], mask=(r32[None, :] < 24) & km[:, None], other=0.0)
-        mix += tl.dot(xk, fk, input_precision="ieee")
+        mix += tl.dot(xk, fk, input_precision=PREC)
     rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ssq, K.to(tl.float32)) + norm_eps))
     mix = mix * rs[:, None]
     # split: one-hot selections (exact) of columns 0..3, 4..7, 8..23
@@ -75,9 +75,10 @@ def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
 
 
 def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk: int = 128, bd: int = 256,
-                num_warps: int = 4):
+                num_warps: int = 4, precision: str = "ieee"):
     """Same signature and outputs as ``ops.hc_pre``; x [n, 4, dim] (bf16 or fp32 streams) on CUDA (injected
-    Sinkhorn faults run the torch emulation)."""
+    Sinkhorn faults run the torch emulation). ``precision="tf32x3"`` does the mixes GEMM on the tensor cores
+    with three TF32 products (about fp32 accuracy, not fp32's rounding); the default ``"ieee"`` is fp32 FMA."""
     if not (on_device(x) and x.dim() == 3 and x.shape[1] == 4 and fn.shape == (24, 4 * x.shape[2])
             and x.dtype in (torch.bfloat16, torch.float32)) or on("sinkhorn-3-iters") or on("comb-transposed"):
         return ops.hc_pre(x, fn, scale, base, norm_eps, iters, hc_eps)
@@ -91,7 +92,7 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk
     if n:
         _hc_pre_kernel[(triton.cdiv(n, bt),)](
             x, fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous(), y, pre, post, comb,
-            n, dim, float(norm_eps), float(hc_eps), int(iters), x.stride(0), BT=bt, BK=bk, BD=bd,
+            n, dim, float(norm_eps), float(hc_eps), int(iters), x.stride(0), BT=bt, BK=bk, BD=bd, PREC=precision,
             num_warps=num_warps)
     return y, pre, post, comb
 

@@ -21,14 +21,14 @@ from fidelity.production import ops
 from fidelity.production.kernels._common import device_transparent, next_pow2, on_device
 
 
-@triton.jit(do_not_specialize=["n_cols"])
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_cols, eps, stride_x, stride_y, stride_q, stride_s,
                      BLOCK: tl.constexpr, QB: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    ms = tl.math.div_rn(tl.sum(x * x, axis=0), n_cols.to(tl.float32))
+    ms = tl.math.div_rn(tl.sum(x * x, axis=0), tl.zeros([], tl.float32) + n_cols)
     r = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (w * (x * r)).to(y_ptr.dtype.element_ty)
@@ -51,7 +51,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_cols, eps, stride_x, s
         tl.store(s_ptr + row * stride_s + blocks, sbyte.to(tl.uint8), mask=blocks * QB < n_cols)
 
 
-def _launch(x, weight, eps, write_y, write_q):
+def _launch(x, weight, eps, write_y, write_q, num_warps=None):
     shape = x.shape
     d = shape[-1]
     x2 = x.reshape(-1, d)
@@ -63,7 +63,7 @@ def _launch(x, weight, eps, write_y, write_q):
     s = torch.empty((n, d // 128), dtype=torch.uint8, device=x.device) if write_q else y
     if n:
         block = max(128, next_pow2(d))
-        warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+        warps = num_warps or (4 if block <= 2048 else (8 if block <= 8192 else 16))
         _rms_norm_kernel[(n,)](
             x2, weight.contiguous(), y, q, s, d, float(eps), x2.stride(0), y.stride(0), q.stride(0), s.stride(0),
             BLOCK=block, QB=128, WRITE_Y=write_y, WRITE_Q=write_q, num_warps=warps)
@@ -86,7 +86,7 @@ def rms_norm_cuda(x, weight, eps):
     return _launch(x, weight, eps, True, False)
 
 
-def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False):
+def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int | None = None):
     """``formats.quantize_fp8(ops.rms_norm(x, weight, eps), 128)`` in one pass: (codes float8_e4m3fn [..., d],
     scale bytes uint8 [..., d/128]) plus the bf16 ``y`` when ``return_y``. d must be a multiple of 128."""
     if x.shape[-1] % 128:
@@ -97,7 +97,7 @@ def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False):
 
         q, s = quantize_fp8(y, 128)
         return (q, s, y) if return_y else (q, s)
-    return _launch(x, weight, eps, return_y, True)
+    return _launch(x, weight, eps, return_y, True, num_warps)
 
 
 rms_norm = device_transparent(rms_norm_cuda)

@@ -1,0 +1,613 @@
+"""Validate, then time the Triton production kernels at V4-Flash / V4-Pro shapes on one GPU.
+
+    python benchmarks/bench_kernels.py --out DIR [--only attn,index,norm,mhc] [--quick]
+
+For every kernel and shape: a correctness check against the torch emulation (``fidelity.production.ops`` on
+CUDA tensors) on the benchmark inputs, then CUDA-event timings (median over many runs) of
+
+* the kernel (a launch-config sweep where it matters; the best config is reported, all are kept in the JSON),
+* the torch emulation (``ops.*`` on CUDA),
+* a transformers-style eager implementation (dense masked attention with the sink as an extra logit column;
+  fp32 index scores [S, H, T]) where the issue names one,
+
+each rotating over >= 3 input sets whose bytes exceed the 60 MB L2 several times. Timed regions are captured
+in a CUDA graph when possible (replay time / calls = device time per call, no Python launch gaps); the eager
+per-call time (Python launch included) is reported beside it. The ceilings are measured in the same run (a
+device-to-device copy, bytes read + written; an 8192^3 bf16 matmul) and each result is given as the fraction
+of its floor (``max(bytes / bandwidth, flops / rate)``) for both the vendor peaks (4.8 TB/s, 989 TFLOP/s bf16,
+67 TFLOP/s fp32) and the measured ceilings. FLOP convention for attention (performance-floors.md):
+``2 * H * entries * (d_qk + d_v)`` per query; bytes: Q + O + each unique KV entry + indices.
+
+Writes DIR/bench_kernels.json and DIR/bench_kernels.md; prints the markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fidelity.formats import dequantize_fp4, quantize_fp4, quantize_fp8  # noqa: E402
+from fidelity.production import ops  # noqa: E402
+from fidelity.production.kernels import indexer, mhc, rms_norm, sparse_attention  # noqa: E402
+
+BF16 = torch.bfloat16
+DEV = "cuda"
+L2_BYTES = 60e6
+VENDOR = {"bw": 4.8e12, "bf16": 989e12, "fp32": 67e12}
+RESULTS: list[dict] = []
+CEIL: dict[str, float] = {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _n_sets(bytes_per_set: float, lo: int = 3, hi: int = 64) -> int:
+    """Input sets to rotate so that one pass over them is >= 3x the L2."""
+    return max(lo, min(hi, math.ceil(3 * L2_BYTES / max(bytes_per_set, 1.0))))
+
+
+def time_fn(fn, sets, *, graph: bool = True, calls: int | None = None, reps: int = 15) -> dict:
+    """Median device time per call of ``fn(*s)`` rotating over ``sets``; also the eager time per call."""
+    for s in sets:  # warm-up (compilation, allocator)
+        fn(*s)
+    torch.cuda.synchronize()
+    calls = calls or max(len(sets), 12)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    eager = []
+    for _ in range(max(3, reps // 3)):
+        start.record()
+        for i in range(calls):
+            fn(*sets[i % len(sets)])
+        end.record()
+        end.synchronize()
+        eager.append(start.elapsed_time(end) * 1e3 / calls)
+    out = {"eager_us": statistics.median(eager), "method": "eager"}
+    if graph:
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for s in sets:
+                    fn(*s)
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for i in range(calls):
+                    fn(*sets[i % len(sets)])
+            g.replay()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(reps):
+                start.record()
+                g.replay()
+                end.record()
+                end.synchronize()
+                ts.append(start.elapsed_time(end) * 1e3 / calls)
+            out.update({"us": statistics.median(ts), "spread_us": [min(ts), max(ts)], "method": "cuda-graph"})
+            del g
+            return out
+        except Exception as exc:  # noqa: BLE001 - ops with host syncs cannot be captured
+            out["graph_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            torch.cuda.synchronize()
+    out["us"] = out["eager_us"]
+    out["spread_us"] = [min(eager), max(eager)]
+    return out
+
+
+def record(kernel: str, shape: str, variant: str, t: dict, *, bytes_: float, flops: float, unit: str = "bf16",
+           check: dict | None = None, config: dict | None = None, baselines: dict | None = None) -> dict:
+    us = t["us"]
+    floors = {}
+    for tag, bw, rate in (("vendor", VENDOR["bw"], VENDOR[unit]), ("measured", CEIL.get("bw"), CEIL.get(unit))):
+        if bw:
+            mem = bytes_ / bw * 1e6
+            comp = flops / rate * 1e6 if rate else 0.0
+            floors[tag] = {"floor_us": max(mem, comp), "mem_us": mem, "compute_us": comp,
+                           "bound": "memory" if mem >= comp else "compute"}
+    r = {"kernel": kernel, "shape": shape, "variant": variant, "us": us, "eager_us": t.get("eager_us"),
+         "method": t.get("method"), "spread_us": t.get("spread_us"), "bytes": bytes_, "flops": flops,
+         "GBps": bytes_ / us / 1e3, "TFLOPs": flops / us / 1e6, "floors": floors,
+         "frac_floor_vendor": floors["vendor"]["floor_us"] / us if "vendor" in floors else None,
+         "frac_floor_measured": floors["measured"]["floor_us"] / us if "measured" in floors else None,
+         "check": check or {}, "config": config or {}, "baselines": baselines or {}}
+    if "graph_error" in t:
+        r["graph_error"] = t["graph_error"]
+    RESULTS.append(r)
+    print(f"  {kernel:18s} {shape:26s} {variant:22s} {us:10.2f} us  {r['GBps']:8.0f} GB/s  {r['TFLOPs']:7.1f} TF/s"
+          f"  floor(meas) {r['frac_floor_measured'] or 0:.2f}  {config or ''}", flush=True)
+    return r
+
+
+def sweep(kernel, shape, variant, make_fn, configs, sets, **rec):
+    """Time every config; record all (variant/cfg), return the best (us, config, fn)."""
+    best = None
+    for cfg in configs:
+        fn = make_fn(cfg)
+        try:
+            t = time_fn(fn, sets)
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
+            print(f"  {kernel} {shape} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            RESULTS.append({"kernel": kernel, "shape": shape, "variant": variant, "config": cfg,
+                            "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            continue
+        rec_cfg = dict(cfg)
+        r = record(kernel, shape, f"{variant} (sweep)", t, config=rec_cfg, **rec)
+        if best is None or r["us"] < best[0]["us"]:
+            best = (r, cfg, fn)
+    if best is not None:
+        best[0]["best_of_sweep"] = True
+    return best
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ceilings
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def measure_ceilings():
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=DEV)
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), [()], graph=True, calls=10, reps=10)
+    CEIL["bw"] = 2 * n / (t["us"] * 1e-6)
+    m = 8192
+    x = torch.randn(m, m, device=DEV, dtype=BF16)
+    y = torch.randn(m, m, device=DEV, dtype=BF16)
+    t = time_fn(lambda: x @ y, [()], graph=False, calls=10, reps=6)
+    CEIL["bf16"] = 2 * m**3 / (t["us"] * 1e-6)
+    xf, yf = x[:4096, :4096].float(), y[:4096, :4096].float()
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    t = time_fn(lambda: xf @ yf, [()], graph=False, calls=5, reps=5)
+    torch.backends.cuda.matmul.allow_tf32 = prev
+    CEIL["fp32"] = 2 * 4096**3 / (t["us"] * 1e-6)
+    print(f"ceilings: copy {CEIL['bw'] / 1e12:.2f} TB/s, bf16 matmul {CEIL['bf16'] / 1e12:.0f} TFLOP/s, "
+          f"fp32 (no TF32) matmul {CEIL['fp32'] / 1e12:.1f} TFLOP/s", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sparse attention
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _row_calc_diff(a, b):
+    a, b = a.double().flatten(0, -2), b.double().flatten(0, -2)
+    den = (a * a).sum(-1) + (b * b).sum(-1)
+    return torch.where(den > 0, 1 - 2 * (a * b).sum(-1) / den.clamp(min=1e-300), 0.0)
+
+
+def hf_style_attention(q, cache, idx, sink, scale, seq_rows):
+    """transformers-style eager: per sequence a dense [H, m_seq] logit matrix over its whole cache, a -inf mask
+    built from the selected indices, the sink as an extra logit column, fp32 softmax, bf16 P, P @ V.
+    q [B, H, d] (one query per sequence), cache [B * m_seq, d], idx [B, K] (global rows, -1 masked)."""
+    b, h, d = q.shape
+    kv = cache.view(b, seq_rows, d)
+    logits = torch.einsum("bhd,bmd->bhm", q, kv).float() * scale
+    local = torch.where(idx >= 0, idx - torch.arange(b, device=q.device)[:, None] * seq_rows, seq_rows)
+    mask = torch.full((b, seq_rows + 1), float("-inf"), device=q.device)
+    mask.scatter_(1, local.long(), 0.0)
+    logits = logits + mask[:, None, :seq_rows]
+    p = torch.cat((logits, sink.float()[None, :, None].expand(b, -1, 1)), -1).softmax(-1)[..., :-1].to(q.dtype)
+    return torch.einsum("bhm,bmd->bhd", p, kv)
+
+
+def hf_style_prefill(q, kv, idx, sink, scale):
+    """Dense prefill: logits [H, n, m] over all rows, mask from idx, sink column, fp32 softmax."""
+    n, h, d = q.shape
+    logits = torch.einsum("nhd,md->hnm", q, kv).float() * scale
+    mask = torch.full((n, kv.shape[0] + 1), float("-inf"), device=q.device)
+    mask.scatter_(1, torch.where(idx >= 0, idx, kv.shape[0]).long(), 0.0)
+    logits = logits + mask[None, :, : kv.shape[0]]
+    p = torch.cat((logits, sink.float()[:, None, None].expand(-1, n, 1)), -1).softmax(-1)[..., :-1].to(q.dtype)
+    return torch.einsum("hnm,md->nhd", p, kv)
+
+
+def decode_sets(batch, heads, topk, n_sets, ctx_entries, fp8, seed=0):
+    """n_sets independent decode batches: each token owns a sequence with 128 window rows and ``ctx_entries``
+    compressed rows; idx = the 128 window rows + ``topk`` distinct compressed rows."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    rows = 128 + ctx_entries
+    sets = []
+    for _ in range(n_sets):
+        cache = (torch.randn(batch * rows, 512, device=DEV, generator=g)).to(BF16)
+        cache = ops.kv_round(cache, 64, "fp8")
+        q = (torch.randn(batch, heads, 512, device=DEV, generator=g) * 2).to(BF16)
+        base = torch.arange(batch, device=DEV)[:, None] * rows
+        comp = torch.argsort(torch.rand(batch, ctx_entries, device=DEV, generator=g), dim=1)[:, :topk] + 128
+        idx = torch.cat((base + torch.arange(128, device=DEV)[None, :], base + comp), 1).to(torch.int32)
+        sink = torch.randn(heads, device=DEV, generator=g)
+        packed = sparse_attention.pack_kv_fp8(cache) if fp8 else None
+        sets.append({"q": q, "cache": cache, "packed": packed, "idx": idx, "sink": sink})
+    return sets, rows
+
+
+def bench_attention(quick: bool):
+    scale = 512**-0.5
+    cfgs512 = [
+        {"block_h": 16, "split_d": 1, "num_warps": 4, "num_stages": 1},
+        {"block_h": 32, "split_d": 1, "num_warps": 4, "num_stages": 1},
+        {"block_h": 32, "split_d": 1, "num_warps": 8, "num_stages": 1},
+        {"block_h": 32, "split_d": 1, "num_warps": 8, "num_stages": 2},
+        {"block_h": 32, "split_d": 2, "num_warps": 4, "num_stages": 1},
+        {"block_h": 64, "split_d": 1, "num_warps": 8, "num_stages": 1},
+        {"block_h": 64, "split_d": 2, "num_warps": 8, "num_stages": 1},
+        {"block_h": 64, "split_d": 2, "num_warps": 8, "num_stages": 2},
+    ]
+    if quick:
+        cfgs512 = cfgs512[1:3]
+    cases = [("V4-Flash decode b64", 64, 64, 512), ("V4-Pro decode b64", 64, 128, 1024),
+             ("V4-Flash decode b1", 1, 64, 512), ("V4-Pro decode b1", 1, 128, 1024)]
+    for name, batch, heads, topk in cases:
+        k = 128 + topk
+        flops = 2 * batch * heads * k * 1024
+        ctx = 8192 if batch > 1 else 16384  # compressed entries per sequence (32K / 64K tokens at ratio 4)
+        per_set_bf16 = batch * k * 1024
+        sets, rows = decode_sets(batch, heads, topk, _n_sets(per_set_bf16, hi=24), ctx, fp8=True)
+        qo = 2 * batch * heads * 512 * 2
+        idx_b = batch * k * 4
+        # correctness on set 0: kernel vs emulation (CUDA) and fp8 layout vs bf16 rows (bit-exact)
+        s0 = sets[0]
+        ref = ops.sparse_attention(s0["q"], s0["cache"], s0["idx"], s0["sink"], scale)
+        got = sparse_attention.sparse_attention_cuda(s0["q"], s0["cache"], s0["idx"], s0["sink"], scale)
+        got8 = sparse_attention.sparse_attention_fp8kv(s0["q"], s0["packed"], s0["idx"], s0["sink"], scale)
+        check = {"max_row_calc_diff_vs_emulation": float(_row_calc_diff(got, ref).max()),
+                 "bf16_equal_frac_vs_emulation": float((got == ref).float().mean()),
+                 "fp8_layout_bit_identical": bool(torch.equal(got8.view(torch.int16), got.view(torch.int16)))}
+        print(f"[attn] {name}: {check}", flush=True)
+        args_bf16 = [(s["q"], s["cache"], s["idx"], s["sink"]) for s in sets]
+        args_fp8 = [(s["q"], s["packed"], s["idx"], s["sink"]) for s in sets]
+        configs = cfgs512 if batch > 1 else [dict(c, num_splits=ns) for c in cfgs512[:2] for ns in (1, 5, 10)]
+        if batch == 1 and quick:
+            configs = [dict(cfgs512[0], num_splits=ns) for ns in (1, 5)]
+        base = {}
+        t = time_fn(lambda q, c, i, s: ops.sparse_attention(q, c, i, s, scale), args_bf16[:3])
+        base["torch emulation (ops, CUDA)"] = t["us"]
+        record("sparse_attention", name, "torch emulation", t, bytes_=qo + idx_b + per_set_bf16, flops=flops)
+        t = time_fn(lambda *xs, rows=rows: hf_style_attention(*xs, scale, rows), args_bf16[:3])
+        base["transformers-style eager (dense)"] = t["us"]
+        record("sparse_attention", name, "transformers-style eager", t, bytes_=qo + batch * rows * 1024, flops=flops)
+        for variant, args, row_bytes, fn in (
+                ("bf16 KV", args_bf16, 1024, sparse_attention.sparse_attention_cuda),
+                ("fp8 KV (584 B)", args_fp8, 584, sparse_attention.sparse_attention_fp8kv)):
+            def make(cfg, fn=fn):
+                return lambda *xs: fn(*xs, scale, config=cfg)
+            speed = {}
+            best = sweep("sparse_attention", name, variant, make, configs, args,
+                         bytes_=qo + idx_b + batch * k * row_bytes, flops=flops, check=check)
+            if best:
+                r = best[0]
+                speed = {f"speedup vs {kname}": us / r["us"] for kname, us in base.items()}
+                r["baselines"] = dict(base, **speed)
+                print(f"  best {variant}: {r['us']:.2f} us {best[1]} {speed}", flush=True)
+        del sets, args_bf16, args_fp8
+        torch.cuda.empty_cache()
+
+    # prefill: 4096 tokens, window 128 + top-k compressed entries (CSA), compute-bound
+    for name, heads, topk in (("V4-Flash prefill 4K", 64, 512), ("V4-Pro prefill 4K", 128, 1024)):
+        n = 2048 if quick else 4096
+        g = torch.Generator(device=DEV).manual_seed(1)
+        n_comp = n // 4
+        k = 128 + topk
+        sets = []
+        for _ in range(3):
+            kv = ops.kv_round(torch.randn(n + n_comp, 512, device=DEV, generator=g).to(BF16), 64, "fp8")
+            q = (torch.randn(n, heads, 512, device=DEV, generator=g) * 2).to(BF16)
+            pos = torch.arange(n, device=DEV)
+            win = pos[:, None] - 127 + torch.arange(128, device=DEV)[None, :]
+            win = torch.where(win >= 0, win, -1)
+            vis = (pos + 1) // 4
+            r = torch.rand(n, n_comp, device=DEV, generator=g).masked_fill(
+                torch.arange(n_comp, device=DEV)[None, :] >= vis[:, None], 2.0)
+            top = torch.topk(r, min(topk, n_comp), dim=1, largest=False)
+            comp = torch.where(top.values < 2.0, top.indices + n, -1)
+            if comp.shape[1] < topk:
+                comp = torch.cat((comp, torch.full((n, topk - comp.shape[1]), -1, device=DEV)), 1)
+            idx = torch.cat((win, comp), 1).to(torch.int32)
+            sets.append((q, kv, idx, torch.randn(heads, device=DEV, generator=g)))
+        valid = int((sets[0][2] >= 0).sum())
+        flops = 2 * heads * valid * 1024  # only valid entries: the floor counts real work
+        flops_padded = 2 * n * heads * k * 1024
+        bytes_ = 2 * n * heads * 512 * 2 + (n + n_comp) * 1024 + n * k * 4
+        q, kv, idx, sink = sets[0]
+        ref = ops.sparse_attention(q, kv, idx, sink, scale)
+        got = sparse_attention.sparse_attention_cuda(q, kv, idx, sink, scale)
+        check = {"max_row_calc_diff_vs_emulation": float(_row_calc_diff(got, ref).max()),
+                 "bf16_equal_frac_vs_emulation": float((got == ref).float().mean()),
+                 "valid_entries_frac": valid / (n * k), "flops_incl_masked": flops_padded}
+        print(f"[attn] {name}: {check}", flush=True)
+        del ref, got
+        base = {}
+        t = time_fn(lambda q, c, i, s: ops.sparse_attention(q, c, i, s, scale), sets, graph=False, calls=3, reps=3)
+        base["torch emulation (ops, CUDA)"] = t["us"]
+        record("sparse_attention", name, "torch emulation", t, bytes_=bytes_, flops=flops)
+        if heads == 64:
+            t = time_fn(lambda q, c, i, s: hf_style_prefill(q, c, i, s, scale), sets, graph=False, calls=3, reps=3)
+            base["transformers-style eager (dense)"] = t["us"]
+            record("sparse_attention", name, "transformers-style eager", t, bytes_=bytes_, flops=flops)
+        torch.cuda.empty_cache()
+        pre_cfgs = [cfgs512[i] for i in ((1, 2, 5, 6) if not quick else (1,))]
+
+        def make(cfg):
+            return lambda *xs: sparse_attention.sparse_attention_cuda(*xs, scale, config=cfg)
+
+        best = sweep("sparse_attention", name, "bf16 KV", make, pre_cfgs, sets, bytes_=bytes_, flops=flops,
+                     check=check)
+        if best:
+            best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
+            print(f"  best prefill: {best[0]['us']:.1f} us {best[1]} {best[0]['baselines']}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# indexer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def hf_style_index_scores(q, keys, w):
+    """fp32 scores through an fp32 [S, H, T] intermediate (transformers' eager indexer)."""
+    s = torch.einsum("shd,td->sht", q.float(), keys.float()).relu()
+    return (s * w.float()[..., None]).sum(1)
+
+
+def bench_indexer(quick: bool):
+    h, d = 64, 128
+    cfgs = [{"block_e": 32, "num_warps": 2}, {"block_e": 64, "num_warps": 4}, {"block_e": 128, "num_warps": 4},
+            {"block_e": 128, "num_warps": 8}, {"block_e": 256, "num_warps": 8}]
+    if quick:
+        cfgs = cfgs[1:3]
+    for name, e in (("128K ctx decode (32768 keys)", 32768), ("1M ctx decode (262144 keys)", 262144)):
+        g = torch.Generator(device=DEV).manual_seed(2)
+        n_sets = _n_sets(e * 256, hi=32)
+        sets = []
+        for _ in range(n_sets):
+            q = ops.indexer_round(torch.randn(1, h, d, device=DEV, generator=g), "fp4", rotate=True).to(BF16)
+            keys = torch.randn(e, d, device=DEV, generator=g)
+            packed, sc = quantize_fp4(keys, 32)
+            kb = dequantize_fp4(packed, sc).to(BF16)
+            w = (torch.randn(1, h, device=DEV, generator=g) * (d**-0.5 * h**-0.5)).to(BF16)
+            sets.append({"q": q, "k": kb, "p": packed, "s": sc, "w": w})
+        s0 = sets[0]
+        ref = ops.index_scores(s0["q"], s0["k"], s0["w"])
+        got = indexer.index_scores_cuda(s0["q"], s0["k"], s0["w"])
+        got4 = indexer.index_scores_fp4(s0["q"], s0["p"], s0["s"], s0["w"])
+        diff = (got.float() - ref.float()).abs()
+        check = {"bf16_equal_frac_vs_emulation": float((got == ref).float().mean()),
+                 "max_abs_diff_vs_emulation": float(diff.max()), "max_abs_score": float(ref.float().abs().max()),
+                 "fp4_bit_identical_to_bf16_keys": bool(torch.equal(got4.view(torch.int16), got.view(torch.int16))),
+                 "topk512_overlap_vs_emulation": float(
+                     len(set(torch.topk(got.float(), 512).indices[0].tolist())
+                         & set(torch.topk(ref.float(), 512).indices[0].tolist())) / 512)}
+        print(f"[index] {name}: {check}", flush=True)
+        flops = 2 * h * d * e
+        base = {}
+        a_b = [(s["q"], s["k"], s["w"]) for s in sets]
+        a_4 = [(s["q"], s["p"], s["s"], s["w"]) for s in sets]
+        t = time_fn(lambda q, k, w: ops.index_scores(q, k, w), a_b)
+        base["torch emulation (ops, CUDA)"] = t["us"]
+        record("index_scores", name, "torch emulation", t, bytes_=e * 256 + e * 2, flops=flops)
+        t = time_fn(hf_style_index_scores, a_b)
+        base["transformers-style eager (fp32)"] = t["us"]
+        record("index_scores", name, "transformers-style eager", t, bytes_=e * 256 + e * 4, flops=flops)
+        for variant, args, kbytes, fn in (
+                ("bf16 keys", a_b, 256, lambda cfg: (lambda *xs: indexer.index_scores_cuda(*xs, config=cfg))),
+                ("fp4 keys (68 B)", a_4, 68, lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg)))):
+            best = sweep("index_scores", name, variant, fn, [dict(c, q_per_prog=1) for c in cfgs], args,
+                         bytes_=e * kbytes + e * 2 + h * d * 2 + h * 2, flops=flops, check=check)
+            if best:
+                best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
+                print(f"  best {variant}: {best[0]['us']:.2f} us {best[1]} {best[0]['baselines']}", flush=True)
+                if variant.startswith("fp4"):
+                    cfg = best[1]
+                    topk = 512
+
+                    def sel(q, p, s, w, cfg=cfg, topk=topk):
+                        return torch.topk(indexer.index_scores_fp4(q, p, s, w, config=dict(cfg, q_per_prog=1)),
+                                          topk, dim=-1)
+                    t = time_fn(sel, a_4)
+                    record("index_scores+topk", name, f"fp4 keys + torch.topk({topk})", t,
+                           bytes_=e * kbytes + e * 2, flops=flops)
+        del sets, a_b, a_4
+        torch.cuda.empty_cache()
+
+    # prefill chunk: 1024 queries x 32768 keys (MMA-bound)
+    nq, e = (256 if quick else 1024), 32768
+    g = torch.Generator(device=DEV).manual_seed(3)
+    sets = []
+    for _ in range(3):
+        q = ops.indexer_round(torch.randn(nq, h, d, device=DEV, generator=g), "fp4", rotate=True).to(BF16)
+        packed, sc = quantize_fp4(torch.randn(e, d, device=DEV, generator=g), 32)
+        w = (torch.randn(nq, h, device=DEV, generator=g) * (d**-0.5 * h**-0.5)).to(BF16)
+        sets.append((q, dequantize_fp4(packed, sc).to(BF16), w))
+    name = f"prefill chunk {nq}q x {e} keys"
+    flops = 2 * nq * h * d * e
+    bytes_ = nq * e * 2 + e * 256 + nq * h * d * 2
+    q, kb, w = sets[0]
+    ref = ops.index_scores(q[:64], kb, w[:64])
+    got = indexer.index_scores_cuda(q[:64], kb, w[:64])
+    check = {"bf16_equal_frac_vs_emulation": float((got == ref).float().mean())}
+    print(f"[index] {name}: {check}", flush=True)
+    base = {}
+    t = time_fn(lambda q, k, w: ops.index_scores(q, k, w), sets, graph=False, calls=3, reps=3)
+    base["torch emulation (ops, CUDA)"] = t["us"]
+    record("index_scores", name, "torch emulation", t, bytes_=bytes_, flops=flops)
+    t = time_fn(hf_style_index_scores, sets, graph=False, calls=3, reps=3)
+    base["transformers-style eager (fp32)"] = t["us"]
+    record("index_scores", name, "transformers-style eager", t, bytes_=bytes_, flops=flops)
+    torch.cuda.empty_cache()
+    pcfgs = [{"block_e": 128, "num_warps": 4, "q_per_prog": 8}, {"block_e": 128, "num_warps": 8, "q_per_prog": 32},
+             {"block_e": 64, "num_warps": 4, "q_per_prog": 16}]
+    best = sweep("index_scores", name, "bf16 keys", lambda cfg: (
+        lambda q, k, w: indexer.index_scores_cuda(q, k, w, config=cfg)), pcfgs[: 1 if quick else 3], sets,
+        bytes_=bytes_, flops=flops, check=check)
+    if best:
+        best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
+    del sets
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RMSNorm + FP8 quant
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def torch_naive_norm_fp8(x, w, eps):
+    y = ops.rms_norm(x, w, eps).float().unflatten(-1, (-1, 128))
+    s = torch.exp2(torch.ceil(torch.log2(y.abs().amax(-1).clamp(min=1e-4) / 448)))
+    return (y / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(-2), s
+
+
+def bench_norm(quick: bool):
+    for name, n, d in (("V4-Flash prefill 4096x4096", 4096, 4096), ("V4-Pro prefill 4096x7168", 4096, 7168),
+                       ("V4-Flash decode 64x4096", 64, 4096)):
+        g = torch.Generator(device=DEV).manual_seed(4)
+        per = n * d * 3 + d * 4
+        sets = [((torch.randn(n, d, device=DEV, generator=g) * 3).to(BF16), torch.randn(d, device=DEV, generator=g))
+                for _ in range(_n_sets(per, hi=48))]
+        x, w = sets[0]
+        q, s, y = rms_norm.rms_norm_fp8_cuda(x, w, 1e-6, return_y=True)
+        rq, rs = quantize_fp8(y, 128)
+        yr = ops.rms_norm(x, w, 1e-6)
+        yc = ops.rms_norm(x[:64].cpu(), w.cpu(), 1e-6)
+        eq, es = quantize_fp8(yr, 128)
+        check = {"codes_bit_exact_given_y": bool(torch.equal(q.view(torch.uint8), rq.view(torch.uint8))),
+                 "scales_bit_exact_given_y": bool(torch.equal(s, rs)),
+                 "y_equal_frac_vs_emulation_cuda": float((y == yr).float().mean()),
+                 "y_equal_frac_vs_emulation_cpu": float((y[:64].cpu() == yc).float().mean()),
+                 "codes_equal_frac_vs_emulation": float((q.view(torch.uint8) == eq.view(torch.uint8)).float().mean()),
+                 "scales_equal_frac_vs_emulation": float((s == es).float().mean())}
+        print(f"[norm] {name}: {check}", flush=True)
+        bytes_ = n * d * 2 + d * 4 + n * d + n * d // 128
+        base = {}
+        t = time_fn(lambda x, w: ops.rms_norm_fp8(x, w, 1e-6), sets[:3], graph=False, calls=3, reps=6)
+        base["torch emulation (ops, CUDA)"] = t["us"]
+        record("rms_norm_fp8", name, "torch emulation", t, bytes_=bytes_, flops=0)
+        t = time_fn(lambda x, w: torch_naive_norm_fp8(x, w, 1e-6), sets)
+        base["torch naive (rms_norm + amax/exp2/cast)"] = t["us"]
+        record("rms_norm_fp8", name, "torch naive", t, bytes_=bytes_, flops=0)
+        t = time_fn(lambda x, w: rms_norm.rms_norm_fp8_cuda(x, w, 1e-6), sets)
+        r = record("rms_norm_fp8", name, "triton fused", t, bytes_=bytes_, flops=0, check=check)
+        r["baselines"] = dict(base, **{f"speedup vs {kk}": v / r["us"] for kk, v in base.items()})
+        t = time_fn(lambda x, w: rms_norm.rms_norm_cuda(x, w, 1e-6), sets)
+        tr = time_fn(lambda x, w: ops.rms_norm(x, w, 1e-6), sets)
+        r = record("rms_norm", name, "triton", t, bytes_=n * d * 4 + d * 4, flops=0)
+        r["baselines"] = {"torch emulation (ops, CUDA)": tr["us"], "speedup vs torch emulation": tr["us"] / t["us"]}
+        del sets
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mHC pre
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def bench_mhc(quick: bool):
+    for name, n, dim in (("V4-Flash 4096 tokens", 4096, 4096), ("V4-Pro 4096 tokens", 4096, 7168),
+                         ("V4-Flash decode 64", 64, 4096)):
+        g = torch.Generator(device=DEV).manual_seed(5)
+        per = n * 4 * dim * 2
+        sets = []
+        fn = torch.randn(24, 4 * dim, device=DEV, generator=g) * (4 * dim) ** -0.5
+        scale, base_ = torch.rand(3, device=DEV, generator=g) * 2, torch.randn(24, device=DEV, generator=g)
+        for _ in range(_n_sets(per, hi=48)):
+            sets.append((torch.randn(n, 4, dim, device=DEV, generator=g).to(BF16), fn, scale, base_))
+        x = sets[0][0]
+        ref = ops.hc_pre(x, fn, scale, base_, 1e-6, 20, 1e-6)
+        check = {}
+        for prec in ("ieee", "tf32x3"):
+            got = mhc.hc_pre_cuda(x, fn, scale, base_, 1e-6, 20, 1e-6, precision=prec)
+            check[prec] = {"y_max_row_calc_diff": float(_row_calc_diff(got[0], ref[0]).max()),
+                           "y_equal_frac": float((got[0] == ref[0]).float().mean()),
+                           **{f"{k}_max_rel": float(((a - b).abs() / b.abs().clamp(min=1e-30)).max())
+                              for k, a, b in zip(("pre", "post", "comb"), got[1:], ref[1:], strict=True)}}
+        print(f"[mhc] {name}: {check}", flush=True)
+        bytes_ = n * 4 * dim * 2 + 24 * 4 * dim * 4 + n * dim * 2 + n * 24 * 4
+        flops = 2 * 24 * 4 * dim * n + 3 * 4 * dim * n
+        base = {}
+        t = time_fn(lambda x, f, s, b: ops.hc_pre(x, f, s, b, 1e-6, 20, 1e-6), sets)
+        base["torch emulation (ops, CUDA)"] = t["us"]
+        record("hc_pre", name, "torch emulation", t, bytes_=bytes_, flops=flops, unit="fp32")
+        cfgs = [{"precision": "ieee", "bt": 16, "num_warps": 4}, {"precision": "ieee", "bt": 32, "num_warps": 8},
+                {"precision": "tf32x3", "bt": 16, "num_warps": 4}, {"precision": "tf32x3", "bt": 64, "num_warps": 8}]
+        if quick:
+            cfgs = cfgs[::2]
+        best = sweep("hc_pre", name, "triton fused", lambda cfg: (
+            lambda *xs: mhc.hc_pre_cuda(*xs, 1e-6, 20, 1e-6, **cfg)), cfgs, sets,
+            bytes_=bytes_, flops=flops, unit="fp32", check=check)
+        if best:
+            best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
+        del sets
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def markdown() -> str:
+    lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+             f"triton {__import__('triton').__version__}, {datetime.datetime.now().isoformat(timespec='seconds')}",
+             f"ceilings measured in this run: copy {CEIL.get('bw', 0) / 1e12:.2f} TB/s, bf16 matmul "
+             f"{CEIL.get('bf16', 0) / 1e12:.0f} TFLOP/s, fp32 matmul {CEIL.get('fp32', 0) / 1e12:.1f} TFLOP/s", "",
+             "| kernel | shape | variant | us (median) | eager us | GB/s | TFLOP/s | floor us (meas.) | bound | "
+             "frac of floor meas. / vendor | config | speed-ups |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in RESULTS:
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | {r['shape']} | {r['variant']} | ERROR | | | | | | | {r['config']} | "
+                         f"{r['error'][:80]} |")
+            continue
+        if r["variant"].endswith("(sweep)") and not r.get("best_of_sweep"):
+            continue
+        fl = r["floors"].get("measured", {})
+        sp = ", ".join(f"{k.removeprefix('speedup vs ')}: {v:.1f}x" for k, v in r["baselines"].items()
+                       if k.startswith("speedup"))
+        lines.append(
+            f"| {r['kernel']} | {r['shape']} | {r['variant']} | {r['us']:.2f} | {r['eager_us'] or 0:.2f} | "
+            f"{r['GBps']:.0f} | {r['TFLOPs']:.1f} | {fl.get('floor_us', 0):.2f} | {fl.get('bound', '')} | "
+            f"{r['frac_floor_measured'] or 0:.2f} / {r['frac_floor_vendor'] or 0:.2f} | {r['config']} | {sp} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--only", default="attn,index,norm,mhc")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    t0 = time.time()
+    measure_ceilings()
+    for key, fn in (("norm", bench_norm), ("mhc", bench_mhc), ("index", bench_indexer), ("attn", bench_attention)):
+        if key not in a.only.split(","):
+            continue
+        try:
+            fn(a.quick)
+        except Exception:  # noqa: BLE001 - keep the other sections' results
+            traceback.print_exc()
+            RESULTS.append({"kernel": key, "shape": "-", "variant": "-", "config": {},
+                            "error": traceback.format_exc()[-300:]})
+        (out / "bench_kernels.json").write_text(json.dumps({"ceilings": CEIL, "results": RESULTS}, indent=1))
+        print(f"[{key}] done at {time.time() - t0:.0f}s", flush=True)
+    md = markdown()
+    (out / "bench_kernels.md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

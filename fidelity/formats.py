@@ -446,7 +446,7 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, block: int = FP4_
     codes = unpack_fp4_codes(packed)
     block = _act_block(codes, block, (FP4_BLOCK,))
     sb = _scale_bytes(scales, _scale_shape(codes.shape, block))
-    return _fp4_table()[codes.to(torch.int64)] * _expand_scales(decode_e8m0(sb), block, codes.shape)
+    return _fp4_table().to(codes.device)[codes.to(torch.int64)] * _expand_scales(decode_e8m0(sb), block, codes.shape)
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:

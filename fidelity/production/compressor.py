@@ -55,7 +55,7 @@ def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: in
     if overlap:
         kv, score = _overlap(kv, ratio, d, 0.0), _overlap(score, ratio, d, float("-inf"))
     pooled = (kv * score.softmax(dim=1)).sum(dim=1)
-    starts = torch.arange(kv.shape[0]) * ratio + (ratio - 1 if on("compressed-rope-last") else 0)
+    starts = torch.arange(kv.shape[0], device=x.device) * ratio + (ratio - 1 if on("compressed-rope-last") else 0)
     return _finish(pooled, norm, freqs, starts, eps), 0
 
 
@@ -78,4 +78,4 @@ def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ra
     else:
         pooled = (carry.kv * carry.score.softmax(dim=0)).sum(dim=0, keepdim=True)
     start = t if on("compressed-rope-last") else t + 1 - ratio
-    return _finish(pooled, norm, freqs, torch.tensor([start]), eps), t // ratio
+    return _finish(pooled, norm, freqs, torch.tensor([start], device=x.device), eps), t // ratio

@@ -37,7 +37,7 @@ class ProductionModel:
         if max_context < 1:
             raise ValueError(f"max_context: expected >= 1, found {max_context}")
         self.max_context, self.device = max_context, torch.device(device)
-        self.freqs = {r: inv_freq(self.cfg, r, torch.float32) for r in {0, *self.cfg.compress_ratios}}
+        self.freqs = {r: inv_freq(self.cfg, r, torch.float32).to(self.device) for r in {0, *self.cfg.compress_ratios}}
         self._weights: dict[str, torch.Tensor] = {}
 
     def w(self, name: str) -> torch.Tensor:
@@ -162,7 +162,7 @@ class ProductionSession:
         ratio, pre, act = cfg.ratio(i), f"layers.{i}.attn.", self.p.gemm_act
         freqs, rd = self.m.freqs[ratio], cfg.rope_head_dim
         if ratio == 0 and on("yarn-on-swa"):
-            freqs = inv_freq(cfg, 4, torch.float32)
+            freqs = inv_freq(cfg, 4, torch.float32).to(x.device)
         rope = implementation("apply_rope")
         qr = implementation("rms_norm")(ops.act_linear(x, w(pre + "wq_a.weight"), act), w(pre + "q_norm.weight"),
                                         cfg.norm_eps)
@@ -217,7 +217,7 @@ class ProductionSession:
         cfg, cache = self.cfg, self.layers[i]
         ratio, win, t = cfg.ratio(i), cfg.window_size, len(positions)
         tail = kv[-win:]
-        cache.kv.write(slice(0, len(tail)) if t <= win else _ring_slots(t, win), tail)
+        cache.kv.write(slice(0, len(tail)) if t <= win else _ring_slots(t, win).to(kv.device), tail)
         table, offset = kv, t
         comp = None
         if ratio:
@@ -225,8 +225,8 @@ class ProductionSession:
             self.emit(f"L{i}.attn.compressed_kv", new if new is not None else kv.new_zeros((0, cfg.head_dim)))
             if new is not None:
                 table = torch.cat((kv, cache.kv.read(slice(win, win + len(new)))))
-            comp = self.index_prefill(i, x, qr, positions) if ratio == 4 else _hca_prefill_idx(t, ratio)
-        idx = _window_prefill_idx(t, win)
+            comp = self.index_prefill(i, x, qr, positions) if ratio == 4 else _hca_prefill_idx(t, ratio).to(x.device)
+        idx = _window_prefill_idx(t, win).to(x.device)
         self.emit(f"L{i}.attn.visible", _visible(idx, comp, positions, win, prefill=True))
         if comp is not None:
             idx = torch.cat((idx, torch.where(comp >= 0, comp + offset, -1)), dim=1)
@@ -243,19 +243,19 @@ class ProductionSession:
             cache.spill.append(kv.clone())
         comp = None
         if ratio:
-            new = self.compress(i, x, torch.tensor([t]), index=False)
+            new = self.compress(i, x, torch.tensor([t], device=x.device), index=False)
             self.emit(f"L{i}.attn.compressed_kv", new if new is not None else kv.new_zeros((0, cfg.head_dim)))
             n_vis = (t + 1) // ratio + (1 if on("causal-off-by-one") and (t + 1) % ratio else 0)
-            comp = self.index_decode(i, x, qr, t) if ratio == 4 else torch.arange(n_vis)[None]
-        idx = _window_decode_idx(t, win)
-        self.emit(f"L{i}.attn.visible", _visible(idx, comp, torch.tensor([t]), win, prefill=False))
+            comp = self.index_decode(i, x, qr, t) if ratio == 4 else torch.arange(n_vis, device=x.device)[None]
+        idx = _window_decode_idx(t, win).to(x.device)
+        self.emit(f"L{i}.attn.visible", _visible(idx, comp, torch.tensor([t], device=x.device), win, prefill=False))
         slots = idx if comp is None else torch.cat((idx, torch.where(comp >= 0, comp + win, -1)), dim=1)
         valid = slots[0] >= 0
         k = int(valid.sum())
         buf = cache.gather[: slots.shape[1]]
         buf[:k] = cache.kv.read(slots[0, valid])  # window + selected rows into the preallocated buffer
         local = torch.full_like(slots, -1)
-        local[0, valid] = torch.arange(k)
+        local[0, valid] = torch.arange(k, device=x.device)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
         return implementation("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
 
@@ -274,7 +274,7 @@ class ProductionSession:
 
     def emit_keys(self, i: int, new: torch.Tensor | None) -> None:
         if new is None:
-            new = torch.zeros(0, self.cfg.index_head_dim)
+            new = torch.zeros(0, self.cfg.index_head_dim, device=self.m.device)
         self.emit(f"L{i}.indexer.keys", _unrotated(new, self.p))
 
     def _scores(self, q, keys, weights) -> torch.Tensor:
@@ -295,7 +295,7 @@ class ProductionSession:
             sl = slice(s, s + QUERY_CHUNK)
             scores = self._scores(q[sl], keys, weights[sl]).float()
             limit = ((positions[sl] + 1) // 4 + (1 if on("causal-off-by-one") else 0))[:, None]
-            scores = scores.masked_fill(torch.arange(n)[None] >= limit, float("-inf"))
+            scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= limit, float("-inf"))
             self.emit(f"L{i}.indexer.scores", scores)
             picks = _topk(scores, k)
             out.append(torch.where(picks >= limit, -1, picks))
@@ -305,8 +305,9 @@ class ProductionSession:
 
     def index_decode(self, i: int, x: torch.Tensor, qr: torch.Tensor, t: int) -> torch.Tensor:
         cfg, cache = self.cfg, self.layers[i]
-        q, weights = self.index_query(i, x, qr, torch.tensor([t]))
-        new = self.compress(i, x, torch.tensor([t]), index=True)
+        pos = torch.tensor([t], device=x.device)
+        q, weights = self.index_query(i, x, qr, pos)
+        new = self.compress(i, x, pos, index=True)
         self.emit_keys(i, new)
         n = (t + 1) // 4
         scores = self._scores(q, cache.keys.read(slice(0, n)), weights).float()
@@ -412,7 +413,7 @@ def _visible(window_idx: torch.Tensor, comp: torch.Tensor | None, positions: tor
         window_pos = window_idx
     else:
         t = int(positions[0])
-        slot_pos = t - ((t - torch.arange(win)) % win)  # the token position stored in each ring slot
+        slot_pos = t - ((t - torch.arange(win, device=window_idx.device)) % win)  # token position in each slot
         window_pos = torch.where(window_idx >= 0, slot_pos[window_idx.clamp(min=0)], -1)
     window_pos = torch.nn.functional.pad(window_pos, (0, win - window_pos.shape[1]), value=-1)
     if comp is None:

@@ -8,8 +8,8 @@ derandomized, no deadline. Contracts:
   ``calc_diff <= (2 * 1.25 * 2^-8)^2 / 2`` (P's bf16 rounding may flip where fp32 exp / summation order differ);
   index scores within twice the contract's elementwise bound; RMSNorm ``y`` within one bf16 ulp;
 * bit-exact: the FP8 quantizer of ``rms_norm_fp8`` (codes and scale bytes, given the kernel's ``y``), the
-  584 B/token FP8 KV path vs the bf16 path on the same (dequantized) rows, FP4 keys vs their dequantized bf16
-  copy, and the causal mask.
+  584 B/token FP8 KV packing (unpacks to exactly ``ops.kv_round`` rows), FP4 keys vs their dequantized bf16
+  copy, and the causal mask. (The FP8-KV attention output is held to the emulation tolerance: see its test.)
 """
 
 import math
@@ -161,7 +161,10 @@ def test_sparse_attention_split_variants(case, splits, split_d):
 
 @PROPS
 @given(case=attention_cases())
-def test_fp8_kv_layout_is_bit_identical_to_bf16_rows(case):
+def test_fp8_kv_layout_matches_bf16_rows(case):
+    """The 584 B/token layout dequantizes to exactly the kv_round rows; the attention output matches the bf16
+    kernel on those rows up to the MMA accumulation order (the K tile reaches the tensor cores from registers
+    instead of shared memory, so fp32 sums may round differently: not bit-identical on the H200)."""
     a = case.args
     if a["q"].shape[-1] != 512:
         return
@@ -170,9 +173,11 @@ def test_fp8_kv_layout_is_bit_identical_to_bf16_rows(case):
     assert packed.shape == (kv.shape[0], 584)
     assert torch.equal(sparse_attention.unpack_kv_fp8(packed).view(torch.int16), kv.view(torch.int16))
     q, idx, sink = a["q"].to(CUDA), a["idx"].to(CUDA), a["sink"].to(CUDA)
-    got = sparse_attention.sparse_attention_fp8kv(q, packed, idx, sink, a["scale"])
-    ref = sparse_attention.sparse_attention_cuda(q, kv, idx, sink, a["scale"])
-    assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), case.note
+    got = sparse_attention.sparse_attention_fp8kv(q, packed, idx, sink, a["scale"]).cpu()
+    ref = sparse_attention.sparse_attention_cuda(q, kv, idx, sink, a["scale"]).cpu()
+    assert float(_row_calc_diff(got, ref).max()) <= ROW_CALC_DIFF, case.note
+    assert float(_row_calc_diff(got, ops.sparse_attention(a["q"], kv.cpu(), a["idx"], a["sink"], a["scale"])).max()
+                 ) <= ROW_CALC_DIFF, case.note
 
 
 def test_sparse_attention_all_masked_and_empty():
@@ -291,15 +296,21 @@ def test_rms_norm_fp8_quantizer_is_bit_exact(case):
 
 
 @pytest.mark.parametrize("dim", [4096, 7168])
-def test_hc_pre_at_model_width(dim):
-    g = torch.Generator().manual_seed(dim)
-    x = torch.randn(37, 4, dim, generator=g).to(BF16)
+@pytest.mark.parametrize(("n", "splits", "precision"), [(37, None, "tf32x3"), (37, 1, "tf32x3"), (300, None, "ieee"),
+                                                       (5, 7, "ieee")])
+def test_hc_pre_at_model_width(dim, n, splits, precision):
+    g = torch.Generator().manual_seed(dim + n)
+    x = torch.randn(n, 4, dim, generator=g).to(BF16)
     fn = torch.randn(24, 4 * dim, generator=g) * (4 * dim) ** -0.5
     scale, base = torch.rand(3, generator=g) * 2, torch.randn(24, generator=g)
-    found = mhc.hc_pre_cuda(x.to(CUDA), fn.to(CUDA), scale.to(CUDA), base.to(CUDA), 1e-6, 20, 1e-6)
+    found = mhc.hc_pre_cuda(x.to(CUDA), fn.to(CUDA), scale.to(CUDA), base.to(CUDA), 1e-6, 20, 1e-6, splits=splits,
+                            precision=precision)
     emulated = ops.hc_pre(x, fn, scale, base, 1e-6, 20, 1e-6)
     assert float(_row_calc_diff(found[0].cpu(), emulated[0]).max()) <= (1.25 * 2.0**-8) ** 2 / 2
     for f, e in zip(found[1:], emulated[1:], strict=True):
         assert float(((f.cpu() - e).abs() / e.abs().clamp(min=1e-30)).max()) <= 2.0**-12  # 2 x (2^-14 vs fp64)
+    again = mhc.hc_pre_cuda(x.to(CUDA), fn.to(CUDA), scale.to(CUDA), base.to(CUDA), 1e-6, 20, 1e-6, splits=splits,
+                            precision=precision)
+    assert all(torch.equal(a, b) for a, b in zip(found, again, strict=True))  # deterministic (no atomics)
     check_case("hc_pre", mhc.hc_pre, Case({"x": x[:4], "fn": fn, "scale": scale, "base": base, "norm_eps": 1e-6,
                                            "iters": 20, "hc_eps": 1e-6}), device=CUDA)

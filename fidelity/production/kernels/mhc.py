@@ -1,11 +1,12 @@
 """Fused mHC ``hc_pre`` in Triton (spec §4 mHC block, §3 ``hc_split_sinkhorn``): one launch for the mixes
 projection, the RMS factor, the sigmoid / Sinkhorn split (20 rounds) and the collapse ``y = sum_i pre_i x_i``.
 
-One program handles ``BT`` tokens: pass 1 streams ``x`` [BT, 4*dim] against ``fn`` [24, 4*dim] (fp32 FMA,
-``input_precision="ieee"``: the reference's fp32 ``F.linear``, no TF32) and the sum of squares; the 24 mixes
+One program handles ``BT`` tokens: pass 1 streams ``x`` [BT, 4*dim] against ``fn`` [24, 4*dim] (tensor cores with
+``tf32x3``, or fp32 FMA with ``"ieee"``; see :func:`hc_pre_cuda`) and the sum of squares; the 24 mixes
 then go through the split and Sinkhorn in registers; pass 2 re-reads the token's streams (L2-resident) for the
 fp32 collapse, rounded once to bf16. Outputs as ``ops.hc_pre``: (y bf16 [n, dim], pre [n, 4], post [n, 4],
-comb [n, 4, 4] fp32). fp32 summation order differs from torch (tolerance contract of ``hc_pre``).
+comb [n, 4, 4] fp32). fp32 summation order differs from torch (tolerance contract of ``hc_pre``). With few
+tokens (decode) the K reduction is split over programs and finished by a second launch (fixed-order sum).
 """
 
 from __future__ import annotations
@@ -19,36 +20,12 @@ from fidelity.production.faults import on
 from fidelity.production.kernels._common import device_transparent, on_device
 
 
-@triton.jit(do_not_specialize=["n", "iters"])
-def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr,
-                   n, dim, norm_eps, hc_eps, iters, stride_xn,
-                   BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0)
-    toks = (pid * BT + tl.arange(0, BT)).to(tl.int64)
-    tmask = toks < n
-    K = 4 * dim
-    r32 = tl.arange(0, 32)
-    mix = tl.zeros([BT, 32], tl.float32)
-    ssq = tl.zeros([BT], tl.float32)
-    for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        km = ks < K
-        xk = tl.load(x_ptr + toks[:, None] * stride_xn + ks[None, :], mask=tmask[:, None] & km[None, :],
-                     other=0.0).to(tl.float32)
-        ssq += tl.sum(xk * xk, axis=1)
-        fk = tl.load(fn_ptr + r32[None, :] * K + ks[:, None], mask=(r32[None, :] < 24) & km[:, None], other=0.0)
-        mix += tl.dot(xk, fk, input_precision=PREC)
-    rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ssq, K.to(tl.float32)) + norm_eps))
-    mix = mix * rs[:, None]
-    # split: one-hot selections (exact) of columns 0..3, 4..7, 8..23
+@triton.jit
+def _split_collapse(m_pre, m_post, m_comb, toks, tmask, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
+                    comb_ptr, dim, hc_eps, iters, stride_xn, BT: tl.constexpr, BD: tl.constexpr):
+    """Sinkhorn split of the (rms-scaled) mixes [BT, 4], [BT, 4], [BT, 16], stores, then y = sum_i pre_i x_i."""
     r4 = tl.arange(0, 4)
     r16 = tl.arange(0, 16)
-    sel_pre = (r32[None, :] == r4[:, None]).to(tl.float32)  # [4, 32]
-    sel_post = (r32[None, :] == r4[:, None] + 4).to(tl.float32)
-    sel_comb = (r32[None, :] == r16[:, None] + 8).to(tl.float32)  # [16, 32]
-    m_pre = tl.sum(mix[:, None, :] * sel_pre[None, :, :], axis=2)  # [BT, 4]
-    m_post = tl.sum(mix[:, None, :] * sel_post[None, :, :], axis=2)
-    m_comb = tl.sum(mix[:, None, :] * sel_comb[None, :, :], axis=2)  # [BT, 16]
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
@@ -64,7 +41,6 @@ def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
     tl.store(pre_ptr + toks[:, None] * 4 + r4[None, :], pre, mask=tmask[:, None])
     tl.store(post_ptr + toks[:, None] * 4 + r4[None, :], post, mask=tmask[:, None])
     tl.store(comb_ptr + toks[:, None] * 16 + r16[None, :], tl.reshape(c, [BT, 16]), mask=tmask[:, None])
-    # collapse: y = sum_i pre_i * x_i in fp32 -> bf16
     for d0 in range(0, dim, BD):
         ds = d0 + tl.arange(0, BD)
         dm = ds < dim
@@ -74,11 +50,99 @@ def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
         tl.store(y_ptr + toks[:, None] * dim + ds[None, :], y.to(tl.bfloat16), mask=tmask[:, None] & dm[None, :])
 
 
+@triton.jit
+def _mix_chunk(x_ptr, fn_ptr, toks, tmask, k_lo, k_len, K, stride_xn, BT: tl.constexpr, BK: tl.constexpr,
+               PREC: tl.constexpr):
+    """Partial mixes [BT, 32] (rows 24..31 zero) and sum of squares [BT] over x columns k_lo .. k_lo+k_len-1."""
+    r32 = tl.arange(0, 32)
+    mix = tl.zeros([BT, 32], tl.float32)
+    ssq = tl.zeros([BT], tl.float32)
+    for kk in range(0, k_len, BK):
+        ks = k_lo + kk + tl.arange(0, BK)
+        km = ks < K
+        xk = tl.load(x_ptr + toks[:, None] * stride_xn + ks[None, :], mask=tmask[:, None] & km[None, :],
+                     other=0.0).to(tl.float32)
+        ssq += tl.sum(xk * xk, axis=1)
+        fk = tl.load(fn_ptr + r32[None, :] * K + ks[:, None], mask=(r32[None, :] < 24) & km[:, None], other=0.0)
+        mix += tl.dot(xk, fk, input_precision=PREC)
+    return mix, ssq
+
+
+@triton.jit(do_not_specialize=["n", "iters"])
+def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr,
+                   n, dim, norm_eps, hc_eps, iters, stride_xn,
+                   BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    """Fused: one program = BT tokens, all of K (one launch)."""
+    pid = tl.program_id(0)
+    toks = (pid * BT + tl.arange(0, BT)).to(tl.int64)
+    tmask = toks < n
+    K = 4 * dim
+    mix, ssq = _mix_chunk(x_ptr, fn_ptr, toks, tmask, 0, K, K, stride_xn, BT, BK, PREC)
+    rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ssq, K.to(tl.float32)) + norm_eps))
+    mix = mix * rs[:, None]
+    # split: one-hot selections (exact for finite mixes) of columns 0..3, 4..7, 8..23
+    r32 = tl.arange(0, 32)
+    r4 = tl.arange(0, 4)
+    r16 = tl.arange(0, 16)
+    sel_pre = (r32[None, :] == r4[:, None]).to(tl.float32)  # [4, 32]
+    sel_post = (r32[None, :] == r4[:, None] + 4).to(tl.float32)
+    sel_comb = (r32[None, :] == r16[:, None] + 8).to(tl.float32)  # [16, 32]
+    m_pre = tl.sum(mix[:, None, :] * sel_pre[None, :, :], axis=2)  # [BT, 4]
+    m_post = tl.sum(mix[:, None, :] * sel_post[None, :, :], axis=2)
+    m_comb = tl.sum(mix[:, None, :] * sel_comb[None, :, :], axis=2)  # [BT, 16]
+    _split_collapse(m_pre, m_post, m_comb, toks, tmask, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
+                    comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _hc_mix_partial_kernel(x_ptr, fn_ptr, ws_ptr, n, dim, k_per_split, stride_xn,
+                           BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """Split-K (few tokens): program (tile, s) writes partial mixes + sum of squares to ws [S, n, 33]."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    toks = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
+    tmask = toks < n
+    mix, ssq = _mix_chunk(x_ptr, fn_ptr, toks, tmask, pid_s * k_per_split, k_per_split, 4 * dim, stride_xn, BT, BK,
+                          PREC)
+    row = (pid_s * n + toks) * 33
+    tl.store(ws_ptr + row[:, None] + tl.arange(0, 32)[None, :], mix, mask=tmask[:, None])
+    tl.store(ws_ptr + row + 32, ssq, mask=tmask)
+
+
+@triton.jit(do_not_specialize=["n", "iters", "n_splits"])
+def _hc_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr,
+                      n, dim, n_splits, norm_eps, hc_eps, iters, stride_xn, BT: tl.constexpr, BD: tl.constexpr):
+    """Sums the split-K partials in a fixed order (deterministic), then split + collapse."""
+    pid = tl.program_id(0)
+    toks = (pid * BT + tl.arange(0, BT)).to(tl.int64)
+    tmask = toks < n
+    r4 = tl.arange(0, 4)
+    r16 = tl.arange(0, 16)
+    m_pre = tl.zeros([BT, 4], tl.float32)
+    m_post = tl.zeros([BT, 4], tl.float32)
+    m_comb = tl.zeros([BT, 16], tl.float32)
+    ssq = tl.zeros([BT], tl.float32)
+    for s in range(n_splits):
+        row = (s * n + toks) * 33
+        m_pre += tl.load(ws_ptr + row[:, None] + r4[None, :], mask=tmask[:, None], other=0.0)
+        m_post += tl.load(ws_ptr + row[:, None] + 4 + r4[None, :], mask=tmask[:, None], other=0.0)
+        m_comb += tl.load(ws_ptr + row[:, None] + 8 + r16[None, :], mask=tmask[:, None], other=0.0)
+        ssq += tl.load(ws_ptr + row + 32, mask=tmask, other=0.0)
+    rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ssq, (4 * dim).to(tl.float32)) + norm_eps))
+    _split_collapse(m_pre * rs[:, None], m_post * rs[:, None], m_comb * rs[:, None], toks, tmask, x_ptr, scale_ptr,
+                    base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD)
+
+
 def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk: int = 128, bd: int = 256,
-                num_warps: int = 4, precision: str = "ieee"):
+                num_warps: int = 4, precision: str = "tf32x3", splits: int | None = None):
     """Same signature and outputs as ``ops.hc_pre``; x [n, 4, dim] (bf16 or fp32 streams) on CUDA (injected
-    Sinkhorn faults run the torch emulation). ``precision="tf32x3"`` does the mixes GEMM on the tensor cores
-    with three TF32 products (about fp32 accuracy, not fp32's rounding); the default ``"ieee"`` is fp32 FMA."""
+    Sinkhorn faults run the torch emulation).
+
+    ``precision``: the mixes GEMM as ``"tf32x3"`` (default: tensor cores, three TF32 products; bf16 streams are
+    exact in TF32, so only fn's split into two TF32 parts rounds, about fp32 accuracy) or ``"ieee"`` (fp32 FMA).
+    ``splits``: split-K programs per token tile (default: 1 = the fused single launch when the tiles fill the
+    GPU, else enough splits for ~2 programs per SM, then a second launch that sums the partials in a fixed
+    order and finishes; deterministic either way)."""
     if not (on_device(x) and x.dim() == 3 and x.shape[1] == 4 and fn.shape == (24, 4 * x.shape[2])
             and x.dtype in (torch.bfloat16, torch.float32)) or on("sinkhorn-3-iters") or on("comb-transposed"):
         return ops.hc_pre(x, fn, scale, base, norm_eps, iters, hc_eps)
@@ -89,11 +153,25 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk
     pre = torch.empty((n, 4), dtype=torch.float32, device=dev)
     post = torch.empty((n, 4), dtype=torch.float32, device=dev)
     comb = torch.empty((n, 4, 4), dtype=torch.float32, device=dev)
-    if n:
-        _hc_pre_kernel[(triton.cdiv(n, bt),)](
-            x, fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous(), y, pre, post, comb,
-            n, dim, float(norm_eps), float(hc_eps), int(iters), x.stride(0), BT=bt, BK=bk, BD=bd, PREC=precision,
-            num_warps=num_warps)
+    if n == 0:
+        return y, pre, post, comb
+    fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
+    tiles = triton.cdiv(n, bt)
+    k_blocks = triton.cdiv(4 * dim, bk)
+    if splits is None:
+        splits = 1 if tiles >= 128 else min(k_blocks, triton.cdiv(264, tiles))
+    per = triton.cdiv(k_blocks, max(1, splits)) * bk
+    splits = triton.cdiv(4 * dim, per)
+    if splits == 1:
+        _hc_pre_kernel[(tiles,)](
+            x, fn, scale, base, y, pre, post, comb, n, dim, float(norm_eps), float(hc_eps), int(iters), x.stride(0),
+            BT=bt, BK=bk, BD=bd, PREC=precision, num_warps=num_warps)
+        return y, pre, post, comb
+    ws = torch.empty((splits, n, 33), dtype=torch.float32, device=dev)
+    _hc_mix_partial_kernel[(tiles, splits)](x, fn, ws, n, dim, per, x.stride(0), BT=bt, BK=bk, PREC=precision,
+                                            num_warps=num_warps)
+    _hc_finish_kernel[(tiles,)](ws, x, scale, base, y, pre, post, comb, n, dim, splits, float(norm_eps),
+                                float(hc_eps), int(iters), x.stride(0), BT=bt, BD=bd, num_warps=num_warps)
     return y, pre, post, comb
 
 

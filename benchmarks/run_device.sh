@@ -10,6 +10,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 timeout "${BENCH_TIMEOUT:-320}" python3 benchmarks/bench_kernels.py --out "$OUT" "$@" >"$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 grep -E "^\[|best|FAILED|Error|error" "$OUT/bench.log" | head -80
+timeout 150 python3 benchmarks/diag_production_cuda.py >"$OUT/diag.log" 2>&1; echo "diag rc=$?"; cat "$OUT/diag.log" | tail -20
 timeout "${TEST_TIMEOUT:-230}" python3 -m pytest tests/gpu -q -n 8 -p no:cacheprovider --timeout 200 \
   >"$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"

@@ -34,7 +34,8 @@ PROBE_OF_METRIC = {
     "recall": "indexer", "true_miss": "indexer",
     "missing": "visible", "extra": "visible",
     "weight_max_err": "routing",
-    "token_flip_with_margin": "tokens", "pick_flip_with_margin": "sampler", "stop_mismatch": "stops",
+    "token_flip_with_margin": "tokens", "pick_flip_with_margin": "sampler", "sampler_impl_mismatch": "sampler",
+    "stop_mismatch": "stops",
     "cache_growth": "memory",
 }  # fmt: skip
 PROBES = ("similarity", "sinkhorn", "indexer", "visible", "routing", "tokens", "sampler", "stops", "memory")

@@ -9,7 +9,8 @@ from fidelity.config import ConfigError, ModelConfig
 
 def test_flash_preset_matches_the_spec_table():
     c = ModelConfig.preset("flash")
-    assert (c.dim, c.n_layers, c.n_heads, c.head_dim, c.rope_head_dim, c.q_lora_rank) == (4096, 43, 64, 512, 64, 1024)
+    shape = (c.dim, c.n_layers, c.n_heads, c.head_dim, c.rope_head_dim, c.q_lora_rank)
+    assert shape == (4096, 43, 64, 512, 64, 1024)
     assert (c.n_routed_experts, c.n_activated_experts, c.route_scale, c.index_topk) == (256, 6, 1.5, 512)
     assert (c.compress_rope_theta, c.original_seq_len, c.rope_factor, c.swiglu_limit) == (160000.0, 65536, 16.0, 10.0)
     kinds = c.layer_kinds
@@ -19,7 +20,8 @@ def test_flash_preset_matches_the_spec_table():
 
 def test_pro_preset_bootstraps_with_two_hca_layers():
     c = ModelConfig.preset("pro")
-    assert (c.dim, c.n_layers, c.n_heads, c.q_lora_rank, c.o_groups, c.n_routed_experts) == (7168, 61, 128, 1536, 16, 384)
+    shape = (c.dim, c.n_layers, c.n_heads, c.q_lora_rank, c.o_groups, c.n_routed_experts)
+    assert shape == (7168, 61, 128, 1536, 16, 384)
     assert (c.route_scale, c.index_topk, c.moe_inter_dim) == (2.5, 1024, 3072)
     kinds = c.layer_kinds
     assert kinds[:2] == ("hca", "hca") and kinds.count("csa") == 30 and kinds.count("hca") == 31

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from fidelity.config import ModelConfig
@@ -12,7 +13,14 @@ from oracles.mhc import hc_post, hc_split, sinkhorn
 from oracles.moe import gate
 from oracles.rope import apply_rope, inv_freq, yarn_correction_range
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def _float64_by_default():
+    """The known answers are written in float64; restore the default for the other test modules."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def test_sinkhorn_twenty_iterations_are_doubly_stochastic_and_end_column_normalised():

@@ -87,9 +87,9 @@ def test_indexer_topk_sets_match_transformers_except_near_ties(tmp_path):
     assert sorted(ref_topk) == csa
     first_diff = len(ids)
     compared = 0
-    for i in csa:
+    for i in csa:  # a near-tie flip at position t changes every later layer from position t on: stop there
         ours, theirs, scores = rec.get(f"L{i}.indexer.topk"), ref_topk[i], rec.get(f"L{i}.indexer.scores")
-        for t in range(len(ids)):
+        for t in range(first_diff):
             a = {int(j) for j in ours[t] if j >= 0}
             b = {int(j) for j in theirs[t] if j >= 0}
             compared += len(a)
@@ -98,7 +98,8 @@ def test_indexer_topk_sets_match_transformers_except_near_ties(tmp_path):
             first_diff = min(first_diff, t)
             kth = scores[t].sort(descending=True).values
             k = len(a)
-            gap = (kth[k - 1] - kth[k]).abs() / kth[k - 1].abs()
+            scale = kth[torch.isfinite(kth)].abs().max()  # exact ties (ReLU zeros) have gap 0
+            gap = (kth[k - 1] - kth[k]).abs() / scale
             assert gap < NEAR_TIE, f"L{i} position {t}: top-k differs without a near-tie (gap {gap:.2e})"
     assert compared > 1000
     err = _rel(logits[:first_diff], ref_logits[:first_diff])

@@ -80,11 +80,11 @@ def clean() -> pd.DataFrame:
 @pytest.fixture(scope="module")
 def failing(clean: pd.DataFrame) -> pd.DataFrame:
     df = clean.assign(run_id="failing")
-    df = plant(df, 3, "L2.attn.out", "cos", 0.95)
-    df = plant(df, 3, "L2.attn.out", "calc_diff", 0.05)
-    df = plant(df, 3, "L2.moe.out", "cos", 0.97)  # later site, same layer and step
-    df = plant(df, 3, "L3.attn.out", "cos", 0.96)  # later layer, same step
-    df = plant(df, 4, "L0.attn.out", "cos", 0.90)  # earlier layer, later step
+    df = plant(df, 3, "L2.attn.out", "cos", 0.95, mode="op")
+    df = plant(df, 3, "L2.attn.out", "calc_diff", 0.05, mode="op")
+    df = plant(df, 3, "L2.moe.out", "cos", 0.97, mode="op")  # later site, same layer and step
+    df = plant(df, 3, "L3.attn.out", "cos", 0.96, mode="op")  # later layer, same step
+    df = plant(df, 4, "L0.attn.out", "cos", 0.90, mode="op")  # earlier layer, later step
     df = plant(df, 5, "L1.mhc_ffn.comb", "orientation_flip", 1, mode="op")  # a transposed comb
     df = plant(df, 5, "L1.mhc_ffn.comb", "orientation_err", 0.3, mode="op")
     for metric, value in {"missing": 2, "first_query": 5, "first_kv": 17, "first_kind": 1}.items():
@@ -106,8 +106,8 @@ def test_clean_run_passes(clean):
 def test_first_divergence_is_named_exactly(failing):
     failures = evaluate(failing)
     div = first_divergence(failures)
-    assert (div.step, div.site, div.metric, div.mode) == (3, "L2.attn.out", "cos", "free")
-    assert str(div) == "step 3 (decode), L2.attn.out cos 0.95 < 0.99 (free mode)"
+    assert (div.step, div.site, div.metric, div.mode) == (3, "L2.attn.out", "cos", "op")
+    assert str(div) == "step 3 (decode), L2.attn.out cos 0.95 < 0.99 (op mode)"
     assert set(failures["site"]) == {"L2.attn.out", "L2.moe.out", "L3.attn.out", "L0.attn.out", "L1.mhc_ffn.comb",
                                      "L3.attn.visible"}
     assert failures["site"].tolist()[-2:] == ["L1.mhc_ffn.comb", "L3.attn.visible"]  # step 5, data-flow order
@@ -152,7 +152,7 @@ def test_toml_overrides_defaults(failing, tmp_path):
     rules = load_thresholds(path)
     assert rules[0] == Threshold(r"L\d+\.attn\.out", "cos", ">=", 0.94, "thresholds.toml")
     div = first_divergence(evaluate(failing, thresholds_for("reference", path)))
-    assert str(div) == "step 4 (decode), L0.attn.out cos 0.9 < 0.94 (free mode)"  # step 3 passes now, moe cos off
+    assert str(div) == "step 4 (decode), L0.attn.out cos 0.9 < 0.94 (op mode)"  # step 3 passes now, moe cos off
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -194,12 +194,12 @@ def written(failing, tmp_path_factory):
 def test_report_contents(written):
     path, _ = written
     md, page = (path / "report.md").read_text(), (path / "report.html").read_text()
-    assert "FAIL:" in md and "first divergence: step 3 (decode), L2.attn.out cos 0.95 < 0.99 (free mode)" in md
+    assert "FAIL:" in md and "first divergence: step 3 (decode), L2.attn.out cos 0.95 < 0.99 (op mode)" in md
     for title in ("Per-layer error", "Sinkhorn", "Indexer recall", "Visible range", "Anomalies", "Token agreement",
                   "Memory flatness", "Thresholds"):
         assert f"## {title}" in md and f"<h2>{title}" in page
     assert "| site | cos local | cos inherited | calc_diff local | calc_diff inherited |" in md
-    assert "| L2.attn.out | 0.99997 | 0.95 | 3e-05 | 0.05 |" in md
+    assert "| L2.attn.out | 0.95 | 0.99991 | 0.05 | 9e-05 |" in md
     assert "| L3.attn.visible | op | 2 | 0 | step 5, query 5, kv 17, kind 1 |" in md
     assert "| L1.mhc_ffn.comb | op | 0.003 | 1e-07 | 0.0001 | 0 | 0.3 | 0.3 | 1 |" in md
     assert md.count("![") == 5 and "(plots/heatmap_1mcos.png)" in md

@@ -13,7 +13,7 @@ import torch
 from fidelity.config import ModelConfig
 from fidelity.job import run_job
 from fidelity.oracle_run import default_prompt
-from fidelity.runner import Runner, RunError, RunSpec, sampled_rows
+from fidelity.runner import RunError, Runner, RunSpec, sampled_rows
 from fidelity.synthesize import synthesize
 
 
@@ -95,7 +95,7 @@ def test_cli_gate_exit_codes(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "verdict: PASS" in ok.stdout and "report:" in ok.stdout
     strict = tmp_path / "strict.toml"
-    strict.write_text("['logits|L\\\\d+\\\\.attn\\\\.q']\ncos = \">=0.9999999\"\n")
+    strict.write_text("['logits|L\\d+\\.attn\\.q']\ncos = \">=0.9999999\"\n")
     bad = _cli(*base, "--run-id", "b", "--gate", "--thresholds", str(strict))
     assert bad.returncode == 1 and "verdict: FAIL" in bad.stdout and "first divergence: step 0" in bad.stdout
     rerun = _cli("report", str(tmp_path / "a"), "--thresholds", str(strict), "--gate")

@@ -22,8 +22,10 @@ from fidelity.production.kernels._common import device_transparent, on_device
 
 @triton.jit
 def _split_collapse(m_pre, m_post, m_comb, toks, tmask, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
-                    comb_ptr, dim, hc_eps, iters, stride_xn, BT: tl.constexpr, BD: tl.constexpr):
-    """Sinkhorn split of the (rms-scaled) mixes [BT, 4], [BT, 4], [BT, 16], stores, then y = sum_i pre_i x_i."""
+                    comb_ptr, dim, hc_eps, iters, stride_xn, BT: tl.constexpr, BD: tl.constexpr, d_lo, d_hi,
+                    STORE_SPLIT: tl.constexpr):
+    """Sinkhorn split of the (rms-scaled) mixes [BT, 4], [BT, 4], [BT, 16], stores (if STORE_SPLIT), then
+    y = sum_i pre_i x_i for the dims d_lo .. d_hi-1."""
     r4 = tl.arange(0, 4)
     r16 = tl.arange(0, 16)
     s0 = tl.load(scale_ptr)
@@ -38,12 +40,13 @@ def _split_collapse(m_pre, m_post, m_comb, toks, tmask, x_ptr, scale_ptr, base_p
     for _ in range(iters - 1):
         c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
         c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-    tl.store(pre_ptr + toks[:, None] * 4 + r4[None, :], pre, mask=tmask[:, None])
-    tl.store(post_ptr + toks[:, None] * 4 + r4[None, :], post, mask=tmask[:, None])
-    tl.store(comb_ptr + toks[:, None] * 16 + r16[None, :], tl.reshape(c, [BT, 16]), mask=tmask[:, None])
-    for d0 in range(0, dim, BD):
+    if STORE_SPLIT:
+        tl.store(pre_ptr + toks[:, None] * 4 + r4[None, :], pre, mask=tmask[:, None])
+        tl.store(post_ptr + toks[:, None] * 4 + r4[None, :], post, mask=tmask[:, None])
+        tl.store(comb_ptr + toks[:, None] * 16 + r16[None, :], tl.reshape(c, [BT, 16]), mask=tmask[:, None])
+    for d0 in range(d_lo, d_hi, BD):
         ds = d0 + tl.arange(0, BD)
-        dm = ds < dim
+        dm = ds < dim  # d_hi - d_lo is a multiple of BD (or d_hi == dim)
         xs = tl.load(x_ptr + toks[:, None, None] * stride_xn + r4[None, :, None] * dim + ds[None, None, :],
                      mask=tmask[:, None, None] & dm[None, None, :], other=0.0).to(tl.float32)
         y = tl.sum(pre[:, :, None] * xs, axis=1)
@@ -91,7 +94,7 @@ def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
     m_post = tl.sum(mix[:, None, :] * sel_post[None, :, :], axis=2)
     m_comb = tl.sum(mix[:, None, :] * sel_comb[None, :, :], axis=2)  # [BT, 16]
     _split_collapse(m_pre, m_post, m_comb, toks, tmask, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
-                    comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD)
+                    comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD, 0, dim, True)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -111,9 +114,12 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, ws_ptr, n, dim, k_per_split, stride_xn
 
 @triton.jit(do_not_specialize=["n", "iters", "n_splits"])
 def _hc_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr,
-                      n, dim, n_splits, norm_eps, hc_eps, iters, stride_xn, BT: tl.constexpr, BD: tl.constexpr):
-    """Sums the split-K partials in a fixed order (deterministic), then split + collapse."""
+                      n, dim, n_splits, norm_eps, hc_eps, iters, stride_xn, d_per_prog,
+                      BT: tl.constexpr, BD: tl.constexpr):
+    """Sums the split-K partials in a fixed order (deterministic), then split + collapse; program (tile, j)
+    collapses dims j*d_per_prog .. (j+1)*d_per_prog-1 (every program redoes the 4x4 Sinkhorn, j == 0 stores it)."""
     pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
     toks = (pid * BT + tl.arange(0, BT)).to(tl.int64)
     tmask = toks < n
     r4 = tl.arange(0, 4)
@@ -129,11 +135,17 @@ def _hc_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_p
         m_comb += tl.load(ws_ptr + row[:, None] + 8 + r16[None, :], mask=tmask[:, None], other=0.0)
         ssq += tl.load(ws_ptr + row + 32, mask=tmask, other=0.0)
     rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ssq, (4 * dim).to(tl.float32)) + norm_eps))
-    _split_collapse(m_pre * rs[:, None], m_post * rs[:, None], m_comb * rs[:, None], toks, tmask, x_ptr, scale_ptr,
-                    base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD)
+    if pid_d == 0:
+        _split_collapse(m_pre * rs[:, None], m_post * rs[:, None], m_comb * rs[:, None], toks, tmask, x_ptr,
+                        scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD,
+                        0, d_per_prog, True)
+    else:
+        _split_collapse(m_pre * rs[:, None], m_post * rs[:, None], m_comb * rs[:, None], toks, tmask, x_ptr,
+                        scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD,
+                        pid_d * d_per_prog, (pid_d + 1) * d_per_prog, False)
 
 
-def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk: int = 128, bd: int = 256,
+def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk: int = 128, bd: int | None = None,
                 num_warps: int = 4, precision: str = "tf32x3", splits: int | None = None):
     """Same signature and outputs as ``ops.hc_pre``; x [n, 4, dim] (bf16 or fp32 streams) on CUDA (injected
     Sinkhorn faults run the torch emulation).
@@ -156,6 +168,7 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk
     if n == 0:
         return y, pre, post, comb
     fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
+    bd = bd or max(32, 4096 // bt)  # collapse tile [bt, 4, bd]: keep it at 16K elements
     tiles = triton.cdiv(n, bt)
     k_blocks = triton.cdiv(4 * dim, bk)
     if splits is None:
@@ -170,8 +183,11 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk
     ws = torch.empty((splits, n, 33), dtype=torch.float32, device=dev)
     _hc_mix_partial_kernel[(tiles, splits)](x, fn, ws, n, dim, per, x.stride(0), BT=bt, BK=bk, PREC=precision,
                                             num_warps=num_warps)
-    _hc_finish_kernel[(tiles,)](ws, x, scale, base, y, pre, post, comb, n, dim, splits, float(norm_eps),
-                                float(hc_eps), int(iters), x.stride(0), BT=bt, BD=bd, num_warps=num_warps)
+    d_blocks = max(1, min(triton.cdiv(dim, bd), triton.cdiv(264, tiles)))
+    d_per = triton.cdiv(triton.cdiv(dim, bd), d_blocks) * bd
+    _hc_finish_kernel[(tiles, triton.cdiv(dim, d_per))](
+        ws, x, scale, base, y, pre, post, comb, n, dim, splits, float(norm_eps), float(hc_eps), int(iters),
+        x.stride(0), d_per, BT=bt, BD=bd, num_warps=num_warps)
     return y, pre, post, comb
 
 

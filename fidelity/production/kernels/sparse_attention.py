@@ -16,8 +16,9 @@ this changes the reference max against which P is rounded to bf16, so it is opt-
 
 FP8 KV (``sparse_attention_fp8kv``): the 584 B/token production layout, per row
 ``[448 e4m3 nope | 64 bf16 rope (128 B) | 7 ue8m0 scale bytes (per 64 nope dims) | 1 pad]``, dequantized
-once per tile in registers (``e4m3 * 2^(b-127)`` is exact in bf16, so the result is bit-identical to the
-bf16 kernel on ``ops.kv_round(kv, 64, "fp8")`` rows).
+once per tile in registers (``e4m3 * 2^(b-127)`` is exact in bf16, so the tile equals the bf16 kernel's tile on
+``ops.kv_round(kv, 64, "fp8")`` rows; the MMA then reads it from registers instead of shared memory, so the fp32
+sums may round differently: equal up to rare bf16 flips, not bit-identical on the H200).
 """
 
 from __future__ import annotations
@@ -139,10 +140,28 @@ def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n_tokens, n_heads, num_spl
              mask=hmask[:, None])
 
 
+def default_config_fp8(n_tokens: int, n_heads: int, d: int, topk: int) -> dict:
+    """FP8-KV launch parameters (the dequantized tile needs more shared memory: one pipeline stage; 64 heads
+    per program amortize the dequantization over more heads)."""
+    if n_heads <= 16:
+        return {"block_h": 16, "split_d": 1, "num_splits": 1, "num_warps": 4, "num_stages": 1}
+    if n_heads >= 128 or n_tokens > 256:
+        return {"block_h": 64, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 1}
+    return {"block_h": 64, "split_d": 2, "num_splits": 1, "num_warps": 8, "num_stages": 1}
+
+
 def default_config(n_tokens: int, n_heads: int, d: int, topk: int) -> dict:
-    """Launch parameters (chosen from the sweep in ``benchmarks/bench_kernels.py``, see BENCHMARKS.md)."""
-    block_h = max(16, min(next_pow2(n_heads), 64 if d <= 128 else 32))
-    return {"block_h": block_h, "split_d": 1, "num_splits": 1, "num_warps": 4 if d <= 128 else 8, "num_stages": 1}
+    """Launch parameters, from the H200 sweep in ``benchmarks/bench_kernels.py`` (BENCHMARKS.md): d=512 with 128
+    heads or a long prefill: 64 heads per program; 64 heads decode: 32 heads, 2 pipeline stages; few heads: 16.
+    Never split-KV by default (it changes the max against which P is rounded to bf16)."""
+    if d <= 128:
+        return {"block_h": max(16, min(next_pow2(n_heads), 64)), "split_d": 1, "num_splits": 1, "num_warps": 4,
+                "num_stages": 1}
+    if n_heads <= 16:
+        return {"block_h": 16, "split_d": 1, "num_splits": 1, "num_warps": 4, "num_stages": 1}
+    if n_heads >= 128 or n_tokens > 256:
+        return {"block_h": 64, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 1}
+    return {"block_h": 32, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 2}
 
 
 def _launch(q, kv_main, kv16, idx, sink, scale, d, fp8, cfg):
@@ -151,7 +170,7 @@ def _launch(q, kv_main, kv16, idx, sink, scale, d, fp8, cfg):
     o = torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
     if n == 0 or h == 0:
         return o
-    c = default_config(n, h, d, topk)
+    c = (default_config_fp8 if fp8 else default_config)(n, h, d, topk)
     c.update({k: v for k, v in (cfg or {}).items() if v is not None})
     block_h, split_d, num_splits = c["block_h"], c["split_d"], c["num_splits"]
     n_blocks = triton.cdiv(topk, BLOCK_N)
@@ -224,7 +243,8 @@ def unpack_kv_fp8(packed: torch.Tensor) -> torch.Tensor:
 
 def sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, *, config=None):
     """``sparse_attention`` reading the 584 B/token FP8 cache (uint8 [m, 584], see :func:`pack_kv_fp8`);
-    q [n, H, 512] bf16 on CUDA. Bit-identical to ``sparse_attention_cuda(q, unpack_kv_fp8(kv_packed), ...)``."""
+    q [n, H, 512] bf16 on CUDA. Same tile values as ``sparse_attention_cuda(q, unpack_kv_fp8(kv_packed), ...)``;
+    outputs equal up to the MMA's fp32 summation order."""
     if kv_packed.dtype != torch.uint8 or kv_packed.dim() != 2 or kv_packed.shape[1] != FP8_ROW_BYTES:
         raise ValueError(f"kv_packed: expected uint8 [m, {FP8_ROW_BYTES}], found {kv_packed.dtype} "
                          f"{list(kv_packed.shape)}")

@@ -26,7 +26,7 @@ from probes import (
 NEAR_TIE_MARGIN = 1e-2  # relative gap to the k-th oracle score under which a top-k miss is a near-tie
 PER_POSITION = ("residual", "logits")  # site suffixes that also get per-position cosine rows in a prefill
 # Sites compared in the prefill only: their errors show up downstream at the sites compared every step
-# (pre/post/collapse in attn.q & co, routing weights in moe.out), and skipping them halves the probe time.
+# (pre/post/collapse in attn.q & co), and skipping them halves the probe time.
 PREFILL_ONLY = ("embed", ".pre", ".post", "attn.in", "moe.in", "indexer.weights")
 
 

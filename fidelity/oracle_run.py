@@ -106,7 +106,7 @@ def format_summary(s: OracleSummary, title: str) -> str:
         )
     lines += [
         "",
-        f"last-position logits std: {s.logits_std:.4g}",
+        f"prompt logits std: {s.logits_std:.4g}",
         f"greedy continuation (first 16): {s.generated[:16]}",
         f"incremental decode vs full-sequence logits: max rel err {s.decode_vs_full_rel_err:.2e}",
     ]

@@ -71,6 +71,10 @@ class ProductionSession:
         if self.rec is not None and self.rec.wants(site):
             self.rec(site, tensor)
 
+    def op(self, name: str):
+        """The registered implementation of op ``name`` for this session's device (registry.implementation)."""
+        return implementation(name, self.m.device)
+
     def cache_bytes(self) -> int:
         return sum(sum(c.nbytes().values()) for c in self.layers)
 
@@ -119,9 +123,9 @@ class ProductionSession:
         for i in range(self.cfg.n_layers):
             x = self.block(i, x, positions, ids)
         w, cfg = self.m.w, self.cfg
-        y = implementation("hc_head")(x, w("hc_head_fn"), w("hc_head_scale"), w("hc_head_base"), cfg.norm_eps,
+        y = self.op("hc_head")(x, w("hc_head_fn"), w("hc_head_scale"), w("hc_head_base"), cfg.norm_eps,
                                       cfg.hc_eps)
-        y = implementation("rms_norm")(y, w("norm.weight"), cfg.norm_eps)
+        y = self.op("rms_norm")(y, w("norm.weight"), cfg.norm_eps)
         self.emit("final", y)
         logits = y.float() @ w("head.weight").float().T
         self.emit("logits", logits)
@@ -133,23 +137,23 @@ class ProductionSession:
     def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         w, cfg = self.m.w, self.cfg
         y, post, comb = self.mhc_pre(i, "attn", x)
-        h = implementation("rms_norm")(y, w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps)
+        h = self.op("rms_norm")(y, w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps)
         self.emit(f"L{i}.attn.in", h)
         f = self.attention(i, h, positions)
         self.emit(f"L{i}.attn.out", f)
-        x = implementation("hc_post")(f, x, post, comb, self.res_dtype)
+        x = self.op("hc_post")(f, x, post, comb, self.res_dtype)
         y, post, comb = self.mhc_pre(i, "ffn", x)
-        h = implementation("rms_norm")(y, w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps)
+        h = self.op("rms_norm")(y, w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps)
         self.emit(f"L{i}.moe.in", h)
         f = self.moe(i, h, ids)
         self.emit(f"L{i}.moe.out", f)
-        x = implementation("hc_post")(f, x, post, comb, self.res_dtype)
+        x = self.op("hc_post")(f, x, post, comb, self.res_dtype)
         self.emit(f"L{i}.residual", x)
         return x
 
     def mhc_pre(self, i: int, which: str, x: torch.Tensor):
         w, cfg, p = self.m.w, self.cfg, f"layers.{i}.hc_{which}_"
-        y, pre, post, comb = implementation("hc_pre")(x, w(p + "fn"), w(p + "scale"), w(p + "base"), cfg.norm_eps,
+        y, pre, post, comb = self.op("hc_pre")(x, w(p + "fn"), w(p + "scale"), w(p + "base"), cfg.norm_eps,
                                                       cfg.hc_sinkhorn_iters, cfg.hc_eps)
         self.emit(f"L{i}.mhc_{which}.pre", pre)
         self.emit(f"L{i}.mhc_{which}.post", post)
@@ -163,14 +167,14 @@ class ProductionSession:
         freqs, rd = self.m.freqs[ratio], cfg.rope_head_dim
         if ratio == 0 and on("yarn-on-swa"):
             freqs = inv_freq(cfg, 4, torch.float32).to(x.device)
-        rope = implementation("apply_rope")
-        qr = implementation("rms_norm")(ops.act_linear(x, w(pre + "wq_a.weight"), act), w(pre + "q_norm.weight"),
+        rope = self.op("apply_rope")
+        qr = self.op("rms_norm")(ops.act_linear(x, w(pre + "wq_a.weight"), act), w(pre + "q_norm.weight"),
                                         cfg.norm_eps)
         q = ops.act_linear(qr, w(pre + "wq_b.weight"), act).unflatten(-1, (cfg.n_heads, cfg.head_dim))
-        q = rope(implementation("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
-        kv = implementation("rms_norm")(ops.act_linear(x, w(pre + "wkv.weight"), act), w(pre + "kv_norm.weight"),
+        q = rope(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
+        kv = self.op("rms_norm")(ops.act_linear(x, w(pre + "wkv.weight"), act), w(pre + "kv_norm.weight"),
                                         cfg.norm_eps)
-        kv = implementation("kv_round")(rope(kv, positions, freqs), rd, prof.kv_nope)
+        kv = self.op("kv_round")(rope(kv, positions, freqs), rd, prof.kv_nope)
         self.emit(f"L{i}.attn.q", q)
         self.emit(f"L{i}.attn.kv", kv)
         if len(positions) > 1:
@@ -231,7 +235,7 @@ class ProductionSession:
         if comp is not None:
             idx = torch.cat((idx, torch.where(comp >= 0, comp + offset, -1)), dim=1)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
-        attend = implementation("sparse_attention")
+        attend = self.op("sparse_attention")
         return torch.cat([attend(q[s : s + QUERY_CHUNK], table, idx[s : s + QUERY_CHUNK], sink, scale, self.p.fmha)
                           for s in range(0, t, QUERY_CHUNK)])
 
@@ -257,7 +261,7 @@ class ProductionSession:
         local = torch.full_like(slots, -1)
         local[0, valid] = torch.arange(k, device=x.device)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
-        return implementation("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
+        return self.op("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
 
     # ---- indexer -----------------------------------------------------------------------------
     def index_query(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor):
@@ -265,7 +269,7 @@ class ProductionSession:
         pre = f"layers.{i}.attn.indexer."
         q = ops.act_linear(qr, w(pre + "wq_b.weight"), prof.gemm_act).unflatten(
             -1, (cfg.index_n_heads, cfg.index_head_dim))
-        q = implementation("apply_rope")(q, positions, self.m.freqs[4])
+        q = self.op("apply_rope")(q, positions, self.m.freqs[4])
         q = ops.indexer_round(q, prof.indexer_qk, prof.hadamard == "on")
         self.emit(f"L{i}.indexer.q", _unrotated(q, prof))
         weights = (x @ w(pre + "weights_proj.weight").to(BF16).T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
@@ -279,7 +283,7 @@ class ProductionSession:
 
     def _scores(self, q, keys, weights) -> torch.Tensor:
         dtype = torch.float32 if self.p.index_scores == "fp32" else BF16
-        return implementation("index_scores")(q, keys, weights, dtype)
+        return self.op("index_scores")(q, keys, weights, dtype)
 
     def index_prefill(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cfg, cache = self.cfg, self.layers[i]
@@ -321,7 +325,7 @@ class ProductionSession:
         w, cfg, act = self.m.w, self.cfg, self.p.gemm_act
         p = f"layers.{i}.ffn."
         hashed = cfg.is_hash_layer(i)
-        weights, experts = implementation("gate")(x.float(), w(p + "gate.weight").float(),
+        weights, experts = self.op("gate")(x.float(), w(p + "gate.weight").float(),
                                                  None if hashed else w(p + "gate.bias"),
                                                  w(p + "gate.tid2eid") if hashed else None, ids, cfg)
         if on("routing-bias-in-weights") and not hashed:
@@ -329,7 +333,7 @@ class ProductionSession:
         self.emit(f"L{i}.moe.experts", experts)
         self.emit(f"L{i}.moe.weights", weights)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        expert = implementation("expert")
+        expert = self.op("expert")
         for e in torch.unique(experts).tolist():
             rows, slot = torch.where(experts == e)
             q = f"{p}experts.{e}."

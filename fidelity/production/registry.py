@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from fidelity.production import ops
 from oracles.moe import gate as gate_fp32
 
@@ -26,10 +28,12 @@ def select(name: str, impl: str) -> None:
     _selected[name] = impl
 
 
-def implementation(name: str) -> Callable:
-    """The selected implementation of ``name`` (default: the fastest registered, ``cpu`` last)."""
+def implementation(name: str, device: torch.device | str | None = None) -> Callable:
+    """The implementation of ``name`` for tensors on ``device``: an explicit ``select`` wins; on a GPU the
+    registered kernel (``cpu`` emulation if none); on the CPU (or ``device=None``) the ``cpu`` emulation."""
     impls = REGISTRY[name]
-    impl = _selected.get(name) or next((k for k in impls if k != "cpu"), "cpu")
+    on_gpu = device is not None and torch.device(device).type != "cpu"
+    impl = _selected.get(name) or (next((k for k in impls if k != "cpu"), "cpu") if on_gpu else "cpu")
     _used[name] = impl
     return impls[impl]
 

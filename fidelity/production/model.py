@@ -154,7 +154,7 @@ class ProductionSession:
     def mhc_pre(self, i: int, which: str, x: torch.Tensor):
         w, cfg, p = self.m.w, self.cfg, f"layers.{i}.hc_{which}_"
         y, pre, post, comb = self.op("hc_pre")(x, w(p + "fn"), w(p + "scale"), w(p + "base"), cfg.norm_eps,
-                                                      cfg.hc_sinkhorn_iters, cfg.hc_eps)
+                                               cfg.hc_sinkhorn_iters, cfg.hc_eps)
         self.emit(f"L{i}.mhc_{which}.pre", pre)
         self.emit(f"L{i}.mhc_{which}.post", post)
         self.emit(f"L{i}.mhc_{which}.comb", comb)
@@ -169,11 +169,11 @@ class ProductionSession:
             freqs = inv_freq(cfg, 4, torch.float32).to(x.device)
         rope = self.op("apply_rope")
         qr = self.op("rms_norm")(ops.act_linear(x, w(pre + "wq_a.weight"), act), w(pre + "q_norm.weight"),
-                                        cfg.norm_eps)
+                                 cfg.norm_eps)
         q = ops.act_linear(qr, w(pre + "wq_b.weight"), act).unflatten(-1, (cfg.n_heads, cfg.head_dim))
         q = rope(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
         kv = self.op("rms_norm")(ops.act_linear(x, w(pre + "wkv.weight"), act), w(pre + "kv_norm.weight"),
-                                        cfg.norm_eps)
+                                 cfg.norm_eps)
         kv = self.op("kv_round")(rope(kv, positions, freqs), rd, prof.kv_nope)
         self.emit(f"L{i}.attn.q", q)
         self.emit(f"L{i}.attn.kv", kv)
@@ -326,8 +326,8 @@ class ProductionSession:
         p = f"layers.{i}.ffn."
         hashed = cfg.is_hash_layer(i)
         weights, experts = self.op("gate")(x.float(), w(p + "gate.weight").float(),
-                                                 None if hashed else w(p + "gate.bias"),
-                                                 w(p + "gate.tid2eid") if hashed else None, ids, cfg)
+                                           None if hashed else w(p + "gate.bias"),
+                                           w(p + "gate.tid2eid") if hashed else None, ids, cfg)
         if on("routing-bias-in-weights") and not hashed:
             weights = _biased_weights(x, w(p + "gate.weight"), w(p + "gate.bias"), experts, cfg.route_scale)
         self.emit(f"L{i}.moe.experts", experts)

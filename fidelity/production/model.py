@@ -124,7 +124,7 @@ class ProductionSession:
             x = self.block(i, x, positions, ids)
         w, cfg = self.m.w, self.cfg
         y = self.op("hc_head")(x, w("hc_head_fn"), w("hc_head_scale"), w("hc_head_base"), cfg.norm_eps,
-                                      cfg.hc_eps)
+                               cfg.hc_eps)
         y = self.op("rms_norm")(y, w("norm.weight"), cfg.norm_eps)
         self.emit("final", y)
         logits = y.float() @ w("head.weight").float().T

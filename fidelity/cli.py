@@ -133,9 +133,10 @@ def cmd_report(args) -> int:
     df, manifest = read_run(args.run)
     profile = str(df["profile"].iloc[0]) if len(df) else "reference"
     md, html = write_report(args.run, df, manifest, thresholds_for(profile, args.thresholds))
-    _print_verdict(judge_run(args.run, args.thresholds))
+    res = judge_run(args.run, args.thresholds)
+    _print_verdict(res)
     print(f"report: {md} and {html}")
-    return 1 if args.gate and not judge_run(args.run, args.thresholds).passed else 0
+    return 1 if args.gate and not res.passed else 0
 
 
 def cmd_plot(args) -> int:

@@ -253,12 +253,10 @@ def checkpoint_hash(ckpt) -> str:
     tensors (norms, biases, hc, sinks): identifies a checkpoint without reading a 160 GB model."""
     h = hashlib.sha256(json.dumps(ckpt.config.to_official_dict(), sort_keys=True).encode())
     for name in ckpt.names():
-        st = ckpt.stored(name) if hasattr(ckpt, "stored") else None
-        h.update(name.encode())
-        if st is not None:
-            h.update(f"{st.fmt}{tuple(st.data.shape)}".encode())
-            if st.data.numel() <= 65536:
-                h.update(st.data.contiguous().view(torch.uint8).numpy().tobytes())
+        st = ckpt.stored(name)
+        h.update(f"{name}{st.fmt}{tuple(st.data.shape)}".encode())
+        if st.data.numel() <= 65536:
+            h.update(st.data.contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 

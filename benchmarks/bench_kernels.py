@@ -1,6 +1,6 @@
 """Validate, then time the Triton production kernels at V4-Flash / V4-Pro shapes on one GPU.
 
-    python benchmarks/bench_kernels.py --out DIR [--only attn,index,norm,mhc] [--quick]
+    python benchmarks/bench_kernels.py --out DIR [--only attn,index,norm,mhc,post,kv,act] [--quick]
 
 For every kernel and shape: a correctness check against the torch emulation (``fidelity.production.ops`` on
 CUDA tensors) on the benchmark inputs, then CUDA-event timings (median over many runs) of
@@ -39,12 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fidelity.formats import quantize_fp4, quantize_fp8  # noqa: E402
 from fidelity.production import ops  # noqa: E402
-from fidelity.production.kernels import indexer, mhc, rms_norm, sparse_attention  # noqa: E402
+from fidelity.production.kernels import indexer, kv_path, mhc, rms_norm, sparse_attention  # noqa: E402
 
 BF16 = torch.bfloat16
 DEV = "cuda"
 L2_BYTES = 60e6
-VENDOR = {"bw": 4.8e12, "bf16": 989e12, "fp32": 67e12}
+VENDOR = {"bw": 4.8e12, "bf16": 989e12, "fp32": 67e12, "fp8": 1979e12}
 RESULTS: list[dict] = []
 CEIL: dict[str, float] = {}
 
@@ -201,9 +201,18 @@ def measure_ceilings():
     t = time_fn(lambda: xf @ yf, [()], graph=False, calls=5, reps=5)
     torch.backends.cuda.matmul.allow_tf32 = prev
     CEIL["fp32"] = 2 * 4096**3 / (t["us"] * 1e-6)
+    try:  # FP8 e4m3 GEMM through cuBLAS (tensor-wise scales): the measured FP8 MMA ceiling
+        x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=DEV)
+        t = time_fn(lambda: torch._scaled_mm(x8, y8, scale_a=one, scale_b=one, out_dtype=BF16), [()], graph=False,
+                    calls=10, reps=6)
+        CEIL["fp8"] = 2 * m**3 / (t["us"] * 1e-6)
+    except Exception as exc:  # noqa: BLE001 - older torch: no FP8 ceiling, vendor figure only
+        print(f"ceilings: fp8 matmul not measured ({type(exc).__name__}: {str(exc)[:100]})")
     print(f"ceilings: {[(b['dtype'], round(b['TBps'], 2)) for b in bws]}")
     print(f"ceilings: max copy {CEIL['bw'] / 1e12:.2f} TB/s, bf16 matmul {CEIL['bf16'] / 1e12:.0f} TFLOP/s, "
-          f"fp32 (no TF32) matmul {CEIL['fp32'] / 1e12:.1f} TFLOP/s", flush=True)
+          f"fp32 (no TF32) matmul {CEIL['fp32'] / 1e12:.1f} TFLOP/s, "
+          f"fp8 matmul {CEIL.get('fp8', 0) / 1e12:.0f} TFLOP/s", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -413,13 +422,19 @@ def bench_indexer(quick: bool):
         s0 = sets[0]
         ref = ops.index_scores(s0["q"], s0["k"], s0["w"])
         got = indexer.index_scores_cuda(s0["q"], s0["k"], s0["w"])
-        got4 = indexer.index_scores_fp4(s0["q"], s0["p"], s0["s"], s0["w"])
+        got4, used = indexer.index_scores_fp4(s0["q"], s0["p"], s0["s"], s0["w"], return_path=True)
+        got4b = indexer.index_scores_fp4(s0["q"], s0["p"], s0["s"], s0["w"], mma="bf16")
         diff = (got.float() - ref.float()).abs()
         check = {"bf16_equal_frac_vs_emulation": float((got == ref).float().mean()),
                  "max_abs_diff_vs_emulation": float(diff.max()), "max_abs_score": float(ref.float().abs().max()),
                  "fp4_equal_frac_vs_bf16_keys": float((got4 == got).float().mean()),
                  "fp4_max_abs_diff_vs_bf16_keys": float((got4.float() - got.float()).abs().max()),
                  "fp4_equal_frac_vs_emulation": float((got4 == ref).float().mean()),
+                 "fp4_fp8mma_ran": int(used.min()),
+                 "fp4_bf16mma_equal_frac_vs_bf16_keys": float((got4b == got).float().mean()),
+                 "fp4_topk512_overlap_vs_emulation": float(
+                     len(set(torch.topk(got4.float(), 512).indices[0].tolist())
+                         & set(torch.topk(ref.float(), 512).indices[0].tolist())) / 512),
                  "topk512_overlap_vs_emulation": float(
                      len(set(torch.topk(got.float(), 512).indices[0].tolist())
                          & set(torch.topk(ref.float(), 512).indices[0].tolist())) / 512)}
@@ -434,24 +449,35 @@ def bench_indexer(quick: bool):
         t = time_fn(hf_style_index_scores, a_b)
         base["transformers-style eager (fp32)"] = t["us"]
         record("index_scores", name, "transformers-style eager", t, bytes_=e * 256 + e * 4, flops=flops)
-        for variant, args, kbytes, fn in (
-                ("bf16 keys", a_b, 256, lambda cfg: (lambda *xs: indexer.index_scores_cuda(*xs, config=cfg))),
-                ("fp4 keys (68 B)", a_4, 68, lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg)))):
-            best = sweep("index_scores", name, variant, fn, [dict(c, q_per_prog=1) for c in cfgs], args,
-                         bytes_=e * kbytes + e * 2 + h * d * 2 + h * 2, flops=flops, check=check)
+        mma_cfgs = [{"block_e": 128, "tiles": t, "num_warps": 4} for t in (1, 2, 4, 8)] + [
+            {"block_e": 128, "tiles": 8, "num_warps": 8}, {"block_e": 256, "tiles": 4, "num_warps": 8},
+            {"block_e": 64, "tiles": 16, "num_warps": 4}, {"block_e": 128, "tiles": 8, "num_warps": 4, "num_stages": 2},
+            {"block_e": 128, "tiles": 16, "num_warps": 4}]
+        if quick:
+            mma_cfgs = mma_cfgs[:5]
+        for variant, args, kbytes, fn, vcfgs in (
+                ("bf16 keys", a_b, 256, lambda cfg: (lambda *xs: indexer.index_scores_cuda(*xs, config=cfg)),
+                 [dict(c, q_per_prog=1) for c in cfgs]),
+                ("fp4 keys (68 B), bf16 MMA", a_4, 68,
+                 lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg, mma="bf16")),
+                 [dict(c, q_per_prog=1) for c in cfgs]),
+                ("fp4 keys (68 B), FP8 MMA", a_4, 68,
+                 lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg)), mma_cfgs)):
+            best = sweep("index_scores", name, variant, fn, vcfgs, args,
+                         bytes_=e * kbytes + e * 2 + h * d * 2 + h * 2, flops=flops, check=check,
+                         unit="fp8" if variant.startswith("fp4") else "bf16")
             if best:
                 best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
                 print(f"  best {variant}: {best[0]['us']:.2f} us {best[1]} {best[0]['baselines']}", flush=True)
-                if variant.startswith("fp4"):
+                if variant.endswith("FP8 MMA"):
                     cfg = best[1]
                     topk = 512
 
                     def sel(q, p, s, w, cfg=cfg, topk=topk):
-                        return torch.topk(indexer.index_scores_fp4(q, p, s, w, config=dict(cfg, q_per_prog=1)),
-                                          topk, dim=-1)
+                        return torch.topk(indexer.index_scores_fp4(q, p, s, w, config=cfg), topk, dim=-1)
                     t = time_fn(sel, a_4)
                     record("index_scores+topk", name, f"fp4 keys + torch.topk({topk})", t,
-                           bytes_=e * kbytes + e * 2, flops=flops)
+                           bytes_=e * kbytes + e * 2, flops=flops, unit="fp8")
         del sets, a_b, a_4
         torch.cuda.empty_cache()
 
@@ -487,6 +513,21 @@ def bench_indexer(quick: bool):
         bytes_=bytes_, flops=flops, check=check)
     if best:
         best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
+    sets4 = []
+    for q, kb, w in sets:
+        packed, sc = quantize_fp4(kb.float(), 32)
+        sets4.append((q, packed, sc, w))
+    got4 = indexer.index_scores_fp4(*(t[:64] if i in (0, 3) else t for i, t in enumerate(sets4[0])))
+    check4 = {"fp4_fp8mma_equal_frac_vs_bf16_keys": float((got4 == got).float().mean())}
+    print(f"[index] {name} FP8 MMA: {check4}", flush=True)
+    best = sweep("index_scores", name, "fp4 keys (68 B), FP8 MMA", lambda cfg: (
+        lambda *xs: indexer.index_scores_fp4(*xs, config=cfg)),
+        [{"block_e": 128, "tiles": t, "q_per_prog": qp, "num_warps": nw} for t, qp, nw in
+         ((8, 1, 4), (16, 1, 4), (8, 1, 8), (4, 2, 4))][: 2 if quick else 4],
+        sets4, bytes_=nq * e * 2 + e * 68 + nq * h * d * 2, flops=flops, check=check4, unit="fp8")
+    if best:
+        best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
+    del sets4
     del sets
     torch.cuda.empty_cache()
 
@@ -531,11 +572,15 @@ def bench_norm(quick: bool):
         base["torch naive (rms_norm + amax/exp2/cast)"] = t["us"]
         record("rms_norm_fp8", name, "torch naive", t, bytes_=bytes_, flops=0)
         best = sweep("rms_norm_fp8", name, "triton fused", lambda cfg: (
-            lambda *xs: rms_norm.rms_norm_fp8_cuda(*xs, 1e-6, **cfg)), [{"num_warps": nw} for nw in (4, 8, 16)],
+            lambda *xs: rms_norm.rms_norm_fp8_cuda(*xs, 1e-6, **cfg)),
+            [{"num_warps": nw, "rows": r} for nw in (4, 8) for r in ((1, 2, 4) if n >= 1024 else (1,))],
             sets, bytes_=bytes_, flops=0, check=check)
         if best:
             best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
         t = time_fn(lambda x, w: rms_norm.rms_norm_cuda(x, w, 1e-6), sets)
+        # the same [d/128, 128] kernel without the FP8 epilogue: what the quantization costs
+        tq = time_fn(lambda x, w: rms_norm.rms_norm_fp8_cuda(x, w, 1e-6, return_y=True), sets)
+        record("rms_norm_fp8", name, "triton fused, y written too", tq, bytes_=bytes_ + n * d * 2, flops=0)
         tr = time_fn(lambda x, w: ops.rms_norm(x, w, 1e-6), sets)
         r = record("rms_norm", name, "triton", t, bytes_=n * d * 4 + d * 4, flops=0)
         r["baselines"] = {"torch emulation (ops, CUDA)": tr["us"], "speedup vs torch emulation": tr["us"] / t["us"]}
@@ -594,6 +639,94 @@ def bench_mhc(quick: bool):
         torch.cuda.empty_cache()
 
 
+def bench_post(quick: bool):
+    """hc_post: read f [n, dim] and the residual [n, 4, dim], write [n, 4, dim] (bf16 streams)."""
+    for name, n, dim in (("V4-Flash 4096 tokens", 4096, 4096), ("V4-Pro 4096 tokens", 4096, 7168),
+                         ("V4-Flash decode 64", 64, 4096)):
+        g = torch.Generator(device=DEV).manual_seed(6)
+        per = n * dim * 2 * 9
+        sets = []
+        for _ in range(_n_sets(per, hi=48)):
+            comb = torch.rand(n, 4, 4, device=DEV, generator=g)
+            sets.append((torch.randn(n, dim, device=DEV, generator=g).to(BF16),
+                         torch.randn(n, 4, dim, device=DEV, generator=g).to(BF16),
+                         torch.rand(n, 4, device=DEV, generator=g) * 2, comb / comb.sum(-1, keepdim=True)))
+        f, r, post, comb = sets[0]
+        got, ref = mhc.hc_post_cuda(f, r, post, comb), ops.hc_post(f, r, post, comb)
+        check = {"equal_frac_vs_emulation": float((got == ref).float().mean()),
+                 "max_rel_diff": float(((got.float() - ref.float()).abs() / ref.float().abs().clamp(min=1e-30)).max())}
+        print(f"[post] {name}: {check}", flush=True)
+        bytes_ = n * dim * 2 * 9 + n * 20 * 4
+        t = time_fn(lambda *xs: ops.hc_post(*xs), sets)
+        base = {"torch emulation (ops, CUDA)": t["us"]}
+        record("hc_post", name, "torch emulation", t, bytes_=bytes_, flops=0)
+        cfgs = [{"bt": bt, "bd": bd, "num_warps": nw} for bt, bd, nw in
+                ((1, 1024, 4), (2, 512, 4), (4, 512, 4), (4, 1024, 8), (8, 256, 4))]
+        best = sweep("hc_post", name, "triton fused", lambda cfg: (lambda *xs: mhc.hc_post_cuda(*xs, **cfg)),
+                     cfgs[:2] if quick else cfgs, sets, bytes_=bytes_, flops=0, check=check)
+        if best:
+            best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
+        del sets
+        torch.cuda.empty_cache()
+
+
+def bench_kv(quick: bool):
+    """KV path: RMSNorm + RoPE + FP8 round of [n, 512] (and the 584 B cache rows) in one launch."""
+    freqs = 1.0 / (10000.0 ** (torch.arange(32, device=DEV) / 32))
+    for name, n in (("prefill 4096 tokens", 4096), ("decode 64 tokens", 64)):
+        g = torch.Generator(device=DEV).manual_seed(7)
+        sets = [((torch.randn(n, 512, device=DEV, generator=g) * 3).to(BF16), torch.randn(512, device=DEV, generator=g),
+                 torch.arange(n, device=DEV) + 131072) for _ in range(_n_sets(n * 512 * 4, hi=48))]
+        x, w, pos = sets[0]
+        kv, packed = kv_path.kv_norm_rope_fp8(x, w, 1e-6, pos, freqs, pack=True)
+        ref = ops.kv_round(ops.apply_rope(ops.rms_norm(x, w, 1e-6), pos, freqs), 64, "fp8")
+        check = {"equal_frac_vs_emulation": float((kv == ref).float().mean()),
+                 "unpacked_equal_kv": bool(torch.equal(sparse_attention.unpack_kv_fp8(packed), kv))}
+        print(f"[kv] {name}: {check}", flush=True)
+        bytes_ = n * 512 * 2 * 2 + n * 584
+        t = time_fn(lambda x, w, p: sparse_attention.pack_kv_fp8(
+            ops.kv_round(ops.apply_rope(ops.rms_norm(x, w, 1e-6), p, freqs), 64, "fp8")), sets)
+        base = {"torch emulation (ops, CUDA)": t["us"]}
+        record("kv_norm_rope_fp8", name, "torch emulation (+ pack)", t, bytes_=bytes_, flops=0)
+        t = time_fn(lambda x, w, p: sparse_attention.pack_kv_fp8(ops.kv_round(ops.apply_rope(
+            rms_norm.rms_norm_cuda(x, w, 1e-6), p, freqs), 64, "fp8")), sets)
+        base["triton rms_norm + torch rope/round/pack"] = t["us"]
+        cfgs = [{"rows": r, "num_warps": nw} for r, nw in ((1, 1), (1, 2), (1, 4), (4, 2))]
+        best = sweep("kv_norm_rope_fp8", name, "triton fused (+ pack)", lambda cfg: (
+            lambda xx, ww, p: kv_path.kv_norm_rope_fp8(xx, ww, 1e-6, p, freqs, pack=True, **cfg)),
+            cfgs[:2] if quick else cfgs, sets, bytes_=bytes_, flops=0, check=check)
+        if best:
+            best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
+        del sets
+        torch.cuda.empty_cache()
+
+
+def bench_act(quick: bool):
+    """FP8 activation quantize-dequantize (1x128, the input of every linear layer): one kernel vs the emulation."""
+    from fidelity.formats import fake_quant_fp8
+    from fidelity.production.kernels import act_quant
+
+    for name, n, d in (("V4-Flash prefill 4096x4096", 4096, 4096), ("V4-Flash decode 1x4096", 1, 4096)):
+        g = torch.Generator(device=DEV).manual_seed(8)
+        sets = [((torch.randn(n, d, device=DEV, generator=g) * 3).to(BF16),) for _ in range(_n_sets(n * d * 4, hi=48))]
+        x = sets[0][0]
+        check = {"bit_exact_vs_formats": bool(torch.equal(act_quant.fake_quant_fp8(x).view(torch.int16),
+                                                          fake_quant_fp8(x, 128).view(torch.int16)))}
+        print(f"[act] {name}: {check}", flush=True)
+        bytes_ = n * d * 4
+        t = time_fn(lambda x: fake_quant_fp8(x, 128), sets[:3], graph=False, calls=3, reps=6)
+        base = {"torch emulation (formats.fake_quant_fp8, CUDA)": t["us"]}
+        record("fake_quant_fp8", name, "torch emulation", t, bytes_=bytes_, flops=0)
+        best = sweep("fake_quant_fp8", name, "triton",
+                     lambda cfg: (lambda xx: act_quant.fake_quant_fp8(xx, 128, **cfg)),
+                     [{"rows": r, "num_warps": nw} for r, nw in ((1, 4), (2, 4), (2, 8))][: 1 if n == 1 else 3],
+                     sets, bytes_=bytes_, flops=0, check=check)
+        if best:
+            best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
+        del sets
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -625,7 +758,7 @@ def markdown() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", default="attn,index,norm,mhc")
+    ap.add_argument("--only", default="attn,index,norm,mhc,post,kv,act")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     out = Path(a.out)
@@ -633,7 +766,9 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
     measure_ceilings()
-    for key, fn in (("norm", bench_norm), ("mhc", bench_mhc), ("index", bench_indexer), ("attn", bench_attention)):
+    for key, fn in (("norm", bench_norm), ("act", bench_act), ("post", bench_post), ("kv", bench_kv),
+                    ("index", bench_indexer),
+                    ("mhc", bench_mhc), ("attn", bench_attention)):
         if key not in a.only.split(","):
             continue
         try:

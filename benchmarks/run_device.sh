@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
-# One device call: GPU info, the kernel benchmark (validates first), then the GPU test suite.
-# Usage (on the GPU machine, repo root): OUT=dir bash benchmarks/run_device.sh [bench args...]
+# Device calls (each fits the 10-minute limit). On the GPU machine, repo root:
+#   OUT=dir bash benchmarks/run_device.sh bench [bench_kernels args...]   # validate + time every kernel
+#   OUT=dir bash benchmarks/run_device.sh tests                          # GPU tests, layer decode step, diagnosis
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/bench_out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >"$OUT/gpu.txt" 2>&1
+what=${1:-bench}
+shift || true
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >>"$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$OUT/gpu.txt" 2>&1
-timeout "${BENCH_TIMEOUT:-320}" python3 benchmarks/bench_kernels.py --out "$OUT" "$@" >"$OUT/bench.log" 2>&1
-echo "bench rc=$?"
-grep -E "^\[|best|FAILED|Error|error" "$OUT/bench.log" | head -80
-timeout 150 python3 benchmarks/diag_production_cuda.py >"$OUT/diag.log" 2>&1; echo "diag rc=$?"; cat "$OUT/diag.log" | tail -20
-timeout "${TEST_TIMEOUT:-230}" python3 -m pytest tests/gpu -q -n 8 -p no:cacheprovider --timeout 200 \
-  >"$OUT/pytest.log" 2>&1
-echo "pytest rc=$?"
-tail -c 5000 "$OUT/pytest.log"
+if [ "$what" = bench ]; then
+  timeout "${BENCH_TIMEOUT:-500}" python3 benchmarks/bench_kernels.py --out "$OUT" "$@" >"$OUT/bench.log" 2>&1
+  echo "bench rc=$?"
+  grep -E "^\[|best|FAILED|Error|error" "$OUT/bench.log" | cut -c1-240 | head -60
+else
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu -q -n 8 -p no:cacheprovider --timeout 280 \
+    >"$OUT/pytest.log" 2>&1
+  echo "pytest rc=$?"
+  tail -c 3000 "$OUT/pytest.log"
+  timeout "${LAYER_TIMEOUT:-200}" python3 benchmarks/bench_layer_decode.py --out "$OUT" --steps 12 \
+    >"$OUT/layer.log" 2>&1
+  echo "layer rc=$?"
+  grep -v -i warn "$OUT/layer.log" | head -40
+  timeout 90 python3 benchmarks/diag_production_cuda.py >"$OUT/diag.log" 2>&1; echo "diag rc=$?"; tail -12 "$OUT/diag.log"
+fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu --format=csv >>"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"

@@ -19,6 +19,7 @@ metrics use the coordinates finite in both.
 =====================  ==========================================================================
 op                     limit (per row; u = 2^-8)
 =====================  ==========================================================================
+act_linear             |err| <= (2^-4 + k 2^-23) sum_k |x_k w_jk| + 1.25u |y| elementwise (one e4m3 rounding)
 rms_norm, hc_post,     r = 1.25u: calc_diff <= 1.19e-5, cos >= 1 - 1.19e-5 (one rounding)
 hc_head, hc_pre.y      (apply_rope: same, and the nope dims exactly unchanged)
 rms_norm_weightless    calc_diff <= 1.46e-4 (r = 3.5 x 1.25u, bf16 ops); cos >= 1 - 1.19e-5
@@ -58,6 +59,7 @@ from fidelity.config import ModelConfig
 from fidelity.formats import FP8_AMAX_FLOOR, FP8_MAX, dequantize_fp8, fake_quant_fp8, ue8m0_scale
 from oracles import attention as attention_oracle
 from oracles import indexer as indexer_oracle
+from oracles import linear as linear_oracle
 from oracles import mhc as mhc_oracle
 from oracles import moe as moe_oracle
 from oracles import norms as norms_oracle
@@ -573,7 +575,29 @@ def expert_inputs(dims: Sequence[int] = (128, 256), inter_dims: Sequence[int] = 
     return build()
 
 
+def act_linear_inputs(dims: Sequence[int] = (128, 256, 512), out_dims: Sequence[int] = (128, 384),
+                      max_rows: int = 6, nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
+    """``act_linear(x bf16 [n, k], weight fp32 [m, k], act)``: weights are exactly dequantized FP8 128x128 or
+    FP4 1x32 values; rows of x span 2^-8 .. 2^8; act "fp8" (every FP8 / FP4 GEMM) or "bf16" (no activation
+    quantization: the ``bf16`` profile)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, k, m = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims))), draw(st.sampled_from(out_dims))
+        fp4 = draw(st.booleans())
+        g = _gen(draw)
+        w = _randn(g, m, k) * k**-0.5
+        x = (_randn(g, n, k) * torch.exp2(_uniform(g, -8, 8, n, 1))).to(BF16)
+        args = {"x": x, "weight": _on_fp4_grid(w) if fp4 else _on_fp8_grid(w),
+                "act": draw(st.sampled_from(("fp8", "fp8", "bf16")))}
+        note = _join("FP4 weights" if fp4 else "FP8 weights", _plant_nan(draw, g, args, nan_inputs))
+        return Case(args, note=note)
+
+    return build()
+
+
 strategies = SimpleNamespace(
+    act_linear_inputs=act_linear_inputs,
     rms_norm_inputs=rms_norm_inputs,
     rms_norm_fp8_inputs=rms_norm_fp8_inputs,
     rms_norm_weightless_inputs=rms_norm_weightless_inputs,
@@ -599,6 +623,19 @@ to ``check_against_oracle(..., strategy=...)`` to narrow the inputs to what a ke
 
 def _d(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.to(FP64)
+
+
+def _expected_act_linear(c: Case) -> tuple[torch.Tensor, ...]:
+    return (linear_oracle.act_linear(_d(c["x"]), _d(c["weight"])),)
+
+
+def _act_linear_bound(c: Case) -> torch.Tensor:
+    """|error| <= (u8 + k 2^-23) sum_k |x_k| |w_jk| + 1.25u |y_j|: the e4m3 rounding of each x_k (u8 = 2^-4;
+    0 for act "bf16"), the fp32 accumulation, and the bf16 rounding of the output."""
+    x, w = _d(c["x"]), _d(c["weight"])
+    absdot = x.abs() @ w.abs().T
+    u8 = U_FP8 if c["act"] == "fp8" else 0.0
+    return ((u8 + x.shape[-1] * 2.0**-23) * absdot + _ONE * (x @ w.T).abs()).nan_to_num(0.0)
 
 
 def _expected_rms_norm(c: Case) -> tuple[torch.Tensor, ...]:
@@ -742,6 +779,15 @@ _FP32_TOL = _rel(FP32_REL, "fp32 math throughout: roundoff 2^-24 grown by sums o
 _ONE_ROUNDING = "fp32 math rounded once to bf16: relative error <= u = 2^-8 (x1.25 for fp32 noise)"
 
 CONTRACTS: dict[str, OpContract] = {
+    "act_linear": OpContract(
+        "act_linear", "tolerance", act_linear_inputs, _expected_act_linear,
+        (Output("y", BF16, Tolerance(bound=_act_linear_bound, why=(
+            "elementwise forward-error bound: one e4m3 rounding per activation (2^-4, act 'fp8') times "
+            "sum_k |x_k w_jk|, fp32 accumulation (k 2^-23), one bf16 rounding of y (1.25u): rows of signed "
+            "products cancel, so a per-row relative limit cannot hold"))),),
+        "The FP8 / FP4 GEMM of every linear layer: x quantized e4m3 in 1x128 blocks with ue8m0 scales (spec §3 "
+        "act_quant; not for act 'bf16'), products with the exactly dequantized weight accumulated in fp32, output "
+        "bf16 (spec §3 fp8_gemm / fp4_gemm)."),
     "rms_norm": OpContract(
         "rms_norm", "tolerance", rms_norm_inputs, _expected_rms_norm,
         (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),),

@@ -106,6 +106,14 @@ def rms_norm_fp8_scale_floor(x, weight, eps):
     return codes, (torch.log2(s).squeeze(-1) + 127).to(torch.uint8)
 
 
+def act_linear_scale_floor(x, weight, act="fp8"):
+    """Activation scale 2^floor(log2(amax / 448)): each 1x128 block's largest values saturate at 448 s."""
+    b = x.float().unflatten(-1, (-1, 128))
+    s = torch.exp2(torch.floor(torch.log2(b.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448)))
+    xq = ((b / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).flatten(-2)
+    return (xq @ weight.T).to(BF16)
+
+
 def expert_without_clamp(x, w1, w2, w3, limit, weight, act):
     return ops.expert(x, w1, w2, w3, 0.0, weight, act)
 
@@ -122,6 +130,7 @@ BROKEN = [
     ("gate", gate_weights_from_biased_scores, "output 'weights'"),
     ("expert", expert_without_clamp, "cos|calc_diff"),
     ("rms_norm_fp8", rms_norm_fp8_scale_floor, "error bound"),
+    ("act_linear", act_linear_scale_floor, "error bound"),
 ]
 
 

@@ -168,11 +168,11 @@ class ProductionSession:
         if ratio == 0 and on("yarn-on-swa"):
             freqs = inv_freq(cfg, 4, torch.float32).to(x.device)
         rope = self.op("apply_rope")
-        qr = self.op("rms_norm")(ops.act_linear(x, w(pre + "wq_a.weight"), act), w(pre + "q_norm.weight"),
+        qr = self.op("rms_norm")(self.op("act_linear")(x, w(pre + "wq_a.weight"), act), w(pre + "q_norm.weight"),
                                  cfg.norm_eps)
-        q = ops.act_linear(qr, w(pre + "wq_b.weight"), act).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = self.op("act_linear")(qr, w(pre + "wq_b.weight"), act).unflatten(-1, (cfg.n_heads, cfg.head_dim))
         q = rope(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
-        kv = self.op("rms_norm")(ops.act_linear(x, w(pre + "wkv.weight"), act), w(pre + "kv_norm.weight"),
+        kv = self.op("rms_norm")(self.op("act_linear")(x, w(pre + "wkv.weight"), act), w(pre + "kv_norm.weight"),
                                  cfg.norm_eps)
         kv = self.op("kv_round")(rope(kv, positions, freqs), rd, prof.kv_nope)
         self.emit(f"L{i}.attn.q", q)
@@ -185,7 +185,7 @@ class ProductionSession:
         if not on("no-inverse-rope"):
             o = rope(o, positions, freqs, inverse=True)
         o = ops.grouped_out(o, w(pre + "wo_a.weight"), cfg.o_groups)
-        return ops.act_linear(o, w(pre + "wo_b.weight"), act)
+        return self.op("act_linear")(o, w(pre + "wo_b.weight"), act)
 
     def compressor_weights(self, prefix: str):
         w = self.m.w
@@ -213,7 +213,7 @@ class ProductionSession:
                 entries[:, -cfg.rope_head_dim :] = 0
             cache.keys.write(slice(first, first + len(entries)), entries)
         else:
-            entries = ops.kv_round(entries, cfg.rope_head_dim, prof.kv_nope)
+            entries = self.op("kv_round")(entries, cfg.rope_head_dim, prof.kv_nope)
             cache.kv.write(slice(cache.window + first, cache.window + first + len(entries)), entries)
         return entries
 
@@ -267,7 +267,7 @@ class ProductionSession:
     def index_query(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor):
         w, cfg, prof = self.m.w, self.cfg, self.p
         pre = f"layers.{i}.attn.indexer."
-        q = ops.act_linear(qr, w(pre + "wq_b.weight"), prof.gemm_act).unflatten(
+        q = self.op("act_linear")(qr, w(pre + "wq_b.weight"), prof.gemm_act).unflatten(
             -1, (cfg.index_n_heads, cfg.index_head_dim))
         q = self.op("apply_rope")(q, positions, self.m.freqs[4])
         q = ops.indexer_round(q, prof.indexer_qk, prof.hadamard == "on")
@@ -333,14 +333,15 @@ class ProductionSession:
         self.emit(f"L{i}.moe.experts", experts)
         self.emit(f"L{i}.moe.weights", weights)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        expert = self.op("expert")
+        expert, linear = self.op("expert"), self.op("act_linear")
         for e in torch.unique(experts).tolist():
             rows, slot = torch.where(experts == e)
             q = f"{p}experts.{e}."
             y[rows] += expert(x[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
-                              cfg.swiglu_limit, weights[rows, slot, None], act).float()
+                              cfg.swiglu_limit, weights[rows, slot, None], act, linear).float()
         q = f"{p}shared_experts."
-        y += expert(x, w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"), cfg.swiglu_limit, None, act).float()
+        y += expert(x, w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"), cfg.swiglu_limit, None, act,
+                    linear).float()
         return y.to(BF16)
 
 

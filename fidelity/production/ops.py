@@ -6,6 +6,8 @@ the same name in ``oracles/`` and is registered in ``fidelity.production.registr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -186,15 +188,17 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 
 def expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
-           weight: torch.Tensor | None, act: str) -> torch.Tensor:
+           weight: torch.Tensor | None, act: str, linear: Callable | None = None) -> torch.Tensor:
     """SwiGLU expert: GEMM outputs bf16 -> fp32, clamp, ``weight * silu(g) * u`` in fp32 (weight BEFORE w2, so
-    w2's activation quantization sees the weighted h), cast to bf16, w2 GEMM -> bf16 [n, dim]."""
-    g = act_linear(x, w1, act).float()
-    u = act_linear(x, w3, act).float()
+    w2's activation quantization sees the weighted h), cast to bf16, w2 GEMM -> bf16 [n, dim]. ``linear``: the
+    ``act_linear`` implementation to use (default: this module's)."""
+    linear = linear or act_linear
+    g = linear(x, w1, act).float()
+    u = linear(x, w3, act).float()
     if limit > 0 and not (weight is None and on("shared-clamp-missing")):
         u = u.clamp(min=-limit, max=limit)
         g = g.clamp(max=limit)
     h = F.silu(g) * u
     if weight is not None:
         h = weight * h
-    return act_linear(h.to(BF16), w2, act)
+    return linear(h.to(BF16), w2, act)

@@ -44,6 +44,7 @@ def implementations_used() -> dict[str, str]:
 
 
 for _name, _fn in {
+    "act_linear": ops.act_linear,
     "rms_norm": ops.rms_norm,
     "rms_norm_weightless": ops.rms_norm_weightless,
     "apply_rope": ops.apply_rope,

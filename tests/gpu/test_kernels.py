@@ -25,9 +25,9 @@ if not torch.cuda.is_available():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fidelity.formats import dequantize_fp4, quantize_fp4, quantize_fp8  # noqa: E402
+from fidelity.formats import dequantize_fp4, fake_quant_fp8, quantize_fp4, quantize_fp8  # noqa: E402
 from fidelity.production import ops  # noqa: E402
-from fidelity.production.kernels import indexer, mhc, rms_norm, sparse_attention  # noqa: E402
+from fidelity.production.kernels import act_quant, indexer, kv_path, mhc, rms_norm, sparse_attention  # noqa: E402
 from fidelity.production.registry import REGISTRY  # noqa: E402
 from fidelity.testing import Case, check_against_oracle, check_case, strategies  # noqa: E402
 
@@ -36,7 +36,7 @@ CUDA = "cuda"
 ROW_CALC_DIFF = (2 * 1.25 * 2.0**-8) ** 2 / 2
 PROPS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
                  suppress_health_check=list(HealthCheck))
-REGISTERED = ("sparse_attention", "index_scores", "rms_norm", "hc_pre")
+REGISTERED = ("sparse_attention", "index_scores", "rms_norm", "hc_pre", "hc_post", "act_linear", "kv_round")
 
 
 def _gen(draw) -> torch.Generator:
@@ -236,23 +236,46 @@ def test_index_scores_match_emulation(case):
 @given(case=indexer_cases(), t0=st.sampled_from((0, 3, 4, 7, 8, 127, 128, 511, 4095, 4096)))
 def test_index_scores_fp4_keys_and_causal_mask(case, t0):
     q, keys, w = case
-    d = q.shape[-1]
     packed, scales = quantize_fp4(keys, 32)
     deq = dequantize_fp4(packed, scales).to(BF16)
-    qc, wc = q.to(CUDA), w.to(CUDA)
+    qc, wc, pc, sc = q.to(CUDA), w.to(CUDA), packed.to(CUDA), scales.to(CUDA)
     ref = indexer.index_scores_cuda(qc, deq.to(CUDA), wc)
-    got = indexer.index_scores_fp4(qc, packed.to(CUDA), scales.to(CUDA), wc)
-    assert torch.equal(indexer.dequantize_fp4_keys(packed.to(CUDA), scales.to(CUDA)).cpu().view(torch.int16),
-                       deq.view(torch.int16))
-    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))  # same tile values, same MMA
-    assert bool(((got.cpu().double() - ops.index_scores(q, deq, w).double()).abs() <= 2 * _bound(q, deq, w)).all())
+    assert torch.equal(indexer.dequantize_fp4_keys(pc, sc).cpu().view(torch.int16), deq.view(torch.int16))
     assert torch.equal(ref.cpu().view(torch.int16), indexer.index_scores(q, deq, w).view(torch.int16))
+    bf16_path = indexer.index_scores_fp4(qc, pc, sc, wc, mma="bf16")
+    assert torch.equal(bf16_path.view(torch.int16), ref.view(torch.int16))  # same tile values, same MMA
+    got, used = indexer.index_scores_fp4(qc, pc, sc, wc, return_path=True)
+    scored = int(q.shape[-1] == 128 and keys.shape[0] > 0)
+    assert used.tolist() == [scored] * q.shape[0]  # FP4-simulated q: FP8 MMA where d = 128 (and keys to score)
+    bound = 2 * _bound(q, deq, w)
+    assert bool(((got.cpu().double() - ops.index_scores(q, deq, w).double()).abs() <= bound).all())
+    if got.numel():  # FP8 MMA: exact per 32-dim block, so it differs only by fp32 summation order
+        assert float((got == ref).float().mean()) >= 0.99
     positions = torch.arange(q.shape[0]) + t0
-    masked = indexer.index_scores_fp4(qc, packed.to(CUDA), scales.to(CUDA), wc, positions=positions.to(CUDA)).cpu()
+    masked = indexer.index_scores_fp4(qc, pc, sc, wc, positions=positions.to(CUDA)).cpu()
     hidden = torch.arange(keys.shape[0])[None, :] >= ((positions + 1) // 4)[:, None]
     assert bool(torch.isneginf(masked[hidden]).all())
     assert torch.equal(masked[~hidden], got.cpu()[~hidden])
-    assert d % 32 == 0
+
+
+@pytest.mark.parametrize("n_keys", [1, 129, 5000, 70000])
+@pytest.mark.parametrize("tiles", [None, 1, 3])
+def test_index_scores_fp4_fp8_mma_falls_back_per_query_where_q_is_not_fp4(n_keys, tiles):
+    g = torch.Generator().manual_seed(n_keys)
+    q = ops.indexer_round(torch.randn(4, 64, 128, generator=g), "fp4", rotate=True).to(BF16)
+    q[1] = torch.randn(64, 128, generator=g).to(BF16)  # a plain bf16 query: codes inexact -> bf16 path
+    q[2, 5, 7] = math.nan
+    keys = torch.randn(n_keys, 128, generator=g)
+    packed, scales = (t.to(CUDA) for t in quantize_fp4(keys, 32))
+    w = (torch.randn(4, 64, generator=g) / 64).to(BF16).to(CUDA)
+    deq = indexer.dequantize_fp4_keys(packed, scales)
+    got, used = indexer.index_scores_fp4(q.to(CUDA), packed, scales, w, config={"tiles": tiles}, return_path=True)
+    assert used.tolist() == [1, 0, 0, 1]
+    ref = indexer.index_scores_cuda(q.to(CUDA), deq, w)
+    assert torch.equal(got[1:3].view(torch.int16), ref[1:3].view(torch.int16))  # NaN row: NaN where ref is
+    assert float((got[[0, 3]] == ref[[0, 3]]).float().mean()) >= 0.999
+    bound = 2 * _bound(q[[0, 3]], deq.cpu(), w.cpu()[[0, 3]])
+    assert bool(((got[[0, 3]].cpu().double() - ref[[0, 3]].cpu().double()).abs() <= bound).all())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -318,3 +341,91 @@ def test_hc_pre_at_model_width(dim, n, splits, precision):
     assert all(torch.equal(a, b) for a, b in zip(found, again, strict=True))  # deterministic (no atomics)
     check_case("hc_pre", mhc.hc_pre, Case({"x": x[:4], "fn": fn, "scale": scale, "base": base, "norm_eps": 1e-6,
                                            "iters": 20, "hc_eps": 1e-6}), device=CUDA)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mHC post, KV path (norm + RoPE + FP8)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [4096, 7168, 100])
+@pytest.mark.parametrize(("n", "res_dtype"), [(1, BF16), (37, BF16), (300, torch.float32)])
+def test_hc_post_at_model_width(dim, n, res_dtype):
+    g = torch.Generator().manual_seed(dim * 7 + n)
+    f = torch.randn(n, dim, generator=g).to(BF16)
+    res = (torch.randn(n, 4, dim, generator=g) * 3).to(res_dtype)
+    post = torch.rand(n, 4, generator=g) * 2
+    comb = torch.rand(n, 4, 4, generator=g)
+    comb = comb / comb.sum(-1, keepdim=True)
+    found = mhc.hc_post_cuda(f.to(CUDA), res.to(CUDA), post.to(CUDA), comb.to(CUDA), res_dtype).cpu()
+    emulated = ops.hc_post(f, res, post, comb, res_dtype)
+    assert found.dtype == res_dtype and found.shape == (n, 4, dim)
+    # one output rounding (bf16: up to an ulp, 2^-7 relative, where fp32 FMA contraction moves the value across a
+    # rounding boundary) plus fp32 rounding of the five terms (cancellation makes relative error meaningless)
+    terms = (post[..., None] * f.double()[:, None]).abs() + (comb[..., None] * res.double()[:, :, None]).abs().sum(1)
+    ulp = 2.0**-7 if res_dtype == BF16 else 2.0**-23
+    bound = ulp * emulated.double().abs() + 8 * 2.0**-24 * terms
+    assert bool(((found.double() - emulated.double()).abs() <= bound).all())
+    if res_dtype == BF16:  # fp32 streams keep the fp32 summation-order differences
+        assert float((found == emulated).float().mean()) >= 0.99
+    check_case("hc_post", mhc.hc_post, Case({"f": f[:4, :64], "residual": res[:4, :, :64].to(BF16),
+                                             "post": post[:4], "comb": comb[:4]}), device=CUDA)
+
+
+@st.composite
+def kv_cases(draw):
+    n = draw(st.integers(1, 40))
+    g = _gen(draw)
+    x = (torch.randn(n, 512, generator=g) * draw(st.sampled_from((0.01, 1.0, 50.0)))).to(BF16)
+    w = torch.randn(512, generator=g) * draw(st.sampled_from((0.1, 1.0, 8.0)))
+    t0 = draw(st.sampled_from((0, 127, 128, 4095, 131071, 1 << 20)))
+    positions = torch.arange(n) * draw(st.sampled_from((1, 4, 128))) + t0
+    freqs = 1.0 / (10000.0 ** (torch.arange(32) / 32))
+    return x, w, positions, freqs
+
+
+@PROPS
+@given(case=kv_cases())
+def test_kv_norm_rope_fp8_matches_the_three_emulated_ops(case):
+    x, w, positions, freqs = case
+    args = (x.to(CUDA), w.to(CUDA), 1e-6, positions.to(CUDA), freqs.to(CUDA))
+    rotated = kv_path.kv_norm_rope_fp8(*args, fmt="bf16").cpu()
+    emulated = ops.apply_rope(ops.rms_norm(x, w, 1e-6), positions, freqs)
+    row_max = emulated.double().abs().amax(-1, keepdim=True)
+    assert bool(((rotated.double() - emulated.double()).abs() <= 2.0**-7 * row_max).all())
+    assert float((rotated == emulated).float().mean()) >= 0.99
+    kv, packed = kv_path.kv_norm_rope_fp8(*args, pack=True)
+    kv, packed = kv.cpu(), packed.cpu()
+    assert torch.equal(kv.view(torch.int16), ops.kv_round(rotated, 64, "fp8").view(torch.int16))  # bit-exact round
+    codes, scales = quantize_fp8(rotated[:, :448], 64)  # act_quant's own scales (re-packing kv can halve one)
+    expected = torch.cat((codes.view(torch.uint8), rotated[:, 448:].contiguous().view(torch.uint8), scales,
+                          torch.zeros(len(kv), 1, dtype=torch.uint8)), dim=1)
+    assert torch.equal(packed, expected)
+    assert torch.equal(sparse_attention.unpack_kv_fp8(packed).view(torch.int16), kv.view(torch.int16))
+    assert torch.equal(kv_path.kv_norm_rope_fp8(*args).cpu().view(torch.int16), kv.view(torch.int16))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FP8 activation quantization (act_linear, kv_round)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@PROPS
+@given(case=norm_cases(), block=st.sampled_from((64, 128)), rows=st.sampled_from((1, 2)))
+def test_fake_quant_fp8_is_bit_exact(case, block, rows):
+    x, w = case
+    x = (x.float() * w.abs()).to(BF16)  # spread magnitudes across blocks; NaN rows / zero rows as drawn
+    found = act_quant.fake_quant_fp8(x.to(CUDA), block, rows=rows).cpu()
+    assert _same(found, fake_quant_fp8(x, block))
+    kv = x[:, :512] if x.shape[1] >= 512 else None
+    if kv is not None:
+        assert _same(act_quant.kv_round_cuda(kv.to(CUDA), 64, "fp8").cpu(), ops.kv_round(kv, 64, "fp8"))
+
+
+@pytest.mark.parametrize(("n", "k", "m"), [(1, 4096, 1024), (1, 1024, 32768 // 8), (7, 2048, 4096), (64, 8192, 512)])
+def test_act_linear_equals_the_emulation_on_the_gpu(n, k, m):
+    g = torch.Generator().manual_seed(n + k + m)
+    x = (torch.randn(n, k, generator=g) * 3).to(BF16).to(CUDA)
+    w = (torch.randn(m, k, generator=g) * k**-0.5).to(CUDA)
+    assert torch.equal(act_quant.act_linear_cuda(x, w).view(torch.int16), ops.act_linear(x, w).view(torch.int16))
+    assert torch.equal(act_quant.act_linear_cuda(x, w, "bf16"), ops.act_linear(x, w, "bf16"))

@@ -7,7 +7,9 @@ the current CUDA device and the results copied back), so the registry's contract
 
 Ops: ``sparse_attention`` (bf16 KV; ``sparse_attention_fp8kv`` for the 584 B/token FP8 cache),
 ``index_scores`` (bf16 keys; ``index_scores_fp4`` for packed FP4 keys), ``rms_norm``, ``rms_norm_fp8``
-(fused RMSNorm + 1x128 e4m3 quantization), ``hc_pre`` (fused mixes + Sinkhorn + collapse).
+(fused RMSNorm + 1x128 e4m3 quantization), ``hc_pre`` (fused mixes + Sinkhorn + collapse), ``hc_post``
+(post * f + comb-mixed residual in one pass), ``act_linear`` (1x128 FP8 activation quantization in one launch,
+then the emulation's fp32 GEMM), ``kv_round`` (the 1x64 FP8 round of the KV nope dims).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ KERNELS = {
     "rms_norm": ("rms_norm", "rms_norm"),
     "rms_norm_fp8": ("rms_norm", "rms_norm_fp8"),
     "hc_pre": ("mhc", "hc_pre"),
+    "hc_post": ("mhc", "hc_post"),
+    "act_linear": ("act_quant", "act_linear"),
+    "kv_round": ("act_quant", "kv_round"),
 }
 
 

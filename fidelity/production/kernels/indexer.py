@@ -6,15 +6,21 @@ weight is rounded to bf16, the head sum accumulates in fp32 and is rounded once 
 summation order differs from torch, so a result can differ from the emulation by a bf16 rounding flip.
 
 Keys are bf16 [e, d], or packed FP4 (uint8 [e, d/2], low nibble = element 2i, plus ue8m0 scale bytes
-[e, d/32]: the ``fp4_act_quant`` cache of spec §3), dequantized in registers per tile
-(``e2m1 * 2^(b-127)`` is exact in bf16, so FP4 keys score bit-identically to their dequantized bf16 copy: same
-tile values, same MMA; checked on the H200).
+[e, d/32]: the ``fp4_act_quant`` cache of spec §3). FP4 keys take one of two paths:
 
-One program scores ``BLOCK_E`` keys for ``Q_PER_PROG`` queries: the key tile is loaded (and dequantized) once,
-then one ``[BLOCK_E, d] x [d, H]`` MMA per query. Optional causal mask for compressed entries
-(``positions``: entry j visible to the query at position t iff ``j < (t + 1) // ratio``, else -inf).
-Top-k stays in torch (``torch.topk`` on the bf16 scores; tie order is implementation-defined in the
-reference too).
+* FP8 tensor cores (default for d = 128): each packed byte becomes two e4m3 codes by a bit shuffle (inline PTX,
+  four bytes per instruction group; the e4m3 value is the e2m1 value times 2^-6), and q, FP4-simulated by the
+  reference (Hadamard + ``fp4_act_quant``), becomes e4m3 codes with one power-of-two scale per head and 32-dim
+  block. One K = 32 e4m3 MMA per block is exact (products of e2m1 values summed over 32 need 13 bits), and
+  the four block results are scaled and summed in fp32. A query whose codes are not exact (a plain bf16 q,
+  NaN) is scored on the bf16 path inside the same launch; ``return_path`` reports which ran.
+* bf16 tensor cores: the tile dequantized in registers (``e2m1 * 2^(b-127)`` is exact in bf16, so FP4 keys
+  score bit-identically to their dequantized bf16 copy: same tile values, same MMA; checked on the H200).
+
+One program scores ``BLOCK_E`` keys (``TILES`` tiles on the FP8 path) for ``Q_PER_PROG`` queries. Optional causal
+mask for compressed entries (``positions``: entry j visible to the query at position t iff
+``j < (t + 1) // ratio``, else -inf). Top-k stays in torch (``torch.topk`` on the bf16 scores; tie order is
+implementation-defined in the reference too).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fidelity.production import ops
-from fidelity.production.kernels._common import device_transparent, next_pow2, on_device
+from fidelity.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
 
 
 @triton.jit
@@ -38,7 +44,7 @@ def _e2m1(c):
     return tl.where((c & 8) != 0, -mag, mag)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_heads", "ratio"])
+@triton.jit(do_not_specialize=["n_q", "n_keys", "n_heads", "ratio"])
 def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, n_q, n_keys, n_heads, ratio,
                          stride_qn, stride_qh, stride_k, stride_ks, stride_wn, stride_on,
                          D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, Q_PER_PROG: tl.constexpr,
@@ -49,14 +55,7 @@ def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, n_q, n_k
     kmask = keys < n_keys
     krow = keys.to(tl.int64)
     if FP4:
-        j = tl.arange(0, D // 2)
-        pk = tl.load(k_ptr + krow[:, None] * stride_k + j[None, :], mask=kmask[:, None], other=0).to(tl.int32)
-        sc_i = tl.arange(0, D // 32)
-        sb = tl.load(ks_ptr + krow[:, None] * stride_ks + sc_i[None, :], mask=kmask[:, None], other=127)
-        scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(b-127), exact for b in 1..254
-        vals = tl.reshape(tl.join(_e2m1(pk & 15), _e2m1(pk >> 4)), [BLOCK_E, D])  # element 2i = low nibble
-        vals = tl.reshape(tl.reshape(vals, [BLOCK_E, D // 32, 32]) * scale[:, :, None], [BLOCK_E, D])
-        k = vals.to(tl.bfloat16)
+        k = _k_tile_bf16(k_ptr, ks_ptr, krow, kmask, stride_k, stride_ks, D, BLOCK_E)
     else:
         dk = tl.arange(0, D)
         k = tl.load(k_ptr + krow[:, None] * stride_k + dk[None, :], mask=kmask[:, None], other=0.0)
@@ -69,16 +68,122 @@ def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, n_q, n_k
             i64 = i.to(tl.int64)
             q = tl.load(q_ptr + i64 * stride_qn + heads[:, None] * stride_qh + dq[None, :], mask=hmask[:, None],
                         other=0.0)
-            s = tl.dot(k, tl.trans(q)).to(tl.bfloat16).to(tl.float32)  # [BLOCK_E, BLOCK_H], bf16 einsum
-            s = tl.where(s < 0, 0.0, s)  # ReLU that keeps NaN (torch.relu does)
             w = tl.load(w_ptr + i64 * stride_wn + heads, mask=hmask, other=0.0).to(tl.float32)
-            t = (s * w[None, :]).to(tl.bfloat16).to(tl.float32)
-            t = tl.where(hmask[None, :], t, 0.0)
-            score = tl.sum(t, axis=1)
-            if CAUSAL:
-                limit = (tl.load(pos_ptr + i64) + 1) // ratio
-                score = tl.where(keys < limit, score, float("-inf"))
-            tl.store(out_ptr + i64 * stride_on + keys, score.to(tl.bfloat16), mask=kmask)
+            _score_epilogue(tl.dot(k, tl.trans(q)), w, hmask, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on,
+                            CAUSAL)
+
+
+@triton.jit
+def _q_block_fp8(q_ptr, row, heads, hmask, b, stride_qh):
+    """Query dims 32b .. 32b+31 of every head as e4m3 codes [BLOCK_H, 32] with a power-of-two scale per head
+    (2^(floor(log2 amax) - 7) times the 2^6 of :func:`_k_block_fp8`'s codes), and whether the codes are exact
+    (always, for an FP4-simulated q: e2m1 values times a power of two have two significant bits)."""
+    dq = b * 32 + tl.arange(0, 32)
+    q = tl.load(q_ptr + row + heads[:, None] * stride_qh + dq[None, :], mask=hmask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    amax = tl.max(tl.abs(q), axis=1)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.minimum(tl.maximum(e, -110), 120)  # keep 2^(7-e) and 2^(e-1) normal; out-of-range blocks go inexact
+    inv = ((134 - e) << 23).to(tl.float32, bitcast=True)  # 2^(7-e)
+    codes = tl.minimum(tl.maximum(q * inv[:, None], -448.0), 448.0).to(tl.float8e4nv)
+    scale = ((e + 126) << 23).to(tl.float32, bitcast=True)  # 2^(e-7) * 2^6
+    exact = tl.min(tl.min(((codes.to(tl.float32) * scale[:, None] * 0.015625) == q).to(tl.int32), axis=1), axis=0)
+    return codes, scale, exact
+
+
+@triton.jit
+def _k_block_fp8(k_ptr, ks_ptr, krow, kmask, b, stride_k, stride_ks, BLOCK_E: tl.constexpr, ASM: tl.constexpr):
+    """Key dims 32b .. 32b+31 of packed FP4 keys as e4m3 [BLOCK_E, 32] by a bit shuffle (no table, no branch):
+    nibble ``s e1 e0 m`` -> byte ``s 0 0 e1 e0 m 0 0``, whose e4m3 value is the e2m1 value times 2^-6 (exact,
+    the half-unit code lands on the e4m3 subnormal 2^-7); plus the ue8m0 block scale 2^(byte - 127) [BLOCK_E]."""
+    pk = tl.load(k_ptr + krow[:, None] * stride_k + b * 16 + tl.arange(0, 16)[None, :], mask=kmask[:, None], other=0)
+    if ASM:  # four packed bytes per 32-bit register: 8 e4m3 codes in 10 integer instructions
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 a, b; and.b32 a, $2, 0x08080808; shl.b32 a, a, 4; and.b32 b, $2, 0x07070707; "
+            "shl.b32 b, b, 2; or.b32 $0, a, b; and.b32 a, $2, 0x80808080; and.b32 b, $2, 0x70707070; "
+            "shr.b32 b, b, 2; or.b32 $1, a, b; }",
+            "=r,=r,r", [pk], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    else:
+        lo = ((pk & 0x08) << 4) | ((pk & 0x07) << 2)  # element 2i
+        hi = (pk & 0x80) | ((pk & 0x70) >> 2)  # element 2i + 1
+    k8 = tl.reshape(tl.join(lo, hi), [BLOCK_E, 32]).to(tl.float8e4nv, bitcast=True)
+    sb = tl.load(ks_ptr + krow * stride_ks + b, mask=kmask, other=127)
+    return k8, (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _k_tile_bf16(k_ptr, ks_ptr, krow, kmask, stride_k, stride_ks, D: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Packed FP4 keys [BLOCK_E, D] dequantized to bf16 (exact)."""
+    j = tl.arange(0, D // 2)
+    pk = tl.load(k_ptr + krow[:, None] * stride_k + j[None, :], mask=kmask[:, None], other=0).to(tl.int32)
+    sc_i = tl.arange(0, D // 32)
+    sb = tl.load(ks_ptr + krow[:, None] * stride_ks + sc_i[None, :], mask=kmask[:, None], other=127)
+    scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    vals = tl.reshape(tl.join(_e2m1(pk & 15), _e2m1(pk >> 4)), [BLOCK_E, D])
+    vals = tl.reshape(tl.reshape(vals, [BLOCK_E, D // 32, 32]) * scale[:, :, None], [BLOCK_E, D])
+    return vals.to(tl.bfloat16)
+
+
+@triton.jit
+def _score_epilogue(s, w, hmask, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL: tl.constexpr):
+    """The official bf16 steps on q.k [BLOCK_E, BLOCK_H] fp32: round, ReLU, times w, round, head sum, round."""
+    s = s.to(tl.bfloat16).to(tl.float32)
+    s = tl.where(s < 0, 0.0, s)  # ReLU that keeps NaN (torch.relu does)
+    t = (s * w[None, :]).to(tl.bfloat16).to(tl.float32)
+    score = tl.sum(tl.where(hmask[None, :], t, 0.0), axis=1)
+    if CAUSAL:
+        limit = (tl.load(pos_ptr + i64) + 1) // ratio
+        score = tl.where(keys < limit, score, float("-inf"))
+    tl.store(out_ptr + i64 * stride_on + keys, score.to(tl.bfloat16), mask=kmask)
+
+
+@triton.jit(do_not_specialize=["n_q", "n_keys", "n_heads", "ratio"])
+def _index_scores_fp8mma_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, used_ptr, n_q, n_keys, n_heads,
+                                ratio, stride_qn, stride_qh, stride_k, stride_ks, stride_wn, stride_on,
+                                BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr,
+                                Q_PER_PROG: tl.constexpr, CAUSAL: tl.constexpr, ASM: tl.constexpr):
+    """FP4 keys (d = 128) on FP8 tensor cores: per 32-dim block one e4m3 MMA (K = 32, exact: e2m1 x e2m1 products
+    summed over 32 fit the MMA's accumulator), scaled by the key's and the head's block scales and summed in fp32.
+    A query whose codes are not exact (not FP4-simulated, NaN, extreme range) takes the bf16 path instead, so
+    every query gets the bf16 kernel's result up to fp32 summation order. ``used[i]`` = 1 where FP8 ran."""
+    pid_e = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    heads = tl.arange(0, BLOCK_H)
+    hmask = heads < n_heads
+    for qi in range(Q_PER_PROG):
+        i = pid_q * Q_PER_PROG + qi
+        if i < n_q:
+            i64 = i.to(tl.int64)
+            row = i64 * stride_qn
+            q0, s0, x0 = _q_block_fp8(q_ptr, row, heads, hmask, 0, stride_qh)
+            q1, s1, x1 = _q_block_fp8(q_ptr, row, heads, hmask, 1, stride_qh)
+            q2, s2, x2 = _q_block_fp8(q_ptr, row, heads, hmask, 2, stride_qh)
+            q3, s3, x3 = _q_block_fp8(q_ptr, row, heads, hmask, 3, stride_qh)
+            q0, q1, q2, q3 = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
+            exact = x0 * x1 * x2 * x3
+            w = tl.load(w_ptr + i64 * stride_wn + heads, mask=hmask, other=0.0).to(tl.float32)
+            if pid_e == 0:
+                tl.store(used_ptr + i64, exact.to(tl.int8))
+            for t in range(TILES):
+                keys = (pid_e * TILES + t) * BLOCK_E + tl.arange(0, BLOCK_E)
+                kmask = keys < n_keys
+                krow = keys.to(tl.int64)
+                if exact != 0:
+                    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 0, stride_k, stride_ks, BLOCK_E, ASM)
+                    acc = tl.dot(k8, q0) * (ks[:, None] * s0[None, :])
+                    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 1, stride_k, stride_ks, BLOCK_E, ASM)
+                    acc += tl.dot(k8, q1) * (ks[:, None] * s1[None, :])
+                    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 2, stride_k, stride_ks, BLOCK_E, ASM)
+                    acc += tl.dot(k8, q2) * (ks[:, None] * s2[None, :])
+                    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 3, stride_k, stride_ks, BLOCK_E, ASM)
+                    acc += tl.dot(k8, q3) * (ks[:, None] * s3[None, :])
+                else:
+                    k = _k_tile_bf16(k_ptr, ks_ptr, krow, kmask, stride_k, stride_ks, 128, BLOCK_E)
+                    dq = tl.arange(0, 128)
+                    qb = tl.load(q_ptr + row + heads[:, None] * stride_qh + dq[None, :], mask=hmask[:, None],
+                                 other=0.0)
+                    acc = tl.dot(k, tl.trans(qb))
+                _score_epilogue(acc, w, hmask, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL)
 
 
 def default_config(n_q: int, n_keys: int, n_heads: int, d: int) -> dict:
@@ -146,9 +251,45 @@ def dequantize_fp4_keys(packed: torch.Tensor, scales: torch.Tensor) -> torch.Ten
     return (table[codes] * s).to(torch.bfloat16)
 
 
-def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, config=None):
+def default_config_fp8mma(n_q: int, n_keys: int, n_heads: int) -> dict:
+    """FP8-MMA FP4 path: 128 keys per tile; a program walks several tiles (the query's codes are made once per
+    program): decode about two programs per SM, prefill 8 tiles per (query, program)."""
+    tiles = max(1, min(16, triton.cdiv(triton.cdiv(n_keys, 128), 264))) if n_q <= 4 else 8
+    return {"block_e": 128, "tiles": tiles, "q_per_prog": 1, "num_warps": 4, "num_stages": 1}
+
+
+def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
+    n, h, _ = q.shape
+    e = packed.shape[0]
+    out = torch.empty((n, e), dtype=torch.bfloat16, device=q.device)
+    used = torch.zeros((n,), dtype=torch.int8, device=q.device)
+    if n == 0 or e == 0:
+        return out, used
+    c = default_config_fp8mma(n, e, h)
+    c.update({kk: v for kk, v in (cfg or {}).items() if v is not None})
+    q = q.contiguous()
+    weights = weights.to(torch.bfloat16).contiguous()
+    causal = positions is not None
+    pos = positions.to(torch.int64).contiguous() if causal else out
+    grid = (triton.cdiv(e, c["block_e"] * c["tiles"]), triton.cdiv(n, c["q_per_prog"]))
+    _index_scores_fp8mma_kernel[grid](
+        q, packed, scales, weights, pos, out, used, n, e, h, int(ratio),
+        q.stride(0), q.stride(1), packed.stride(0), scales.stride(0), weights.stride(0), out.stride(0),
+        BLOCK_H=max(16, next_pow2(h)), BLOCK_E=c["block_e"], TILES=c["tiles"], Q_PER_PROG=c["q_per_prog"],
+        CAUSAL=causal, ASM=not INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return out, used
+
+
+def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, config=None, mma: str = "auto",
+                     return_path: bool = False):
     """Scores against an FP4 key cache: packed uint8 [e, d/2] (low nibble = element 2i) and ue8m0 scale bytes
-    uint8 [e, d/32] (``fidelity.formats.quantize_fp4`` layout). q [n, H, d] bf16 on CUDA, weights [n, H]."""
+    uint8 [e, d/32] (``fidelity.formats.quantize_fp4`` layout). q [n, H, d] bf16 on CUDA, weights [n, H].
+
+    ``mma="auto"`` (d = 128, H <= 128): keys upcast to e4m3 by a bit shuffle and scored on FP8 tensor cores
+    against q's e4m3 codes, per query where q is FP4-simulated (spec §4 Indexer; else that query takes the bf16
+    path in the same launch); ``mma="bf16"``: keys dequantized to bf16 in registers, bf16 MMA. Both give the bf16
+    kernel's scores on the dequantized keys up to fp32 summation order. ``return_path``: also an int8 [n], 1
+    where a query was scored on FP8 tensor cores."""
     d = q.shape[-1]
     if packed.dtype == torch.int8:
         packed = packed.view(torch.uint8)
@@ -157,5 +298,12 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     if packed.shape[-1] * 2 != d or scales.shape[-1] * 32 != d or d not in (32, 64, 128, 256):
         raise ValueError(f"packed [e, {d // 2}] and scales [e, {d // 32}] expected for d={d}, found "
                          f"{list(packed.shape)} and {list(scales.shape)}")
-    return _launch(q.to(torch.bfloat16), packed.contiguous(), scales.contiguous(), weights, positions, ratio, d,
-                   True, config)
+    if mma not in ("auto", "bf16"):
+        raise ValueError(f"mma: expected 'auto' or 'bf16', found {mma!r}")
+    q = q.to(torch.bfloat16)
+    if mma == "auto" and d == 128 and q.shape[1] <= 128:
+        out, used = _launch_fp8mma(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, config)
+    else:
+        out = _launch(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, d, True, config)
+        used = torch.zeros((q.shape[0],), dtype=torch.int8, device=q.device)
+    return (out, used) if return_path else out

@@ -193,3 +193,55 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk
 
 hc_pre = device_transparent(hc_pre_cuda)
 hc_pre.__name__ = "triton_hc_pre"
+
+
+@triton.jit(do_not_specialize=["n"])
+def _hc_post_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, o_ptr, n, dim, stride_fn, stride_rn, stride_on,
+                    BT: tl.constexpr, BD: tl.constexpr):
+    """Program (token tile, dim tile): ``out[t, k, d] = post[t, k] * f[t, d] + sum_j comb[t, j, k] * r[t, j, d]``
+    in fp32 (j summed in ascending order, as the emulation), stored in the output's dtype."""
+    toks = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    ds = tl.program_id(1) * BD + tl.arange(0, BD)
+    tm = toks < n
+    m2 = tm[:, None] & (ds[None, :] < dim)
+    r4 = tl.arange(0, 4)
+    m3 = m2[:, None, :]
+    f = tl.load(f_ptr + toks[:, None] * stride_fn + ds[None, :], mask=m2, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + toks[:, None] * 4 + r4[None, :], mask=tm[:, None], other=0.0)  # [BT, 4]
+    rbase = r_ptr + toks[:, None, None] * stride_rn + ds[None, None, :]
+    cbase = comb_ptr + toks[:, None] * 16 + r4[None, :]  # comb[t, j, k] at t*16 + j*4 + k: row j, all k
+    mixed = tl.zeros([BT, 4, BD], tl.float32)
+    for j in tl.static_range(4):
+        rj = tl.load(rbase + j * dim, mask=m2[:, None, :], other=0.0).to(tl.float32)  # [BT, 1, BD]
+        cj = tl.load(cbase + j * 4, mask=tm[:, None], other=0.0)  # [BT, 4] over k
+        mixed += cj[:, :, None] * rj
+    out = post[:, :, None] * f[:, None, :] + mixed
+    tl.store(o_ptr + toks[:, None, None] * stride_on + r4[None, :, None] * dim + ds[None, None, :],
+             out.to(o_ptr.dtype.element_ty), mask=m3)
+
+
+def hc_post_cuda(f, residual, post, comb, out_dtype=torch.bfloat16, *, bt: int = 4, bd: int = 512,
+                 num_warps: int = 4):
+    """Same signature and result as ``ops.hc_post`` (up to fp32 FMA contraction): f [n, dim] bf16, residual
+    [n, 4, dim] (bf16 or fp32 streams), post [n, 4], comb [n, 4, 4] fp32 -> [n, 4, dim] ``out_dtype``. One launch
+    reads f and the residual once and writes the new streams once (the memory floor)."""
+    ok = (on_device(f) and f.dim() == 2 and residual.dim() == 3 and residual.shape[1] == 4
+          and residual.shape[0] == f.shape[0] and residual.shape[2] == f.shape[1] and post.shape == (f.shape[0], 4)
+          and comb.shape == (f.shape[0], 4, 4) and out_dtype in (torch.bfloat16, torch.float32))
+    if not ok:
+        return ops.hc_post(f, residual, post, comb, out_dtype)
+    n, dim = f.shape
+    out = torch.empty((n, 4, dim), dtype=out_dtype, device=f.device)
+    if n == 0:
+        return out
+    f = f if f.stride(-1) == 1 else f.contiguous()
+    residual = residual.contiguous()
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    grid = (triton.cdiv(n, bt), triton.cdiv(dim, bd))
+    _hc_post_kernel[grid](f, residual, post, comb, out, n, dim, f.stride(0), residual.stride(0), out.stride(0),
+                          BT=bt, BD=bd, num_warps=num_warps)
+    return out
+
+
+hc_post = device_transparent(hc_post_cuda)
+hc_post.__name__ = "triton_hc_post"

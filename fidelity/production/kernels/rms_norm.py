@@ -1,7 +1,8 @@
 """RMSNorm and fused RMSNorm + FP8 activation quantization (1x128 e4m3, ue8m0 scales) in Triton.
 
 ``rms_norm``: ``(w_fp32 * (x_f32 * (1 / sqrt(mean(x^2) + eps)))).to(x.dtype)`` (spec §3: the reference norm is
-torch; ``ops.rms_norm``), one row per program, the row held in registers. The mean uses a tree sum in fp32,
+torch; ``ops.rms_norm``), ``rows`` rows per program held in registers as one [rows, d/128, 128] tile (the FP8
+epilogue's per-block amax is then a plain reduction, no re-layout). The mean uses a tree sum in fp32,
 so ``y`` can differ from torch's by a rounding flip (one bf16 ulp) on a small fraction of elements.
 
 ``rms_norm_fp8``: the same ``y``, then the ``act_quant(y, 128, "ue8m0")`` of spec §3 on it in the same
@@ -22,36 +23,55 @@ from fidelity.production.kernels._common import device_transparent, next_pow2, o
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_cols, eps, stride_x, stride_y, stride_q, stride_s,
-                     BLOCK: tl.constexpr, QB: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    ms = tl.math.div_rn(tl.sum(x * x, axis=0), tl.zeros([], tl.float32) + n_cols)
-    r = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * (x * r)).to(y_ptr.dtype.element_ty)
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def e4m3_blocks(yf):
+    """``act_quant`` (spec §3, ue8m0) of the rows of yf [NB, B] fp32, one block per row: per block
+    ``amax = max(|y|, 1e-4)``, ``s = 2^(exp(v) - 127 + (mantissa(v) != 0))`` from the bits of
+    ``v = amax * fp32(1/448)``, codes ``e4m3(y / s)`` (RNE; ``|y / s| <= 448`` by construction, so no clamp).
+    A block holding a NaN (the NaN-propagating amax) gets NaN codes and scale byte 255, as ``fidelity.formats``.
+    Returns (codes float8e4nv [NB, B], scale exponent bytes int32 [NB], s fp32 [NB])."""
+    amax = tl.reduce(tl.abs(yf), 1, _max_nan)
+    has_nan = amax != amax
+    v = tl.maximum(amax, 1e-4) * 0.002232142857142857  # fp32(1e-4), fp32(1/448) as in kernel.py
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    inv_s = tl.where(has_nan, float("nan"), ((127 - e) << 23).to(tl.float32, bitcast=True))  # 2^-e, exact
+    codes = (yf * inv_s[:, None]).to(tl.float8e4nv)
+    return codes, tl.where(has_nan, 255, e + 127), ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, stride_x, stride_y, stride_q, stride_s,
+                     NB: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, WRITE_Y: tl.constexpr,
+                     WRITE_Q: tl.constexpr):
+    """``ROWS`` rows per program as one [ROWS, NB, QB] tile (QB = the quantization block), so that all the rows'
+    loads are in flight together and the FP8 epilogue's per-block amax is a plain reduction (no re-layout)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    blk = tl.arange(0, NB)
+    cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]  # [NB, QB]
+    cmask = cols < n_cols
+    mask = (rows < n_rows)[:, None, None] & cmask[None, :, :]
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    ms = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.zeros([ROWS], tl.float32) + n_cols)
+    rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+    y = (w[None, :, :] * (x * rs[:, None, None])).to(y_ptr.dtype.element_ty)
     if WRITE_Y:
-        tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+        tl.store(y_ptr + rows[:, None, None] * stride_y + cols[None, :, :], y, mask=mask)
     if WRITE_Q:
-        yb = tl.reshape(y.to(tl.float32), [BLOCK // QB, QB])
-        amax = tl.max(tl.abs(yb), axis=1)
-        has_nan = tl.max((yb != yb).to(tl.int32), axis=1) > 0
-        v = tl.maximum(amax, 1e-4) * 0.002232142857142857  # fp32(1e-4), fp32(1/448) as in kernel.py
-        bits = v.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        inv_s = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact: e in [-22, 127] here
-        qv = tl.minimum(tl.maximum(yb * inv_s[:, None], -448.0), 448.0)
-        qv = tl.where(has_nan[:, None], float("nan"), qv)
-        codes = tl.reshape(qv.to(tl.float8e4nv), [BLOCK])
-        tl.store(q_ptr + row * stride_q + cols, codes, mask=mask)
-        sbyte = tl.where(has_nan, 255, e + 127)
-        blocks = tl.arange(0, BLOCK // QB)
-        tl.store(s_ptr + row * stride_s + blocks, sbyte.to(tl.uint8), mask=blocks * QB < n_cols)
+        codes, sbyte, _ = e4m3_blocks(tl.reshape(y.to(tl.float32), [ROWS * NB, QB]))
+        tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], tl.reshape(codes, [ROWS, NB, QB]),
+                 mask=mask)
+        smask = (rows < n_rows)[:, None] & (blk * QB < n_cols)[None, :]
+        tl.store(s_ptr + rows[:, None] * stride_s + blk[None, :], tl.reshape(sbyte, [ROWS, NB]).to(tl.uint8),
+                 mask=smask)
 
 
-def _launch(x, weight, eps, write_y, write_q, num_warps=None):
+def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None):
     shape = x.shape
     d = shape[-1]
     x2 = x.reshape(-1, d)
@@ -62,11 +82,14 @@ def _launch(x, weight, eps, write_y, write_q, num_warps=None):
     q = torch.empty((n, d), dtype=torch.float8_e4m3fn, device=x.device) if write_q else y
     s = torch.empty((n, d // 128), dtype=torch.uint8, device=x.device) if write_q else y
     if n:
-        block = max(128, next_pow2(d))
-        warps = num_warps or (4 if block <= 2048 else (8 if block <= 8192 else 16))
-        _rms_norm_kernel[(n,)](
-            x2, weight.contiguous(), y, q, s, d, float(eps), x2.stride(0), y.stride(0), q.stride(0), s.stride(0),
-            BLOCK=block, QB=128, WRITE_Y=write_y, WRITE_Q=write_q, num_warps=warps)
+        nb = next_pow2(triton.cdiv(d, 128))
+        warps = num_warps or (4 if nb <= 16 else (8 if nb <= 64 else 16))
+        rows = rows or (2 if n >= 1024 else 1)  # H200 sweep (BENCHMARKS.md): two rows per program for prefill
+        if rows & (rows - 1):
+            raise ValueError(f"rows: expected a power of two, found {rows}")
+        _rms_norm_kernel[(triton.cdiv(n, rows),)](
+            x2, weight.contiguous(), y, q, s, n, d, float(eps), x2.stride(0), y.stride(0), q.stride(0), s.stride(0),
+            NB=nb, QB=128, ROWS=rows, WRITE_Y=write_y, WRITE_Q=write_q, num_warps=warps)
     y = y.reshape(shape)
     if not write_q:
         return y
@@ -86,7 +109,8 @@ def rms_norm_cuda(x, weight, eps):
     return _launch(x, weight, eps, True, False)
 
 
-def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int | None = None):
+def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int | None = None,
+                      rows: int | None = None):
     """``formats.quantize_fp8(ops.rms_norm(x, weight, eps), 128)`` in one pass: (codes float8_e4m3fn [..., d],
     scale bytes uint8 [..., d/128]) plus the bf16 ``y`` when ``return_y``. d must be a multiple of 128."""
     if x.shape[-1] % 128:
@@ -97,7 +121,7 @@ def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int 
 
         q, s = quantize_fp8(y, 128)
         return (q, s, y) if return_y else (q, s)
-    return _launch(x, weight, eps, return_y, True, num_warps)
+    return _launch(x, weight, eps, return_y, True, num_warps, rows)
 
 
 rms_norm = device_transparent(rms_norm_cuda)

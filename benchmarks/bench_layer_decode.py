@@ -1,0 +1,164 @@
+"""One decode step of a V4-Flash-shaped CSA layer at a long context: the production model with the Triton kernels
+vs the same model with every op on its torch emulation, both on the GPU, from identical cache states.
+
+    python benchmarks/bench_layer_decode.py --out DIR [--context 131072] [--steps 12] [--device cuda]
+
+The layer has Flash widths (dim 4096, 64 heads x 512, q/o LoRA 1024, 8 output groups, window 128, CSA ratio 4
+with a 64 x 128 indexer and top-512, mHC 4 streams, 6 routed + 1 shared experts of 2048) and the reference
+profile. What is smaller than a release checkpoint, and does not change the per-token work of a decode step:
+16 routed experts instead of 256 (a token still runs 6), a 1024-token vocabulary (the LM head is not part of
+a layer), no hash layer. The caches are filled with random rows in their storage formats (window ring buffer,
+compressed KV, FP4-simulated indexer keys) and the session is placed at ``--context`` tokens; each timed step
+then writes, compresses (every 4th step), scores all compressed keys, selects, gathers and attends.
+
+Wall time per step (``torch.cuda.synchronize`` before and after; the step issues host syncs of its own, so it
+cannot be graph-captured), median of ``--steps``; both paths are checked against each other (logits cosine per
+step). A torch.profiler pass over each path counts kernel launches and lists where host and GPU time go.
+Writes DIR/bench_layer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fidelity.config import ModelConfig  # noqa: E402
+from fidelity.production import ProductionModel, ops, registry  # noqa: E402
+from fidelity.synthesize import synthesize  # noqa: E402
+
+
+def layer_config(context: int, preset: str) -> ModelConfig:
+    cfg = ModelConfig.preset(preset)
+    return cfg.replace(n_layers=1, n_hash_layers=0, n_mtp_layers=0, compress_ratios=(4,),
+                       vocab_size=1024, n_routed_experts=min(16, cfg.n_routed_experts),
+                       max_seq_len=context + 256)
+
+
+def filled_session(model: ProductionModel, context: int, seed: int):
+    """A session at position ``context`` whose caches hold random rows in their storage formats."""
+    s = model.session()
+    cfg, dev = model.cfg, model.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for cache in s.layers:
+        n_comp = context // 4
+        rows = torch.randn(cache.window + n_comp, cfg.head_dim, device=dev, generator=g).to(torch.bfloat16)
+        cache.kv.write(slice(0, len(rows)), ops.kv_round(rows, cfg.rope_head_dim, model.profile.kv_nope))
+        keys = torch.randn(n_comp, cfg.index_head_dim, device=dev, generator=g)
+        cache.keys.write(slice(0, n_comp), ops.indexer_round(keys, model.profile.indexer_qk, rotate=True)
+                         .to(torch.bfloat16))
+        for carry in (cache.carry, cache.index_carry):
+            carry.kv.normal_(generator=g)
+            carry.score.normal_(generator=g)
+    s.pos = context
+    s.calls = 1
+    return s
+
+
+WARMUP = 4  # steps before timing: compilation, first weight loads, one full compression cycle
+
+
+def run(model, context, steps, impl, ops_with_kernels, seed=0):
+    for op in ops_with_kernels:
+        registry.select(op, impl)
+    s = filled_session(model, context, seed)
+    tokens = torch.randint(0, model.cfg.vocab_size, (steps + WARMUP,),
+                           generator=torch.Generator().manual_seed(seed))
+    times, logits = [], []
+    for i, tok in enumerate(tokens.tolist()):
+        torch.cuda.synchronize() if model.device.type == "cuda" else None
+        t0 = time.perf_counter()
+        out = s.step(tok)
+        torch.cuda.synchronize() if model.device.type == "cuda" else None
+        if i >= WARMUP:
+            times.append((time.perf_counter() - t0) * 1e6)
+            logits.append(out.float().cpu())
+    return times, torch.stack(logits), registry.implementations_used()
+
+
+def profile_path(model, context, ops_with_kernels, impl, steps=4) -> dict:
+    """torch.profiler over ``steps`` decode steps: kernel launches per step, GPU time per step, and the ops with
+    the most host (self CPU) and device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for op in ops_with_kernels:
+        registry.select(op, impl)
+    s = filled_session(model, context, 1)
+    for tok in range(WARMUP):
+        s.step(tok)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for tok in range(steps):
+            s.step(tok + 10)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                        "cudaLaunchKernelExC"))
+
+    def dev(e):
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    gpu = sorted((e for e in events if dev(e) > 0), key=lambda e: -dev(e))
+    cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)
+    return {"launches_per_step": launches / steps,
+            "gpu_busy_us_per_step": sum(dev(e) for e in events) / steps,
+            "gpu_top": [{"name": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": dev(e) / steps}
+                        for e in gpu[:15]],
+            "cpu_top": [{"name": e.key[:90], "calls_per_step": e.count / steps,
+                         "self_cpu_us_per_step": e.self_cpu_time_total / steps} for e in cpu[:15]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--preset", default="flash")
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    cfg = layer_config(a.context, a.preset)
+    t0 = time.time()
+    model = ProductionModel(synthesize(cfg, seed=0, lazy=True), "reference", max_context=a.context + 256,
+                            device=a.device)
+    ops_with_kernels = sorted(op for op, impls in registry.REGISTRY.items() if "triton" in impls)
+    print(f"ops with kernels: {ops_with_kernels}", flush=True)
+    result = {"config": {"preset": a.preset, "context": a.context, "dim": cfg.dim, "heads": cfg.n_heads,
+                         "routed_experts_stored": cfg.n_routed_experts, "activated": cfg.n_activated_experts,
+                         "vocab": cfg.vocab_size}, "device": torch.cuda.get_device_name() if a.device == "cuda"
+              else "cpu"}
+    paths = {}
+    for impl in ("cpu", "triton") if ops_with_kernels else ("cpu",):
+        times, logits, used = run(model, a.context, a.steps, impl, ops_with_kernels)
+        paths[impl] = logits
+        result[impl] = {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times),
+                        "steps_us": times, "implementations": used}
+        print(f"{impl:6s}: median {statistics.median(times):9.0f} us per decode step "
+              f"(min {min(times):.0f}, max {max(times):.0f})  [{time.time() - t0:.0f}s]", flush=True)
+    if "triton" in paths:
+        cos = torch.nn.functional.cosine_similarity(paths["cpu"].double(), paths["triton"].double(), dim=-1)
+        result["logits_cos_kernels_vs_emulation"] = cos.tolist()
+        result["speedup"] = result["cpu"]["median_us"] / result["triton"]["median_us"]
+        print(f"speed-up kernels vs emulation: {result['speedup']:.2f}x; logits cos per step min {cos.min():.6f}")
+        if a.device == "cuda":
+            for impl in ("cpu", "triton"):
+                p = result[impl]["profile"] = profile_path(model, a.context, ops_with_kernels, impl)
+                print(f"[{impl}] launches/step {p['launches_per_step']:.0f}, GPU busy {p['gpu_busy_us_per_step']:.0f} "
+                      "us/step; top host (self CPU) ops:")
+                for r in p["cpu_top"][:10]:
+                    print(f"   {r['self_cpu_us_per_step']:9.1f} us/step x{r['calls_per_step']:<6.0f} {r['name']}")
+                print(f"[{impl}] top GPU kernels:")
+                for r in p["gpu_top"][:8]:
+                    print(f"   {r['us_per_step']:9.1f} us/step x{r['calls_per_step']:<6.0f} {r['name']}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_layer.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -422,7 +422,7 @@ def bench_indexer(quick: bool):
         s0 = sets[0]
         ref = ops.index_scores(s0["q"], s0["k"], s0["w"])
         got = indexer.index_scores_cuda(s0["q"], s0["k"], s0["w"])
-        got4, used = indexer.index_scores_fp4(s0["q"], s0["p"], s0["s"], s0["w"], return_path=True)
+        got4, used = indexer.index_scores_fp4(s0["q"], s0["p"], s0["s"], s0["w"], mma="fp8", return_path=True)
         got4b = indexer.index_scores_fp4(s0["q"], s0["p"], s0["s"], s0["w"], mma="bf16")
         diff = (got.float() - ref.float()).abs()
         check = {"bf16_equal_frac_vs_emulation": float((got == ref).float().mean()),
@@ -462,7 +462,7 @@ def bench_indexer(quick: bool):
                  lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg, mma="bf16")),
                  [dict(c, q_per_prog=1) for c in cfgs]),
                 ("fp4 keys (68 B), FP8 MMA", a_4, 68,
-                 lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg)), mma_cfgs)):
+                 lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg, mma="fp8")), mma_cfgs)):
             best = sweep("index_scores", name, variant, fn, vcfgs, args,
                          bytes_=e * kbytes + e * 2 + h * d * 2 + h * 2, flops=flops, check=check,
                          unit="fp8" if variant.startswith("fp4") else "bf16")
@@ -474,7 +474,7 @@ def bench_indexer(quick: bool):
                     topk = 512
 
                     def sel(q, p, s, w, cfg=cfg, topk=topk):
-                        return torch.topk(indexer.index_scores_fp4(q, p, s, w, config=cfg), topk, dim=-1)
+                        return torch.topk(indexer.index_scores_fp4(q, p, s, w, config=cfg, mma="fp8"), topk, dim=-1)
                     t = time_fn(sel, a_4)
                     record("index_scores+topk", name, f"fp4 keys + torch.topk({topk})", t,
                            bytes_=e * kbytes + e * 2, flops=flops, unit="fp8")
@@ -517,11 +517,11 @@ def bench_indexer(quick: bool):
     for q, kb, w in sets:
         packed, sc = quantize_fp4(kb.float(), 32)
         sets4.append((q, packed, sc, w))
-    got4 = indexer.index_scores_fp4(*(t[:64] if i in (0, 3) else t for i, t in enumerate(sets4[0])))
+    got4 = indexer.index_scores_fp4(*(t[:64] if i in (0, 3) else t for i, t in enumerate(sets4[0])), mma="fp8")
     check4 = {"fp4_fp8mma_equal_frac_vs_bf16_keys": float((got4 == got).float().mean())}
     print(f"[index] {name} FP8 MMA: {check4}", flush=True)
     best = sweep("index_scores", name, "fp4 keys (68 B), FP8 MMA", lambda cfg: (
-        lambda *xs: indexer.index_scores_fp4(*xs, config=cfg)),
+        lambda *xs: indexer.index_scores_fp4(*xs, config=cfg, mma="fp8")),
         [{"block_e": 128, "tiles": t, "q_per_prog": qp, "num_warps": nw} for t, qp, nw in
          ((8, 1, 4), (16, 1, 4), (8, 1, 8), (4, 2, 4))][: 2 if quick else 4],
         sets4, bytes_=nq * e * 2 + e * 68 + nq * h * d * 2, flops=flops, check=check4, unit="fp8")

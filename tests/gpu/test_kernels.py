@@ -244,7 +244,7 @@ def test_index_scores_fp4_keys_and_causal_mask(case, t0):
     assert torch.equal(ref.cpu().view(torch.int16), indexer.index_scores(q, deq, w).view(torch.int16))
     bf16_path = indexer.index_scores_fp4(qc, pc, sc, wc, mma="bf16")
     assert torch.equal(bf16_path.view(torch.int16), ref.view(torch.int16))  # same tile values, same MMA
-    got, used = indexer.index_scores_fp4(qc, pc, sc, wc, return_path=True)
+    got, used = indexer.index_scores_fp4(qc, pc, sc, wc, mma="fp8", return_path=True)
     scored = int(q.shape[-1] == 128 and keys.shape[0] > 0)
     assert used.tolist() == [scored] * q.shape[0]  # FP4-simulated q: FP8 MMA where d = 128 (and keys to score)
     bound = 2 * _bound(q, deq, w)
@@ -252,8 +252,10 @@ def test_index_scores_fp4_keys_and_causal_mask(case, t0):
     if got.numel():  # FP8 MMA: exact per 32-dim block, so it differs only by fp32 summation order
         assert float((got == ref).float().mean()) >= 0.99
     positions = torch.arange(q.shape[0]) + t0
-    masked = indexer.index_scores_fp4(qc, pc, sc, wc, positions=positions.to(CUDA)).cpu()
+    masked = indexer.index_scores_fp4(qc, pc, sc, wc, positions=positions.to(CUDA), mma="fp8").cpu()
     hidden = torch.arange(keys.shape[0])[None, :] >= ((positions + 1) // 4)[:, None]
+    auto = indexer.index_scores_fp4(qc, pc, sc, wc, positions=positions.to(CUDA)).cpu()
+    assert torch.equal(auto[~hidden], ref.cpu()[~hidden])  # "auto" at these sizes: the bf16 path, bit-exact
     assert bool(torch.isneginf(masked[hidden]).all())
     assert torch.equal(masked[~hidden], got.cpu()[~hidden])
 
@@ -269,7 +271,8 @@ def test_index_scores_fp4_fp8_mma_falls_back_per_query_where_q_is_not_fp4(n_keys
     packed, scales = (t.to(CUDA) for t in quantize_fp4(keys, 32))
     w = (torch.randn(4, 64, generator=g) / 64).to(BF16).to(CUDA)
     deq = indexer.dequantize_fp4_keys(packed, scales)
-    got, used = indexer.index_scores_fp4(q.to(CUDA), packed, scales, w, config={"tiles": tiles}, return_path=True)
+    got, used = indexer.index_scores_fp4(q.to(CUDA), packed, scales, w, config={"tiles": tiles}, mma="fp8",
+                                         return_path=True)
     assert used.tolist() == [1, 0, 0, 1]
     ref = indexer.index_scores_cuda(q.to(CUDA), deq, w)
     assert torch.equal(got[1:3].view(torch.int16), ref[1:3].view(torch.int16))  # NaN row: NaN where ref is

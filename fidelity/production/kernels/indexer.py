@@ -8,12 +8,13 @@ summation order differs from torch, so a result can differ from the emulation by
 Keys are bf16 [e, d], or packed FP4 (uint8 [e, d/2], low nibble = element 2i, plus ue8m0 scale bytes
 [e, d/32]: the ``fp4_act_quant`` cache of spec §3). FP4 keys take one of two paths:
 
-* FP8 tensor cores (default for d = 128): each packed byte becomes two e4m3 codes by a bit shuffle (inline PTX,
-  four bytes per instruction group; the e4m3 value is the e2m1 value times 2^-6), and q, FP4-simulated by the
-  reference (Hadamard + ``fp4_act_quant``), becomes e4m3 codes with one power-of-two scale per head and 32-dim
-  block. One K = 32 e4m3 MMA per block is exact (products of e2m1 values summed over 32 need 13 bits), and
-  the four block results are scaled and summed in fp32. A query whose codes are not exact (a plain bf16 q,
-  NaN) is scored on the bf16 path inside the same launch; ``return_path`` reports which ran.
+* FP8 tensor cores (d = 128; by default for decode over >= 64K keys): each packed byte becomes two e4m3 codes
+  by a bit shuffle (inline PTX, four bytes per instruction group; the e4m3 value is the e2m1 value times 2^-6),
+  and q, FP4-simulated by the reference (Hadamard + ``fp4_act_quant``), becomes e4m3 codes with one
+  power-of-two scale per head and 32-dim block. One K = 32 e4m3 MMA per block is exact (products of e2m1
+  values summed over 32 need 13 bits), and the four block results are scaled and summed in fp32. A query whose
+  codes are not exact (a plain bf16 q, NaN) is scored on the bf16 path inside the same launch;
+  ``return_path`` reports which ran.
 * bf16 tensor cores: the tile dequantized in registers (``e2m1 * 2^(b-127)`` is exact in bf16, so FP4 keys
   score bit-identically to their dequantized bf16 copy: same tile values, same MMA; checked on the H200).
 
@@ -280,16 +281,20 @@ def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
     return out, used
 
 
+FP8_MMA_MIN_KEYS = 65536  # H200 (BENCHMARKS.md): below this, or with more than 4 queries, bf16 MMA is faster
+
+
 def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, config=None, mma: str = "auto",
                      return_path: bool = False):
     """Scores against an FP4 key cache: packed uint8 [e, d/2] (low nibble = element 2i) and ue8m0 scale bytes
     uint8 [e, d/32] (``fidelity.formats.quantize_fp4`` layout). q [n, H, d] bf16 on CUDA, weights [n, H].
 
-    ``mma="auto"`` (d = 128, H <= 128): keys upcast to e4m3 by a bit shuffle and scored on FP8 tensor cores
+    ``mma="fp8"`` (d = 128, H <= 128): keys upcast to e4m3 by a bit shuffle and scored on FP8 tensor cores
     against q's e4m3 codes, per query where q is FP4-simulated (spec §4 Indexer; else that query takes the bf16
-    path in the same launch); ``mma="bf16"``: keys dequantized to bf16 in registers, bf16 MMA. Both give the bf16
-    kernel's scores on the dequantized keys up to fp32 summation order. ``return_path``: also an int8 [n], 1
-    where a query was scored on FP8 tensor cores."""
+    path in the same launch); ``mma="bf16"``: keys dequantized to bf16 in registers, bf16 MMA; ``"auto"``: FP8
+    for decode (<= 4 queries) over >= ``FP8_MMA_MIN_KEYS`` keys, where it measured faster, else bf16. All give
+    the bf16 kernel's scores on the dequantized keys up to fp32 summation order. ``return_path``: also an int8
+    [n], 1 where a query was scored on FP8 tensor cores."""
     d = q.shape[-1]
     if packed.dtype == torch.int8:
         packed = packed.view(torch.uint8)
@@ -298,10 +303,12 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     if packed.shape[-1] * 2 != d or scales.shape[-1] * 32 != d or d not in (32, 64, 128, 256):
         raise ValueError(f"packed [e, {d // 2}] and scales [e, {d // 32}] expected for d={d}, found "
                          f"{list(packed.shape)} and {list(scales.shape)}")
-    if mma not in ("auto", "bf16"):
-        raise ValueError(f"mma: expected 'auto' or 'bf16', found {mma!r}")
+    if mma not in ("auto", "fp8", "bf16"):
+        raise ValueError(f"mma: expected 'auto', 'fp8' or 'bf16', found {mma!r}")
     q = q.to(torch.bfloat16)
-    if mma == "auto" and d == 128 and q.shape[1] <= 128:
+    if mma == "auto":
+        mma = "fp8" if q.shape[0] <= 4 and packed.shape[0] >= FP8_MMA_MIN_KEYS else "bf16"
+    if mma == "fp8" and d == 128 and q.shape[1] <= 128:
         out, used = _launch_fp8mma(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, config)
     else:
         out = _launch(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, d, True, config)

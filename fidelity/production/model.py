@@ -7,6 +7,8 @@ carry fp32 state; caches are allocated once from ``max_context``. Emits the same
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fidelity.formats import hadamard
@@ -67,9 +69,10 @@ class ProductionSession:
         self.calls = 0
         self.res_dtype = torch.float32 if self.p.residual == "fp32" else BF16
 
-    def emit(self, site: str, tensor: torch.Tensor) -> None:
+    def emit(self, site: str, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
+        """Record ``tensor`` at ``site`` if the recorder wants it (a callable is evaluated only then)."""
         if self.rec is not None and self.rec.wants(site):
-            self.rec(site, tensor)
+            self.rec(site, tensor() if callable(tensor) else tensor)
 
     def op(self, name: str):
         """The registered implementation of op ``name`` for this session's device (registry.implementation)."""
@@ -180,7 +183,7 @@ class ProductionSession:
         if len(positions) > 1:
             o = self.attend_prefill(i, x, qr, q, kv, positions)
         else:
-            o = self.attend_decode(i, x, qr, q, kv, int(positions[0]))
+            o = self.attend_decode(i, x, qr, q, kv, positions)
         self.emit(f"L{i}.attn.core", o)
         if not on("no-inverse-rope"):
             o = rope(o, positions, freqs, inverse=True)
@@ -202,7 +205,7 @@ class ProductionSession:
         if len(positions) > 1:
             entries, first = compress_prefill(x, weights, carry, ratio, freqs, cfg.norm_eps)
         else:
-            entries, first = compress_decode(x, int(positions[0]), weights, carry, ratio, freqs, cfg.norm_eps)
+            entries, first = compress_decode(x, self.pos, weights, carry, ratio, freqs, cfg.norm_eps)
         if entries is None:
             return None
         if index:
@@ -231,7 +234,7 @@ class ProductionSession:
                 table = torch.cat((kv, cache.kv.read(slice(win, win + len(new)))))
             comp = self.index_prefill(i, x, qr, positions) if ratio == 4 else _hca_prefill_idx(t, ratio).to(x.device)
         idx = _window_prefill_idx(t, win).to(x.device)
-        self.emit(f"L{i}.attn.visible", _visible(idx, comp, positions, win, prefill=True))
+        self.emit(f"L{i}.attn.visible", lambda: _visible(idx, comp, positions, win, prefill=True))
         if comp is not None:
             idx = torch.cat((idx, torch.where(comp >= 0, comp + offset, -1)), dim=1)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
@@ -239,27 +242,26 @@ class ProductionSession:
         return torch.cat([attend(q[s : s + QUERY_CHUNK], table, idx[s : s + QUERY_CHUNK], sink, scale, self.p.fmha)
                           for s in range(0, t, QUERY_CHUNK)])
 
-    def attend_decode(self, i, x, qr, q, kv, t: int) -> torch.Tensor:
-        cfg, cache = self.cfg, self.layers[i]
+    def attend_decode(self, i, x, qr, q, kv, positions) -> torch.Tensor:
+        """One decode token at ``t = self.pos`` (host int: no device round trip); every valid or -1 slot is
+        gathered in place (rows of -1 slots are never read), so no host sync sizes the gather."""
+        cfg, cache, t = self.cfg, self.layers[i], self.pos
         ratio, win = cfg.ratio(i), cfg.window_size
         cache.kv.write(slice(t % win, t % win + 1), kv)
         if on("cache-concat-growth"):
             cache.spill.append(kv.clone())
         comp = None
         if ratio:
-            new = self.compress(i, x, torch.tensor([t], device=x.device), index=False)
+            new = self.compress(i, x, positions, index=False)
             self.emit(f"L{i}.attn.compressed_kv", new if new is not None else kv.new_zeros((0, cfg.head_dim)))
             n_vis = (t + 1) // ratio + (1 if on("causal-off-by-one") and (t + 1) % ratio else 0)
-            comp = self.index_decode(i, x, qr, t) if ratio == 4 else torch.arange(n_vis, device=x.device)[None]
-        idx = _window_decode_idx(t, win).to(x.device)
-        self.emit(f"L{i}.attn.visible", _visible(idx, comp, torch.tensor([t], device=x.device), win, prefill=False))
+            comp = self.index_decode(i, x, qr, positions) if ratio == 4 else torch.arange(n_vis, device=x.device)[None]
+        idx = _window_decode_idx(t, win, x.device)
+        self.emit(f"L{i}.attn.visible", lambda: _visible(idx, comp, positions, win, prefill=False))
         slots = idx if comp is None else torch.cat((idx, torch.where(comp >= 0, comp + win, -1)), dim=1)
-        valid = slots[0] >= 0
-        k = int(valid.sum())
         buf = cache.gather[: slots.shape[1]]
-        buf[:k] = cache.kv.read(slots[0, valid])  # window + selected rows into the preallocated buffer
-        local = torch.full_like(slots, -1)
-        local[0, valid] = torch.arange(k, device=x.device)
+        buf[:] = cache.kv.read(slots[0].clamp(min=0))  # window + selected rows into the preallocated buffer
+        local = torch.where(slots >= 0, torch.arange(slots.shape[1], device=x.device), -1)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
         return self.op("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
 
@@ -271,7 +273,7 @@ class ProductionSession:
             -1, (cfg.index_n_heads, cfg.index_head_dim))
         q = self.op("apply_rope")(q, positions, self.m.freqs[4])
         q = ops.indexer_round(q, prof.indexer_qk, prof.hadamard == "on")
-        self.emit(f"L{i}.indexer.q", _unrotated(q, prof))
+        self.emit(f"L{i}.indexer.q", lambda: _unrotated(q, prof))
         weights = (x @ w(pre + "weights_proj.weight").to(BF16).T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
         self.emit(f"L{i}.indexer.weights", weights)
         return q, weights
@@ -279,7 +281,7 @@ class ProductionSession:
     def emit_keys(self, i: int, new: torch.Tensor | None) -> None:
         if new is None:
             new = torch.zeros(0, self.cfg.index_head_dim, device=self.m.device)
-        self.emit(f"L{i}.indexer.keys", _unrotated(new, self.p))
+        self.emit(f"L{i}.indexer.keys", lambda: _unrotated(new, self.p))
 
     def _scores(self, q, keys, weights) -> torch.Tensor:
         dtype = torch.float32 if self.p.index_scores == "fp32" else BF16
@@ -307,17 +309,16 @@ class ProductionSession:
         self.emit(f"L{i}.indexer.topk", _pad(picks, cfg.index_topk))
         return picks
 
-    def index_decode(self, i: int, x: torch.Tensor, qr: torch.Tensor, t: int) -> torch.Tensor:
-        cfg, cache = self.cfg, self.layers[i]
-        pos = torch.tensor([t], device=x.device)
-        q, weights = self.index_query(i, x, qr, pos)
-        new = self.compress(i, x, pos, index=True)
+    def index_decode(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cfg, cache, t = self.cfg, self.layers[i], self.pos
+        q, weights = self.index_query(i, x, qr, positions)
+        new = self.compress(i, x, positions, index=True)
         self.emit_keys(i, new)
         n = (t + 1) // 4
         scores = self._scores(q, cache.keys.read(slice(0, n)), weights).float()
         self.emit(f"L{i}.indexer.scores", scores)
         picks = _topk(scores, min(_topk_cap(cfg.index_topk), n))
-        self.emit(f"L{i}.indexer.topk", _pad(picks, cfg.index_topk))
+        self.emit(f"L{i}.indexer.topk", lambda: _pad(picks, cfg.index_topk))
         return picks
 
     # ---- MoE -----------------------------------------------------------------------------------
@@ -390,15 +391,15 @@ def _window_prefill_idx(t: int, win: int) -> torch.Tensor:
     return idx
 
 
-def _window_decode_idx(t: int, win: int) -> torch.Tensor:
-    """Official decode window indices [1, win] into the ring buffer, oldest first."""
+def _window_decode_idx(t: int, win: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Official decode window indices [1, win] into the ring buffer, oldest first (built on ``device``)."""
     if t >= win - 1:
         s = t % win
-        idx = torch.cat((torch.arange(s + 1, win), torch.arange(0, s + 1)))[None]
+        idx = ((torch.arange(win, device=device) + s + 1) % win)[None]
         if on("window-127"):
             idx[0, 0] = -1
     else:
-        idx = torch.nn.functional.pad(torch.arange(t + 1), (0, win - t - 1), value=-1)[None]
+        idx = torch.nn.functional.pad(torch.arange(t + 1, device=device), (0, win - t - 1), value=-1)[None]
     if on("window-no-self"):
         idx = torch.where(idx == t % win, -1, idx)
     return idx

@@ -243,8 +243,8 @@ class ProductionSession:
                           for s in range(0, t, QUERY_CHUNK)])
 
     def attend_decode(self, i, x, qr, q, kv, positions) -> torch.Tensor:
-        """One decode token at ``t = self.pos`` (host int: no device round trip); every valid or -1 slot is
-        gathered in place (rows of -1 slots are never read), so no host sync sizes the gather."""
+        """One decode token at ``t = self.pos`` (host int: no device round trip). Every slot is gathered in
+        place, a -1 slot as row 0, which the attention never reads, so no host sync sizes the gather."""
         cfg, cache, t = self.cfg, self.layers[i], self.pos
         ratio, win = cfg.ratio(i), cfg.window_size
         cache.kv.write(slice(t % win, t % win + 1), kv)

@@ -45,3 +45,8 @@ def device_transparent(fn: Callable) -> Callable:
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def with_overrides(defaults: dict, overrides: dict | None) -> dict:
+    """Launch parameters: ``defaults`` updated with the entries of ``overrides`` that are not None."""
+    return {**defaults, **{k: v for k, v in (overrides or {}).items() if v is not None}}

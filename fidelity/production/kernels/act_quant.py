@@ -22,18 +22,16 @@ from fidelity.production.kernels.rms_norm import e4m3_blocks
 @triton.jit(do_not_specialize=["n_rows"])
 def _fake_quant_kernel(x_ptr, y_ptr, n_rows, n_cols, n_quant, stride_x, stride_y, NB: tl.constexpr,
                        B: tl.constexpr, ROWS: tl.constexpr):
-    """Rows as [ROWS * NB, B] blocks: blocks below column ``n_quant`` are quantized-dequantized, the rest copied."""
+    """Rows as [ROWS, NB, B] blocks: blocks below column ``n_quant`` are quantized-dequantized, the rest copied."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.arange(0, NB)
     cols = blk[:, None] * B + tl.arange(0, B)[None, :]
     mask = (rows < n_rows)[:, None, None] & (cols < n_cols)[None, :, :]
-    offs = rows[:, None, None] * stride_x + cols[None, :, :]
-    x = tl.reshape(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), [ROWS * NB, B])
-    codes, _, s = e4m3_blocks(x)
-    quant = tl.reshape((tl.arange(0, ROWS)[:, None] * 0 + blk[None, :]) * B < n_quant, [ROWS * NB])
-    y = tl.where(quant[:, None], codes.to(tl.float32) * s[:, None], x)
-    tl.store(y_ptr + rows[:, None, None] * stride_y + cols[None, :, :], tl.reshape(y, [ROWS, NB, B]).to(tl.bfloat16),
-             mask=mask)
+    x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    codes, _, s = e4m3_blocks(tl.reshape(x, [ROWS * NB, B]))
+    deq = tl.reshape(codes.to(tl.float32) * s[:, None], [ROWS, NB, B])
+    y = tl.where((blk * B < n_quant)[None, :, None], deq, x)
+    tl.store(y_ptr + rows[:, None, None] * stride_y + cols[None, :, :], y.to(tl.bfloat16), mask=mask)
 
 
 def fake_quant_fp8(x: torch.Tensor, block: int = 128, n_quant: int | None = None, *, rows: int = 1,

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fidelity.production import ops
-from fidelity.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
+from fidelity.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device, with_overrides
 
 
 @triton.jit
@@ -198,18 +198,21 @@ def default_config_fp4(n_q: int, n_keys: int, n_heads: int, d: int) -> dict:
     return dict(default_config(n_q, n_keys, n_heads, d), block_e=128, num_warps=8 if n_keys > 64 * 264 else 4)
 
 
+def _operands(q, weights, positions, out):
+    """Contiguous q, bf16 weights, int64 positions (``out`` stands in for the pointer without a causal mask)."""
+    pos = positions.to(torch.int64).contiguous() if positions is not None else out
+    return q.contiguous(), weights.to(torch.bfloat16).contiguous(), pos
+
+
 def _launch(q, k, ks, weights, positions, ratio, d, fp4, cfg):
     n, h, _ = q.shape
     e = k.shape[0]
     out = torch.empty((n, e), dtype=torch.bfloat16, device=q.device)
     if n == 0 or e == 0:
         return out
-    c = (default_config_fp4 if fp4 else default_config)(n, e, h, d)
-    c.update({kk: v for kk, v in (cfg or {}).items() if v is not None})
-    q = q.contiguous()
-    weights = weights.to(torch.bfloat16).contiguous()
+    c = with_overrides((default_config_fp4 if fp4 else default_config)(n, e, h, d), cfg)
+    q, weights, pos = _operands(q, weights, positions, out)
     causal = positions is not None
-    pos = positions.to(torch.int64).contiguous() if causal else out
     grid = (triton.cdiv(e, c["block_e"]), triton.cdiv(n, c["q_per_prog"]))
     _index_scores_kernel[grid](
         q, k, ks, weights, pos, out, n, e, h, int(ratio),
@@ -266,12 +269,9 @@ def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
     used = torch.zeros((n,), dtype=torch.int8, device=q.device)
     if n == 0 or e == 0:
         return out, used
-    c = default_config_fp8mma(n, e, h)
-    c.update({kk: v for kk, v in (cfg or {}).items() if v is not None})
-    q = q.contiguous()
-    weights = weights.to(torch.bfloat16).contiguous()
+    c = with_overrides(default_config_fp8mma(n, e, h), cfg)
+    q, weights, pos = _operands(q, weights, positions, out)
     causal = positions is not None
-    pos = positions.to(torch.int64).contiguous() if causal else out
     grid = (triton.cdiv(e, c["block_e"] * c["tiles"]), triton.cdiv(n, c["q_per_prog"]))
     _index_scores_fp8mma_kernel[grid](
         q, packed, scales, weights, pos, out, used, n, e, h, int(ratio),

@@ -21,6 +21,7 @@ import triton.language as tl
 from fidelity.production import ops
 from fidelity.production.kernels._common import device_transparent, on_device
 from fidelity.production.kernels.rms_norm import e4m3_blocks
+from fidelity.production.kernels.sparse_attention import pack_kv_fp8
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -74,11 +75,7 @@ def kv_norm_rope_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, position
           and weight.shape == (512,) and freqs.numel() == 32 and positions.shape == (x.shape[0],))
     if not ok:
         kv = ops.kv_round(ops.apply_rope(ops.rms_norm(x, weight, eps), positions, freqs), 64, fmt)
-        if not pack:
-            return kv
-        from fidelity.production.kernels.sparse_attention import pack_kv_fp8
-
-        return kv, pack_kv_fp8(kv)
+        return (kv, pack_kv_fp8(kv)) if pack else kv
     n = x.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty((n, 512), dtype=torch.bfloat16, device=x.device)

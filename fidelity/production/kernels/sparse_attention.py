@@ -30,7 +30,7 @@ import triton.language as tl
 from fidelity.formats import quantize_fp8
 from fidelity.production import ops
 from fidelity.production.faults import on
-from fidelity.production.kernels._common import device_transparent, next_pow2, on_device
+from fidelity.production.kernels._common import device_transparent, next_pow2, on_device, with_overrides
 
 BLOCK_N = 64  # indices per online-softmax step: the reference's block (fixes where P is rounded)
 FP8_ROW_BYTES = 584
@@ -170,8 +170,7 @@ def _launch(q, kv_main, kv16, idx, sink, scale, d, fp8, cfg):
     o = torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
     if n == 0 or h == 0:
         return o
-    c = (default_config_fp8 if fp8 else default_config)(n, h, d, topk)
-    c.update({k: v for k, v in (cfg or {}).items() if v is not None})
+    c = with_overrides((default_config_fp8 if fp8 else default_config)(n, h, d, topk), cfg)
     block_h, split_d, num_splits = c["block_h"], c["split_d"], c["num_splits"]
     n_blocks = triton.cdiv(topk, BLOCK_N)
     num_splits = max(1, min(num_splits, n_blocks))

@@ -131,8 +131,9 @@ def record(kernel: str, shape: str, variant: str, t: dict, *, bytes_: float, flo
     return r
 
 
-def sweep(kernel, shape, variant, make_fn, configs, sets, **rec):
-    """Time every config; record all (variant/cfg), return the best (us, config, fn)."""
+def sweep(kernel, shape, variant, make_fn, configs, sets, validate=None, **rec):
+    """Time every config; record all (variant/cfg), return the best (us, config, fn). ``validate(fn)`` (optional)
+    checks each config's output on the benchmark inputs; its dict is recorded with the timing."""
     best = None
     for cfg in configs:
         fn = make_fn(cfg)
@@ -143,8 +144,10 @@ def sweep(kernel, shape, variant, make_fn, configs, sets, **rec):
             RESULTS.append({"kernel": kernel, "shape": shape, "variant": variant, "config": cfg,
                             "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             continue
-        rec_cfg = dict(cfg)
-        r = record(kernel, shape, f"{variant} (sweep)", t, config=rec_cfg, **rec)
+        r = record(kernel, shape, f"{variant} (sweep)", t, config=dict(cfg), **rec)
+        if validate is not None:
+            r["validation"] = validate(fn)
+            print(f"    validation: {r['validation']}", flush=True)
         if best is None or r["us"] < best[0]["us"]:
             best = (r, cfg, fn)
     if best is not None:
@@ -449,12 +452,15 @@ def bench_indexer(quick: bool):
         t = time_fn(hf_style_index_scores, a_b)
         base["transformers-style eager (fp32)"] = t["us"]
         record("index_scores", name, "transformers-style eager", t, bytes_=e * 256 + e * 4, flops=flops)
-        mma_cfgs = [{"block_e": 128, "tiles": t, "num_warps": 4} for t in (1, 2, 4, 8)] + [
-            {"block_e": 128, "tiles": 8, "num_warps": 8}, {"block_e": 256, "tiles": 4, "num_warps": 8},
-            {"block_e": 64, "tiles": 16, "num_warps": 4}, {"block_e": 128, "tiles": 8, "num_warps": 4, "num_stages": 2},
-            {"block_e": 128, "tiles": 16, "num_warps": 4}]
+        mma_cfgs = [{"block_e": 128, "tiles": t, "num_warps": 4, "num_stages": ns} for t in (1, 2, 4, 8)
+                    for ns in (1, 2, 3)] + [
+            {"block_e": 128, "tiles": 2, "num_warps": 8, "num_stages": 2},
+            {"block_e": 128, "tiles": 4, "num_warps": 8, "num_stages": 2},
+            {"block_e": 64, "tiles": 4, "num_warps": 4, "num_stages": 2},
+            {"block_e": 64, "tiles": 8, "num_warps": 4, "num_stages": 3},
+            {"block_e": 256, "tiles": 2, "num_warps": 8, "num_stages": 2}]
         if quick:
-            mma_cfgs = mma_cfgs[:5]
+            mma_cfgs = mma_cfgs[::3]
         for variant, args, kbytes, fn, vcfgs in (
                 ("bf16 keys", a_b, 256, lambda cfg: (lambda *xs: indexer.index_scores_cuda(*xs, config=cfg)),
                  [dict(c, q_per_prog=1) for c in cfgs]),
@@ -465,7 +471,9 @@ def bench_indexer(quick: bool):
                  lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg, mma="fp8")), mma_cfgs)):
             best = sweep("index_scores", name, variant, fn, vcfgs, args,
                          bytes_=e * kbytes + e * 2 + h * d * 2 + h * 2, flops=flops, check=check,
-                         unit="fp8" if variant.startswith("fp4") else "bf16")
+                         unit="fp8" if variant.startswith("fp4") else "bf16",
+                         validate=lambda f, a=args[0], ref=got: {
+                             "equal_frac_vs_bf16_keys": float((f(*a) == ref).float().mean())})
             if best:
                 best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
                 print(f"  best {variant}: {best[0]['us']:.2f} us {best[1]} {best[0]['baselines']}", flush=True)
@@ -573,7 +581,7 @@ def bench_norm(quick: bool):
         record("rms_norm_fp8", name, "torch naive", t, bytes_=bytes_, flops=0)
         best = sweep("rms_norm_fp8", name, "triton fused", lambda cfg: (
             lambda *xs: rms_norm.rms_norm_fp8_cuda(*xs, 1e-6, **cfg)),
-            [{"num_warps": nw, "rows": r} for nw in (4, 8) for r in ((1, 2, 4) if n >= 1024 else (1,))],
+            [{"num_warps": nw, "rows": r} for nw in (4, 8, 16) for r in ((1, 2, 4) if n >= 1024 else (1,))],
             sets, bytes_=bytes_, flops=0, check=check)
         if best:
             best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})

@@ -75,21 +75,22 @@ def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, n_q, n_k
 
 
 @triton.jit
-def _q_block_fp8(q_ptr, row, heads, hmask, b, stride_qh):
-    """Query dims 32b .. 32b+31 of every head as e4m3 codes [BLOCK_H, 32] with a power-of-two scale per head
-    (2^(floor(log2 amax) - 7) times the 2^6 of :func:`_k_block_fp8`'s codes), and whether the codes are exact
-    (always, for an FP4-simulated q: e2m1 values times a power of two have two significant bits)."""
+def _q_block_codes(q_ptr, row, heads, hmask, b, inv, back, stride_qh):
+    """Query dims 32b .. 32b+31 of every head as e4m3 codes, transposed [32, BLOCK_H]: ``q * inv`` (``inv`` the
+    head's power of two), and whether every code is exact (``code * back == q``)."""
     dq = b * 32 + tl.arange(0, 32)
     q = tl.load(q_ptr + row + heads[:, None] * stride_qh + dq[None, :], mask=hmask[:, None], other=0.0)
     q = q.to(tl.float32)
-    amax = tl.max(tl.abs(q), axis=1)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.minimum(tl.maximum(e, -110), 120)  # keep 2^(7-e) and 2^(e-1) normal; out-of-range blocks go inexact
-    inv = ((134 - e) << 23).to(tl.float32, bitcast=True)  # 2^(7-e)
     codes = tl.minimum(tl.maximum(q * inv[:, None], -448.0), 448.0).to(tl.float8e4nv)
-    scale = ((e + 126) << 23).to(tl.float32, bitcast=True)  # 2^(e-7) * 2^6
-    exact = tl.min(tl.min(((codes.to(tl.float32) * scale[:, None] * 0.015625) == q).to(tl.int32), axis=1), axis=0)
-    return codes, scale, exact
+    exact = tl.min(tl.min(((codes.to(tl.float32) * back[:, None]) == q).to(tl.int32), axis=1), axis=0)
+    return tl.trans(codes), exact
+
+
+@triton.jit
+def _block_amax(q_ptr, row, heads, hmask, b, stride_qh):
+    dq = b * 32 + tl.arange(0, 32)
+    q = tl.load(q_ptr + row + heads[:, None] * stride_qh + dq[None, :], mask=hmask[:, None], other=0.0)
+    return tl.max(tl.abs(q.to(tl.float32)), axis=1)
 
 
 @triton.jit
@@ -138,53 +139,84 @@ def _score_epilogue(s, w, hmask, keys, kmask, pos_ptr, i64, ratio, out_ptr, stri
     tl.store(out_ptr + i64 * stride_on + keys, score.to(tl.bfloat16), mask=kmask)
 
 
+@triton.jit
+def _head_exponent(q_ptr, row, heads, hmask, stride_qh):
+    """floor(log2(amax)) of each head's 128 query dims, clamped to [-110, 120] (int32 [BLOCK_H]) so that every
+    power of two derived from it below is a normal fp32; out-of-range heads make their query inexact."""
+    amax = tl.maximum(tl.maximum(_block_amax(q_ptr, row, heads, hmask, 0, stride_qh),
+                                 _block_amax(q_ptr, row, heads, hmask, 1, stride_qh)),
+                      tl.maximum(_block_amax(q_ptr, row, heads, hmask, 2, stride_qh),
+                                 _block_amax(q_ptr, row, heads, hmask, 3, stride_qh)))
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.minimum(tl.maximum(e, -110), 120)
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as fp32 for int32 e in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["n_q", "n_keys", "n_heads", "ratio"])
 def _index_scores_fp8mma_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, used_ptr, n_q, n_keys, n_heads,
                                 ratio, stride_qn, stride_qh, stride_k, stride_ks, stride_wn, stride_on,
                                 BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr,
                                 Q_PER_PROG: tl.constexpr, CAUSAL: tl.constexpr, ASM: tl.constexpr):
-    """FP4 keys (d = 128) on FP8 tensor cores: per 32-dim block one e4m3 MMA (K = 32, exact: e2m1 x e2m1 products
-    summed over 32 fit the MMA's accumulator), scaled by the key's and the head's block scales and summed in fp32.
-    A query whose codes are not exact (not FP4-simulated, NaN, extreme range) takes the bf16 path instead, so
-    every query gets the bf16 kernel's result up to fp32 summation order. ``used[i]`` = 1 where FP8 ran."""
+    """FP4 keys (d = 128) on FP8 tensor cores. A query's codes are ``q * 2^(7 - e_h)`` with one exponent per head
+    (from the head's amax), so the four 32-dim blocks share the head's scale; per block one e4m3 MMA (K = 32,
+    exact: e2m1 x e2m1 products summed over 32 fit the MMA's accumulator) is scaled by the key's block scale and
+    summed in fp32; the head's scale ``2^(e_h - 1)`` (codes and the keys' 2^-6) is folded into its weight, exact
+    for powers of two (``round(relu(round(a * 2^k)) * w) == round(relu(round(a)) * (w * 2^k))`` while values stay
+    in fp32's normal range). A query whose codes or folded weights are not exact (not FP4-simulated, NaN,
+    a block 2^13 below its head's amax, extreme range) is scored on the bf16 path instead, so every query gets the
+    bf16 kernel's result up to fp32 summation order. The branch is taken once per program, outside the tile
+    loops, so each loop can be software-pipelined. ``used[i]`` = 1 where FP8 ran."""
     pid_e = tl.program_id(0)
     pid_q = tl.program_id(1)
     heads = tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
+    first = pid_e * TILES
     for qi in range(Q_PER_PROG):
         i = pid_q * Q_PER_PROG + qi
         if i < n_q:
             i64 = i.to(tl.int64)
             row = i64 * stride_qn
-            q0, s0, x0 = _q_block_fp8(q_ptr, row, heads, hmask, 0, stride_qh)
-            q1, s1, x1 = _q_block_fp8(q_ptr, row, heads, hmask, 1, stride_qh)
-            q2, s2, x2 = _q_block_fp8(q_ptr, row, heads, hmask, 2, stride_qh)
-            q3, s3, x3 = _q_block_fp8(q_ptr, row, heads, hmask, 3, stride_qh)
-            q0, q1, q2, q3 = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
-            exact = x0 * x1 * x2 * x3
+            e = _head_exponent(q_ptr, row, heads, hmask, stride_qh)
+            inv, back = _pow2(7 - e), _pow2(e - 7)
+            q0, x0 = _q_block_codes(q_ptr, row, heads, hmask, 0, inv, back, stride_qh)
+            q1, x1 = _q_block_codes(q_ptr, row, heads, hmask, 1, inv, back, stride_qh)
+            q2, x2 = _q_block_codes(q_ptr, row, heads, hmask, 2, inv, back, stride_qh)
+            q3, x3 = _q_block_codes(q_ptr, row, heads, hmask, 3, inv, back, stride_qh)
             w = tl.load(w_ptr + i64 * stride_wn + heads, mask=hmask, other=0.0).to(tl.float32)
+            wq = w * _pow2(e - 1)
+            xw = tl.min((wq * _pow2(1 - e) == w).to(tl.int32), axis=0)
+            exact = x0 * x1 * x2 * x3 * xw
             if pid_e == 0:
                 tl.store(used_ptr + i64, exact.to(tl.int8))
-            for t in range(TILES):
-                keys = (pid_e * TILES + t) * BLOCK_E + tl.arange(0, BLOCK_E)
-                kmask = keys < n_keys
-                krow = keys.to(tl.int64)
-                if exact != 0:
+            if exact != 0:
+                for t in range(TILES):
+                    keys = (first + t) * BLOCK_E + tl.arange(0, BLOCK_E)
+                    kmask = keys < n_keys
+                    krow = keys.to(tl.int64)
                     k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 0, stride_k, stride_ks, BLOCK_E, ASM)
-                    acc = tl.dot(k8, q0) * (ks[:, None] * s0[None, :])
+                    acc = tl.dot(k8, q0) * ks[:, None]
                     k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 1, stride_k, stride_ks, BLOCK_E, ASM)
-                    acc += tl.dot(k8, q1) * (ks[:, None] * s1[None, :])
+                    acc += tl.dot(k8, q1) * ks[:, None]
                     k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 2, stride_k, stride_ks, BLOCK_E, ASM)
-                    acc += tl.dot(k8, q2) * (ks[:, None] * s2[None, :])
+                    acc += tl.dot(k8, q2) * ks[:, None]
                     k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 3, stride_k, stride_ks, BLOCK_E, ASM)
-                    acc += tl.dot(k8, q3) * (ks[:, None] * s3[None, :])
-                else:
+                    acc += tl.dot(k8, q3) * ks[:, None]
+                    _score_epilogue(acc, wq, hmask, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL)
+            else:
+                dq = tl.arange(0, 128)
+                qb = tl.load(q_ptr + row + heads[:, None] * stride_qh + dq[None, :], mask=hmask[:, None], other=0.0)
+                for t in range(TILES):
+                    keys = (first + t) * BLOCK_E + tl.arange(0, BLOCK_E)
+                    kmask = keys < n_keys
+                    krow = keys.to(tl.int64)
                     k = _k_tile_bf16(k_ptr, ks_ptr, krow, kmask, stride_k, stride_ks, 128, BLOCK_E)
-                    dq = tl.arange(0, 128)
-                    qb = tl.load(q_ptr + row + heads[:, None] * stride_qh + dq[None, :], mask=hmask[:, None],
-                                 other=0.0)
-                    acc = tl.dot(k, tl.trans(qb))
-                _score_epilogue(acc, w, hmask, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL)
+                    _score_epilogue(tl.dot(k, tl.trans(qb)), w, hmask, keys, kmask, pos_ptr, i64, ratio, out_ptr,
+                                    stride_on, CAUSAL)
 
 
 def default_config(n_q: int, n_keys: int, n_heads: int, d: int) -> dict:

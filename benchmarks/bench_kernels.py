@@ -581,8 +581,7 @@ def bench_norm(quick: bool):
         record("rms_norm_fp8", name, "torch naive", t, bytes_=bytes_, flops=0)
         best = sweep("rms_norm_fp8", name, "triton fused", lambda cfg: (
             lambda *xs: rms_norm.rms_norm_fp8_cuda(*xs, 1e-6, **cfg)),
-            [{"num_warps": nw, "rows": r, "split": sp} for nw in (4, 8, 16) for r in ((1, 2, 4) if n >= 1024 else (1,))
-             for sp in ((True, False) if d == 7168 else (True,))],
+            [{"num_warps": nw, "rows": r} for nw in (4, 8, 16) for r in ((1, 2, 4) if n >= 1024 else (1,))],
             sets, bytes_=bytes_, flops=0, check=check)
         if best:
             best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})

@@ -44,23 +44,21 @@ def e4m3_blocks(yf):
     return codes, tl.where(has_nan, 255, e + 127), ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def _piece(x_ptr, w_ptr, rows, rmask, n_cols, stride_x, B0: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr):
-    """Blocks B0 .. B0+NB-1 of ``QB`` columns of each row: x and w as fp32 [ROWS, NB, QB] / [NB, QB], the block
-    ids [NB], the column ids [NB, QB] and the load mask [ROWS, NB, QB]."""
-    blk = B0 + tl.arange(0, NB)
-    cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, stride_x, stride_y, stride_q, stride_s,
+                     NB: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, WRITE_Y: tl.constexpr,
+                     WRITE_Q: tl.constexpr):
+    """``ROWS`` rows per program as one [ROWS, NB, QB] tile (QB = the quantization block), so that all the rows'
+    loads are in flight together and the FP8 epilogue's per-block amax is a plain reduction (no re-layout)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    blk = tl.arange(0, NB)
+    cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]  # [NB, QB]
     cmask = cols < n_cols
-    mask = rmask[:, None, None] & cmask[None, :, :]
+    mask = (rows < n_rows)[:, None, None] & cmask[None, :, :]
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
-    return x, w, blk, cols, mask
-
-
-@triton.jit
-def _emit(x, w, rs, rows, rmask, blk, cols, mask, n_cols, y_ptr, q_ptr, s_ptr, stride_y, stride_q, stride_s,
-          ROWS: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr):
-    """y = w * (x * rs) in x's dtype for one piece; optionally its FP8 codes and scale bytes."""
+    ms = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.zeros([ROWS], tl.float32) + n_cols)
+    rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
     y = (w[None, :, :] * (x * rs[:, None, None])).to(y_ptr.dtype.element_ty)
     if WRITE_Y:
         tl.store(y_ptr + rows[:, None, None] * stride_y + cols[None, :, :], y, mask=mask)
@@ -68,51 +66,12 @@ def _emit(x, w, rs, rows, rmask, blk, cols, mask, n_cols, y_ptr, q_ptr, s_ptr, s
         codes, sbyte, _ = e4m3_blocks(tl.reshape(y.to(tl.float32), [ROWS * NB, QB]))
         tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], tl.reshape(codes, [ROWS, NB, QB]),
                  mask=mask)
-        smask = rmask[:, None] & (blk * QB < n_cols)[None, :]
+        smask = (rows < n_rows)[:, None] & (blk * QB < n_cols)[None, :]
         tl.store(s_ptr + rows[:, None] * stride_s + blk[None, :], tl.reshape(sbyte, [ROWS, NB]).to(tl.uint8),
                  mask=smask)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, stride_x, stride_y, stride_q, stride_s,
-                     NB0: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr,
-                     WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr):
-    """``ROWS`` rows per program, each held in registers as up to three [ROWS, NB, QB] pieces of power-of-two
-    block counts (NB0 + NB1 + NB2 blocks of QB = the quantization block: 56 = 32 + 16 + 8 for d = 7168, so no
-    padded lanes), all loads in flight together; the FP8 epilogue's per-block amax is a plain reduction."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    rmask = rows < n_rows
-    x0, w0, b0, c0, m0 = _piece(x_ptr, w_ptr, rows, rmask, n_cols, stride_x, 0, NB0, QB)
-    ss = tl.sum(tl.sum(x0 * x0, axis=2), axis=1)
-    if NB1 > 0:
-        x1, w1, b1, c1, m1 = _piece(x_ptr, w_ptr, rows, rmask, n_cols, stride_x, NB0, NB1, QB)
-        ss += tl.sum(tl.sum(x1 * x1, axis=2), axis=1)
-    if NB2 > 0:
-        x2, w2, b2, c2, m2 = _piece(x_ptr, w_ptr, rows, rmask, n_cols, stride_x, NB0 + NB1, NB2, QB)
-        ss += tl.sum(tl.sum(x2 * x2, axis=2), axis=1)
-    ms = tl.math.div_rn(ss, tl.zeros([ROWS], tl.float32) + n_cols)
-    rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
-    _emit(x0, w0, rs, rows, rmask, b0, c0, m0, n_cols, y_ptr, q_ptr, s_ptr, stride_y, stride_q, stride_s,
-          ROWS, NB0, QB, WRITE_Y, WRITE_Q)
-    if NB1 > 0:
-        _emit(x1, w1, rs, rows, rmask, b1, c1, m1, n_cols, y_ptr, q_ptr, s_ptr, stride_y, stride_q, stride_s,
-              ROWS, NB1, QB, WRITE_Y, WRITE_Q)
-    if NB2 > 0:
-        _emit(x2, w2, rs, rows, rmask, b2, c2, m2, n_cols, y_ptr, q_ptr, s_ptr, stride_y, stride_q, stride_s,
-              ROWS, NB2, QB, WRITE_Y, WRITE_Q)
-
-
-def _pieces(d: int, split: bool) -> tuple[int, int, int]:
-    """Block counts of the row's pieces: with ``split`` and d a multiple of 128 whose block count has at most
-    three set bits, its binary decomposition (largest first, no padding); else one padded power-of-two piece."""
-    nb = triton.cdiv(d, 128)
-    bits = [1 << i for i in reversed(range(nb.bit_length())) if nb >> i & 1]
-    if split and d % 128 == 0 and len(bits) <= 3:
-        return (*bits, 0, 0)[:3]
-    return next_pow2(nb), 0, 0
-
-
-def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, split=True):
+def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None):
     shape = x.shape
     d = shape[-1]
     x2 = x.reshape(-1, d)
@@ -123,16 +82,14 @@ def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, split=T
     q = torch.empty((n, d), dtype=torch.float8_e4m3fn, device=x.device) if write_q else y
     s = torch.empty((n, d // 128), dtype=torch.uint8, device=x.device) if write_q else y
     if n:
-        nb = _pieces(d, split)
-        lanes = next_pow2(sum(nb))
-        warps = num_warps or (4 if lanes <= 16 else (8 if lanes <= 64 else 16))
+        nb = next_pow2(triton.cdiv(d, 128))
+        warps = num_warps or (4 if nb <= 16 else (8 if nb <= 64 else 16))
         rows = rows or (2 if n >= 1024 else 1)  # H200 sweep (BENCHMARKS.md): two rows per program for prefill
         if rows & (rows - 1):
             raise ValueError(f"rows: expected a power of two, found {rows}")
         _rms_norm_kernel[(triton.cdiv(n, rows),)](
             x2, weight.contiguous(), y, q, s, n, d, float(eps), x2.stride(0), y.stride(0), q.stride(0), s.stride(0),
-            NB0=nb[0], NB1=nb[1], NB2=nb[2], QB=128, ROWS=rows, WRITE_Y=write_y, WRITE_Q=write_q,
-            num_warps=warps)
+            NB=nb, QB=128, ROWS=rows, WRITE_Y=write_y, WRITE_Q=write_q, num_warps=warps)
     y = y.reshape(shape)
     if not write_q:
         return y
@@ -153,7 +110,7 @@ def rms_norm_cuda(x, weight, eps):
 
 
 def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int | None = None,
-                      rows: int | None = None, split: bool = True):
+                      rows: int | None = None):
     """``formats.quantize_fp8(ops.rms_norm(x, weight, eps), 128)`` in one pass: (codes float8_e4m3fn [..., d],
     scale bytes uint8 [..., d/128]) plus the bf16 ``y`` when ``return_y``. d must be a multiple of 128."""
     if x.shape[-1] % 128:
@@ -164,7 +121,7 @@ def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int 
 
         q, s = quantize_fp8(y, 128)
         return (q, s, y) if return_y else (q, s)
-    return _launch(x, weight, eps, return_y, True, num_warps, rows, split)
+    return _launch(x, weight, eps, return_y, True, num_warps, rows)
 
 
 rms_norm = device_transparent(rms_norm_cuda)

@@ -194,6 +194,32 @@ def test_round_bf16_keeps_signed_zero_nan_inf_and_overflows_to_inf():
         assert_same_bits(out, np.array([-0.0, 0.0, np.nan, np.inf, -np.inf, np.inf, -np.inf], np.float32))
 
 
+def _veltkamp_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 Veltkamp split to 8 significant bits, each step rounded (the FP8 indexer kernel's ``_round_bf16``)."""
+    t = x * np.float32(65537.0)
+    return t - (t - x)
+
+
+@MEDIUM
+@given(hnp.arrays(np.float32, st.integers(1, 64),
+                  elements=st.floats(2.0**-126, 2.0**110, width=32, exclude_max=True)),
+       st.integers(0, 2**31 - 1))
+def test_veltkamp_split_rounds_like_the_bf16_cast_in_the_indexer_range(mag, seed):
+    """Normal |x| < 2^110, random values and exact ties between neighbouring bf16 values (ties to even)."""
+    rng = np.random.default_rng(seed)
+    x = mag * rng.choice(np.array([-1, 1], np.float32), mag.shape)
+    ties = ((x.astype(BF16).astype(np.float32).view(np.uint32) & 0xFFFF0000) + 0x8000).view(np.float32)
+    ties = ties[np.abs(ties) < 2.0**110]
+    for v in (x, ties):
+        assert_same_bits(_veltkamp_bf16(v), v.astype(BF16).astype(np.float32))
+
+
+def test_veltkamp_split_is_wrong_outside_the_range_the_kernel_guards():
+    """Subnormals and |x| >= 2^111 are why the kernel checks scale and weight ranges before using it."""
+    x = np.array([1e-40, 2.0**111 * 1.5], np.float32)
+    assert not np.array_equal(_veltkamp_bf16(x), x.astype(BF16).astype(np.float32), equal_nan=True)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # element grids: FP8 e4m3 and FP4 e2m1
 # ------------------------------------------------------------------------------------------------------------------

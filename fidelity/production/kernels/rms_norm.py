@@ -14,8 +14,6 @@ NaN included (a NaN block gets scale byte 0xFF and NaN codes, as in ``fidelity.f
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -46,37 +44,34 @@ def e4m3_blocks(yf):
     return codes, tl.where(has_nan, 255, e + 127), ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["n_rows", "per_program"])
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, stride_x, stride_y, stride_q, stride_s,
-                     per_program, NB: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, WRITE_Y: tl.constexpr,
+                     NB: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, WRITE_Y: tl.constexpr,
                      WRITE_Q: tl.constexpr):
-    """``ROWS`` rows at a time as one [ROWS, NB, QB] tile (QB = the quantization block), so that all the rows'
-    loads are in flight together and the FP8 epilogue's per-block amax is a plain reduction (no re-layout).
-    A program walks ``per_program`` row groups pid, pid + programs, ... and loads the weight once."""
+    """``ROWS`` rows per program as one [ROWS, NB, QB] tile (QB = the quantization block), so that all the rows'
+    loads are in flight together and the FP8 epilogue's per-block amax is a plain reduction (no re-layout)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.arange(0, NB)
     cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]  # [NB, QB]
     cmask = cols < n_cols
+    mask = (rows < n_rows)[:, None, None] & cmask[None, :, :]
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    for it in range(per_program):
-        group = tl.program_id(0) + it * tl.num_programs(0)
-        rows = group.to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        mask = (rows < n_rows)[:, None, None] & cmask[None, :, :]
-        x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
-        ms = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.zeros([ROWS], tl.float32) + n_cols)
-        rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
-        y = (w[None, :, :] * (x * rs[:, None, None])).to(y_ptr.dtype.element_ty)
-        if WRITE_Y:
-            tl.store(y_ptr + rows[:, None, None] * stride_y + cols[None, :, :], y, mask=mask)
-        if WRITE_Q:
-            codes, sbyte, _ = e4m3_blocks(tl.reshape(y.to(tl.float32), [ROWS * NB, QB]))
-            tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], tl.reshape(codes, [ROWS, NB, QB]),
-                     mask=mask)
-            smask = (rows < n_rows)[:, None] & (blk * QB < n_cols)[None, :]
-            tl.store(s_ptr + rows[:, None] * stride_s + blk[None, :], tl.reshape(sbyte, [ROWS, NB]).to(tl.uint8),
-                     mask=smask)
+    x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    ms = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.zeros([ROWS], tl.float32) + n_cols)
+    rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+    y = (w[None, :, :] * (x * rs[:, None, None])).to(y_ptr.dtype.element_ty)
+    if WRITE_Y:
+        tl.store(y_ptr + rows[:, None, None] * stride_y + cols[None, :, :], y, mask=mask)
+    if WRITE_Q:
+        codes, sbyte, _ = e4m3_blocks(tl.reshape(y.to(tl.float32), [ROWS * NB, QB]))
+        tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], tl.reshape(codes, [ROWS, NB, QB]),
+                 mask=mask)
+        smask = (rows < n_rows)[:, None] & (blk * QB < n_cols)[None, :]
+        tl.store(s_ptr + rows[:, None] * stride_s + blk[None, :], tl.reshape(sbyte, [ROWS, NB]).to(tl.uint8),
+                 mask=smask)
 
 
-def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, per_sm=None, num_stages=None):
+def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None):
     shape = x.shape
     d = shape[-1]
     x2 = x.reshape(-1, d)
@@ -92,22 +87,14 @@ def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, per_sm=
         rows = rows or (2 if n >= 1024 else 1)  # H200 sweep (BENCHMARKS.md): two rows per program for prefill
         if rows & (rows - 1):
             raise ValueError(f"rows: expected a power of two, found {rows}")
-        groups = triton.cdiv(n, rows)
-        programs = min(groups, per_sm * _sm_count(x.device)) if per_sm else groups  # per_sm: persistent programs
-        _rms_norm_kernel[(programs,)](
+        _rms_norm_kernel[(triton.cdiv(n, rows),)](
             x2, weight.contiguous(), y, q, s, n, d, float(eps), x2.stride(0), y.stride(0), q.stride(0), s.stride(0),
-            triton.cdiv(groups, programs), NB=nb, QB=128, ROWS=rows, WRITE_Y=write_y, WRITE_Q=write_q, num_warps=warps,
-            num_stages=num_stages or 3)
+            NB=nb, QB=128, ROWS=rows, WRITE_Y=write_y, WRITE_Q=write_q, num_warps=warps)
     y = y.reshape(shape)
     if not write_q:
         return y
     q, s = q.reshape(shape), s.reshape(*shape[:-1], d // 128)
     return (q, s, y) if write_y else (q, s)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _ok(x, weight) -> bool:
@@ -123,7 +110,7 @@ def rms_norm_cuda(x, weight, eps):
 
 
 def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int | None = None,
-                      rows: int | None = None, per_sm: int | None = None, num_stages: int | None = None):
+                      rows: int | None = None):
     """``formats.quantize_fp8(ops.rms_norm(x, weight, eps), 128)`` in one pass: (codes float8_e4m3fn [..., d],
     scale bytes uint8 [..., d/128]) plus the bf16 ``y`` when ``return_y``. d must be a multiple of 128."""
     if x.shape[-1] % 128:
@@ -134,7 +121,7 @@ def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int 
 
         q, s = quantize_fp8(y, 128)
         return (q, s, y) if return_y else (q, s)
-    return _launch(x, weight, eps, return_y, True, num_warps, rows, per_sm, num_stages)
+    return _launch(x, weight, eps, return_y, True, num_warps, rows)
 
 
 rms_norm = device_transparent(rms_norm_cuda)

@@ -283,15 +283,15 @@ def test_index_scores_fp4_fp8_mma_falls_back_per_query_where_q_is_not_fp4(n_keys
 
 @pytest.mark.parametrize("spread", [0, 70])
 def test_index_scores_fp4_fp8_mma_both_rounding_routes_match_the_bf16_path(spread):
-    """Tiles whose key scales lie in [2^-60, 2^60] (for queries whose folded weights lie in [2^-40, 2^30]) round
-    to bf16 on the FP32 pipe, the others through the conversion unit: both equal the bf16 kernel up to fp32
+    """Programs whose key scales lie in [2^-60, 2^60] (for queries whose folded weights lie in [2^-40, 2^30])
+    round to bf16 on the FP32 pipe, the others through the conversion unit: both equal the bf16 kernel up to fp32
     summation order."""
     g = torch.Generator().manual_seed(spread)
     q = ops.indexer_round(torch.randn(3, 64, 128, generator=g), "fp4", rotate=True).to(BF16)
     w = (torch.randn(3, 64, generator=g) / 64).to(BF16)
     w[2] *= 2.0**-60  # folded weights below 2^-40: this query rounds through the conversion unit
     keys = torch.randn(1000, 128, generator=g)
-    keys[::7] *= 2.0**spread  # spread 70: every tile holds keys with scales beyond 2^60
+    keys[::7] *= 2.0**spread  # spread 70: every program holds keys with scales beyond 2^60
     packed, scales = (t.to(CUDA) for t in quantize_fp4(keys, 32))
     deq = indexer.dequantize_fp4_keys(packed, scales)
     got, used = indexer.index_scores_fp4(q.to(CUDA), packed, scales, w.to(CUDA), mma="fp8", return_path=True)

@@ -167,15 +167,42 @@ def _score_epilogue_fp32pipe(s, w, keys, kmask, pos_ptr, i64, ratio, out_ptr, st
     tl.store(out_ptr + i64 * stride_on + keys, score.to(tl.bfloat16), mask=kmask)
 
 
-KS_LO: tl.constexpr = tl.constexpr(8.673617379884035e-19)  # 2^-60
-KS_HI: tl.constexpr = tl.constexpr(1.152921504606847e18)  # 2^60
+@triton.jit
+def _in_range(v, lo: tl.constexpr, hi: tl.constexpr):
+    """1 where every element of v is 0 or lo <= |v| <= hi (an int32 scalar)."""
+    a = tl.abs(v)
+    return tl.min(((a == 0) | ((a >= lo) & (a <= hi))).to(tl.int32), axis=0)
 
 
 @triton.jit
-def _in_range(v, lo: tl.constexpr, hi: tl.constexpr):
-    """1 where every element of v is 0 or lo <= |v| <= hi (int32 reduction to a scalar)."""
-    a = tl.abs(v)
-    return tl.min(((a == 0) | ((a >= lo) & (a <= hi))).to(tl.int32), axis=0)
+def _fp8_tile(k_ptr, ks_ptr, q0, q1, q2, q3, tile, n_keys, stride_k, stride_ks, BLOCK_E: tl.constexpr,
+              ASM: tl.constexpr):
+    """sum_b (k_b . q_b) * ks_b for the keys of one tile: four exact K = 32 e4m3 MMAs -> fp32 [BLOCK_E, BLOCK_H]."""
+    keys = tile * BLOCK_E + tl.arange(0, BLOCK_E)
+    kmask = keys < n_keys
+    krow = keys.to(tl.int64)
+    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 0, stride_k, stride_ks, BLOCK_E, ASM)
+    acc = tl.dot(k8, q0) * ks[:, None]
+    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 1, stride_k, stride_ks, BLOCK_E, ASM)
+    acc += tl.dot(k8, q1) * ks[:, None]
+    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 2, stride_k, stride_ks, BLOCK_E, ASM)
+    acc += tl.dot(k8, q2) * ks[:, None]
+    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 3, stride_k, stride_ks, BLOCK_E, ASM)
+    acc += tl.dot(k8, q3) * ks[:, None]
+    return acc, keys, kmask
+
+
+@triton.jit
+def _scales_in_range(ks_ptr, first, n_keys, stride_ks, BLOCK_E: tl.constexpr, TILES: tl.constexpr):
+    """1 where every key scale of the program's tiles lies in [2^-60, 2^60] (bytes 67 .. 187), so that q.k
+    values are 0 or in [2^-76, 2^73] (e4m3 products are multiples of 2^-16, four blocks of 32 below 2^13)."""
+    ok = tl.full((), 1, tl.int32)
+    for t in range(TILES):
+        keys = (first + t) * BLOCK_E + tl.arange(0, BLOCK_E)
+        sb = tl.load(ks_ptr + keys.to(tl.int64)[:, None] * stride_ks + tl.arange(0, 4)[None, :],
+                     mask=(keys < n_keys)[:, None], other=127).to(tl.int32)
+        ok *= tl.min(tl.min(((sb >= 67) & (sb <= 187)).to(tl.int32), axis=1), axis=0)
+    return ok
 
 
 @triton.jit
@@ -230,30 +257,23 @@ def _index_scores_fp8mma_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, u
             wq = w * _pow2(e - 1)
             xw = tl.min((wq * _pow2(1 - e) == w).to(tl.int32), axis=0)
             exact = x0 * x1 * x2 * x3 * xw
-            fast_w = _in_range(wq, 9.094947017729282e-13, 1073741824.0)  # [2^-40, 2^30]
             if pid_e == 0:
                 tl.store(used_ptr + i64, exact.to(tl.int8))
             if exact != 0:
-                for t in range(TILES):
-                    keys = (first + t) * BLOCK_E + tl.arange(0, BLOCK_E)
-                    kmask = keys < n_keys
-                    krow = keys.to(tl.int64)
-                    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 0, stride_k, stride_ks, BLOCK_E, ASM)
-                    acc = tl.dot(k8, q0) * ks[:, None]
-                    fast = fast_w * _in_range(ks, KS_LO, KS_HI)
-                    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 1, stride_k, stride_ks, BLOCK_E, ASM)
-                    acc += tl.dot(k8, q1) * ks[:, None]
-                    fast *= _in_range(ks, KS_LO, KS_HI)
-                    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 2, stride_k, stride_ks, BLOCK_E, ASM)
-                    acc += tl.dot(k8, q2) * ks[:, None]
-                    fast *= _in_range(ks, KS_LO, KS_HI)
-                    k8, ks = _k_block_fp8(k_ptr, ks_ptr, krow, kmask, 3, stride_k, stride_ks, BLOCK_E, ASM)
-                    acc += tl.dot(k8, q3) * ks[:, None]
-                    fast *= _in_range(ks, KS_LO, KS_HI)
-                    if fast != 0:
+                # bf16 roundings on the FP32 pipe where every value is provably 0 or normal below 2^110: folded
+                # weights in [2^-40, 2^30] and key scales in [2^-60, 2^60]; else through the conversion unit
+                fast = _in_range(wq, 9.094947017729282e-13, 1073741824.0)
+                fast *= _scales_in_range(ks_ptr, first, n_keys, stride_ks, BLOCK_E, TILES)
+                if fast != 0:
+                    for t in range(TILES):
+                        acc, keys, kmask = _fp8_tile(k_ptr, ks_ptr, q0, q1, q2, q3, first + t, n_keys, stride_k,
+                                                     stride_ks, BLOCK_E, ASM)
                         _score_epilogue_fp32pipe(acc, wq, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on,
                                                  CAUSAL, ASM)
-                    else:
+                else:
+                    for t in range(TILES):
+                        acc, keys, kmask = _fp8_tile(k_ptr, ks_ptr, q0, q1, q2, q3, first + t, n_keys, stride_k,
+                                                     stride_ks, BLOCK_E, ASM)
                         _score_epilogue(acc, wq, hmask, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on,
                                         CAUSAL)
             else:

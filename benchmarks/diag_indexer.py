@@ -3,8 +3,8 @@ tile loop rebuilt with parts switched off or swapped, timed at 1M context (26214
 
     python benchmarks/diag_indexer.py [--out DIR]
 
-Modes (each a variant of the exact-q branch of ``indexer._index_scores_fp8mma_kernel``):
-  full        the production loop
+Modes (each a variant of the exact-q loop of ``indexer._index_scores_fp8mma_kernel``):
+  full        the loop with both bf16 roundings through the conversion unit (the kernel before 2026-12-01)
   no_round    epilogue without the two bf16 round trips (wrong numerics: timing only)
   bf16_math   epilogue rounds once to bf16, ReLU and the weight product in bf16 (numerics under test)
   int_round   bf16 rounding by integer arithmetic on the fp32 bits (numerics under test)
@@ -12,6 +12,7 @@ Modes (each a variant of the exact-q branch of ``indexer._index_scores_fp8mma_ke
   no_unpack   packed bytes reinterpreted as e4m3 without the shuffle (wrong numerics)
   loads_only  loads + shuffle, a row sum stored (no MMA, no epilogue)
   mma_only    loads + shuffle + MMAs, the accumulator's head sum stored (no scale, no epilogue)
+  fp32_pipe   bf16 roundings by Veltkamp's split on the FP32 pipe (the production loop since 2026-12-01)
 """
 
 from __future__ import annotations
@@ -31,10 +32,17 @@ from fidelity.formats import quantize_fp4  # noqa: E402
 from fidelity.production import ops  # noqa: E402
 from fidelity.production.kernels import indexer  # noqa: E402
 from fidelity.production.kernels._common import INTERPRET  # noqa: E402
-from fidelity.production.kernels.indexer import _head_exponent, _k_block_fp8, _pow2, _q_block_codes  # noqa: E402
+from fidelity.production.kernels.indexer import (  # noqa: E402
+    _head_exponent,
+    _k_block_fp8,
+    _pow2,
+    _q_block_codes,
+    _round_bf16,
+)
 
 DEV = "cpu" if INTERPRET else "cuda"
-MODES = ("full", "no_round", "bf16_math", "int_round", "no_scale", "no_unpack", "loads_only", "mma_only")
+MODES = ("full", "no_round", "bf16_math", "int_round", "no_scale", "no_unpack", "loads_only", "mma_only",
+         "fp32_pipe")
 
 
 @triton.jit
@@ -58,7 +66,8 @@ def _blk(k_ptr, ks_ptr, krow, kmask, b, stride_k, stride_ks, BLOCK_E: tl.constex
 
 @triton.jit
 def _diag_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, out_ptr, n_keys, stride_qh, stride_k, stride_ks,
-                 BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr, MODE: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr, MODE: tl.constexpr,
+                 ASM: tl.constexpr):
     pid_e = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     hmask = heads < BLOCK_H
@@ -113,6 +122,10 @@ def _diag_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, out_ptr, n_keys, stride_qh, stride
                 s = acc.to(tl.bfloat16)
                 s = tl.where(s < 0, 0.0, s).to(tl.bfloat16)
                 score = tl.sum((s * w.to(tl.bfloat16)[None, :]).to(tl.float32), axis=1)
+            elif MODE == 8:
+                s = _round_bf16(acc, ASM)
+                s = tl.where(s < 0, 0.0, s)
+                score = tl.sum(_round_bf16(s * w[None, :], ASM), axis=1)
             elif MODE == 3:
                 s = _round_bf16_int(acc)
                 s = tl.where(s < 0, 0.0, s)
@@ -150,7 +163,7 @@ def _runner(e, h, block_e, tiles, warps, stages, mode):
         out = torch.empty((e,), dtype=torch.bfloat16, device=q.device)
         k = _diag_kernel[(triton.cdiv(e, block_e * tiles),)](
             q, p, s, w, out, e, q.stride(1), p.stride(0), s.stride(0), BLOCK_H=h, BLOCK_E=block_e,
-            TILES=tiles, MODE=mode, num_warps=warps, num_stages=stages)
+            TILES=tiles, MODE=mode, ASM=not INTERPRET, num_warps=warps, num_stages=stages)
         return (out, k) if compiled else out
     return run
 

@@ -8,12 +8,14 @@ summation order differs from torch, so a result can differ from the emulation by
 Keys are bf16 [e, d], or packed FP4 (uint8 [e, d/2], low nibble = element 2i, plus ue8m0 scale bytes
 [e, d/32]: the ``fp4_act_quant`` cache of spec §3). FP4 keys take one of two paths:
 
-* FP8 tensor cores (d = 128; by default for decode over >= 64K keys): each packed byte becomes two e4m3 codes
+* FP8 tensor cores (d = 128; by default for decode over >= 32K keys): each packed byte becomes two e4m3 codes
   by a bit shuffle (inline PTX, four bytes per instruction group; the e4m3 value is the e2m1 value times 2^-6),
   and q, FP4-simulated by the reference (Hadamard + ``fp4_act_quant``), becomes e4m3 codes with one
-  power-of-two scale per head and 32-dim block. One K = 32 e4m3 MMA per block is exact (products of e2m1
-  values summed over 32 need 13 bits), and the four block results are scaled and summed in fp32. A query whose
-  codes are not exact (a plain bf16 q, NaN) is scored on the bf16 path inside the same launch;
+  power-of-two scale per head (folded into the head's weight). One K = 32 e4m3 MMA per 32-dim block is exact
+  (products of e2m1 values summed over 32 need 13 bits), and the four block results are scaled by the key's
+  block scales and summed in fp32. The two bf16 roundings of the epilogue run on the FP32 pipe (Veltkamp's
+  split) where the program's scale and weight ranges prove it exact, else through the conversion unit. A query
+  whose codes are not exact (a plain bf16 q, NaN) is scored on the bf16 path inside the same launch;
   ``return_path`` reports which ran.
 * bf16 tensor cores: the tile dequantized in registers (``e2m1 * 2^(b-127)`` is exact in bf16, so FP4 keys
   score bit-identically to their dequantized bf16 copy: same tile values, same MMA; checked on the H200).
@@ -358,9 +360,12 @@ def dequantize_fp4_keys(packed: torch.Tensor, scales: torch.Tensor) -> torch.Ten
 
 def default_config_fp8mma(n_q: int, n_keys: int, n_heads: int) -> dict:
     """FP8-MMA FP4 path: 128 keys per tile; a program walks several tiles (the query's codes are made once per
-    program): decode about two programs per SM, prefill 8 tiles per (query, program)."""
-    tiles = max(1, min(16, triton.cdiv(triton.cdiv(n_keys, 128), 264))) if n_q <= 4 else 8
-    return {"block_e": 128, "tiles": tiles, "q_per_prog": 1, "num_warps": 4, "num_stages": 1}
+    program): decode about two programs per SM (3-stage pipeline from 4 tiles), prefill 16 tiles per (query,
+    program); the H200 sweeps of BENCHMARKS.md."""
+    decode = n_q <= 4
+    tiles = max(1, min(16, triton.cdiv(triton.cdiv(n_keys, 128), 264))) if decode else 16
+    return {"block_e": 128, "tiles": tiles, "q_per_prog": 1, "num_warps": 4,
+            "num_stages": 3 if decode and tiles >= 4 else 1}
 
 
 def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
@@ -382,7 +387,7 @@ def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
     return out, used
 
 
-FP8_MMA_MIN_KEYS = 65536  # H200 (BENCHMARKS.md): below this, or with more than 4 queries, bf16 MMA is faster
+FP8_MMA_MIN_KEYS = 32768  # H200 (BENCHMARKS.md): at 32K keys FP8 measured 8.7 us vs 9.6 us for bf16 MMA
 
 
 def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, config=None, mma: str = "auto",

@@ -2,12 +2,14 @@
 vs the same model with every op on its torch emulation, both on the GPU, from identical cache states.
 
     python benchmarks/bench_layer_decode.py --out DIR [--context 131072] [--steps 12] [--device cuda]
+                                            [--profile reference]
 
 The layer has Flash widths (dim 4096, 64 heads x 512, q/o LoRA 1024, 8 output groups, window 128, CSA ratio 4
 with a 64 x 128 indexer and top-512, mHC 4 streams, 6 routed + 1 shared experts of 2048) and the reference
-profile. What is smaller than a release checkpoint, and does not change the per-token work of a decode step:
-16 routed experts instead of 256 (a token still runs 6), a 1024-token vocabulary (the LM head is not part of
-a layer), no hash layer. The caches are filled with random rows in their storage formats (window ring buffer,
+profile (``--profile fp4-indexer-packed``: the indexer keys stay packed FP4 and are scored by
+``index_scores_fp4``). What is smaller than a release checkpoint, and does not change the per-token work of a
+decode step: 16 routed experts instead of 256 (a token still runs 6), a 1024-token vocabulary (the LM head is not
+part of a layer), no hash layer. The caches are filled with random rows in their storage formats (window ring buffer,
 compressed KV, FP4-simulated indexer keys) and the session is placed at ``--context`` tokens; each timed step
 then writes, compresses (every 4th step), scores all compressed keys, selects, gathers and attends.
 
@@ -121,17 +123,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--preset", default="flash")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", default="reference")
     a = ap.parse_args()
     cfg = layer_config(a.context, a.preset)
     t0 = time.time()
-    model = ProductionModel(synthesize(cfg, seed=0, lazy=True), "reference", max_context=a.context + 256,
+    model = ProductionModel(synthesize(cfg, seed=0, lazy=True), a.profile, max_context=a.context + 256,
                             device=a.device)
     ops_with_kernels = sorted(op for op, impls in registry.REGISTRY.items() if "triton" in impls)
     print(f"ops with kernels: {ops_with_kernels}", flush=True)
-    result = {"config": {"preset": a.preset, "context": a.context, "dim": cfg.dim, "heads": cfg.n_heads,
-                         "routed_experts_stored": cfg.n_routed_experts, "activated": cfg.n_activated_experts,
-                         "vocab": cfg.vocab_size}, "device": torch.cuda.get_device_name() if a.device == "cuda"
-              else "cpu"}
+    result = {"config": {"preset": a.preset, "profile": a.profile, "context": a.context, "dim": cfg.dim,
+                         "heads": cfg.n_heads, "routed_experts_stored": cfg.n_routed_experts,
+                         "activated": cfg.n_activated_experts, "vocab": cfg.vocab_size},
+              "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu"}
     paths = {}
     for impl in ("cpu", "triton") if ops_with_kernels else ("cpu",):
         times, logits, used = run(model, a.context, a.steps, impl, ops_with_kernels)

@@ -24,7 +24,8 @@ rms_norm, hc_post,     r = 1.25u: calc_diff <= 1.19e-5, cos >= 1 - 1.19e-5 (one 
 hc_head, hc_pre.y      (apply_rope: same, and the nope dims exactly unchanged)
 rms_norm_weightless    calc_diff <= 1.46e-4 (r = 3.5 x 1.25u, bf16 ops); cos >= 1 - 1.19e-5
 sparse_attention       r = 2.5u: calc_diff, 1 - cos <= 4.77e-5 (P and the output rounded to bf16)
-index_scores           |err| <= 4u sum_h |w_h| relu(q_h.k) + d 2^-23 sum_h |w_h| |q_h|.|k| elementwise
+index_scores,          |err| <= 4u sum_h |w_h| relu(q_h.k) + d 2^-23 sum_h |w_h| |q_h|.|k| elementwise
+index_scores_fp4       (on the dequantized FP4 keys)
 sinkhorn_split, gate,  r = 2^-14 (fp32 math): calc_diff, 1 - cos <= 1.86e-9; gate indices: same set
 hc_pre.pre/post/comb
 expert                 r = 2 x 2^-4 + 4u (two e4m3 activation roundings): calc_diff <= 9.9e-3, cos >= 0.990
@@ -56,7 +57,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fidelity.config import ModelConfig
-from fidelity.formats import FP8_AMAX_FLOOR, FP8_MAX, dequantize_fp8, fake_quant_fp8, ue8m0_scale
+from fidelity.formats import (
+    FP8_AMAX_FLOOR,
+    FP8_MAX,
+    dequantize_fp4,
+    dequantize_fp8,
+    fake_quant_fp8,
+    quantize_fp4,
+    ue8m0_scale,
+)
 from oracles import attention as attention_oracle
 from oracles import indexer as indexer_oracle
 from oracles import linear as linear_oracle
@@ -388,6 +397,32 @@ def index_scores_inputs(dims: Sequence[int] = (32, 64, 128), max_heads: int = 16
     return build()
 
 
+def index_scores_fp4_inputs(dims: Sequence[int] = (32, 64, 128), max_heads: int = 16,
+                            max_queries: int = 6) -> st.SearchStrategy[Case]:
+    """``index_scores_fp4(q bf16 [n, h, d], codes uint8 [e, d/2], scales uint8 [e, d/32], weights bf16 [n, h],
+    torch.bfloat16)``: the keys of :func:`index_scores_inputs` quantized to the packed FP4 cache
+    (``formats.quantize_fp4``, blocks of 32), key magnitudes spread over 2^+-20; a NaN only in q (the cache
+    cannot hold one)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        c = draw(index_scores_inputs(dims, max_heads, max_queries, nan_inputs=("q",)))
+        g = _gen(draw)
+        keys = c["keys"].float()
+        keys = keys * torch.exp2(_uniform(g, -20, 20, keys.shape[0], 1).round())
+        codes, scales = quantize_fp4(keys, 32)
+        args = {"q": c["q"], "codes": codes, "scales": scales, "weights": c["weights"], "dtype": BF16}
+        return Case(args, note=c.note)
+
+    return build()
+
+
+def _fp4_keys_case(c: Case) -> Case:
+    """The index_scores case on the dequantized keys of an index_scores_fp4 case."""
+    keys = dequantize_fp4(c["codes"].cpu(), c["scales"].cpu(), 32).to(BF16)
+    return Case({"q": c["q"], "keys": keys, "weights": c["weights"], "dtype": c["dtype"]})
+
+
 _WINDOW_WIDTHS = (1, 2, 3, 4, 5, 63, 64, 65, 127, 128)
 _TOPK_WIDTHS = (0, 1, 3, 4, 5, 63, 64, 65, 128, 129)
 _MASKS = ("none", "scatter", "blocks", "all_but_first", "shuffle")
@@ -604,6 +639,7 @@ strategies = SimpleNamespace(
     apply_rope_inputs=apply_rope_inputs,
     kv_round_inputs=kv_round_inputs,
     index_scores_inputs=index_scores_inputs,
+    index_scores_fp4_inputs=index_scores_fp4_inputs,
     sparse_attention_inputs=sparse_attention_inputs,
     hc_pre_inputs=hc_pre_inputs,
     hc_post_inputs=hc_post_inputs,
@@ -833,6 +869,13 @@ CONTRACTS: dict[str, OpContract] = {
             "score is near 0; the bound is relative to the terms instead"))),),
         "sum_h w_h * relu(q_h . k_j) with the einsum, ReLU, product and head sum each rounding to bf16 "
         "(spec §4 Indexer), no causal mask (the caller masks)."),
+    "index_scores_fp4": OpContract(
+        "index_scores_fp4", "tolerance", index_scores_fp4_inputs,
+        lambda c: _expected_index_scores(_fp4_keys_case(c)),
+        (Output("scores", BF16, Tolerance(bound=lambda c: _index_scores_bound(_fp4_keys_case(c)), why=(
+            "index_scores' elementwise bound on the dequantized keys (dequantization is exact)"))),),
+        "index_scores against the packed FP4 key cache (codes: low nibble = element 2i; ue8m0 scale byte per "
+        "32 dims; spec §3 fp4_act_quant, §4 Indexer), the keys' values e2m1 * 2^(b-127)."),
     "sparse_attention": OpContract(
         "sparse_attention", "tolerance", sparse_attention_inputs, _expected_sparse_attention,
         (Output("o", BF16, _rel(2 * SLACK * U_BF16, (

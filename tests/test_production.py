@@ -16,6 +16,7 @@ from fidelity.config import ModelConfig
 from fidelity.formats import dequantize_fp8, quantize_fp8
 from fidelity.production import PROFILES, ContextError, ProductionModel, ProductionSession, get_profile, ops
 from fidelity.production.profiles import load_profile
+from fidelity.production.registry import implementations_used
 from fidelity.sites import Recorder
 from fidelity.synthesize import synthesize
 from oracles import OracleModel
@@ -108,6 +109,8 @@ def test_packed_storage_is_bit_identical(tiny, tiny_decoded, profile, base):
     packed = ProductionModel(tiny, profile, max_context=258).session()
     assert packed.cache_bytes() < ProductionModel(tiny, base, max_context=258).session().cache_bytes()
     assert torch.equal(_decode(packed, _ids(TINY, 258), 250), tiny_decoded(base))
+    if profile == "fp4-indexer-packed":  # scored straight from the packed codes, not from dequantized rows
+        assert implementations_used().get("index_scores_fp4") == "cpu"
 
 
 # ---- production vs the fp32 oracle --------------------------------------------------------------------------

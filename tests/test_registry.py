@@ -85,6 +85,12 @@ def index_scores_without_relu(q, keys, weights, dtype=BF16):
     return (torch.einsum("nhd,ed->nhe", q.to(dtype), keys.to(dtype)) * weights.to(dtype)[..., None]).sum(1)
 
 
+def index_scores_fp4_high_nibble_first(q, codes, scales, weights, dtype=BF16):
+    """Reads element 2i from the high nibble (the packing convention flipped)."""
+    swapped = (codes >> 4) | ((codes & 0xF) << 4)
+    return ops.index_scores_fp4(q, swapped, scales, weights, dtype)
+
+
 def kv_round_32_blocks(kv, rope_dims, fmt):
     return ops.kv_round(kv, rope_dims, "bf16") if fmt != "fp8" else torch.cat(
         (fake_quant_fp8(kv[..., :-rope_dims], 32), kv[..., -rope_dims:]), dim=-1)
@@ -126,6 +132,7 @@ BROKEN = [
     ("sinkhorn_split", sinkhorn_3_iterations, "output 'comb'"),
     ("hc_post", hc_post_comb_untransposed, "cos|calc_diff"),
     ("index_scores", index_scores_without_relu, "error bound|non-finite"),
+    ("index_scores_fp4", index_scores_fp4_high_nibble_first, "error bound|non-finite"),
     ("kv_round", kv_round_32_blocks, "not exact"),
     ("gate", gate_weights_from_biased_scores, "output 'weights'"),
     ("expert", expert_without_clamp, "cos|calc_diff"),

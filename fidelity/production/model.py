@@ -13,7 +13,7 @@ import torch
 
 from fidelity.formats import hadamard
 from fidelity.production import ops
-from fidelity.production.cache import LayerCache
+from fidelity.production.cache import KeyStore, LayerCache
 from fidelity.production.compressor import compress_decode, compress_prefill
 from fidelity.production.faults import on
 from fidelity.production.profiles import Profile, get_profile
@@ -283,9 +283,15 @@ class ProductionSession:
             new = torch.zeros(0, self.cfg.index_head_dim, device=self.m.device)
         self.emit(f"L{i}.indexer.keys", lambda: _unrotated(new, self.p))
 
-    def _scores(self, q, keys, weights) -> torch.Tensor:
+    def _scorer(self, store: KeyStore, n: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Scores (q [m, h, d], weights [m, h]) -> [m, n] against the first n cached keys: straight from the packed
+        FP4 codes and scales (op ``index_scores_fp4``), else on the bf16 rows (``index_scores``)."""
         dtype = torch.float32 if self.p.index_scores == "fp32" else BF16
-        return self.op("index_scores")(q, keys, weights, dtype)
+        if store.packed and store.fmt == "fp4":
+            codes, scales, op = store.codes[:n], store.scales[:n], self.op("index_scores_fp4")
+            return lambda q, weights: op(q, codes, scales, weights, dtype)
+        keys, op = store.read(slice(0, n)), self.op("index_scores")
+        return lambda q, weights: op(q, keys, weights, dtype)
 
     def index_prefill(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cfg, cache = self.cfg, self.layers[i]
@@ -294,12 +300,12 @@ class ProductionSession:
         self.emit_keys(i, new)
         t = len(positions)
         n = t // 4
-        keys = cache.keys.read(slice(0, n))
+        score = self._scorer(cache.keys, n)
         k = min(_topk_cap(cfg.index_topk), n)
         out = []
         for s in range(0, t, QUERY_CHUNK):
             sl = slice(s, s + QUERY_CHUNK)
-            scores = self._scores(q[sl], keys, weights[sl]).float()
+            scores = score(q[sl], weights[sl]).float()
             limit = ((positions[sl] + 1) // 4 + (1 if on("causal-off-by-one") else 0))[:, None]
             scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= limit, float("-inf"))
             self.emit(f"L{i}.indexer.scores", scores)
@@ -315,7 +321,7 @@ class ProductionSession:
         new = self.compress(i, x, positions, index=True)
         self.emit_keys(i, new)
         n = (t + 1) // 4
-        scores = self._scores(q, cache.keys.read(slice(0, n)), weights).float()
+        scores = self._scorer(cache.keys, n)(q, weights).float()
         self.emit(f"L{i}.indexer.scores", scores)
         picks = _topk(scores, min(_topk_cap(cfg.index_topk), n))
         self.emit(f"L{i}.indexer.topk", lambda: _pad(picks, cfg.index_topk))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from fidelity.formats import (
     decode_e8m0,
+    dequantize_fp4,
     encode_e8m0,
     fake_quant_fp4,
     fake_quant_fp8,
@@ -102,6 +103,15 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, dty
     ``dtype`` (bf16 in the reference: einsum, ReLU, product and sum each round to bf16)."""
     s = torch.einsum("nhd,ed->nhe", q.to(dtype), keys.to(dtype)).relu()
     return (s * weights.to(dtype).unsqueeze(-1)).sum(dim=1)
+
+
+def index_scores_fp4(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor,
+                     dtype: torch.dtype = BF16) -> torch.Tensor:
+    """:func:`index_scores` straight from the packed FP4 key cache (spec §3 ``fp4_act_quant`` layout, §4
+    Indexer): codes uint8 [e, d/2] (low nibble = element 2i), ue8m0 scale bytes uint8 [e, d/32]. The keys are
+    dequantized exactly (``e2m1 * 2^(b-127)`` is a bf16 value), so this equals ``index_scores`` on
+    ``KeyStore.read`` rows bit for bit."""
+    return index_scores(q, dequantize_fp4(codes, scales, 32).to(BF16), weights, dtype)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float,

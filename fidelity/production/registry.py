@@ -50,6 +50,7 @@ for _name, _fn in {
     "apply_rope": ops.apply_rope,
     "kv_round": ops.kv_round,
     "index_scores": ops.index_scores,
+    "index_scores_fp4": ops.index_scores_fp4,
     "sparse_attention": ops.sparse_attention,
     "hc_pre": ops.hc_pre,
     "hc_post": ops.hc_post,

@@ -36,7 +36,8 @@ CUDA = "cuda"
 ROW_CALC_DIFF = (2 * 1.25 * 2.0**-8) ** 2 / 2
 PROPS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
                  suppress_health_check=list(HealthCheck))
-REGISTERED = ("sparse_attention", "index_scores", "rms_norm", "hc_pre", "hc_post", "act_linear", "kv_round")
+REGISTERED = ("sparse_attention", "index_scores", "index_scores_fp4", "rms_norm", "hc_pre", "hc_post", "act_linear",
+              "kv_round")
 
 
 def _gen(draw) -> torch.Generator:
@@ -79,6 +80,14 @@ def test_sparse_attention_contract_wide_heads():
 def test_index_scores_contract_64_heads():
     check_against_oracle("index_scores", indexer.index_scores, max_examples=25, device=CUDA,
                          strategy=strategies.index_scores_inputs(dims=(128,), max_heads=64))
+
+
+def test_index_scores_fp4_contract_on_fp8_tensor_cores():
+    def fp8_mma(q, codes, scales, weights, dtype):
+        return indexer.index_scores_fp4(q, codes, scales, weights, mma="fp8")
+
+    check_against_oracle("index_scores_fp4", fp8_mma, max_examples=40, device=CUDA,
+                         strategy=strategies.index_scores_fp4_inputs(dims=(128,), max_heads=64))
 
 
 def test_registered_kernels_accept_cpu_tensors():

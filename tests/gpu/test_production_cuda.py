@@ -41,3 +41,20 @@ def test_runner_on_cuda_records_the_implementations_that_ran(tiny):
     assert set(df["step"]) == {0, 1, 2}
     assert manifest["implementations"] == implementations_used()
     assert "NVIDIA" in manifest["device"] or "H" in manifest["device"]
+
+
+def test_packed_fp4_indexer_keys_are_scored_by_the_fp4_kernel_on_cuda():
+    """Profile fp4-indexer-packed on the GPU: the indexer reads the packed FP4 cache through the
+    ``index_scores_fp4`` kernel, and the logits equal those of the bf16-key storage (reference profile) on the
+    GPU (FP4 keys score bit-identically to their dequantized bf16 copy on the bf16-MMA path used at these
+    sizes)."""
+    cfg = ModelConfig.preset("tiny").replace(index_topk=1024, n_activated_experts=8, n_hash_layers=0)
+    ckpt = synthesize(cfg, seed=0)
+    ids = default_prompt(4096, 300)
+    runs = {}
+    for profile in ("reference", "fp4-indexer-packed"):
+        s = ProductionModel(ckpt, profile, max_context=320, device="cuda").session()
+        runs[profile] = torch.cat([s.prefill(ids)[-1:], *(s.step(t)[None] for t in ids[:8])]).cpu()
+        if profile != "reference":
+            assert implementations_used()["index_scores_fp4"] == "triton"
+    assert torch.equal(runs["reference"], runs["fp4-indexer-packed"])

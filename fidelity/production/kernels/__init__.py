@@ -6,8 +6,8 @@ and ``torch.cuda.is_available()``. Registered wrappers accept tensors on any dev
 the current CUDA device and the results copied back), so the registry's contract tests apply unchanged.
 
 Ops: ``sparse_attention`` (bf16 KV; ``sparse_attention_fp8kv`` for the 584 B/token FP8 cache),
-``index_scores`` (bf16 keys; ``index_scores_fp4`` for packed FP4 keys), ``rms_norm``, ``rms_norm_fp8``
-(fused RMSNorm + 1x128 e4m3 quantization), ``hc_pre`` (fused mixes + Sinkhorn + collapse), ``hc_post``
+``index_scores`` (bf16 keys), ``index_scores_fp4`` (packed FP4 keys; FP8 tensor cores for decode), ``rms_norm``,
+``rms_norm_fp8`` (fused RMSNorm + 1x128 e4m3 quantization), ``hc_pre`` (fused mixes + Sinkhorn + collapse), ``hc_post``
 (post * f + comb-mixed residual in one pass), ``act_linear`` (1x128 FP8 activation quantization in one launch,
 then the emulation's fp32 GEMM), ``kv_round`` (the 1x64 FP8 round of the KV nope dims).
 """
@@ -29,6 +29,7 @@ else:
 KERNELS = {
     "sparse_attention": ("sparse_attention", "sparse_attention"),
     "index_scores": ("indexer", "index_scores"),
+    "index_scores_fp4": ("indexer", "index_scores_packed"),
     "rms_norm": ("rms_norm", "rms_norm"),
     "rms_norm_fp8": ("rms_norm", "rms_norm_fp8"),
     "hc_pre": ("mhc", "hc_pre"),

@@ -420,3 +420,18 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
         out = _launch(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, d, True, config)
         used = torch.zeros((q.shape[0],), dtype=torch.int8, device=q.device)
     return (out, used) if return_path else out
+
+
+def index_scores_packed_cuda(q, codes, scales, weights, dtype=torch.bfloat16):
+    """Registered ``index_scores_fp4`` (signature of ``ops.index_scores_fp4``): :func:`index_scores_fp4` with
+    ``mma="auto"`` for bf16 scores on CUDA tensors; other dtypes or shapes run the torch emulation."""
+    d = q.shape[-1]
+    ok = (dtype == torch.bfloat16 and on_device(q) and q.dim() == 3 and codes.dim() == 2 and scales.dim() == 2
+          and codes.shape[1] * 2 == d and scales.shape[1] * 32 == d and d in (32, 64, 128, 256) and q.shape[1] <= 128)
+    if not ok:
+        return ops.index_scores_fp4(q, codes, scales, weights, dtype)
+    return index_scores_fp4(q, codes, scales, weights)
+
+
+index_scores_packed = device_transparent(index_scores_packed_cuda)
+index_scores_packed.__name__ = "triton_index_scores_fp4"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,17 +27,14 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import time_fn  # noqa: E402
+
 from fidelity.formats import quantize_fp4  # noqa: E402
 from fidelity.production import ops  # noqa: E402
 from fidelity.production.kernels import indexer  # noqa: E402
 from fidelity.production.kernels._common import INTERPRET  # noqa: E402
-from fidelity.production.kernels.indexer import (  # noqa: E402
-    _head_exponent,
-    _k_block_fp8,
-    _pow2,
-    _q_block_codes,
-    _round_bf16,
-)
+from fidelity.production.kernels.indexer import _k_block_fp8, _query_fp8, _round_bf16  # noqa: E402
 
 DEV = "cpu" if INTERPRET else "cuda"
 MODES = ("full", "no_round", "bf16_math", "int_round", "no_scale", "no_unpack", "loads_only", "mma_only",
@@ -71,14 +67,7 @@ def _diag_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, out_ptr, n_keys, stride_qh, stride
     pid_e = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     hmask = heads < BLOCK_H
-    row = 0
-    e = _head_exponent(q_ptr, row, heads, hmask, stride_qh)
-    inv, back = _pow2(7 - e), _pow2(e - 7)
-    q0, x0 = _q_block_codes(q_ptr, row, heads, hmask, 0, inv, back, stride_qh)
-    q1, x1 = _q_block_codes(q_ptr, row, heads, hmask, 1, inv, back, stride_qh)
-    q2, x2 = _q_block_codes(q_ptr, row, heads, hmask, 2, inv, back, stride_qh)
-    q3, x3 = _q_block_codes(q_ptr, row, heads, hmask, 3, inv, back, stride_qh)
-    w = tl.load(w_ptr + heads).to(tl.float32) * _pow2(e - 1)
+    q0, q1, q2, q3, _, w, _ = _query_fp8(q_ptr, w_ptr, 0, 0, heads, hmask, stride_qh)
     unpack: tl.constexpr = MODE != 5
     for t in range(TILES):
         keys = (pid_e * TILES + t) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -137,25 +126,9 @@ def _diag_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, out_ptr, n_keys, stride_qh, stride
             tl.store(out_ptr + keys, score.to(tl.bfloat16), mask=kmask)
 
 
-def time_us(fn, sets, reps=20):
-    if INTERPRET:
-        return 0.0
-    for s in sets:
-        fn(*s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(12):
-            fn(*sets[i % len(sets)])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        ts.append(start.elapsed_time(end) * 1e3 / 12)
-    return statistics.median(ts)
+def time_us(fn, sets) -> float:
+    """Median device time per call (``bench_kernels.time_fn``: CUDA-graph replays rotating over ``sets``)."""
+    return 0.0 if INTERPRET else time_fn(fn, sets)["us"]
 
 
 def _runner(e, h, block_e, tiles, warps, stages, mode):

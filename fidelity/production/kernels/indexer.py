@@ -158,8 +158,8 @@ def _round_bf16(x, ASM: tl.constexpr):
 @triton.jit
 def _score_epilogue_fp32pipe(s, w, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL: tl.constexpr,
                              ASM: tl.constexpr):
-    """:func:`_score_epilogue` with both bf16 roundings done by :func:`_round_bf16`. For tiles whose q.k values
-    and products with ``w`` are 0 or normal below 2^110 (padded heads carry w = 0, so no head mask)."""
+    """:func:`_score_epilogue` with both bf16 roundings done by :func:`_round_bf16`, for programs whose q.k values
+    and their products with ``w`` are provably 0 or normal below 2^110 (padded heads carry w = 0: no head mask)."""
     s = _round_bf16(s, ASM)
     s = tl.where(s < 0, 0.0, s)
     score = tl.sum(_round_bf16(s * w[None, :], ASM), axis=1)
@@ -225,6 +225,22 @@ def _pow2(e):
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _query_fp8(q_ptr, w_ptr, row, wrow, heads, hmask, stride_qh):
+    """One query's e4m3 codes, four [32, BLOCK_H] blocks, at ``2^(7 - e_h)`` per head; its weights as fp32 and
+    with the head's scale ``2^(e_h - 1)`` folded in; and whether codes and folded weights are exact."""
+    e = _head_exponent(q_ptr, row, heads, hmask, stride_qh)
+    inv, back = _pow2(7 - e), _pow2(e - 7)
+    q0, x0 = _q_block_codes(q_ptr, row, heads, hmask, 0, inv, back, stride_qh)
+    q1, x1 = _q_block_codes(q_ptr, row, heads, hmask, 1, inv, back, stride_qh)
+    q2, x2 = _q_block_codes(q_ptr, row, heads, hmask, 2, inv, back, stride_qh)
+    q3, x3 = _q_block_codes(q_ptr, row, heads, hmask, 3, inv, back, stride_qh)
+    w = tl.load(w_ptr + wrow + heads, mask=hmask, other=0.0).to(tl.float32)
+    wq = w * _pow2(e - 1)
+    xw = tl.min((wq * _pow2(1 - e) == w).to(tl.int32), axis=0)
+    return q0, q1, q2, q3, w, wq, x0 * x1 * x2 * x3 * xw
+
+
 @triton.jit(do_not_specialize=["n_q", "n_keys", "n_heads", "ratio"])
 def _index_scores_fp8mma_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, used_ptr, n_q, n_keys, n_heads,
                                 ratio, stride_qn, stride_qh, stride_k, stride_ks, stride_wn, stride_on,
@@ -249,16 +265,7 @@ def _index_scores_fp8mma_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, u
         if i < n_q:
             i64 = i.to(tl.int64)
             row = i64 * stride_qn
-            e = _head_exponent(q_ptr, row, heads, hmask, stride_qh)
-            inv, back = _pow2(7 - e), _pow2(e - 7)
-            q0, x0 = _q_block_codes(q_ptr, row, heads, hmask, 0, inv, back, stride_qh)
-            q1, x1 = _q_block_codes(q_ptr, row, heads, hmask, 1, inv, back, stride_qh)
-            q2, x2 = _q_block_codes(q_ptr, row, heads, hmask, 2, inv, back, stride_qh)
-            q3, x3 = _q_block_codes(q_ptr, row, heads, hmask, 3, inv, back, stride_qh)
-            w = tl.load(w_ptr + i64 * stride_wn + heads, mask=hmask, other=0.0).to(tl.float32)
-            wq = w * _pow2(e - 1)
-            xw = tl.min((wq * _pow2(1 - e) == w).to(tl.int32), axis=0)
-            exact = x0 * x1 * x2 * x3 * xw
+            q0, q1, q2, q3, w, wq, exact = _query_fp8(q_ptr, w_ptr, row, i64 * stride_wn, heads, hmask, stride_qh)
             if pid_e == 0:
                 tl.store(used_ptr + i64, exact.to(tl.int8))
             if exact != 0:

@@ -83,6 +83,11 @@ class KeyStore:
             return dequantize_fp4(self.codes[slots], self.scales[slots], 32).to(BF16)
         return dequantize_fp8(self.codes[slots], self.scales[slots], self.block).to(BF16)
 
+    def fp4_slices(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The first n keys' packed FP4 codes [n, d/2] and scale bytes [n, d/32] (views), or None when the keys
+        are not stored packed FP4."""
+        return (self.codes[:n], self.scales[:n]) if self.packed and self.fmt == "fp4" else None
+
     def nbytes(self) -> int:
         parts = (self.codes, self.scales) if self.packed else (self.rows,)
         return sum(t.numel() * t.element_size() for t in parts)

@@ -287,9 +287,10 @@ class ProductionSession:
         """Scores (q [m, h, d], weights [m, h]) -> [m, n] against the first n cached keys: straight from the packed
         FP4 codes and scales (op ``index_scores_fp4``), else on the bf16 rows (``index_scores``)."""
         dtype = torch.float32 if self.p.index_scores == "fp32" else BF16
-        if store.packed and store.fmt == "fp4":
-            codes, scales, op = store.codes[:n], store.scales[:n], self.op("index_scores_fp4")
-            return lambda q, weights: op(q, codes, scales, weights, dtype)
+        packed = store.fp4_slices(n)
+        if packed is not None:
+            op = self.op("index_scores_fp4")
+            return lambda q, weights: op(q, *packed, weights, dtype)
         keys, op = store.read(slice(0, n)), self.op("index_scores")
         return lambda q, weights: op(q, keys, weights, dtype)
 

@@ -13,9 +13,14 @@ part of a layer), no hash layer. The caches are filled with random rows in their
 compressed KV, FP4-simulated indexer keys) and the session is placed at ``--context`` tokens; each timed step
 then writes, compresses (every 4th step), scores all compressed keys, selects, gathers and attends.
 
-Wall time per step (``torch.cuda.synchronize`` before and after; the step issues host syncs of its own, so it
-cannot be graph-captured), median of ``--steps``; both paths are checked against each other (logits cosine per
-step). A torch.profiler pass over each path counts kernel launches and lists where host and GPU time go.
+Four paths: ``cpu`` (every op on its torch emulation) and ``triton`` (the kernels) run the eager
+``ProductionSession``, whose step issues host syncs of its own (expert routing, sizes that follow the position);
+``triton+graph`` and ``cpu+graph`` run ``GraphDecodeSession``: the same numerics with fixed shapes and the
+position on the device, captured once in a CUDA graph and replayed (the first warm-up step runs eagerly, then
+the capture). A path whose capture fails is recorded with its error. Wall time per step
+(``torch.cuda.synchronize`` before and after), median of ``--steps``; every path is checked against the
+emulation (logits cosine per step) and the graph path against the eager kernels (fraction of equal logits). A
+torch.profiler pass over each path counts kernel (and graph) launches and lists where host and GPU time go.
 Writes DIR/bench_layer.json.
 """
 
@@ -26,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -44,9 +50,10 @@ def layer_config(context: int, preset: str) -> ModelConfig:
                        max_seq_len=context + 256)
 
 
-def filled_session(model: ProductionModel, context: int, seed: int):
-    """A session at position ``context`` whose caches hold random rows in their storage formats."""
-    s = model.session()
+def filled_session(model: ProductionModel, context: int, seed: int, graph: bool = False):
+    """A session at position ``context`` whose caches hold random rows in their storage formats (``graph``: a
+    ``GraphDecodeSession``, CUDA-graph replays on CUDA)."""
+    s = model.graph_session() if graph else model.session()
     cfg, dev = model.cfg, model.device
     g = torch.Generator(device=dev).manual_seed(seed)
     for cache in s.layers:
@@ -67,10 +74,10 @@ def filled_session(model: ProductionModel, context: int, seed: int):
 WARMUP = 4  # steps before timing: compilation, first weight loads, one full compression cycle
 
 
-def run(model, context, steps, impl, ops_with_kernels, seed=0):
+def run(model, context, steps, impl, ops_with_kernels, seed=0, graph=False):
     for op in ops_with_kernels:
         registry.select(op, impl)
-    s = filled_session(model, context, seed)
+    s = filled_session(model, context, seed, graph)
     tokens = torch.randint(0, model.cfg.vocab_size, (steps + WARMUP,),
                            generator=torch.Generator().manual_seed(seed))
     times, logits = [], []
@@ -82,17 +89,17 @@ def run(model, context, steps, impl, ops_with_kernels, seed=0):
         if i >= WARMUP:
             times.append((time.perf_counter() - t0) * 1e6)
             logits.append(out.float().cpu())
-    return times, torch.stack(logits), registry.implementations_used()
+    return times, torch.stack(logits), registry.implementations_used(), getattr(s, "replays", 0)
 
 
-def profile_path(model, context, ops_with_kernels, impl, steps=4) -> dict:
+def profile_path(model, context, ops_with_kernels, impl, steps=4, graph=False) -> dict:
     """torch.profiler over ``steps`` decode steps: kernel launches per step, GPU time per step, and the ops with
     the most host (self CPU) and device time."""
     from torch.profiler import ProfilerActivity, profile
 
     for op in ops_with_kernels:
         registry.select(op, impl)
-    s = filled_session(model, context, 1)
+    s = filled_session(model, context, 1, graph)
     for tok in range(WARMUP):
         s.step(tok)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -101,7 +108,7 @@ def profile_path(model, context, ops_with_kernels, impl, steps=4) -> dict:
         torch.cuda.synchronize()
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
-                                                        "cudaLaunchKernelExC"))
+                                                        "cudaLaunchKernelExC", "cudaGraphLaunch"))
 
     def dev(e):
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
@@ -136,26 +143,43 @@ def main() -> None:
                          "activated": cfg.n_activated_experts, "vocab": cfg.vocab_size},
               "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu"}
     paths = {}
-    for impl in ("cpu", "triton") if ops_with_kernels else ("cpu",):
-        times, logits, used = run(model, a.context, a.steps, impl, ops_with_kernels)
-        paths[impl] = logits
-        result[impl] = {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times),
-                        "steps_us": times, "implementations": used}
-        print(f"{impl:6s}: median {statistics.median(times):9.0f} us per decode step "
-              f"(min {min(times):.0f}, max {max(times):.0f})  [{time.time() - t0:.0f}s]", flush=True)
+    variants = [("cpu", False), ("triton", False), ("triton", True), ("cpu", True)] if ops_with_kernels else \
+        [("cpu", False)]
+    for impl, graph in variants:
+        name = impl + ("+graph" if graph else "")
+        try:
+            times, logits, used, replays = run(model, a.context, a.steps, impl, ops_with_kernels, graph=graph)
+        except Exception as e:  # a graph capture that fails is a result to record, not a reason to lose the rest
+            result[name] = {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+            print(f"{name:12s}: FAILED {result[name]['error'][:300]}", flush=True)
+            continue
+        paths[name] = logits
+        result[name] = {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times),
+                        "steps_us": times, "implementations": used, "graph_replays": replays}
+        print(f"{name:12s}: median {statistics.median(times):9.0f} us per decode step "
+              f"(min {min(times):.0f}, max {max(times):.0f}, graph replays {replays})  [{time.time() - t0:.0f}s]",
+              flush=True)
+    for name in [n for n in paths if n != "cpu"]:
+        cos = torch.nn.functional.cosine_similarity(paths["cpu"].double(), paths[name].double(), dim=-1)
+        result[name]["logits_cos_vs_emulation"] = cos.tolist()
+        result[name]["speedup_vs_emulation"] = result["cpu"]["median_us"] / result[name]["median_us"]
+        print(f"{name:12s}: {result[name]['speedup_vs_emulation']:.2f}x vs emulation; logits cos per step min "
+              f"{cos.min():.6f}")
+    if "triton" in paths and "triton+graph" in paths:
+        same = paths["triton"] == paths["triton+graph"]
+        result["triton+graph"]["logits_equal_frac_vs_triton_eager"] = same.float().mean().item()
+        print(f"triton+graph logits equal to triton eager: {same.float().mean().item():.6f}")
     if "triton" in paths:
-        cos = torch.nn.functional.cosine_similarity(paths["cpu"].double(), paths["triton"].double(), dim=-1)
-        result["logits_cos_kernels_vs_emulation"] = cos.tolist()
-        result["speedup"] = result["cpu"]["median_us"] / result["triton"]["median_us"]
-        print(f"speed-up kernels vs emulation: {result['speedup']:.2f}x; logits cos per step min {cos.min():.6f}")
+        result["speedup"] = result["triton"]["speedup_vs_emulation"]
         if a.device == "cuda":
-            for impl in ("cpu", "triton"):
-                p = result[impl]["profile"] = profile_path(model, a.context, ops_with_kernels, impl)
-                print(f"[{impl}] launches/step {p['launches_per_step']:.0f}, GPU busy {p['gpu_busy_us_per_step']:.0f} "
+            for name in [n for n in ("cpu", "triton", "triton+graph") if n in paths]:
+                impl, graph = name.split("+")[0], name.endswith("+graph")
+                p = result[name]["profile"] = profile_path(model, a.context, ops_with_kernels, impl, graph=graph)
+                print(f"[{name}] launches/step {p['launches_per_step']:.0f}, GPU busy {p['gpu_busy_us_per_step']:.0f} "
                       "us/step; top host (self CPU) ops:")
                 for r in p["cpu_top"][:10]:
                     print(f"   {r['self_cpu_us_per_step']:9.1f} us/step x{r['calls_per_step']:<6.0f} {r['name']}")
-                print(f"[{impl}] top GPU kernels:")
+                print(f"[{name}] top GPU kernels:")
                 for r in p["gpu_top"][:8]:
                     print(f"   {r['us_per_step']:9.1f} us/step x{r['calls_per_step']:<6.0f} {r['name']}")
     out = Path(a.out)

@@ -311,7 +311,15 @@ def encode_e8m0(scale: torch.Tensor) -> torch.Tensor:
     if not bool(ok.all()):
         bad = s[~ok].flatten()[0].item()
         raise ValueError(f"scale: expected powers of two in [2^-127, 2^127] or NaN/Inf, found {bad!r}")
-    return torch.where(nonfinite, E8M0_NAN, torch.where(sub_2m127, 0, exp)).to(torch.uint8)
+    return _e8m0_bytes(s)
+
+
+def _e8m0_bytes(s: torch.Tensor) -> torch.Tensor:
+    """:func:`encode_e8m0` of fp32 scales already known to be valid (``ue8m0_scale``'s), with no host read of
+    the values (a quantizer inside a CUDA-graph-captured decode step must not sync)."""
+    bits = s.contiguous().view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    return torch.where(exp == 0xFF, E8M0_NAN, torch.where(bits == 0x00400000, 0, exp)).to(torch.uint8)
 
 
 def decode_e8m0(b: torch.Tensor) -> torch.Tensor:
@@ -342,7 +350,7 @@ def quantize_fp8(x: torch.Tensor, block: Block) -> tuple[torch.Tensor, torch.Ten
     _check_float(x)
     block = _fp8_block(x, block)
     q, s = _blockwise(x, block, FP8_MAX, FP8_AMAX_FLOOR, round_fp8_e4m3)
-    return q.to(torch.float8_e4m3fn), encode_e8m0(s)
+    return q.to(torch.float8_e4m3fn), _e8m0_bytes(s.to(torch.float32))
 
 
 def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, block: Block) -> torch.Tensor:
@@ -408,6 +416,11 @@ def pack_fp4_codes(codes: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"codes: expected an even last dim, found {found}")
     if codes.numel() and int(codes.max()) > 15:
         raise ValueError(f"codes: expected nibble values 0..15, found max {int(codes.max())}")
+    return _pack_nibbles(codes)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_fp4_codes` without the checks (no host read of the codes: quantize_fp4 makes codes 0..15)."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
@@ -435,7 +448,7 @@ def quantize_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tensor,
     _check_float(x)
     block = _act_block(x, block, (FP4_BLOCK,))
     q, s = _blockwise(x, block, FP4_MAX, FP4_AMAX_FLOOR, round_fp4_e2m1)
-    return pack_fp4_codes(_fp4_codes(q)), encode_e8m0(s)
+    return _pack_nibbles(_fp4_codes(q)), _e8m0_bytes(s.to(torch.float32))
 
 
 def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:

@@ -21,7 +21,26 @@ from fidelity.production.profiles import Profile
 BF16 = torch.bfloat16
 
 
-class KVStore:
+class _RowStore:
+    """Row writes shared by the stores: ``_parts(rows)`` pairs each storage tensor with the new rows' values."""
+
+    def _parts(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        raise NotImplementedError
+
+    def write(self, slots: torch.Tensor | slice, rows: torch.Tensor) -> None:
+        for store, new in self._parts(rows):
+            store[slots] = new
+
+    def write_if(self, slots: torch.Tensor, rows: torch.Tensor, cond: torch.Tensor) -> None:
+        """``write(slots, rows)`` where ``cond`` (bool [1], on the store's device) holds, else the rows are left
+        as they are: a write decided on the device, with no host sync (graph decode)."""
+        for store, new in self._parts(rows):
+            if store.dtype.itemsize == 1 and store.dtype != torch.uint8:  # torch.where has no float8 kernels
+                store, new = store.view(torch.uint8), new.view(torch.uint8)
+            store[slots] = torch.where(cond.view(-1, *([1] * (new.dim() - 1))), new, store[slots])
+
+
+class KVStore(_RowStore):
     """Rows [capacity, hd]: bf16, or FP8 (e4m3 nope codes, ue8m0 scales per 64, bf16 rope dims)."""
 
     def __init__(self, capacity: int, hd: int, rd: int, fmt: str, device: torch.device | str = "cpu"):
@@ -33,13 +52,12 @@ class KVStore:
         else:
             self.rows = torch.zeros(capacity, hd, dtype=BF16, device=device)
 
-    def write(self, slots: torch.Tensor | slice, rows: torch.Tensor) -> None:
+    def _parts(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """rows [k, hd] bf16 whose nope dims are already FP8 values when fmt is fp8 (stored exactly)."""
         if self.fmt == "fp8":
             codes, scales = quantize_fp8(rows[:, : self.hd - self.rd], 64)
-            self.codes[slots], self.scales[slots], self.rope[slots] = codes, scales, rows[:, self.hd - self.rd :]
-        else:
-            self.rows[slots] = rows
+            return [(self.codes, codes), (self.scales, scales), (self.rope, rows[:, self.hd - self.rd :])]
+        return [(self.rows, rows)]
 
     def read(self, slots: torch.Tensor | slice) -> torch.Tensor:
         """bf16 rows [k, hd]."""
@@ -53,7 +71,7 @@ class KVStore:
         return sum(t.numel() * t.element_size() for t in parts)
 
 
-class KeyStore:
+class KeyStore(_RowStore):
     """Indexer keys [capacity, d]: bf16 rows, or packed codes + ue8m0 scales (FP4 1x32 or FP8 1xmin(128, d))."""
 
     def __init__(self, capacity: int, d: int, fmt: str, packed: bool, device: torch.device | str = "cpu"):
@@ -68,13 +86,11 @@ class KeyStore:
             self.codes = torch.zeros(capacity, d, dtype=torch.float8_e4m3fn, device=device)
             self.scales = torch.zeros(capacity, d // self.block, dtype=torch.uint8, device=device)
 
-    def write(self, slots: torch.Tensor | slice, rows: torch.Tensor) -> None:
+    def _parts(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if not self.packed:
-            self.rows[slots] = rows
-        elif self.fmt == "fp4":
-            self.codes[slots], self.scales[slots] = quantize_fp4(rows, 32)
-        else:
-            self.codes[slots], self.scales[slots] = quantize_fp8(rows, self.block)
+            return [(self.rows, rows)]
+        codes, scales = quantize_fp4(rows, 32) if self.fmt == "fp4" else quantize_fp8(rows, self.block)
+        return [(self.codes, codes), (self.scales, scales)]
 
     def read(self, slots: torch.Tensor | slice) -> torch.Tensor:
         if not self.packed:

@@ -59,6 +59,16 @@ def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: in
     return _finish(pooled, norm, freqs, starts, eps), 0
 
 
+def _pool_carry(carry: CompressorCarry, ratio: int, d: int) -> torch.Tensor:
+    """Softmax-weighted pool of the carried block -> fp32 [1, d]; overlap (ratio 4): the previous block's first
+    half with this block's second half."""
+    if ratio != 4:
+        return (carry.kv * carry.score.softmax(dim=0)).sum(dim=0, keepdim=True)
+    kv = torch.cat((carry.kv[:ratio, :d], carry.kv[ratio:, d:]))
+    score = torch.cat((carry.score[:ratio, :d], carry.score[ratio:, d:]))
+    return (kv * score.softmax(dim=0)).sum(dim=0, keepdim=True)
+
+
 def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor | None, int]:
     """One token x [1, dim] at position t -> (the entry completed at t [1, d] or None, its id t // ratio)."""
@@ -70,12 +80,32 @@ def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ra
     carry.kv[slot], carry.score[slot] = kv[0], score[0]
     if (t + 1) % ratio:
         return None, 0
+    pooled = _pool_carry(carry, ratio, d)
     if overlap:
-        kv_s = torch.cat((carry.kv[:ratio, :d], carry.kv[ratio:, d:]))
-        score_s = torch.cat((carry.score[:ratio, :d], carry.score[ratio:, d:]))
-        pooled = (kv_s * score_s.softmax(dim=0)).sum(dim=0, keepdim=True)
         carry.kv[:ratio], carry.score[:ratio] = carry.kv[ratio:].clone(), carry.score[ratio:].clone()
-    else:
-        pooled = (carry.kv * carry.score.softmax(dim=0)).sum(dim=0, keepdim=True)
     start = t if on("compressed-rope-last") else t + 1 - ratio
     return _finish(pooled, norm, freqs, torch.tensor([start], device=x.device), eps), t // ratio
+
+
+def compress_decode_on_device(x: torch.Tensor, pos: torch.Tensor, weights, carry: CompressorCarry, ratio: int,
+                              freqs: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`compress_decode` with the position in a device tensor ``pos`` (int64 [1]) and no host branch, so
+    that a decode step can be captured in a CUDA graph. The carry is updated exactly as ``compress_decode``
+    does (the overlap shift where the block completes), and the entry of the block ending at ``pos`` is computed
+    every step. Returns (entry [1, d] bf16, complete bool [1], entry id int64 [1]): the entry equals
+    ``compress_decode``'s where ``complete``, and is meaningless (may be NaN) elsewhere."""
+    wkv, wgate, ape, norm = weights
+    d, overlap = norm.numel(), ratio == 4
+    kv, score = _project(x, wkv, wgate)
+    phase = pos % ratio
+    score = score + ape.index_select(0, phase)
+    slot = phase + (ratio if overlap else 0)
+    carry.kv.index_copy_(0, slot, kv)
+    carry.score.index_copy_(0, slot, score)
+    complete = phase == ratio - 1
+    pooled = _pool_carry(carry, ratio, d)
+    if overlap:
+        for state in (carry.kv, carry.score):
+            state[:ratio] = torch.where(complete, state[ratio:], state[:ratio])
+    start = pos if on("compressed-rope-last") else pos + 1 - ratio
+    return _finish(pooled, norm, freqs, start, eps), complete, pos // ratio

@@ -37,6 +37,11 @@ def on(name: str) -> bool:
     return name in _active
 
 
+def active() -> frozenset[str]:
+    """The faults injected right now."""
+    return _active
+
+
 @contextmanager
 def inject(*names: str) -> Iterator[None]:
     """Inject the named faults for the duration of the block."""

@@ -41,6 +41,7 @@ class ProductionModel:
         self.max_context, self.device = max_context, torch.device(device)
         self.freqs = {r: inv_freq(self.cfg, r, torch.float32).to(self.device) for r in {0, *self.cfg.compress_ratios}}
         self._weights: dict[str, torch.Tensor] = {}
+        self._expert_stacks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def w(self, name: str) -> torch.Tensor:
         """Weight as the production path reads it: FP8/FP4 dequantized exactly to fp32, bf16/fp32 as stored."""
@@ -51,6 +52,24 @@ class ProductionModel:
 
     def session(self, recorder: Recorder | None = None) -> ProductionSession:
         return ProductionSession(self, recorder)
+
+    def graph_session(self, graphs: bool | None = None):
+        """A session whose decode steps are sync-free and CUDA-graph replays on CUDA (``graph_decode``)."""
+        from fidelity.production.graph_decode import GraphDecodeSession
+
+        return GraphDecodeSession(self, graphs)
+
+    def expert_stack(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's routed experts' (w1, w2, w3) stacked [n_routed, out, in] as ``w`` reads them, so that a
+        device-side expert id picks the weights (graph decode). Built once per layer, not through ``w``'s
+        cache."""
+        stack = self._expert_stacks.get(i)
+        if stack is None:
+            names = [[f"layers.{i}.ffn.experts.{e}.{m}.weight" for e in range(self.cfg.n_routed_experts)]
+                     for m in ("w1", "w2", "w3")]
+            stack = self._expert_stacks[i] = tuple(
+                torch.stack([self.ckpt[n].to(self.device) for n in group]) for group in names)
+        return stack
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, recorder: Recorder | None = None) -> torch.Tensor:
@@ -120,6 +139,13 @@ class ProductionSession:
     def _run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.rec is not None:
             self.rec.step = self.calls
+        logits = self._forward(ids, positions)
+        self.pos += len(ids)
+        self.calls += 1
+        return logits
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """ids [n] at positions [n] (device tensors) -> fp32 logits [n, vocab]; updates the caches, not ``pos``."""
         x = self.m.w("embed.weight")[ids].to(BF16)
         self.emit("embed", x)
         x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1).to(self.res_dtype)
@@ -132,8 +158,6 @@ class ProductionSession:
         self.emit("final", y)
         logits = y.float() @ w("head.weight").float().T
         self.emit("logits", logits)
-        self.pos += len(ids)
-        self.calls += 1
         return logits
 
     # ---- one block ---------------------------------------------------------------------------
@@ -190,33 +214,41 @@ class ProductionSession:
         o = ops.grouped_out(o, w(pre + "wo_a.weight"), cfg.o_groups)
         return self.op("act_linear")(o, w(pre + "wo_b.weight"), act)
 
-    def compressor_weights(self, prefix: str):
-        w = self.m.w
-        return w(prefix + "wkv.weight"), w(prefix + "wgate.weight"), w(prefix + "ape"), w(prefix + "norm.weight")
+    def compressor(self, i: int, index: bool):
+        """(weights (wkv, wgate, ape, norm), fp32 carry, ratio, RoPE freqs) of layer i's main or indexer
+        compressor."""
+        w, cache, ratio = self.m.w, self.layers[i], self.cfg.ratio(i)
+        pre = f"layers.{i}.attn.indexer.compressor." if index else f"layers.{i}.attn.compressor."
+        weights = w(pre + "wkv.weight"), w(pre + "wgate.weight"), w(pre + "ape"), w(pre + "norm.weight")
+        carry = cache.index_carry if index else cache.carry
+        return weights, carry, 4 if index else ratio, self.m.freqs[ratio]
+
+    def round_entries(self, entries: torch.Tensor, index: bool) -> torch.Tensor:
+        """New compressed entries as their cache stores them: indexer keys Hadamard-rotated and rounded to the
+        profile's format, main entries with FP8-rounded nope dims."""
+        if not index:
+            return self.op("kv_round")(entries, self.cfg.rope_head_dim, self.p.kv_nope)
+        rotate = self.p.hadamard == "on" and not on("hadamard-q-only")
+        entries = ops.indexer_round(entries, self.p.indexer_qk, rotate)
+        if on("indexer-key-width"):
+            entries = entries.clone()
+            entries[:, -self.cfg.rope_head_dim :] = 0
+        return entries
 
     def compress(self, i: int, x: torch.Tensor, positions: torch.Tensor, index: bool) -> torch.Tensor | None:
         """New compressed entries (main: FP8-rounded nope dims; indexer: Hadamard + FP4), written to the caches."""
-        cfg, cache, prof = self.cfg, self.layers[i], self.p
-        prefix = f"layers.{i}.attn.indexer.compressor." if index else f"layers.{i}.attn.compressor."
-        carry = cache.index_carry if index else cache.carry
-        ratio = 4 if index else cfg.ratio(i)
-        weights = self.compressor_weights(prefix)
-        freqs = self.m.freqs[cfg.ratio(i)]
+        cache = self.layers[i]
+        weights, carry, ratio, freqs = self.compressor(i, index)
         if len(positions) > 1:
-            entries, first = compress_prefill(x, weights, carry, ratio, freqs, cfg.norm_eps)
+            entries, first = compress_prefill(x, weights, carry, ratio, freqs, self.cfg.norm_eps)
         else:
-            entries, first = compress_decode(x, self.pos, weights, carry, ratio, freqs, cfg.norm_eps)
+            entries, first = compress_decode(x, self.pos, weights, carry, ratio, freqs, self.cfg.norm_eps)
         if entries is None:
             return None
+        entries = self.round_entries(entries, index)
         if index:
-            rotate = prof.hadamard == "on" and not on("hadamard-q-only")
-            entries = ops.indexer_round(entries, prof.indexer_qk, rotate)
-            if on("indexer-key-width"):
-                entries = entries.clone()
-                entries[:, -cfg.rope_head_dim :] = 0
             cache.keys.write(slice(first, first + len(entries)), entries)
         else:
-            entries = self.op("kv_round")(entries, cfg.rope_head_dim, prof.kv_nope)
             cache.kv.write(slice(cache.window + first, cache.window + first + len(entries)), entries)
         return entries
 
@@ -243,27 +275,39 @@ class ProductionSession:
                           for s in range(0, t, QUERY_CHUNK)])
 
     def attend_decode(self, i, x, qr, q, kv, positions) -> torch.Tensor:
-        """One decode token at ``t = self.pos`` (host int: no device round trip). Every slot is gathered in
-        place, a -1 slot as row 0, which the attention never reads, so no host sync sizes the gather."""
-        cfg, cache, t = self.cfg, self.layers[i], self.pos
-        ratio, win = cfg.ratio(i), cfg.window_size
-        cache.kv.write(slice(t % win, t % win + 1), kv)
+        """One decode token at ``t = self.pos``. Every slot is gathered in place, a -1 slot as row 0, which the
+        attention never reads, so no host sync sizes the gather."""
+        cfg, cache = self.cfg, self.layers[i]
+        cache.kv.write(self.window_slot(cache.window), kv)
         if on("cache-concat-growth"):
             cache.spill.append(kv.clone())
-        comp = None
-        if ratio:
-            new = self.compress(i, x, positions, index=False)
-            self.emit(f"L{i}.attn.compressed_kv", new if new is not None else kv.new_zeros((0, cfg.head_dim)))
-            n_vis = (t + 1) // ratio + (1 if on("causal-off-by-one") and (t + 1) % ratio else 0)
-            comp = self.index_decode(i, x, qr, positions) if ratio == 4 else torch.arange(n_vis, device=x.device)[None]
-        idx = _window_decode_idx(t, win, x.device)
-        self.emit(f"L{i}.attn.visible", lambda: _visible(idx, comp, positions, win, prefill=False))
-        slots = idx if comp is None else torch.cat((idx, torch.where(comp >= 0, comp + win, -1)), dim=1)
+        comp = self.decode_compressed(i, x, qr, positions) if cfg.ratio(i) else None
+        idx = self.decode_window_idx(cache.window, x.device)
+        self.emit(f"L{i}.attn.visible", lambda: _visible(idx, comp, positions, cache.window, prefill=False))
+        slots = idx if comp is None else torch.cat((idx, torch.where(comp >= 0, comp + cache.window, -1)), dim=1)
         buf = cache.gather[: slots.shape[1]]
         buf[:] = cache.kv.read(slots[0].clamp(min=0))  # window + selected rows into the preallocated buffer
         local = torch.where(slots >= 0, torch.arange(slots.shape[1], device=x.device), -1)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
         return self.op("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
+
+    def window_slot(self, win: int) -> slice:
+        """The ring-buffer slot of the decode token (host int position)."""
+        return slice(self.pos % win, self.pos % win + 1)
+
+    def decode_window_idx(self, win: int, device: torch.device) -> torch.Tensor:
+        return _window_decode_idx(self.pos, win, device)
+
+    def decode_compressed(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Compress the decode token, then the compressed entries it sees [1, k]: the indexer's picks (CSA) or
+        every entry j < (t+1)//ratio (HCA)."""
+        ratio, t = self.cfg.ratio(i), self.pos
+        new = self.compress(i, x, positions, index=False)
+        self.emit(f"L{i}.attn.compressed_kv", new if new is not None else x.new_zeros((0, self.cfg.head_dim)))
+        if ratio == 4:
+            return self.index_decode(i, x, qr, positions)
+        n_vis = (t + 1) // ratio + (1 if on("causal-off-by-one") and (t + 1) % ratio else 0)
+        return torch.arange(n_vis, device=x.device)[None]
 
     # ---- indexer -----------------------------------------------------------------------------
     def index_query(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor):
@@ -329,9 +373,9 @@ class ProductionSession:
         return picks
 
     # ---- MoE -----------------------------------------------------------------------------------
-    def moe(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        w, cfg, act = self.m.w, self.cfg, self.p.gemm_act
-        p = f"layers.{i}.ffn."
+    def route(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate: (routing weights [n, k] fp32, expert ids [n, k])."""
+        w, cfg, p = self.m.w, self.cfg, f"layers.{i}.ffn."
         hashed = cfg.is_hash_layer(i)
         weights, experts = self.op("gate")(x.float(), w(p + "gate.weight").float(),
                                            None if hashed else w(p + "gate.bias"),
@@ -340,16 +384,25 @@ class ProductionSession:
             weights = _biased_weights(x, w(p + "gate.weight"), w(p + "gate.bias"), experts, cfg.route_scale)
         self.emit(f"L{i}.moe.experts", experts)
         self.emit(f"L{i}.moe.weights", weights)
+        return weights, experts
+
+    def shared_expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        w, q = self.m.w, f"layers.{i}.ffn.shared_experts."
+        return self.op("expert")(x, w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"), self.cfg.swiglu_limit,
+                                 None, self.p.gemm_act, self.op("act_linear")).float()
+
+    def moe(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts in ascending expert id, then the shared expert; fp32 sum -> bf16 [n, dim]."""
+        w, cfg, act = self.m.w, self.cfg, self.p.gemm_act
+        weights, experts = self.route(i, x, ids)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         expert, linear = self.op("expert"), self.op("act_linear")
         for e in torch.unique(experts).tolist():
             rows, slot = torch.where(experts == e)
-            q = f"{p}experts.{e}."
+            q = f"layers.{i}.ffn.experts.{e}."
             y[rows] += expert(x[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
                               cfg.swiglu_limit, weights[rows, slot, None], act, linear).float()
-        q = f"{p}shared_experts."
-        y += expert(x, w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"), cfg.swiglu_limit, None, act,
-                    linear).float()
+        y += self.shared_expert(i, x)
         return y.to(BF16)
 
 

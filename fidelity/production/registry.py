@@ -28,6 +28,11 @@ def select(name: str, impl: str) -> None:
     _selected[name] = impl
 
 
+def selections() -> dict[str, str]:
+    """The implementations forced with ``select``, by op."""
+    return dict(_selected)
+
+
 def implementation(name: str, device: torch.device | str | None = None) -> Callable:
     """The implementation of ``name`` for tensors on ``device``: an explicit ``select`` wins; on a GPU the
     registered kernel (``cpu`` emulation if none); on the CPU (or ``device=None``) the ``cpu`` emulation."""

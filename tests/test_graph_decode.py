@@ -1,0 +1,158 @@
+"""Graph decode (``fidelity.production.graph_decode``): fixed-shape, sync-free decode steps give the eager
+session's logits and cache bytes bit for bit (profiles, faults, window wrap-around, top-k growing past the
+visible entries), read no tensor value on the host, and refuse what they cannot do. The CUDA-graph replay
+itself is tested on the GPU (``tests/gpu/test_production_cuda.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from fidelity.config import ModelConfig
+from fidelity.production import ContextError, ProductionModel
+from fidelity.production.faults import inject
+from fidelity.production.graph_decode import GraphDecodeSession, window_idx_on_device
+from fidelity.production.model import _window_decode_idx
+from fidelity.synthesize import synthesize
+
+TINY = ModelConfig.preset("tiny")  # window 128, index_topk 32, ratios (0, 0, 4, 128, 4, 128), hash layers
+PROMPT, TOTAL = 120, 134  # decode crosses the window wrap (t = 127), compressions, and 32 visible keys (t = 127)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return synthesize(TINY, seed=0)
+
+
+def _ids(n: int) -> torch.Tensor:
+    return torch.randint(2, TINY.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+
+
+def _decode(session, ids: torch.Tensor) -> torch.Tensor:
+    out = [session.prefill(ids[:PROMPT])[-1]]
+    return torch.stack(out + [session.step(int(t)) for t in ids[PROMPT:]])
+
+
+def _state(session) -> dict[str, torch.Tensor]:
+    """Every cache tensor as raw bytes (float8 storage compared bit for bit), by path."""
+    out = {}
+    for i, layer in enumerate(session.layers):
+        for part in ("kv", "keys", "carry", "index_carry"):
+            obj = getattr(layer, part)
+            for name, t in (vars(obj).items() if obj is not None else ()):
+                if isinstance(t, torch.Tensor):
+                    out[f"{i}.{part}.{name}"] = t.view(torch.uint8) if t.element_size() == 1 else t
+    return out
+
+
+def _same_state(a, b) -> list[str]:
+    sa, sb = _state(a), _state(b)
+    return [k for k in sa if not torch.equal(sa[k], sb[k])]
+
+
+@pytest.mark.parametrize("profile", ["reference", "fp4-indexer-packed", "fp8-kv-storage", "fp32-residual"])
+def test_graph_decode_equals_eager_decode_bit_for_bit(tiny, profile):
+    ids = _ids(TOTAL)
+    eager = ProductionModel(tiny, profile, max_context=TOTAL + 2).session()
+    graph = ProductionModel(tiny, profile, max_context=TOTAL + 2).graph_session(graphs=False)
+    a, b = _decode(eager, ids), _decode(graph, ids)
+    assert torch.equal(a, b), (a != b).sum()
+    assert _same_state(eager, graph) == []
+    assert graph.pos == eager.pos == TOTAL
+
+
+@pytest.fixture(scope="module")
+def clean_steps(tiny) -> torch.Tensor:
+    ids = _ids(TOTAL)
+    s = ProductionModel(tiny, "reference", max_context=TOTAL + 2).session()
+    s.prefill(ids[:PROMPT])
+    return torch.stack([s.step(int(t)) for t in ids[PROMPT:]])
+
+
+@pytest.mark.parametrize("fault", ["causal-off-by-one", "window-127", "window-no-self", "topk-cap-half",
+                                   "compressed-rope-last", "indexer-key-width", "routing-bias-in-weights"])
+def test_graph_decode_carries_the_decode_faults(tiny, clean_steps, fault):
+    """Each injected port bug changes the graph session's logits exactly as it changes the eager session's."""
+    ids = _ids(TOTAL)
+    eager = ProductionModel(tiny, "reference", max_context=TOTAL + 2).session()
+    graph = ProductionModel(tiny, "reference", max_context=TOTAL + 2).graph_session(graphs=False)
+    eager.prefill(ids[:PROMPT])
+    graph.prefill(ids[:PROMPT])
+    with inject(fault):
+        a = torch.stack([eager.step(int(t)) for t in ids[PROMPT:]])
+        b = torch.stack([graph.step(int(t)) for t in ids[PROMPT:]])
+    assert torch.equal(a, b)
+    assert not torch.equal(a, clean_steps)  # the fault shows in these steps
+
+
+@contextmanager
+def _no_host_reads() -> Iterator[None]:
+    """Make every Python-level read of a tensor's value raise (item, tolist, bool/int/float, nonzero, unique)."""
+    def refuse(*_a, **_k):
+        raise AssertionError("host read of a tensor value")
+
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+    saved_fn = {n: getattr(torch, n) for n in ("unique", "nonzero")}
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, refuse)
+        for n in saved_fn:
+            setattr(torch, n, refuse)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+        for n, f in saved_fn.items():
+            setattr(torch, n, f)
+
+
+def _step_body(session, token: int) -> None:
+    """What ``step`` runs between its host-side checks and its bookkeeping, for a token at ``session.pos``."""
+    session.ids_dev.fill_(token)
+    session.pos_dev.fill_(session.pos)
+    session._forward(session.ids_dev, session.pos_dev)
+
+
+def test_graph_decode_step_reads_no_tensor_value_on_the_host(tiny):
+    """The detector catches the eager session's routing (``unique().tolist()``); the graph step passes it, so it
+    issues no device-to-host sync that would break a CUDA-graph capture."""
+    ids = _ids(PROMPT + 1)
+    eager = ProductionModel(tiny, "reference", max_context=TOTAL).session()
+    eager.prefill(ids[:PROMPT])
+    with _no_host_reads(), pytest.raises(AssertionError, match="host read"):
+        eager._forward(ids[PROMPT:], torch.tensor([PROMPT]))
+    for profile in ("reference", "fp4-indexer-packed", "fp8-kv-storage"):
+        graph = ProductionModel(tiny, profile, max_context=TOTAL).graph_session(graphs=False)
+        graph.prefill(ids[:PROMPT])
+        for token in (5, 6, 7, 8):  # one full compression block
+            with _no_host_reads():
+                _step_body(graph, token)
+            graph.pos += 1
+
+
+@pytest.mark.parametrize("fault", [None, "window-127", "window-no-self"])
+def test_window_indices_on_device_match_the_host_rule(fault):
+    with inject(*([fault] if fault else [])):
+        for t in (0, 1, 5, 126, 127, 128, 129, 255, 256, 1000):
+            assert torch.equal(window_idx_on_device(torch.tensor([t]), 128), _window_decode_idx(t, 128)), t
+
+
+def test_graph_decode_refuses_what_it_cannot_run(tiny):
+    model = ProductionModel(tiny, "reference", max_context=PROMPT + 1)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
+        GraphDecodeSession(model, graphs=True)
+    s = model.graph_session(graphs=False)
+    ids = _ids(PROMPT + 2)
+    s.prefill(ids[:PROMPT])
+    before = {k: v.clone() for k, v in _state(s).items()}
+    with inject("cache-concat-growth"), pytest.raises(ValueError, match="cache-concat-growth"):
+        s.step(int(ids[PROMPT]))
+    s.step(int(ids[PROMPT]))
+    with pytest.raises(ContextError, match="max_context"):
+        s.step(int(ids[PROMPT + 1]))
+    assert s.pos == PROMPT + 1
+    assert any(not torch.equal(before[k], v) for k, v in _state(s).items())  # the one valid step wrote

@@ -68,6 +68,7 @@ __all__ = [
     "Block",
     "decode_e8m0",
     "dequantize_fp4",
+    "fp4_code_values",
     "dequantize_fp8",
     "encode_e8m0",
     "fake_quant_fp4",
@@ -398,10 +399,14 @@ def _fp4_codes(q: torch.Tensor) -> torch.Tensor:
     return idx | sign
 
 
-def _fp4_table() -> torch.Tensor:
-    """fp32 [16]: value of each nibble code (code 8 is -0.0)."""
-    pos = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    return torch.cat([pos, -pos])
+def fp4_code_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 value of each e2m1 nibble code (0..15; code 8 is -0.0), computed from its bits on the codes' device
+    (no table copied from the host, so a CUDA-graph capture can run it): exponent field e, mantissa bit m,
+    ``(m / 2) * 2^0`` for e = 0, ``(1 + m / 2) * 2^(e - 1)`` otherwise."""
+    c = codes.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).to(torch.float32)
+    mag = torch.where(e == 0, m * 0.5, (1.0 + m * 0.5) * torch.exp2((e - 1).to(torch.float32)))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def pack_fp4_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -459,7 +464,7 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, block: int = FP4_
     codes = unpack_fp4_codes(packed)
     block = _act_block(codes, block, (FP4_BLOCK,))
     sb = _scale_bytes(scales, _scale_shape(codes.shape, block))
-    return _fp4_table().to(codes.device)[codes.to(torch.int64)] * _expand_scales(decode_e8m0(sb), block, codes.shape)
+    return fp4_code_values(codes) * _expand_scales(decode_e8m0(sb), block, codes.shape)
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:

@@ -483,6 +483,14 @@ def test_fp4_packing_puts_element_2i_in_the_low_nibble():
     assert packed.shape == (1, 16)
 
 
+def test_fp4_code_values_match_ml_dtypes_for_every_code():
+    """Computed from the code bits (no host table), equal to ml_dtypes' float4_e2m1fn decoding, -0.0 included."""
+    codes = np.arange(16, dtype=np.uint8)
+    ref = torch.from_numpy(codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32))
+    got = F.fp4_code_values(torch.from_numpy(codes))
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
 @st.composite
 def fp4_case(draw):
     dtype = draw(st.sampled_from([torch.bfloat16, torch.float32]))

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fidelity.formats import fp4_code_values
 from fidelity.production import ops
 from fidelity.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device, with_overrides
 
@@ -358,11 +359,9 @@ def dequantize_fp4_keys(packed: torch.Tensor, scales: torch.Tensor) -> torch.Ten
     -> bf16 [e, d] (exact; equals ``fidelity.formats.dequantize_fp4(...).to(bf16)``)."""
     packed = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
     scales = scales.view(torch.uint8) if scales.dtype == torch.float8_e8m0fnu else scales
-    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=packed.device)
-    table = torch.cat((table, -table))
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
     s = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
-    return (table[codes] * s).to(torch.bfloat16)
+    return (fp4_code_values(codes) * s).to(torch.bfloat16)
 
 
 def default_config_fp8mma(n_q: int, n_keys: int, n_heads: int) -> dict:

@@ -1,6 +1,7 @@
 """Validate, then time the Triton production kernels at V4-Flash / V4-Pro shapes on one GPU.
 
     python benchmarks/bench_kernels.py --out DIR [--only attn,index,norm,mhc,post,kv,act] [--quick]
+                                             [--cases "Flash decode b64"]
 
 For every kernel and shape: a correctness check against the torch emulation (``fidelity.production.ops`` on
 CUDA tensors) on the benchmark inputs, then CUDA-event timings (median over many runs) of
@@ -255,6 +256,13 @@ def hf_style_prefill(q, kv, idx, sink, scale):
     return torch.einsum("hnm,md->nhd", p, kv)
 
 
+CASES: list[str] = []  # --cases: run only the attention shapes whose name contains one of these
+
+
+def _wanted(name: str) -> bool:
+    return not CASES or any(c in name for c in CASES)
+
+
 def decode_sets(batch, heads, topk, n_sets, ctx_entries, fp8, seed=0):
     """n_sets independent decode batches: each token owns a sequence with 128 window rows and ``ctx_entries``
     compressed rows; idx = the 128 window rows + ``topk`` distinct compressed rows."""
@@ -284,12 +292,21 @@ def bench_attention(quick: bool):
         {"block_h": 32, "split_d": 2, "num_warps": 4, "num_stages": 1},
         {"block_h": 64, "split_d": 1, "num_warps": 8, "num_stages": 1},
         {"block_h": 64, "split_d": 2, "num_warps": 8, "num_stages": 1},
+        # added 2026-12-01 (deeper pipelines, 64-head wgmma tiles with one warpgroup)
+        {"block_h": 64, "split_d": 1, "num_warps": 8, "num_stages": 2},
+        {"block_h": 64, "split_d": 2, "num_warps": 4, "num_stages": 1},
+        {"block_h": 64, "split_d": 2, "num_warps": 4, "num_stages": 2},
+        {"block_h": 64, "split_d": 2, "num_warps": 8, "num_stages": 2},
+        {"block_h": 32, "split_d": 1, "num_warps": 4, "num_stages": 2},
+        {"block_h": 32, "split_d": 2, "num_warps": 8, "num_stages": 2},
+        {"block_h": 32, "split_d": 1, "num_warps": 8, "num_stages": 3},
+        {"block_h": 16, "split_d": 1, "num_warps": 4, "num_stages": 2},
     ]
     if quick:
         cfgs512 = cfgs512[1:3]
     cases = [("V4-Flash decode b64", 64, 64, 512), ("V4-Pro decode b64", 64, 128, 1024),
              ("V4-Flash decode b1", 1, 64, 512), ("V4-Pro decode b1", 1, 128, 1024)]
-    for name, batch, heads, topk in cases:
+    for name, batch, heads, topk in [c for c in cases if _wanted(c[0])]:
         k = 128 + topk
         flops = 2 * batch * heads * k * 1024
         ctx = 8192 if batch > 1 else 16384  # compressed entries per sequence (32K / 64K tokens at ratio 4)
@@ -338,7 +355,8 @@ def bench_attention(quick: bool):
         torch.cuda.empty_cache()
 
     # prefill: 4096 tokens, window 128 + top-k compressed entries (CSA), compute-bound
-    for name, heads, topk in (("V4-Flash prefill 4K", 64, 512), ("V4-Pro prefill 4K", 128, 1024)):
+    for name, heads, topk in [c for c in (("V4-Flash prefill 4K", 64, 512), ("V4-Pro prefill 4K", 128, 1024))
+                              if _wanted(c[0])]:
         n = 2048 if quick else 4096
         g = torch.Generator(device=DEV).manual_seed(1)
         n_comp = n // 4
@@ -768,7 +786,9 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", default="attn,index,norm,mhc,post,kv,act")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cases", default="", help="attention shapes to run, e.g. 'Flash decode b64' (default: all)")
     a = ap.parse_args()
+    CASES[:] = [c.strip() for c in a.cases.split(",") if c.strip()]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from fidelity.production import faults, registry
+from fidelity.production import faults, kernels, registry
 from fidelity.production.compressor import compress_decode_on_device
 from fidelity.production.faults import on
 from fidelity.production.model import ProductionModel, ProductionSession, _topk, _topk_cap
@@ -133,10 +133,20 @@ class GraphDecodeSession(ProductionSession):
         for k in range(experts.shape[1]):
             slot = order[k : k + 1]
             e = experts[0].index_select(0, slot)
-            y += expert(x, w1.index_select(0, e)[0], w2.index_select(0, e)[0], w3.index_select(0, e)[0],
-                        cfg.swiglu_limit, weights.index_select(1, slot), act, linear).float()
+            y += expert(x, _take(w1, e), _take(w2, e), _take(w3, e), cfg.swiglu_limit,
+                        weights.index_select(1, slot), act, linear).float()
         y += self.shared_expert(i, x)
         return y.to(torch.bfloat16)
+
+
+def _take(stack: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``stack[index[0]]`` (a copy) without reading the index on the host: a Triton copy on CUDA, else
+    ``index_select``."""
+    if stack.is_cuda and kernels.available():
+        from fidelity.production.kernels.take import take
+
+        return take(stack, index)
+    return stack.index_select(0, index)[0]
 
 
 def window_idx_on_device(pos: torch.Tensor, win: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from fidelity.formats import dequantize_fp4, fake_quant_fp8, quantize_fp4, quantize_fp8  # noqa: E402
 from fidelity.production import ops  # noqa: E402
-from fidelity.production.kernels import act_quant, indexer, kv_path, mhc, rms_norm, sparse_attention  # noqa: E402
+from fidelity.production.kernels import act_quant, indexer, kv_path, mhc, rms_norm, sparse_attention, take  # noqa: E402
 from fidelity.production.registry import REGISTRY  # noqa: E402
 from fidelity.testing import Case, check_against_oracle, check_case, strategies  # noqa: E402
 
@@ -462,3 +462,13 @@ def test_act_linear_equals_the_emulation_on_the_gpu(n, k, m):
     w = (torch.randn(m, k, generator=g) * k**-0.5).to(CUDA)
     assert torch.equal(act_quant.act_linear_cuda(x, w).view(torch.int16), ops.act_linear(x, w).view(torch.int16))
     assert torch.equal(act_quant.act_linear_cuda(x, w, "bf16"), ops.act_linear(x, w, "bf16"))
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [((16, 2048, 4096), torch.float32), ((3, 5, 7001), BF16), ((2, 0), BF16)])
+def test_take_copies_the_slice_a_device_index_names(shape, dtype):
+    stack = torch.randn(shape, device=CUDA).to(dtype)
+    for i in (0, shape[0] - 1):
+        got = take.take(stack, torch.tensor([i], device=CUDA))
+        assert got.is_contiguous() and torch.equal(got, stack[i])
+    with pytest.raises(ValueError, match="one-element index"):
+        take.take(stack, torch.tensor([0, 1], device=CUDA))

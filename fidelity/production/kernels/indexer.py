@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.formats import fp4_code_values
+from fidelity.formats import dequantize_fp4
 from fidelity.production import ops
 from fidelity.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device, with_overrides
 
@@ -356,12 +356,9 @@ index_scores.__name__ = "triton_index_scores"
 
 def dequantize_fp4_keys(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Torch (any device) dequantization of an FP4 key cache: packed uint8 [e, d/2], scale bytes uint8 [e, d/32]
-    -> bf16 [e, d] (exact; equals ``fidelity.formats.dequantize_fp4(...).to(bf16)``)."""
-    packed = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
-    scales = scales.view(torch.uint8) if scales.dtype == torch.float8_e8m0fnu else scales
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
-    s = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
-    return (fp4_code_values(codes) * s).to(torch.bfloat16)
+    -> bf16 [e, d]: ``fidelity.formats.dequantize_fp4`` (exact), cast to bf16, under the name the kernel tests
+    and benchmarks use for their reference keys."""
+    return dequantize_fp4(packed, scales, 32).to(torch.bfloat16)
 
 
 def default_config_fp8mma(n_q: int, n_keys: int, n_heads: int) -> dict:

@@ -190,6 +190,21 @@ def test_fp8_kv_layout_matches_bf16_rows(case):
                  ) <= ROW_CALC_DIFF, case.note
 
 
+def test_sparse_attention_default_stages_shrink_to_fit_an_override_but_explicit_stages_do_not():
+    """64-head d=512 decode defaults to 3 pipeline stages; with split_d=2 those do not fit in shared memory, so
+    the launcher drops stages (same numerics); a config that names its stage count is timed as named or fails."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 64, 512, generator=g).to(BF16).to(CUDA)
+    kv = torch.randn(300, 512, generator=g).to(BF16).to(CUDA)
+    idx = torch.randint(0, 300, (2, 200), generator=g).to(torch.int32).to(CUDA)
+    sink = torch.randn(64, generator=g).to(CUDA)
+    ref = ops.sparse_attention(q, kv, idx, sink, 512**-0.5)
+    got = sparse_attention.sparse_attention_cuda(q, kv, idx, sink, 512**-0.5, config={"split_d": 2})
+    assert float(_row_calc_diff(got, ref).max()) <= ROW_CALC_DIFF
+    with pytest.raises(sparse_attention.OutOfResources):
+        sparse_attention.sparse_attention_cuda(q, kv, idx, sink, 512**-0.5, config={"split_d": 2, "num_stages": 3})
+
+
 def test_sparse_attention_all_masked_and_empty():
     q = torch.randn(3, 64, 512).to(BF16)
     kv = torch.randn(5, 512).to(BF16)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from fidelity.formats import quantize_fp8
 from fidelity.production import ops
@@ -64,7 +65,7 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kv16_ptr, idx_ptr, sink_ptr, o_ptr, acc_p
                         n_tokens, n_heads, topk, blocks_per_split, scale,
                         stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
                         D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, FP8: tl.constexpr):
+                        NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr):
     pid_n = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     pid_z = tl.program_id(2)
@@ -78,9 +79,16 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kv16_ptr, idx_ptr, sink_ptr, o_ptr, acc_p
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, DV], tl.float32)
     start = pid_s * blocks_per_split * BLOCK_N
+    cols = start + tl.arange(0, BLOCK_N)
+    ids_next = tl.load(idx_ptr + pid_n * stride_in + cols, mask=cols < topk, other=-1)
     for j in range(0, blocks_per_split):
-        cols = start + j * BLOCK_N + tl.arange(0, BLOCK_N)
-        ids = tl.load(idx_ptr + pid_n * stride_in + cols, mask=cols < topk, other=-1)
+        if PREFETCH:  # indices one block ahead (loop-carried): the pipeliner starts the next row gather at once
+            ids = ids_next
+            cols = start + (j + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ids_next = tl.load(idx_ptr + pid_n * stride_in + cols, mask=cols < topk, other=-1)
+        else:
+            cols = start + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            ids = tl.load(idx_ptr + pid_n * stride_in + cols, mask=cols < topk, other=-1)
         valid = ids >= 0
         rows = tl.where(valid, ids, 0).to(tl.int64)
         k = _kv_tile(kv_ptr, kv16_ptr, rows, valid, 0, stride_kv, D, FP8)
@@ -144,24 +152,29 @@ def default_config_fp8(n_tokens: int, n_heads: int, d: int, topk: int) -> dict:
     """FP8-KV launch parameters (the dequantized tile needs more shared memory: one pipeline stage; 64 heads
     per program amortize the dequantization over more heads)."""
     if n_heads <= 16:
-        return {"block_h": 16, "split_d": 1, "num_splits": 1, "num_warps": 4, "num_stages": 1}
+        return {"block_h": 16, "split_d": 1, "num_splits": 1, "num_warps": 4, "num_stages": 1, "prefetch": False}
     if n_heads >= 128 or n_tokens > 256:
-        return {"block_h": 64, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 1}
-    return {"block_h": 64, "split_d": 2, "num_splits": 1, "num_warps": 8, "num_stages": 1}
+        return {"block_h": 64, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 1, "prefetch": False}
+    return {"block_h": 64, "split_d": 2, "num_splits": 1, "num_warps": 8, "num_stages": 1, "prefetch": False}
 
 
 def default_config(n_tokens: int, n_heads: int, d: int, topk: int) -> dict:
-    """Launch parameters, from the H200 sweep in ``benchmarks/bench_kernels.py`` (BENCHMARKS.md): d=512 with 128
-    heads or a long prefill: 64 heads per program; 64 heads decode: 32 heads, 2 pipeline stages; few heads: 16.
-    Never split-KV by default (it changes the max against which P is rounded to bf16)."""
+    """Launch parameters, from the H200 sweep in ``benchmarks/bench_kernels.py`` (BENCHMARKS.md): d=512 long
+    prefill: 64 heads per program, 1 stage; 128 heads decode: 64 heads, 2 stages; 64 heads decode: 32 heads,
+    3 stages; few heads: 16. Never split-KV by default (it changes the max against which P is rounded to bf16).
+    ``prefetch`` loads each index block one loop iteration ahead: on for d=512 with 64 or more heads (52 -> 44 us
+    at Flash decode b64, neutral at batch 1 and in prefill), off where not measured (d <= 128, 16 heads) and on
+    the FP8 layout (slower there)."""
     if d <= 128:
         return {"block_h": max(16, min(next_pow2(n_heads), 64)), "split_d": 1, "num_splits": 1, "num_warps": 4,
-                "num_stages": 1}
+                "num_stages": 1, "prefetch": False}
     if n_heads <= 16:
-        return {"block_h": 16, "split_d": 1, "num_splits": 1, "num_warps": 4, "num_stages": 1}
-    if n_heads >= 128 or n_tokens > 256:
-        return {"block_h": 64, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 1}
-    return {"block_h": 32, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 2}
+        return {"block_h": 16, "split_d": 1, "num_splits": 1, "num_warps": 4, "num_stages": 1, "prefetch": False}
+    if n_tokens > 256:
+        return {"block_h": 64, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 1, "prefetch": True}
+    if n_heads >= 128:
+        return {"block_h": 64, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 2, "prefetch": True}
+    return {"block_h": 32, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 3, "prefetch": True}
 
 
 def _launch(q, kv_main, kv16, idx, sink, scale, d, fp8, cfg):
@@ -185,11 +198,20 @@ def _launch(q, kv_main, kv16, idx, sink, scale, d, fp8, cfg):
     else:
         acc = ml = o
     grid = (n, triton.cdiv(h, block_h), split_d * num_splits)
-    _sparse_attn_kernel[grid](
-        q, kv_main, kv16, idx, sink, o, acc, ml, n, h, topk, per_split, scale,
-        q.stride(0), q.stride(1), kv_main.stride(0), idx.stride(0), o.stride(0), o.stride(1),
-        D=d, DV=d // split_d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, FP8=fp8,
-        num_warps=c["num_warps"], num_stages=c["num_stages"])
+    # a default stage count that does not fit next to overridden parameters (e.g. split_d) shrinks; stages
+    # asked for explicitly do not (a config sweep must time what it names)
+    lowest = c["num_stages"] if (cfg or {}).get("num_stages") is not None else 1
+    for stages in range(c["num_stages"], lowest - 1, -1):
+        try:
+            _sparse_attn_kernel[grid](
+                q, kv_main, kv16, idx, sink, o, acc, ml, n, h, topk, per_split, scale,
+                q.stride(0), q.stride(1), kv_main.stride(0), idx.stride(0), o.stride(0), o.stride(1),
+                D=d, DV=d // split_d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, FP8=fp8,
+                PREFETCH=bool(c["prefetch"]), num_warps=c["num_warps"], num_stages=stages)
+            break
+        except OutOfResources:
+            if stages == lowest:
+                raise
     if num_splits > 1:
         _combine_kernel[(n, triton.cdiv(h, block_h))](
             acc, ml, sink, o, n, h, num_splits, o.stride(0), o.stride(1), D=d, BLOCK_H=block_h, num_warps=4)

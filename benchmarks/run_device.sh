@@ -18,7 +18,7 @@ else
   # 2 CPU threads per xdist worker: 8 workers x 16 default threads oversubscribe the 16 cores (a suspect, not a
   # proven cause, for the production-on-CUDA tests running into their timeouts on 2026-12-01)
   OMP_NUM_THREADS=2 timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests/gpu -q -n 8 -p no:cacheprovider \
-    --timeout 380 -rfE >"$OUT/pytest.log" 2>&1
+    --timeout 380 -rfE --durations=15 >"$OUT/pytest.log" 2>&1
   echo "pytest rc=$?"
   tail -c 3000 "$OUT/pytest.log"
   timeout "${LAYER_TIMEOUT:-200}" python3 benchmarks/bench_layer_decode.py --out "$OUT" --steps 12 \

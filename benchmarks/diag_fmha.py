@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import _row_calc_diff, decode_sets, time_fn  # noqa: E402
 
 from fidelity.production import ops  # noqa: E402
+from fidelity.production.kernels import sparse_attention  # noqa: E402
+from fidelity.production.kernels.sparse_attention import BLOCK_N  # noqa: E402
 
 
 @triton.jit
@@ -113,10 +115,10 @@ def launch(mode, q, kv, idx, sink, scale, cfg):
     n, h, d = q.shape
     o = torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
     grid = (n, h // cfg["block_h"])
-    n_blocks = triton.cdiv(idx.shape[1], 64)
+    n_blocks = triton.cdiv(idx.shape[1], BLOCK_N)
     return o, _diag_kernel[grid](q, kv, idx, sink, o, idx.shape[1], n_blocks, scale, q.stride(0), q.stride(1),
                                  kv.stride(0), idx.stride(0), o.stride(0), o.stride(1), D=d, BLOCK_H=cfg["block_h"],
-                                 BLOCK_N=64, MODE=mode, WS=mode == "swap_ws", NS=cfg["num_stages"], PF=pf,
+                                 BLOCK_N=BLOCK_N, MODE=mode, WS=mode == "swap_ws", NS=cfg["num_stages"], PF=pf,
                                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -156,7 +158,6 @@ def main() -> None:
     args = [(s["q"], s["cache"], s["idx"], s["sink"]) for s in sets]
     s0 = sets[0]
     ref = ops.sparse_attention(s0["q"], s0["cache"], s0["idx"], s0["sink"], scale)
-    from fidelity.production.kernels import sparse_attention
     t = time_fn(lambda q, c, i, s: sparse_attention.sparse_attention_cuda(q, c, i, s, scale), args)
     results = [{"mode": "production default", "us": t["us"]}]
     t = time_fn(lambda q, c, i, s: c.index_select(0, i.view(-1)), [(*x[:2], x[2].long(), x[3]) for x in args])

@@ -1,6 +1,6 @@
 """Validate, then time the Triton production kernels at V4-Flash / V4-Pro shapes on one GPU.
 
-    python benchmarks/bench_kernels.py --out DIR [--only attn,index,norm,mhc,post,kv,act] [--quick]
+    python benchmarks/bench_kernels.py --out DIR [--only attn,index,norm,mhc,post,kv,act,topk] [--quick]
                                              [--cases "Flash decode b64"]
 
 For every kernel and shape: a correctness check against the torch emulation (``fidelity.production.ops`` on
@@ -48,6 +48,7 @@ L2_BYTES = 60e6
 VENDOR = {"bw": 4.8e12, "bf16": 989e12, "fp32": 67e12, "fp8": 1979e12}
 RESULTS: list[dict] = []
 CEIL: dict[str, float] = {}
+ATTN_CONFIGS: list[dict] = []  # --attn-configs: replaces the decode launch-config sweep
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,6 +305,8 @@ def bench_attention(quick: bool):
     ]
     if quick:
         cfgs512 = cfgs512[1:3]
+    if ATTN_CONFIGS:
+        cfgs512 = list(ATTN_CONFIGS)
     cases = [("V4-Flash decode b64", 64, 64, 512), ("V4-Pro decode b64", 64, 128, 1024),
              ("V4-Flash decode b1", 1, 64, 512), ("V4-Pro decode b1", 1, 128, 1024)]
     for name, batch, heads, topk in [c for c in cases if _wanted(c[0])]:
@@ -327,7 +330,8 @@ def bench_attention(quick: bool):
         print(f"[attn] {name}: {check}", flush=True)
         args_bf16 = [(s["q"], s["cache"], s["idx"], s["sink"]) for s in sets]
         args_fp8 = [(s["q"], s["packed"], s["idx"], s["sink"]) for s in sets]
-        configs = cfgs512 + [dict(cfgs512[i], num_splits=2) for i in (3, 5)] if batch > 1 else [
+        extra = [] if ATTN_CONFIGS else [dict(cfgs512[i], num_splits=2) for i in (3, 5)]
+        configs = cfgs512 + extra if batch > 1 else [
             dict(c, num_splits=ns) for c in cfgs512[:2] for ns in (1, 5, 10)]
         if batch == 1 and quick:
             configs = [dict(cfgs512[0], num_splits=ns) for ns in (1, 5)]
@@ -599,7 +603,8 @@ def bench_norm(quick: bool):
         record("rms_norm_fp8", name, "torch naive", t, bytes_=bytes_, flops=0)
         best = sweep("rms_norm_fp8", name, "triton fused", lambda cfg: (
             lambda *xs: rms_norm.rms_norm_fp8_cuda(*xs, 1e-6, **cfg)),
-            [{"num_warps": nw, "rows": r} for nw in (4, 8, 16) for r in ((1, 2, 4) if n >= 1024 else (1,))],
+            [{}] + [{"num_warps": nw, "rows": r, "stream": st} for st in (False, True) for nw in (4, 8, 16)
+                    for r in ((1, 2, 4) if n >= 1024 else (1,))],
             sets, bytes_=bytes_, flops=0, check=check)
         if best:
             best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
@@ -753,6 +758,46 @@ def bench_act(quick: bool):
         torch.cuda.empty_cache()
 
 
+def bench_topk(quick: bool):
+    """Indexer top-k selection on fp32 scores (bf16 values, -inf past the causal limit): the routes of
+    ``topk.stable_topk`` (all pick the same entries in the same order as the stable descending sort) and its
+    default route for the shape; plain ``torch.topk`` on the scores (tie order unspecified) is a speed
+    reference only."""
+    from fidelity.production.topk import ROUTES, default_route, stable_topk
+
+    cases = [("decode b1, 128K ctx (32768 keys), k=512", 1, 32768, 512),
+             ("decode b1, 1M ctx (262144 keys), k=512", 1, 262144, 512),
+             ("decode b1, 1M ctx (262144 keys), k=1024", 1, 262144, 1024),
+             ("decode b64, 32K ctx (8192 keys), k=512", 64, 8192, 512)]
+    cases += [(f"prefill chunk {r} q x {n} keys, k=512", r, n, 512)
+              for r, n in ((128, 32768), (256, 32768), (512, 8192), (512, 32768), (512, 262144), (1024, 32768))]
+    for name, rows, n, k in cases[:2] if quick else cases:
+        g = torch.Generator(device=DEV).manual_seed(9)
+        sets = []
+        for _ in range(_n_sets(rows * n * 4, hi=48)):
+            x = torch.randn(rows, n, device=DEV, generator=g).to(BF16).float()
+            x[:, n - n // 8:] = float("-inf")
+            sets.append((x,))
+        x = sets[0][0]
+        ref = x.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        check = {f"{route}_equal_to_stable_sort": bool(torch.equal(stable_topk(x, k, route), ref))
+                 for route in ROUTES}
+        check["plain_topk_equal_to_stable_sort"] = bool(torch.equal(torch.topk(x, k, dim=-1).indices, ref))
+        check["default_route"] = default_route(x)
+        print(f"[topk] {name}: {check}", flush=True)
+        base = {}
+        variants = [(f"route {route}", lambda s, k=k, route=route: stable_topk(s, k, route)) for route in ROUTES]
+        for variant, fn in variants + [("torch.topk, unspecified ties", lambda s, k=k: torch.topk(s, k).indices)]:
+            r = record("topk", name, variant, time_fn(fn, sets), bytes_=rows * n * 4, flops=0, check=check)
+            base[variant] = r["us"]
+        chosen = base["route " + check["default_route"]]
+        exact = [v for v in base if v.startswith("route ")]
+        print(f"  fastest exact route: {min(exact, key=base.get)}; default {check['default_route']}: "
+              f"{base['route sort'] / chosen:.2f}x faster than the sort", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -784,10 +829,14 @@ def markdown() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", default="attn,index,norm,mhc,post,kv,act")
+    ap.add_argument("--only", default="attn,index,norm,mhc,post,kv,act,topk")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cases", default="", help="attention shapes to run, e.g. 'Flash decode b64' (default: all)")
+    ap.add_argument("--attn-configs", default="",
+                    help="JSON list of launch configs swept at the batch-64 decode shapes instead of the built-in "
+                         "list, e.g. '[{\"block_h\": 64, \"num_warps\": 8, \"num_stages\": 2, \"num_splits\": 2}]'")
     a = ap.parse_args()
+    ATTN_CONFIGS[:] = json.loads(a.attn_configs) if a.attn_configs else []
     CASES[:] = [c.strip() for c in a.cases.split(",") if c.strip()]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -795,7 +844,7 @@ def main() -> None:
     t0 = time.time()
     measure_ceilings()
     for key, fn in (("norm", bench_norm), ("act", bench_act), ("post", bench_post), ("kv", bench_kv),
-                    ("index", bench_indexer),
+                    ("index", bench_indexer), ("topk", bench_topk),
                     ("mhc", bench_mhc), ("attn", bench_attention)):
         if key not in a.only.split(","):
             continue

@@ -25,7 +25,8 @@ import torch
 from fidelity.production import faults, kernels, registry
 from fidelity.production.compressor import compress_decode_on_device
 from fidelity.production.faults import on
-from fidelity.production.model import ProductionModel, ProductionSession, _topk, _topk_cap
+from fidelity.production.model import ProductionModel, ProductionSession, _topk_cap
+from fidelity.production.topk import stable_topk
 
 
 class GraphDecodeSession(ProductionSession):
@@ -118,7 +119,7 @@ class GraphDecodeSession(ProductionSession):
         limit = (self.pos_dev + 1) // 4
         scores = self._scorer(cache.keys, n)(q, weights).float()
         scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= limit, float("-inf"))
-        picks = _topk(scores, min(_topk_cap(self.cfg.index_topk), n))
+        picks = stable_topk(scores, min(_topk_cap(self.cfg.index_topk), n))
         return torch.where(picks >= limit, -1, picks)
 
     def moe(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

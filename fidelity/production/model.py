@@ -18,6 +18,7 @@ from fidelity.production.compressor import compress_decode, compress_prefill
 from fidelity.production.faults import on
 from fidelity.production.profiles import Profile, get_profile
 from fidelity.production.registry import implementation
+from fidelity.production.topk import stable_topk
 from fidelity.sites import Recorder
 from oracles.rope import inv_freq
 
@@ -354,7 +355,7 @@ class ProductionSession:
             limit = ((positions[sl] + 1) // 4 + (1 if on("causal-off-by-one") else 0))[:, None]
             scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= limit, float("-inf"))
             self.emit(f"L{i}.indexer.scores", scores)
-            picks = _topk(scores, k)
+            picks = stable_topk(scores, k)
             out.append(torch.where(picks >= limit, -1, picks))
         picks = torch.cat(out)
         self.emit(f"L{i}.indexer.topk", _pad(picks, cfg.index_topk))
@@ -368,7 +369,7 @@ class ProductionSession:
         n = (t + 1) // 4
         scores = self._scorer(cache.keys, n)(q, weights).float()
         self.emit(f"L{i}.indexer.scores", scores)
-        picks = _topk(scores, min(_topk_cap(cfg.index_topk), n))
+        picks = stable_topk(scores, min(_topk_cap(cfg.index_topk), n))
         self.emit(f"L{i}.indexer.topk", lambda: _pad(picks, cfg.index_topk))
         return picks
 
@@ -421,13 +422,6 @@ def _biased_weights(x, gate_w, bias, experts, route_scale) -> torch.Tensor:
     s = torch.nn.functional.softplus(x.float() @ gate_w.float().T).sqrt() + bias
     w = s.gather(1, experts)
     return w / w.sum(-1, keepdim=True) * route_scale
-
-
-def _topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k entry ids, highest score first, exact ties to the lower id. bf16 index scores tie often (8-bit
-    mantissa, and every all-negative entry scores exactly 0); ``torch.topk``'s tie order is implementation-
-    defined (and differs between a prefill's and a decode step's shapes), so the production path fixes it."""
-    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
 
 
 def _pad(picks: torch.Tensor, width: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ def e4m3_blocks(yf):
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, stride_x, stride_y, stride_q, stride_s,
                      NB: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, WRITE_Y: tl.constexpr,
-                     WRITE_Q: tl.constexpr):
+                     WRITE_Q: tl.constexpr, STREAM: tl.constexpr):
     """``ROWS`` rows per program as one [ROWS, NB, QB] tile (QB = the quantization block), so that all the rows'
     loads are in flight together and the FP8 epilogue's per-block amax is a plain reduction (no re-layout)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -55,8 +55,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, str
     cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]  # [NB, QB]
     cmask = cols < n_cols
     mask = (rows < n_rows)[:, None, None] & cmask[None, :, :]
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    if STREAM:  # x is read once and codes written once (kept out of the caches' way); w is read by every program
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+    else:
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
     ms = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.zeros([ROWS], tl.float32) + n_cols)
     rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
     y = (w[None, :, :] * (x * rs[:, None, None])).to(y_ptr.dtype.element_ty)
@@ -65,13 +70,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, str
     if WRITE_Q:
         codes, sbyte, _ = e4m3_blocks(tl.reshape(y.to(tl.float32), [ROWS * NB, QB]))
         tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], tl.reshape(codes, [ROWS, NB, QB]),
-                 mask=mask)
+                 mask=mask, cache_modifier=".cs" if STREAM else "")
         smask = (rows < n_rows)[:, None] & (blk * QB < n_cols)[None, :]
         tl.store(s_ptr + rows[:, None] * stride_s + blk[None, :], tl.reshape(sbyte, [ROWS, NB]).to(tl.uint8),
                  mask=smask)
 
 
-def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None):
+def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, stream=None):
     shape = x.shape
     d = shape[-1]
     x2 = x.reshape(-1, d)
@@ -83,13 +88,15 @@ def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None):
     s = torch.empty((n, d // 128), dtype=torch.uint8, device=x.device) if write_q else y
     if n:
         nb = next_pow2(triton.cdiv(d, 128))
-        warps = num_warps or (4 if nb <= 16 else (8 if nb <= 64 else 16))
         rows = rows or (2 if n >= 1024 else 1)  # H200 sweep (BENCHMARKS.md): two rows per program for prefill
+        # H200 sweep: 2 rows of d = 4096 (nb 32) fastest with 4 warps, 2 rows of d = 7168 (nb 64) with 8
+        warps = num_warps or (4 if nb <= 16 or (rows == 2 and nb <= 32) else (8 if nb <= 64 else 16))
         if rows & (rows - 1):
             raise ValueError(f"rows: expected a power of two, found {rows}")
         _rms_norm_kernel[(triton.cdiv(n, rows),)](
             x2, weight.contiguous(), y, q, s, n, d, float(eps), x2.stride(0), y.stride(0), q.stride(0), s.stride(0),
-            NB=nb, QB=128, ROWS=rows, WRITE_Y=write_y, WRITE_Q=write_q, num_warps=warps)
+            NB=nb, QB=128, ROWS=rows, WRITE_Y=write_y, WRITE_Q=write_q,
+            STREAM=rows > 1 and write_q if stream is None else stream, num_warps=warps)
     y = y.reshape(shape)
     if not write_q:
         return y
@@ -110,7 +117,7 @@ def rms_norm_cuda(x, weight, eps):
 
 
 def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int | None = None,
-                      rows: int | None = None):
+                      rows: int | None = None, stream: bool | None = None):
     """``formats.quantize_fp8(ops.rms_norm(x, weight, eps), 128)`` in one pass: (codes float8_e4m3fn [..., d],
     scale bytes uint8 [..., d/128]) plus the bf16 ``y`` when ``return_y``. d must be a multiple of 128."""
     if x.shape[-1] % 128:
@@ -121,7 +128,7 @@ def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int 
 
         q, s = quantize_fp8(y, 128)
         return (q, s, y) if return_y else (q, s)
-    return _launch(x, weight, eps, return_y, True, num_warps, rows)
+    return _launch(x, weight, eps, return_y, True, num_warps, rows, stream)
 
 
 rms_norm = device_transparent(rms_norm_cuda)

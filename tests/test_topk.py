@@ -1,0 +1,72 @@
+"""The production top-k (unique int64 keys + torch.topk) picks exactly what a stable descending sort picks."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fidelity.production.topk import ROUTES, order_keys, stable_topk
+
+SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38]
+
+
+def _sorted_picks(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(SPECIALS), st.integers(-6, 6).map(lambda v: v / 4),
+                          st.floats(width=32, allow_nan=True, allow_infinity=True)), min_size=1, max_size=200),
+       st.integers(1, 3), st.sampled_from(ROUTES), st.data())
+def test_every_route_equals_the_stable_descending_sort_on_ties_signed_zeros_nans_and_infinities(values, rows, route,
+                                                                                              data):
+    x = torch.tensor(values, dtype=torch.float32).repeat(rows, 1)
+    x[1:] = x[1:].roll(1, dims=-1)  # a different arrangement per row
+    k = data.draw(st.integers(0, x.shape[-1]))
+    assert torch.equal(stable_topk(x, k, route), _sorted_picks(x, k))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_route_matches_the_sort_on_bf16_scores_at_a_decode_size(route):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 40000, generator=g).bfloat16().float()  # bf16: thousands of exact ties
+    x[:, 30000:] = float("-inf")  # entries past the causal limit
+    x[0, :100] = 0.0
+    x[1, :100] = -0.0
+    x[2, :30000] = 0.0  # the whole visible row ties
+    assert torch.equal(stable_topk(x, 512, route), _sorted_picks(x, 512))
+    assert torch.equal(stable_topk(x[None], 512, route), _sorted_picks(x, 512)[None])  # leading dims
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_route_takes_k_zero_and_k_equal_to_the_row(route):
+    x = torch.tensor([[1.0, float("-inf"), 1.0, 0.5]])
+    assert stable_topk(x, 0, route).shape == (1, 0)
+    assert stable_topk(x, 4, route).tolist() == [[0, 2, 3, 1]]
+
+
+def test_equal_scores_go_to_the_lower_entry_id_and_minus_zero_ties_plus_zero():
+    x = torch.tensor([[0.0, -0.0, 1.0, 0.0, -0.0, float("nan"), 1.0, float("nan")]])
+    assert stable_topk(x, 8).tolist() == [[5, 7, 2, 6, 0, 1, 3, 4]]
+
+
+def test_order_keys_are_distinct_and_ordered_by_score_then_reversed_id():
+    x = torch.tensor([-2.0, -1.0, -0.0, 0.0, 1.0, 2.0, float("inf"), float("nan"), float("-inf")])
+    keys = order_keys(x)
+    assert len(set(keys.tolist())) == len(x)
+    assert keys.argsort().tolist() == [8, 0, 1, 3, 2, 4, 5, 6, 7]  # -0 ties +0: the lower id (2) ranks higher
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_stable_topk_refuses_k_outside_the_row_and_non_fp32_scores(route):
+    with pytest.raises(ValueError, match=r"k must lie in \[0, 3\].*found 4"):
+        stable_topk(torch.zeros(1, 3), 4, route)
+    with pytest.raises(ValueError, match="found -1"):
+        stable_topk(torch.zeros(1, 3), -1, route)
+    with pytest.raises(TypeError, match="float32, found torch.bfloat16"):
+        stable_topk(torch.zeros(1, 3, dtype=torch.bfloat16), 1, route)
+
+
+def test_stable_topk_refuses_an_unknown_route():
+    with pytest.raises(ValueError, match="route must be one of .*found 'radix'"):
+        stable_topk(torch.zeros(1, 3), 1, "radix")

@@ -117,7 +117,7 @@ class GraphDecodeSession(ProductionSession):
         self.compress(i, x, positions, index=True)
         n = cache.keys.capacity
         limit = (self.pos_dev + 1) // 4
-        scores = self._scorer(cache.keys, n)(q, weights).float()
+        scores = self._scorer(cache.keys, n)(q, weights)
         scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= limit, float("-inf"))
         picks = stable_topk(scores, min(_topk_cap(self.cfg.index_topk), n))
         return torch.where(picks >= limit, -1, picks)

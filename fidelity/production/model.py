@@ -351,10 +351,10 @@ class ProductionSession:
         out = []
         for s in range(0, t, QUERY_CHUNK):
             sl = slice(s, s + QUERY_CHUNK)
-            scores = score(q[sl], weights[sl]).float()
+            scores = score(q[sl], weights[sl])  # as the op returns them (bf16): no fp32 copy of the logits
             limit = ((positions[sl] + 1) // 4 + (1 if on("causal-off-by-one") else 0))[:, None]
             scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= limit, float("-inf"))
-            self.emit(f"L{i}.indexer.scores", scores)
+            self.emit(f"L{i}.indexer.scores", scores.float)
             picks = stable_topk(scores, k)
             out.append(torch.where(picks >= limit, -1, picks))
         picks = torch.cat(out)
@@ -367,8 +367,8 @@ class ProductionSession:
         new = self.compress(i, x, positions, index=True)
         self.emit_keys(i, new)
         n = (t + 1) // 4
-        scores = self._scorer(cache.keys, n)(q, weights).float()
-        self.emit(f"L{i}.indexer.scores", scores)
+        scores = self._scorer(cache.keys, n)(q, weights)
+        self.emit(f"L{i}.indexer.scores", scores.float)
         picks = stable_topk(scores, min(_topk_cap(cfg.index_topk), n))
         self.emit(f"L{i}.indexer.topk", lambda: _pad(picks, cfg.index_topk))
         return picks

@@ -1,5 +1,6 @@
-"""The production top-k on a CUDA device (skipped without one): the same picks as the stable sort, also inside a
-CUDA graph (graph decode captures it)."""
+"""The production top-k on a CUDA device (skipped without one): the CPU stable sort's picks on every route, for
+fp32 and bf16 scores, where CUDA's own float sort differs (it orders -0.0 below +0.0 and a negative NaN last),
+also inside a CUDA graph (graph decode captures it)."""
 
 import pytest
 import torch
@@ -10,32 +11,40 @@ if not torch.cuda.is_available():
 from fidelity.production.topk import CUDA_KEYS_MIN_ROWS, ROUTES, default_route, stable_topk  # noqa: E402
 
 
-def _scores(rows: int, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(rows, n, device="cuda", generator=g).bfloat16().float()  # bf16 values: many exact ties
+def _scores(rows: int, n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """bf16-valued scores whose top-k boundary falls among zeros of both signs, with NaNs of both signs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g).bfloat16().float()
+    x[torch.rand(rows, n, generator=g) < 0.8] = 0.0
+    x[torch.rand(rows, n, generator=g) < 0.4] = -0.0
     x[:, n - n // 8:] = float("-inf")
-    x[:, :64] = 0.0
-    x[:, 64:128] = -0.0
     x[0, 200:203] = float("nan")
-    return x
+    x[-1, 300:302] = -float("nan")
+    return x.to(dtype)
 
 
+def _reference(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x.float().cpu().sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("rows,n,k", [(1, 32768, 512), (1, 262144, 1024), (64, 8192, 512), (3, 700, 700),
                                       (CUDA_KEYS_MIN_ROWS, 8192, 512), (512, 32768, 512)])
-def test_every_route_on_cuda_equals_the_stable_sort(rows, n, k, route):
-    x = _scores(rows, n, seed=n + k)
-    assert torch.equal(stable_topk(x, k, route), x.sort(dim=-1, descending=True, stable=True).indices[:, :k])
+def test_every_route_on_cuda_equals_the_cpu_stable_sort(rows, n, k, route, dtype):
+    x = _scores(rows, n, seed=n + k, dtype=dtype)
+    assert torch.equal(stable_topk(x.cuda(), k, route).cpu(), _reference(x, k))
 
 
 def test_cuda_default_route_is_the_sort_for_decode_and_the_keys_for_prefill_chunks():
-    assert default_route(_scores(1, 1000, 0)) == "sort"
-    assert default_route(_scores(CUDA_KEYS_MIN_ROWS, 1000, 0)) == "keys"
+    assert default_route(_scores(1, 1000, 0).cuda()) == "sort"
+    assert default_route(_scores(CUDA_KEYS_MIN_ROWS, 1000, 0).cuda()) == "keys"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("route", ROUTES)
-def test_every_route_replays_in_a_cuda_graph(route):
-    x = _scores(2, 65536, seed=1)
+def test_every_route_replays_in_a_cuda_graph(route, dtype):
+    x = _scores(2, 65536, seed=1, dtype=dtype).cuda()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -45,7 +54,8 @@ def test_every_route_replays_in_a_cuda_graph(route):
     with torch.cuda.graph(g):
         picks = stable_topk(x, 512, route)
     for seed in (2, 3):
-        x.copy_(_scores(2, 65536, seed=seed))
+        fresh = _scores(2, 65536, seed=seed, dtype=dtype)
+        x.copy_(fresh.cuda())
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(picks, x.sort(dim=-1, descending=True, stable=True).indices[:, :512])
+        assert torch.equal(picks.cpu(), _reference(fresh, 512))

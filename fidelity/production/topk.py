@@ -10,11 +10,11 @@ each score to an integer of the same order, ``ordered_scores`` (fp32 -> int32, b
 get their magnitude bits flipped; -0.0 is folded into +0.0 and every NaN into one NaN above +inf), and selects
 by one of two routes with the same result:
 
-* ``sort``: a stable descending sort of those integers (fastest on CUDA up to 64 rows: decode; for bf16 scores
-  it sorts 16-bit keys, about 1.7x faster than sorting the fp32 copy);
+* ``sort``: a stable descending sort of those integers (fastest on CUDA for bf16 scores at every measured shape,
+  1-1024 rows, where it sorts 16-bit keys; for fp32 scores up to 64 rows: decode);
 * ``keys``: one distinct int64 key per entry, ``(ordered score) << 32 | (2^32 - 1 - id)``, and ``torch.topk``
-  of the keys (fastest on the CPU, and on CUDA from 128 rows: prefill chunks). The keys are distinct, so the
-  picks and their order are fully determined.
+  of the keys (fastest on the CPU, and on CUDA for fp32 scores from 128 rows: prefill chunks). The keys are
+  distinct, so the picks and their order are fully determined.
 
 Scores are taken as produced (bf16 or fp32): no fp32 copy of the logits is made.
 """
@@ -28,7 +28,7 @@ ID_MASK = (1 << ID_BITS) - 1
 # bits and positive quiet NaN (above +inf in the integer order) of each supported score dtype
 _INT_VIEW = {torch.float32: (torch.int32, 31, 0x7FFFFFFF, 0x7FC00000),
              torch.bfloat16: (torch.int16, 15, 0x7FFF, 0x7FC0)}
-CUDA_KEYS_MIN_ROWS = 128  # H200 (BENCHMARKS.md, top-k): the sort is faster at 1-64 rows, the keys from 128
+CUDA_KEYS_MIN_ROWS = 128  # H200, fp32 scores (BENCHMARKS.md, top-k): the sort is faster at 1-64 rows, the keys from 128
 ROUTES = ("sort", "keys")
 
 
@@ -56,8 +56,10 @@ def order_keys(scores: torch.Tensor) -> torch.Tensor:
 
 
 def default_route(scores: torch.Tensor) -> str:
-    """The fastest route measured for this device and row count."""
-    return "sort" if scores.is_cuda and scores[..., 0].numel() < CUDA_KEYS_MIN_ROWS else "keys"
+    """The fastest route measured for this device, dtype and row count."""
+    if not scores.is_cuda:
+        return "keys"
+    return "sort" if scores.dtype == torch.bfloat16 or scores[..., 0].numel() < CUDA_KEYS_MIN_ROWS else "keys"
 
 
 def stable_topk(scores: torch.Tensor, k: int, route: str | None = None) -> torch.Tensor:

@@ -36,9 +36,10 @@ def test_every_route_on_cuda_equals_the_cpu_stable_sort(rows, n, k, route, dtype
     assert torch.equal(stable_topk(x.cuda(), k, route).cpu(), _reference(x, k))
 
 
-def test_cuda_default_route_is_the_sort_for_decode_and_the_keys_for_prefill_chunks():
+def test_cuda_default_route_is_the_sort_except_for_fp32_prefill_chunks():
     assert default_route(_scores(1, 1000, 0).cuda()) == "sort"
     assert default_route(_scores(CUDA_KEYS_MIN_ROWS, 1000, 0).cuda()) == "keys"
+    assert default_route(_scores(CUDA_KEYS_MIN_ROWS, 1000, 0, torch.bfloat16).cuda()) == "sort"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -355,6 +355,7 @@ def bench_attention(quick: bool):
                 speed = {f"speedup vs {kname}": us / r["us"] for kname, us in base.items()}
                 r["baselines"] = dict(base, **speed)
                 print(f"  best {variant}: {r['us']:.2f} us {best[1]} {speed}", flush=True)
+        bench_e4m3_profile(name, s0, args_bf16, scale, bytes_=qo + idx_b + batch * k * 1024, flops=flops)
         del sets, args_bf16, args_fp8
         torch.cuda.empty_cache()
 
@@ -756,6 +757,20 @@ def bench_act(quick: bool):
             best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
         del sets
         torch.cuda.empty_cache()
+
+
+def bench_e4m3_profile(name, s0, args, scale, *, bytes_, flops):
+    """Profile fp8-fmha (``fmt="fp8"``: e4m3 Q, K/V and P) in the kernel vs its torch emulation, default launch."""
+    got = sparse_attention.sparse_attention_cuda(s0["q"], s0["cache"], s0["idx"], s0["sink"], scale, "fp8")
+    ref = ops.sparse_attention(s0["q"], s0["cache"], s0["idx"], s0["sink"], scale, "fp8")
+    check = {"max_row_calc_diff_vs_emulation": float(_row_calc_diff(got, ref).max()),
+             "equal_frac_vs_emulation": float((got == ref).float().mean())}
+    print(f"[attn] {name} e4m3 profile: {check}", flush=True)
+    t = time_fn(lambda q, c, i, s: ops.sparse_attention(q, c, i, s, scale, "fp8"), args[:3])
+    record("sparse_attention", name, "e4m3 profile: torch emulation", t, bytes_=bytes_, flops=flops)
+    t_k = time_fn(lambda q, c, i, s: sparse_attention.sparse_attention_cuda(q, c, i, s, scale, "fp8"), args)
+    record("sparse_attention", name, "e4m3 profile (fp8-fmha), kernel", t_k, bytes_=bytes_, flops=flops,
+           check=check, baselines={"torch emulation": t["us"], "speedup vs torch emulation": t["us"] / t_k["us"]})
 
 
 def bench_topk(quick: bool):

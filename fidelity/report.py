@@ -178,6 +178,7 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
         "layers": f"{len(layers)} (L{layers[0]}..L{layers[-1]})" if layers else "none",
         "metric rows": len(df),
     }
+    facts.update(_kernel_facts(manifest))
     for key, v in manifest.items():
         if isinstance(v, list | tuple) and all(isinstance(x, str | int | float) for x in v):
             v = " ".join(map(str, v))  # e.g. the command line
@@ -187,6 +188,18 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
     manifest_json = json.dumps(manifest, indent=2, sort_keys=True, default=str)
     return Section("Run", ["The full manifest is in manifest.json."], table, details=manifest_json,
                    details_title="manifest.json")
+
+
+def _kernel_facts(manifest: dict) -> dict[str, str]:
+    """The ops that resolved to a GPU kernel, and the calls where a kernel's wrapper ran the emulation instead."""
+    kernels = sorted(op for op, impl in (manifest.get("implementations") or {}).items() if impl != "cpu")
+    facts = {"kernels": ", ".join(kernels)} if kernels else {}
+    fallbacks = manifest.get("kernel_fallbacks") or {}
+    if fallbacks:
+        facts["kernel fallbacks (emulation ran)"] = "; ".join(
+            f"{op}: " + ", ".join(f"{reason} ({n} calls)" for reason, n in sorted(by_reason.items()))
+            for op, by_reason in sorted(fallbacks.items()))
+    return facts
 
 
 def verdict_section(judged: pd.DataFrame) -> Section:

@@ -28,6 +28,7 @@ from fidelity.compare_sites import compare_recordings
 from fidelity.opmode import OpMode
 from fidelity.production import ProductionModel
 from fidelity.production.faults import on
+from fidelity.production.kernels import fallbacks as kernel_fallbacks
 from fidelity.production.profiles import profile_dict
 from fidelity.production.registry import implementations_used
 from fidelity.sampling import Sampler, SamplerConfig, StopSet
@@ -123,6 +124,7 @@ class Runner:
 
     def run(self) -> tuple[pd.DataFrame, dict]:
         t0 = time.perf_counter()
+        kernel_fallbacks.reset()
         ids, history = self.spec.prompt.long(), self.spec.prompt.long().tolist()
         stop_reason = "length"
         for step in range(self.spec.decode_steps + 1):
@@ -233,6 +235,7 @@ class Runner:
             "sample_queries": s.sample_queries,
             "cache_bytes": self.p_sess.cache_bytes(),
             "implementations": implementations_used(),
+            "kernel_fallbacks": kernel_fallbacks.counts(),
             "command": " ".join(sys.argv),
             "versions": {"python": platform.python_version(), "torch": torch.__version__},
             "device": _device_name(s.device),

@@ -209,6 +209,16 @@ def test_report_contents(written):
     assert "\\<script>" in md and "| command_line | fidelity run --profile reference |" in md
 
 
+def test_report_names_the_kernels_and_where_they_fell_back_to_the_emulation(clean, tmp_path):
+    manifest = {"implementations": {"sparse_attention": "triton", "rms_norm": "triton", "gate": "cpu"},
+                "kernel_fallbacks": {"sparse_attention": {"injected fault sink-dropped": 12}}}
+    md = write_report(tmp_path, clean, manifest)[0].read_text()
+    assert "| kernels | rms_norm, sparse_attention |" in md
+    assert "| kernel fallbacks (emulation ran) | sparse_attention: injected fault sink-dropped (12 calls) |" in md
+    md = write_report(tmp_path / "cpu", clean, {"implementations": {"gate": "cpu"}, "kernel_fallbacks": {}})[0]
+    assert "| kernels |" not in md.read_text() and "| kernel fallbacks" not in md.read_text()
+
+
 def test_report_pass_verdict(clean, tmp_path):
     md_path, html_path = write_report(tmp_path, clean, {"profile": "reference"})
     assert "PASS: all" in md_path.read_text() and 'class="pass"' in html_path.read_text()

@@ -36,6 +36,7 @@ def test_runner_compares_every_layer_in_each_mode(tiny, mode):
     cos = df[(df["metric"] == "cos") & (df["site"] == "L0.attn.q") & (df["position"] == -1)]["value"]
     assert len(cos) == 4 and (cos > 0.99).all()
     assert manifest["decode_steps"] == 3 and manifest["implementations"]["sparse_attention"] == "cpu"
+    assert manifest["kernel_fallbacks"] == {}  # on the CPU no kernel is selected, so none can fall back
 
 
 def test_op_mode_is_tighter_than_layer_mode_and_layer_tighter_than_free(tiny):

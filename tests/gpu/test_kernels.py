@@ -27,13 +27,24 @@ from hypothesis import strategies as st  # noqa: E402
 
 from fidelity.formats import dequantize_fp4, fake_quant_fp8, quantize_fp4, quantize_fp8  # noqa: E402
 from fidelity.production import ops  # noqa: E402
-from fidelity.production.kernels import act_quant, indexer, kv_path, mhc, rms_norm, sparse_attention, take  # noqa: E402
+from fidelity.production.faults import inject  # noqa: E402
+from fidelity.production.kernels import (  # noqa: E402
+    act_quant,
+    fallbacks,
+    indexer,
+    kv_path,
+    mhc,
+    rms_norm,
+    sparse_attention,
+    take,
+)
 from fidelity.production.registry import REGISTRY  # noqa: E402
 from fidelity.testing import Case, check_against_oracle, check_case, strategies  # noqa: E402
 
 BF16 = torch.bfloat16
 CUDA = "cuda"
 ROW_CALC_DIFF = (2 * 1.25 * 2.0**-8) ** 2 / 2
+ROW_CALC_DIFF_E4M3 = (2 * 1.25 * 2.0**-4) ** 2 / 2  # the same rule with P on the e4m3 grid (3 mantissa bits)
 PROPS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
                  suppress_health_check=list(HealthCheck))
 REGISTERED = ("sparse_attention", "index_scores", "index_scores_fp4", "rms_norm", "hc_pre", "hc_post", "act_linear",
@@ -154,6 +165,36 @@ def test_sparse_attention_matches_emulation_and_oracle(case):
     worst = float(_row_calc_diff(found, emulated).max())
     assert worst <= ROW_CALC_DIFF, f"calc_diff vs emulation {worst:.3g} > {ROW_CALC_DIFF:.3g}; {case.note}"
     check_case("sparse_attention", sparse_attention.sparse_attention, case, device=CUDA)
+
+
+@PROPS
+@given(case=attention_cases())
+def test_sparse_attention_e4m3_profile_runs_the_kernel_and_matches_its_emulation(case):
+    """``fmt="fp8"`` (profile fp8-fmha: e4m3 Q, K/V and P) runs in the kernel, not the emulation fallback, and
+    matches ``ops.sparse_attention(..., "fp8")`` on the same device: an e4m3 P flip from the fp32 summation order
+    moves a weight by up to 2^-4 relative (the per-row bound), and almost every output is bit-equal (which a
+    kernel that ignored the format would not be)."""
+    args = [v.to(CUDA) if isinstance(v, torch.Tensor) else v for v in dict(case.args, fmt="fp8").values()]
+    fallbacks.reset()
+    found = sparse_attention.sparse_attention_cuda(*args)
+    assert fallbacks.counts() == {}, case.note
+    emulated = ops.sparse_attention(*args)
+    worst = float(_row_calc_diff(found, emulated).max())
+    assert worst <= ROW_CALC_DIFF_E4M3, f"calc_diff vs emulation {worst:.3g}; {case.note}"
+    assert float((found == emulated).float().mean()) >= 0.9, case.note
+
+
+def test_sparse_attention_fallbacks_are_logged_with_their_reason():
+    q = torch.randn(2, 4, 96).to(BF16).to(CUDA)  # head_dim 96: no kernel launch for it
+    kv = torch.randn(10, 96).to(BF16).to(CUDA)
+    idx = torch.tensor([[0, 1, -1], [2, -1, 3]], dtype=torch.int32, device=CUDA)
+    sink = torch.zeros(4, device=CUDA)
+    fallbacks.reset()
+    sparse_attention.sparse_attention_cuda(q, kv, idx, sink, 96**-0.5)
+    with inject("sink-dropped"):
+        sparse_attention.sparse_attention_cuda(q[..., :64].contiguous(), kv[:, :64].contiguous(), idx, sink, 0.125)
+    assert fallbacks.counts() == {"sparse_attention": {"input dtype, shape or format not supported": 1,
+                                                       "injected fault sink-dropped": 1}}
 
 
 @PROPS

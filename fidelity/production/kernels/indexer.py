@@ -34,6 +34,7 @@ import triton.language as tl
 
 from fidelity.formats import dequantize_fp4
 from fidelity.production import ops
+from fidelity.production.kernels import fallbacks
 from fidelity.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device, with_overrides
 
 
@@ -341,6 +342,7 @@ def index_scores_cuda(q, keys, weights, dtype=torch.bfloat16, *, positions=None,
     ok = (dtype == torch.bfloat16 and on_device(q) and q.dim() == 3 and keys.dim() == 2 and keys.shape[1] == d
           and d in (16, 32, 64, 128, 256) and q.shape[1] <= 128)
     if not ok:
+        fallbacks.note("index_scores", "input dtype, shape or format not supported")
         s = ops.index_scores(q, keys, weights, dtype)
         if positions is not None:
             j = torch.arange(keys.shape[0], device=s.device)
@@ -432,6 +434,7 @@ def index_scores_packed_cuda(q, codes, scales, weights, dtype=torch.bfloat16):
     ok = (dtype == torch.bfloat16 and on_device(q) and q.dim() == 3 and codes.dim() == 2 and scales.dim() == 2
           and codes.shape[1] * 2 == d and scales.shape[1] * 32 == d and d in (32, 64, 128, 256) and q.shape[1] <= 128)
     if not ok:
+        fallbacks.note("index_scores_fp4", "input dtype, shape or format not supported")
         return ops.index_scores_fp4(q, codes, scales, weights, dtype)
     return index_scores_fp4(q, codes, scales, weights)
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from fidelity.production import ops
+from fidelity.production.kernels import fallbacks
 from fidelity.production.kernels._common import device_transparent, next_pow2, on_device
 
 
@@ -112,6 +113,7 @@ def _ok(x, weight) -> bool:
 def rms_norm_cuda(x, weight, eps):
     """Same signature and result as ``ops.rms_norm`` (up to the fp32 summation order of the mean)."""
     if not _ok(x, weight):
+        fallbacks.note("rms_norm", "input dtype, shape or format not supported")
         return ops.rms_norm(x, weight, eps)
     return _launch(x, weight, eps, True, False)
 
@@ -123,6 +125,7 @@ def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int 
     if x.shape[-1] % 128:
         raise ValueError(f"last dim must be a multiple of 128, found {x.shape[-1]}")
     if not _ok(x, weight):
+        fallbacks.note("rms_norm_fp8", "input dtype, shape or format not supported")
         y = ops.rms_norm(x, weight, eps)
         from fidelity.formats import quantize_fp8
 

@@ -14,6 +14,15 @@ the QK product over all d is recomputed per slice, the P.V accumulator shrinks) 
 the index blocks (``num_splits`` > 1, flash-decoding: partial (acc, max, sum) combined by a second kernel;
 this changes the reference max against which P is rounded to bf16, so it is opt-in, default off).
 
+Profile ``fp8-fmha`` (``fmt="fp8"``): Q and the K/V rows fake-quantized to e4m3 with 1x64 ue8m0 blocks and P
+rounded to e4m3, as ``ops.sparse_attention(..., fmt="fp8")``. The kernel quantizes q once per program and each
+gathered tile in registers (bit-exact with ``formats.fake_quant_fp8``: the same ``e4m3_blocks`` as the fused
+RMSNorm + FP8 kernel) and rounds P with the hardware's RNE e4m3 conversion. The MMAs run on bf16 tensor cores:
+every operand value is an e4m3 code times a power of two, exact in bf16, so each product is exact and the
+sums are fp32, as in an FP8 MMA with fp32 accumulation. FP8 tensor-core MMAs proper were not used: P.V would
+need the rows' per-64-dim scales (which vary along its reduction axis, the rows) folded into P, and those
+products leave e4m3's range, so P would no longer be the emulation's e4m3-rounded P.
+
 FP8 KV (``sparse_attention_fp8kv``): the 584 B/token production layout, per row
 ``[448 e4m3 nope | 64 bf16 rope (128 B) | 7 ue8m0 scale bytes (per 64 nope dims) | 1 pad]``, dequantized
 once per tile in registers (``e4m3 * 2^(b-127)`` is exact in bf16, so the tile equals the bf16 kernel's tile on
@@ -31,7 +40,9 @@ from triton.runtime.errors import OutOfResources
 from fidelity.formats import quantize_fp8
 from fidelity.production import ops
 from fidelity.production.faults import on
+from fidelity.production.kernels import fallbacks
 from fidelity.production.kernels._common import device_transparent, next_pow2, on_device, with_overrides
+from fidelity.production.kernels.rms_norm import e4m3_blocks
 
 BLOCK_N = 64  # indices per online-softmax step: the reference's block (fixes where P is rounded)
 FP8_ROW_BYTES = 584
@@ -60,12 +71,20 @@ def _kv_tile(kv_ptr, kv16_ptr, rows, valid, c0, stride_kv, C: tl.constexpr, FP8:
         return tl.load(kv_ptr + rows[:, None] * stride_kv + cols[None, :], mask=valid[:, None], other=0.0)
 
 
+@triton.jit
+def _fake_e4m3(x, R: tl.constexpr, C: tl.constexpr):
+    """``formats.fake_quant_fp8(x, 64)`` of a [R, C] tile (C a multiple of 64) as bf16: e4m3 codes times their
+    block's ue8m0 scale (exact in bf16)."""
+    codes, _, s = e4m3_blocks(tl.reshape(x.to(tl.float32), [R * (C // 64), 64]))
+    return tl.reshape(codes.to(tl.float32) * s[:, None], [R, C]).to(tl.bfloat16)
+
+
 @triton.jit(do_not_specialize=["n_tokens", "n_heads", "topk", "blocks_per_split"])
 def _sparse_attn_kernel(q_ptr, kv_ptr, kv16_ptr, idx_ptr, sink_ptr, o_ptr, acc_ptr, ml_ptr,
                         n_tokens, n_heads, topk, blocks_per_split, scale,
                         stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
                         D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr):
+                        NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr, E4M3: tl.constexpr):
     pid_n = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     pid_z = tl.program_id(2)
@@ -75,6 +94,8 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kv16_ptr, idx_ptr, sink_ptr, o_ptr, acc_p
     hmask = heads < n_heads
     dk = tl.arange(0, D)
     q = tl.load(q_ptr + pid_n * stride_qn + heads[:, None] * stride_qh + dk[None, :], mask=hmask[:, None], other=0.0)
+    if E4M3:
+        q = _fake_e4m3(q, BLOCK_H, D)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, DV], tl.float32)
@@ -92,6 +113,8 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kv16_ptr, idx_ptr, sink_ptr, o_ptr, acc_p
         valid = ids >= 0
         rows = tl.where(valid, ids, 0).to(tl.int64)
         k = _kv_tile(kv_ptr, kv16_ptr, rows, valid, 0, stride_kv, D, FP8)
+        if E4M3:
+            k = _fake_e4m3(k, BLOCK_N, D)
         s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -103,7 +126,13 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kv16_ptr, idx_ptr, sink_ptr, o_ptr, acc_p
             v = k
         else:
             v = _kv_tile(kv_ptr, kv16_ptr, rows, valid, pid_d * DV, stride_kv, DV, FP8)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
+            if E4M3:
+                v = _fake_e4m3(v, BLOCK_N, DV)
+        if E4M3:  # P on the e4m3 grid (RNE; p <= 1, so no saturation), exact in bf16
+            pm = p.to(tl.float8e4nv).to(tl.float32).to(tl.bfloat16)
+        else:
+            pm = p.to(tl.bfloat16)
+        acc = acc * alpha[:, None] + tl.dot(pm, v)
         m_i = m_new
     dv = pid_d * DV + tl.arange(0, DV)
     if NUM_SPLITS == 1:
@@ -180,14 +209,18 @@ def default_config(n_tokens: int, n_heads: int, d: int, topk: int) -> dict:
     return {"block_h": 32, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 3, "prefetch": True}
 
 
-def _launch(q, kv_main, kv16, idx, sink, scale, d, fp8, cfg):
+def _launch(q, kv_main, kv16, idx, sink, scale, d, fp8, cfg, e4m3=False):
     n, h, dq = q.shape
     topk = idx.shape[1]
     o = torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
     if n == 0 or h == 0:
         return o
-    c = with_overrides((default_config_fp8 if fp8 else default_config)(n, h, d, topk), cfg)
+    # at d = 512 the e4m3 profile quantizes each tile in registers, as the FP8 layout dequantizes it: same launch
+    c = with_overrides((default_config_fp8 if fp8 or (e4m3 and d > 128) else default_config)(n, h, d, topk), cfg)
     block_h, split_d, num_splits = c["block_h"], c["split_d"], c["num_splits"]
+    if e4m3 and (d // split_d) % 64:
+        raise ValueError(f"fmt='fp8' quantizes 64-dim blocks: head_dim / split_d must be a multiple of 64, found "
+                         f"{d} / {split_d}")
     n_blocks = triton.cdiv(topk, BLOCK_N)
     num_splits = max(1, min(num_splits, n_blocks))
     per_split = triton.cdiv(n_blocks, num_splits)
@@ -210,7 +243,7 @@ def _launch(q, kv_main, kv16, idx, sink, scale, d, fp8, cfg):
                 q, kv_main, kv16, idx, sink, o, acc, ml, n, h, topk, per_split, scale,
                 q.stride(0), q.stride(1), kv_main.stride(0), idx.stride(0), o.stride(0), o.stride(1),
                 D=d, DV=d // split_d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, FP8=fp8,
-                PREFETCH=bool(c["prefetch"]), num_warps=c["num_warps"], num_stages=stages)
+                PREFETCH=bool(c["prefetch"]), E4M3=e4m3, num_warps=c["num_warps"], num_stages=stages)
             break
         except OutOfResources:
             if stages == lowest:
@@ -227,13 +260,28 @@ def _supported(q, kv, idx) -> bool:
             and kv.dim() == 2 and kv.shape[1] == d and d in (16, 32, 64, 128, 256, 512) and idx.dim() == 2)
 
 
+def _fallback_reason(q, kv, idx, fmt) -> str | None:
+    """Why the kernel cannot take these inputs (None: it can)."""
+    if fmt not in ("bf16", "fp8"):
+        return f"fmt {fmt!r}"
+    if not _supported(q, kv, idx):
+        return "input dtype, shape or format not supported"
+    if fmt == "fp8" and q.shape[-1] % 64:
+        return "fmt 'fp8' with a head_dim that is not a multiple of 64"
+    fault = next((f for f in ("sink-value-row", "sink-dropped") if on(f)), None)
+    return f"injected fault {fault}" if fault else None
+
+
 def sparse_attention_cuda(q, kv, idx, sink, scale, fmt="bf16", *, config=None):
-    """CUDA-tensor entry point; same signature and result as ``ops.sparse_attention`` (``fmt="fp8"``, the
-    QK/PV-in-FP8 profile, unsupported shapes and injected sink faults run the torch emulation on the GPU)."""
-    if fmt != "bf16" or not _supported(q, kv, idx) or on("sink-value-row") or on("sink-dropped"):
+    """CUDA-tensor entry point; same signature and result as ``ops.sparse_attention``, ``fmt`` "bf16" or "fp8"
+    (profile ``fp8-fmha``: e4m3 Q, K/V and P; head_dim a multiple of 64). Unsupported shapes and injected sink
+    faults run the torch emulation on the GPU."""
+    reason = _fallback_reason(q, kv, idx, fmt)
+    if reason:
+        fallbacks.note("sparse_attention", reason)
         return ops.sparse_attention(q, kv, idx, sink, scale, fmt)
     kv = kv.contiguous()
-    return _launch(q, kv, kv, idx, sink, float(scale), q.shape[-1], False, config)
+    return _launch(q, kv, kv, idx, sink, float(scale), q.shape[-1], False, config, fmt == "fp8")
 
 
 sparse_attention = device_transparent(sparse_attention_cuda)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from fidelity.formats import fake_quant_fp8
 from fidelity.production import ops
-from fidelity.production.registry import REGISTRY
+from fidelity.production.registry import REGISTRY, deselect, implementation, select, selections
 from fidelity.testing import CONTRACTS, Case, check_against_oracle, check_case
 
 MAX_EXAMPLES = 30
@@ -146,3 +146,17 @@ def test_a_broken_port_is_caught(op, broken, metric):
     with pytest.raises(AssertionError, match=rf"(?s){op}: implementation '{broken.__name__}'.*({metric})") as err:
         check_against_oracle(op, broken, max_examples=40)
     assert "inputs: " in str(err.value)  # the failing input shapes are named
+
+
+def test_select_forces_an_implementation_and_deselect_undoes_it():
+    try:
+        select("sparse_attention", "cpu")
+        assert selections()["sparse_attention"] == "cpu"
+        assert implementation("sparse_attention", "cuda") is REGISTRY["sparse_attention"]["cpu"]
+    finally:
+        deselect("sparse_attention")
+    assert "sparse_attention" not in selections()
+    with pytest.raises(KeyError, match="implementation 'cuda-graph' not registered"):
+        select("sparse_attention", "cuda-graph")
+    with pytest.raises(KeyError, match="op 'flash_attention'"):
+        select("flash_attention", "cpu")

@@ -28,6 +28,11 @@ def select(name: str, impl: str) -> None:
     _selected[name] = impl
 
 
+def deselect(name: str) -> None:
+    """Undo ``select`` for op ``name``: it resolves by device again."""
+    _selected.pop(name, None)
+
+
 def selections() -> dict[str, str]:
     """The implementations forced with ``select``, by op."""
     return dict(_selected)

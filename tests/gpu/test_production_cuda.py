@@ -12,7 +12,7 @@ from fidelity.oracle_run import default_prompt  # noqa: E402
 from fidelity.production import ProductionModel  # noqa: E402
 from fidelity.production.faults import inject  # noqa: E402
 from fidelity.production.kernels import fallbacks  # noqa: E402
-from fidelity.production.registry import implementations_used  # noqa: E402
+from fidelity.production.registry import deselect, implementations_used, select  # noqa: E402
 from fidelity.runner import Runner, RunSpec  # noqa: E402
 from fidelity.synthesize import synthesize  # noqa: E402
 
@@ -38,19 +38,26 @@ def test_cuda_production_matches_cpu_emulation():
 
 
 def test_fp8_fmha_profile_runs_the_attention_kernel_on_cuda():
-    """Profile fp8-fmha (e4m3 Q, K/V and P) on the GPU: the attention kernel runs (no fallback to the
-    emulation is logged) and the logits match the CPU emulation's as closely as the bf16 profile's do."""
+    """Profile fp8-fmha (e4m3 Q, K/V and P) on the GPU: the attention kernel runs (no fallback to the emulation
+    is logged), and its logits match those of the same CUDA model with the attention emulated. (Against the CPU
+    emulation the cosine is lower, 0.992-0.999 per step on the H200: the e4m3 rounding of q and kv turns the
+    GPU's bf16 rounding flips upstream into whole e4m3 steps, whichever attention implementation runs.)"""
     cfg = ModelConfig.preset("tiny").replace(index_topk=1024, n_activated_experts=8, n_hash_layers=0)
     ckpt = synthesize(cfg, seed=0)
     ids = default_prompt(4096, 300)
-    cpu = ProductionModel(ckpt, "fp8-fmha", max_context=320).session()
-    a = torch.cat([cpu.prefill(ids)[-1:], *(cpu.step(t)[None] for t in ids[:8])])
-    fallbacks.reset()
-    gpu = ProductionModel(ckpt, "fp8-fmha", max_context=320, device="cuda").session()
-    b = torch.cat([gpu.prefill(ids)[-1:], *(gpu.step(t)[None] for t in ids[:8])]).cpu()
-    assert "sparse_attention" not in fallbacks.counts(), fallbacks.counts()
-    assert implementations_used()["sparse_attention"] == "triton"
-    cos = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
+    runs = {}
+    try:
+        for impl in ("triton", "cpu"):
+            select("sparse_attention", impl)
+            fallbacks.reset()
+            s = ProductionModel(ckpt, "fp8-fmha", max_context=320, device="cuda").session()
+            runs[impl] = torch.cat([s.prefill(ids)[-1:], *(s.step(t)[None] for t in ids[:8])]).cpu()
+            assert implementations_used()["sparse_attention"] == impl
+            if impl == "triton":
+                assert "sparse_attention" not in fallbacks.counts(), fallbacks.counts()
+    finally:
+        deselect("sparse_attention")
+    cos = torch.nn.functional.cosine_similarity(runs["triton"].double(), runs["cpu"].double(), dim=-1)
     assert cos.min() > 0.999, cos
 
 
@@ -59,8 +66,7 @@ def test_runner_on_cuda_records_the_implementations_that_ran(tiny):
     df, manifest = Runner(tiny, spec).run()
     assert set(df["step"]) == {0, 1, 2}
     assert manifest["implementations"] == implementations_used()
-    assert manifest["kernel_fallbacks"] == fallbacks.counts()  # this run's: reset when it started
-    print("kernel fallbacks of the tiny reference run on CUDA:", manifest["kernel_fallbacks"])
+    assert manifest["kernel_fallbacks"] == {}  # every kernel took the tiny model's inputs
     assert "NVIDIA" in manifest["device"] or "H" in manifest["device"]
 
 

@@ -11,12 +11,13 @@ if not torch.cuda.is_available():
 from fidelity.production.topk import CUDA_KEYS_MIN_ROWS, ROUTES, default_route, stable_topk  # noqa: E402
 
 
-def _scores(rows: int, n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """bf16-valued scores whose top-k boundary falls among zeros of both signs, with NaNs of both signs."""
+def _scores(rows: int, n: int, seed: int, dtype: torch.dtype = torch.float32, k: int = 512) -> torch.Tensor:
+    """bf16-valued scores whose top-k boundary falls among zeros of both signs: k/2 random nonzero values (about
+    k/4 of them positive) in a row of +0.0 and -0.0, the last eighth -inf, and NaNs of both signs."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, n, generator=g).bfloat16().float()
-    x[torch.rand(rows, n, generator=g) < 0.8] = 0.0
-    x[torch.rand(rows, n, generator=g) < 0.4] = -0.0
+    x = torch.where(torch.rand(rows, n, generator=g) < 0.5, -0.0, 0.0)
+    hot = torch.rand(rows, n, generator=g).argsort(dim=-1)[:, : k // 2]
+    x.scatter_(1, hot, torch.randn(rows, k // 2, generator=g).bfloat16().float())
     x[:, n - n // 8:] = float("-inf")
     x[0, 200:203] = float("nan")
     x[-1, 300:302] = -float("nan")
@@ -32,7 +33,7 @@ def _reference(x: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("rows,n,k", [(1, 32768, 512), (1, 262144, 1024), (64, 8192, 512), (3, 700, 700),
                                       (CUDA_KEYS_MIN_ROWS, 8192, 512), (512, 32768, 512)])
 def test_every_route_on_cuda_equals_the_cpu_stable_sort(rows, n, k, route, dtype):
-    x = _scores(rows, n, seed=n + k, dtype=dtype)
+    x = _scores(rows, n, seed=n + k, dtype=dtype, k=k)
     assert torch.equal(stable_topk(x.cuda(), k, route).cpu(), _reference(x, k))
 
 

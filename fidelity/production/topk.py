@@ -69,7 +69,6 @@ def stable_topk(scores: torch.Tensor, k: int, route: str | None = None) -> torch
     n = scores.shape[-1]
     if not 0 <= k <= n:
         raise ValueError(f"top-k: k must lie in [0, {n}] (entries per row), found {k}")
-    _check_dtype(scores)
     route = route or default_route(scores)
     if route == "sort":
         return ordered_scores(scores).sort(dim=-1, descending=True, stable=True).indices[..., :k]

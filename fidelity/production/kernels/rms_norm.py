@@ -56,13 +56,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, str
     cols = blk[:, None] * QB + tl.arange(0, QB)[None, :]  # [NB, QB]
     cmask = cols < n_cols
     mask = (rows < n_rows)[:, None, None] & cmask[None, :, :]
-    if STREAM:  # x is read once and codes written once (kept out of the caches' way); w is read by every program
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-    else:
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    # STREAM: x is read once and codes written once (kept out of the caches' way); w is read by every program
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last" if STREAM else "").to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0,
+                eviction_policy="evict_first" if STREAM else "").to(tl.float32)
     ms = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.zeros([ROWS], tl.float32) + n_cols)
     rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
     y = (w[None, :, :] * (x * rs[:, None, None])).to(y_ptr.dtype.element_ty)

@@ -177,17 +177,22 @@ def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n_tokens, n_heads, num_spl
              mask=hmask[:, None])
 
 
+def _config(block_h: int, num_warps: int, num_stages: int, *, split_d: int = 1, prefetch: bool = False) -> dict:
+    return {"block_h": block_h, "split_d": split_d, "num_splits": 1, "num_warps": num_warps,
+            "num_stages": num_stages, "prefetch": prefetch}
+
+
 def default_config_fp8(n_tokens: int, n_heads: int, d: int, topk: int) -> dict:
     """FP8-KV launch parameters (the dequantized tile needs more shared memory: one pipeline stage, except at
     128-head decode, where 64 heads per program fit two (167.5 -> 154.8 us at Pro decode b64); 64 heads per
     program amortize the dequantization over more heads)."""
     if n_heads <= 16:
-        return {"block_h": 16, "split_d": 1, "num_splits": 1, "num_warps": 4, "num_stages": 1, "prefetch": False}
+        return _config(16, 4, 1)
     if n_tokens > 256:
-        return {"block_h": 64, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 1, "prefetch": False}
+        return _config(64, 8, 1)
     if n_heads >= 128:
-        return {"block_h": 64, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 2, "prefetch": False}
-    return {"block_h": 64, "split_d": 2, "num_splits": 1, "num_warps": 8, "num_stages": 1, "prefetch": False}
+        return _config(64, 8, 2)
+    return _config(64, 8, 1, split_d=2)
 
 
 def default_config(n_tokens: int, n_heads: int, d: int, topk: int) -> dict:
@@ -198,15 +203,14 @@ def default_config(n_tokens: int, n_heads: int, d: int, topk: int) -> dict:
     at Flash decode b64, neutral at batch 1 and in prefill), off where not measured (d <= 128, 16 heads) and on
     the FP8 layout (slower there)."""
     if d <= 128:
-        return {"block_h": max(16, min(next_pow2(n_heads), 64)), "split_d": 1, "num_splits": 1, "num_warps": 4,
-                "num_stages": 1, "prefetch": False}
+        return _config(max(16, min(next_pow2(n_heads), 64)), 4, 1)
     if n_heads <= 16:
-        return {"block_h": 16, "split_d": 1, "num_splits": 1, "num_warps": 4, "num_stages": 1, "prefetch": False}
+        return _config(16, 4, 1)
     if n_tokens > 256:
-        return {"block_h": 64, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 1, "prefetch": True}
+        return _config(64, 8, 1, prefetch=True)
     if n_heads >= 128:
-        return {"block_h": 64, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 2, "prefetch": True}
-    return {"block_h": 32, "split_d": 1, "num_splits": 1, "num_warps": 8, "num_stages": 3, "prefetch": True}
+        return _config(64, 8, 2, prefetch=True)
+    return _config(32, 8, 3, prefetch=True)
 
 
 def _launch(q, kv_main, kv16, idx, sink, scale, d, fp8, cfg, e4m3=False):

@@ -604,9 +604,14 @@ def bench_norm(quick: bool):
         record("rms_norm_fp8", name, "torch naive", t, bytes_=bytes_, flops=0)
         best = sweep("rms_norm_fp8", name, "triton fused", lambda cfg: (
             lambda *xs: rms_norm.rms_norm_fp8_cuda(*xs, 1e-6, **cfg)),
-            [{}] + [{"num_warps": nw, "rows": r, "stream": st} for st in (False, True) for nw in (4, 8, 16)
-                    for r in ((1, 2, 4) if n >= 1024 else (1,))],
-            sets, bytes_=bytes_, flops=0, check=check)
+            [{}, {"per_sm": 0}] + [{"num_warps": nw, "rows": r, "stream": st} for st in (False, True)
+                    for nw in (4, 8, 16) for r in ((1, 2, 4) if n >= 1024 else (1,))]
+            # the persistent kernel (per_sm programs per SM, register double buffer)
+            + [{"per_sm": k, "rows": r, "num_warps": nw, "stream": True} for k in (1, 2, 4)
+               for r, nw in ((1, 4), (1, 8), (2, 8), (2, 16))],
+            sets, validate=lambda fn, x=x, w=w, q=q: {"codes_equal_frac_vs_default": float(
+                (fn(x, w)[0].view(torch.uint8) == q.view(torch.uint8)).float().mean())},
+            bytes_=bytes_, flops=0, check=check)
         if best:
             best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
         t = time_fn(lambda x, w: rms_norm.rms_norm_cuda(x, w, 1e-6), sets)

@@ -384,8 +384,10 @@ def norm_cases(draw):
     if draw(st.integers(0, 4)) == 4:
         x.view(-1)[int(torch.randint(0, n * d, (1,), generator=g))] = math.nan
     w = torch.randn(d, generator=g) * draw(st.sampled_from((0.1, 1.0, 30.0)))
-    # the launch variants (prefill's default is 2 rows per program with streaming cache hints)
-    cfg = draw(st.sampled_from(({}, {"rows": 2, "stream": True}, {"rows": 2, "num_warps": 4, "stream": False})))
+    # the launch variants: the default (1024 rows of d = 4096 / 7168: persistent), one-shot with 2 rows per program
+    # with and without cache hints, persistent with 2 rows per loop step (ragged tails at odd n)
+    cfg = draw(st.sampled_from(({}, {"rows": 2, "stream": True}, {"rows": 2, "num_warps": 4, "stream": False},
+                                {"per_sm": 1, "rows": 2, "num_warps": 8}, {"per_sm": 0})))
     return x.to(BF16), w, cfg
 
 
@@ -418,6 +420,21 @@ def test_rms_norm_prefill_launch_is_within_one_ulp_of_the_emulation(d):
     y, ref = rms_norm.rms_norm_cuda(x, w, 1e-6).double(), ops.rms_norm(x, w, 1e-6).double()
     assert bool(((y - ref).abs() <= ref.abs() * 2.0**-7).all())
     assert float((y == ref).float().mean()) >= 0.999
+
+
+@pytest.mark.parametrize("n, d, rows, warps", [(1031, 7168, 1, 8), (1031, 4096, 1, 4), (1031, 4096, 2, 8),
+                                                (300, 512, 4, 4)])
+def test_rms_norm_fp8_persistent_launch_gives_the_one_shot_bits(n, d, rows, warps):
+    """The persistent kernel (programs looping over row groups, next group loaded ahead) runs the one-shot kernel's
+    arithmetic on the same tiles: codes, scale bytes and y are bit-identical, ragged last group included."""
+    g = torch.Generator().manual_seed(n + d)
+    x = (torch.randn(n, d, generator=g) * 4).to(BF16).to(CUDA)
+    w = torch.randn(d, generator=g).to(CUDA)
+    one = rms_norm.rms_norm_fp8_cuda(x, w, 1e-6, True, rows=rows, num_warps=warps, per_sm=0, stream=True)
+    for per_sm in (1, 2):
+        got = rms_norm.rms_norm_fp8_cuda(x, w, 1e-6, True, rows=rows, num_warps=warps, per_sm=per_sm, stream=True)
+        assert torch.equal(got[0].view(torch.uint8), one[0].view(torch.uint8))
+        assert torch.equal(got[1], one[1]) and torch.equal(got[2].view(torch.int16), one[2].view(torch.int16))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -436,7 +436,7 @@ def bench_indexer(quick: bool):
         cfgs = cfgs[1:3]
     for name, e in (("128K ctx decode (32768 keys)", 32768), ("1M ctx decode (262144 keys)", 262144)):
         g = torch.Generator(device=DEV).manual_seed(2)
-        n_sets = _n_sets(e * 256, hi=32)
+        n_sets = _n_sets(e * 68, hi=96)  # >= 3x L2 of the smallest keys timed (FP4, 68 B per key)
         sets = []
         for _ in range(n_sets):
             q = ops.indexer_round(torch.randn(1, h, d, device=DEV, generator=g), "fp4", rotate=True).to(BF16)
@@ -475,8 +475,9 @@ def bench_indexer(quick: bool):
         t = time_fn(hf_style_index_scores, a_b)
         base["transformers-style eager (fp32)"] = t["us"]
         record("index_scores", name, "transformers-style eager", t, bytes_=e * 256 + e * 4, flops=flops)
-        mma_cfgs = [{"block_e": 128, "tiles": t, "num_warps": 4, "num_stages": ns} for t in (1, 2, 4, 8)
-                    for ns in (1, 2, 3)] + [
+        mma_cfgs = [{}, {"packed": False}] + [
+            {"block_e": 128, "tiles": t, "num_warps": 4, "num_stages": ns} for t in (1, 2, 4, 8)
+            for ns in (1, 2, 3)] + [
             {"block_e": 128, "tiles": 2, "num_warps": 8, "num_stages": 2},
             {"block_e": 128, "tiles": 4, "num_warps": 8, "num_stages": 2},
             {"block_e": 64, "tiles": 4, "num_warps": 4, "num_stages": 2},

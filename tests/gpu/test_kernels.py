@@ -367,6 +367,26 @@ def test_index_scores_fp4_fp8_mma_both_rounding_routes_match_the_bf16_path(sprea
     assert bool(((got.cpu().double() - ref.cpu().double()).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("n_keys, tiles, causal", [(129, None, False), (5000, 3, True), (70000, None, True),
+                                                    (262144, None, False)])
+def test_index_scores_fp4_packed_bf16x2_epilogue_gives_the_fp32_pipe_bits(n_keys, tiles, causal):
+    """The default FP8-path epilogue rounds, ReLUs and weights two (key, head) values per bf16x2 instruction; the
+    FP32-pipe epilogue (``packed=False``) does the same steps one value at a time. Same MMA, same fp32 head sum:
+    the scores are bit-identical (a ReLU of -0 may give +0 in one and -0 in the other: equal values)."""
+    g = torch.Generator().manual_seed(n_keys)
+    q = ops.indexer_round(torch.randn(2, 64, 128, generator=g), "fp4", rotate=True).to(BF16).to(CUDA)
+    w = (torch.randn(2, 64, generator=g) / 64).to(BF16).to(CUDA)
+    packed, scales = (t.to(CUDA) for t in quantize_fp4(torch.randn(n_keys, 128, generator=g), 32))
+    pos = (torch.tensor([n_keys * 2, n_keys * 4 + 3]) if causal else torch.tensor([0, 0])).to(CUDA)
+    kw = {"positions": pos if causal else None, "mma": "fp8", "return_path": True}
+    fast, used = indexer.index_scores_fp4(q, packed, scales, w, config={"tiles": tiles, "packed": True}, **kw)
+    slow, _ = indexer.index_scores_fp4(q, packed, scales, w, config={"tiles": tiles, "packed": False}, **kw)
+    assert used.tolist() == [1, 1]
+    assert torch.equal(fast, slow)
+    if causal:
+        assert bool(torch.isneginf(fast[0, n_keys // 2:]).all()) and not bool(torch.isneginf(fast[1]).any())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # RMSNorm (+ FP8 quantization)
 # ---------------------------------------------------------------------------------------------------------------

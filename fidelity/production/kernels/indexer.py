@@ -13,8 +13,9 @@ Keys are bf16 [e, d], or packed FP4 (uint8 [e, d/2], low nibble = element 2i, pl
   and q, FP4-simulated by the reference (Hadamard + ``fp4_act_quant``), becomes e4m3 codes with one
   power-of-two scale per head (folded into the head's weight). One K = 32 e4m3 MMA per 32-dim block is exact
   (products of e2m1 values summed over 32 need 13 bits), and the four block results are scaled by the key's
-  block scales and summed in fp32. The two bf16 roundings of the epilogue run on the FP32 pipe (Veltkamp's
-  split) where the program's scale and weight ranges prove it exact, else through the conversion unit. A query
+  block scales and summed in fp32. Where the program's scale and weight ranges keep every value normal, the
+  epilogue's round / ReLU / weight / round steps run two (key, head) values per packed bf16x2 instruction
+  (default; or one value at a time on the FP32 pipe, Veltkamp's split), else through the conversion unit. A query
   whose codes are not exact (a plain bf16 q, NaN) is scored on the bf16 path inside the same launch;
   ``return_path`` reports which ran.
 * bf16 tensor cores: the tile dequantized in registers (``e2m1 * 2^(b-127)`` is exact in bf16, so FP4 keys
@@ -172,6 +173,30 @@ def _score_epilogue_fp32pipe(s, w, keys, kmask, pos_ptr, i64, ratio, out_ptr, st
 
 
 @triton.jit
+def _relu_times_w_bf16x2(s, w):
+    """``round_bf16(relu(round_bf16(s)) * w)`` kept in fp32, two elements per step in packed bf16x2 arithmetic:
+    ``cvt.rn.bf16x2.f32`` (both roundings of s at once), ``max.bf16x2`` with 0 (ReLU), ``mul.rn.bf16x2`` with w
+    packed by a byte permute (w must hold bf16 values; the exact product of two bf16 values is rounded once, as
+    the fp32 product then the cast), then both halves widened back to fp32 by a shift and a mask. Callers
+    guarantee no NaN and normal values (a NaN input would come back as the canonical NaN; -0 as +0, equal)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 p, q, z; cvt.rn.bf16x2.f32 p, $3, $2; mov.b32 z, 0; max.bf16x2 p, p, z; "
+        "prmt.b32 q, $4, $5, 0x7632; mul.rn.bf16x2 p, p, q; shl.b32 $0, p, 16; and.b32 $1, p, 0xffff0000; }",
+        "=r,=r,r,r,r,r", [s, w], dtype=tl.float32, is_pure=True, pack=2)
+
+
+@triton.jit
+def _score_epilogue_packed(s, w, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL: tl.constexpr):
+    """:func:`_score_epilogue_fp32pipe` with the rounding, ReLU and weight steps in packed bf16x2 arithmetic
+    (:func:`_relu_times_w_bf16x2`); the head sum is the same fp32 reduction, so the scores are the same."""
+    score = tl.sum(_relu_times_w_bf16x2(s, tl.broadcast_to(w[None, :], s.shape)), axis=1)
+    if CAUSAL:
+        limit = (tl.load(pos_ptr + i64) + 1) // ratio
+        score = tl.where(keys < limit, score, float("-inf"))
+    tl.store(out_ptr + i64 * stride_on + keys, score.to(tl.bfloat16), mask=kmask)
+
+
+@triton.jit
 def _in_range(v, lo: tl.constexpr, hi: tl.constexpr):
     """1 where every element of v is 0 or lo <= |v| <= hi (an int32 scalar)."""
     a = tl.abs(v)
@@ -199,14 +224,13 @@ def _fp8_tile(k_ptr, ks_ptr, q0, q1, q2, q3, tile, n_keys, stride_k, stride_ks, 
 @triton.jit
 def _scales_in_range(ks_ptr, first, n_keys, stride_ks, BLOCK_E: tl.constexpr, TILES: tl.constexpr):
     """1 where every key scale of the program's tiles lies in [2^-60, 2^60] (bytes 67 .. 187), so that q.k
-    values are 0 or in [2^-76, 2^73] (e4m3 products are multiples of 2^-16, four blocks of 32 below 2^13)."""
-    ok = tl.full((), 1, tl.int32)
-    for t in range(TILES):
-        keys = (first + t) * BLOCK_E + tl.arange(0, BLOCK_E)
-        sb = tl.load(ks_ptr + keys.to(tl.int64)[:, None] * stride_ks + tl.arange(0, 4)[None, :],
-                     mask=(keys < n_keys)[:, None], other=127).to(tl.int32)
-        ok *= tl.min(tl.min(((sb >= 67) & (sb <= 187)).to(tl.int32), axis=1), axis=0)
-    return ok
+    values are 0 or in [2^-76, 2^73] (e4m3 products are multiples of 2^-16, four blocks of 32 below 2^13).
+    One load of all the program's scale bytes: a loop over the tiles would wait out one load latency per tile
+    before the first tile is scored."""
+    keys = first * BLOCK_E + tl.arange(0, TILES * BLOCK_E)
+    sb = tl.load(ks_ptr + keys.to(tl.int64)[:, None] * stride_ks + tl.arange(0, 4)[None, :],
+                 mask=(keys < n_keys)[:, None], other=127).to(tl.int32)
+    return tl.min(tl.min(((sb >= 67) & (sb <= 187)).to(tl.int32), axis=1), axis=0)
 
 
 @triton.jit
@@ -247,7 +271,8 @@ def _query_fp8(q_ptr, w_ptr, row, wrow, heads, hmask, stride_qh):
 def _index_scores_fp8mma_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, used_ptr, n_q, n_keys, n_heads,
                                 ratio, stride_qn, stride_qh, stride_k, stride_ks, stride_wn, stride_on,
                                 BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr,
-                                Q_PER_PROG: tl.constexpr, CAUSAL: tl.constexpr, ASM: tl.constexpr):
+                                Q_PER_PROG: tl.constexpr, CAUSAL: tl.constexpr, ASM: tl.constexpr,
+                                PACKED: tl.constexpr):
     """FP4 keys (d = 128) on FP8 tensor cores. A query's codes are ``q * 2^(7 - e_h)`` with one exponent per head
     (from the head's amax), so the four 32-dim blocks share the head's scale; per block one e4m3 MMA (K = 32,
     exact: e2m1 x e2m1 products summed over 32 fit the MMA's accumulator) is scaled by the key's block scale and
@@ -271,16 +296,20 @@ def _index_scores_fp8mma_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, u
             if pid_e == 0:
                 tl.store(used_ptr + i64, exact.to(tl.int8))
             if exact != 0:
-                # bf16 roundings on the FP32 pipe where every value is provably 0 or normal below 2^110: folded
-                # weights in [2^-40, 2^30] and key scales in [2^-60, 2^60]; else through the conversion unit
+                # packed bf16x2 (or FP32-pipe) roundings where every value is provably 0 or normal below 2^110:
+                # folded weights in [2^-40, 2^30] and key scales in [2^-60, 2^60]; else the conversion unit
                 fast = _in_range(wq, 9.094947017729282e-13, 1073741824.0)
                 fast *= _scales_in_range(ks_ptr, first, n_keys, stride_ks, BLOCK_E, TILES)
                 if fast != 0:
                     for t in range(TILES):
                         acc, keys, kmask = _fp8_tile(k_ptr, ks_ptr, q0, q1, q2, q3, first + t, n_keys, stride_k,
                                                      stride_ks, BLOCK_E, ASM)
-                        _score_epilogue_fp32pipe(acc, wq, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on,
-                                                 CAUSAL, ASM)
+                        if PACKED:
+                            _score_epilogue_packed(acc, wq, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on,
+                                                   CAUSAL)
+                        else:
+                            _score_epilogue_fp32pipe(acc, wq, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on,
+                                                     CAUSAL, ASM)
                 else:
                     for t in range(TILES):
                         acc, keys, kmask = _fp8_tile(k_ptr, ks_ptr, q0, q1, q2, q3, first + t, n_keys, stride_k,
@@ -366,11 +395,12 @@ def dequantize_fp4_keys(packed: torch.Tensor, scales: torch.Tensor) -> torch.Ten
 def default_config_fp8mma(n_q: int, n_keys: int, n_heads: int) -> dict:
     """FP8-MMA FP4 path: 128 keys per tile; a program walks several tiles (the query's codes are made once per
     program): decode about two programs per SM (3-stage pipeline from 4 tiles), prefill 16 tiles per (query,
-    program); the H200 sweeps of BENCHMARKS.md."""
+    program); the H200 sweeps of BENCHMARKS.md. ``packed``: the bf16x2 epilogue where the FP32-pipe one may run
+    (``False``: the FP32-pipe epilogue; both give the same scores)."""
     decode = n_q <= 4
     tiles = max(1, min(16, triton.cdiv(triton.cdiv(n_keys, 128), 264))) if decode else 16
     return {"block_e": 128, "tiles": tiles, "q_per_prog": 1, "num_warps": 4,
-            "num_stages": 3 if decode and tiles >= 4 else 1}
+            "num_stages": 3 if decode and tiles >= 4 else 1, "packed": True}
 
 
 def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
@@ -388,7 +418,8 @@ def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
         q, packed, scales, weights, pos, out, used, n, e, h, int(ratio),
         q.stride(0), q.stride(1), packed.stride(0), scales.stride(0), weights.stride(0), out.stride(0),
         BLOCK_H=max(16, next_pow2(h)), BLOCK_E=c["block_e"], TILES=c["tiles"], Q_PER_PROG=c["q_per_prog"],
-        CAUSAL=causal, ASM=not INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        CAUSAL=causal, ASM=not INTERPRET, PACKED=c["packed"] and not INTERPRET, num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
     return out, used
 
 

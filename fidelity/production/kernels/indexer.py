@@ -222,14 +222,17 @@ def _fp8_tile(k_ptr, ks_ptr, q0, q1, q2, q3, tile, n_keys, stride_k, stride_ks, 
 
 
 @triton.jit
-def _scales_in_range(ks_ptr, first, n_keys, stride_ks, BLOCK_E: tl.constexpr, TILES: tl.constexpr):
+def _scales_in_range(ks_ptr, first, n_keys, stride_ks, BLOCK_E: tl.constexpr, TILES: tl.constexpr,
+                     SPAN: tl.constexpr):
     """1 where every key scale of the program's tiles lies in [2^-60, 2^60] (bytes 67 .. 187), so that q.k
     values are 0 or in [2^-76, 2^73] (e4m3 products are multiples of 2^-16, four blocks of 32 below 2^13).
-    One load of all the program's scale bytes: a loop over the tiles would wait out one load latency per tile
-    before the first tile is scored."""
-    keys = first * BLOCK_E + tl.arange(0, TILES * BLOCK_E)
+    One load of all the program's scale bytes (SPAN = TILES * BLOCK_E rounded up to a power of two): a loop over
+    the tiles would wait out one load latency per tile before the first tile is scored."""
+    span = tl.arange(0, SPAN)
+    keys = first * BLOCK_E + span
+    kmask = (span < TILES * BLOCK_E) & (keys < n_keys)
     sb = tl.load(ks_ptr + keys.to(tl.int64)[:, None] * stride_ks + tl.arange(0, 4)[None, :],
-                 mask=(keys < n_keys)[:, None], other=127).to(tl.int32)
+                 mask=kmask[:, None], other=127).to(tl.int32)
     return tl.min(tl.min(((sb >= 67) & (sb <= 187)).to(tl.int32), axis=1), axis=0)
 
 
@@ -272,7 +275,7 @@ def _index_scores_fp8mma_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, u
                                 ratio, stride_qn, stride_qh, stride_k, stride_ks, stride_wn, stride_on,
                                 BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, TILES: tl.constexpr,
                                 Q_PER_PROG: tl.constexpr, CAUSAL: tl.constexpr, ASM: tl.constexpr,
-                                PACKED: tl.constexpr):
+                                PACKED: tl.constexpr, SPAN: tl.constexpr):
     """FP4 keys (d = 128) on FP8 tensor cores. A query's codes are ``q * 2^(7 - e_h)`` with one exponent per head
     (from the head's amax), so the four 32-dim blocks share the head's scale; per block one e4m3 MMA (K = 32,
     exact: e2m1 x e2m1 products summed over 32 fit the MMA's accumulator) is scaled by the key's block scale and
@@ -299,7 +302,7 @@ def _index_scores_fp8mma_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, u
                 # packed bf16x2 (or FP32-pipe) roundings where every value is provably 0 or normal below 2^110:
                 # folded weights in [2^-40, 2^30] and key scales in [2^-60, 2^60]; else the conversion unit
                 fast = _in_range(wq, 9.094947017729282e-13, 1073741824.0)
-                fast *= _scales_in_range(ks_ptr, first, n_keys, stride_ks, BLOCK_E, TILES)
+                fast *= _scales_in_range(ks_ptr, first, n_keys, stride_ks, BLOCK_E, TILES, SPAN)
                 if fast != 0:
                     for t in range(TILES):
                         acc, keys, kmask = _fp8_tile(k_ptr, ks_ptr, q0, q1, q2, q3, first + t, n_keys, stride_k,
@@ -418,8 +421,8 @@ def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
         q, packed, scales, weights, pos, out, used, n, e, h, int(ratio),
         q.stride(0), q.stride(1), packed.stride(0), scales.stride(0), weights.stride(0), out.stride(0),
         BLOCK_H=max(16, next_pow2(h)), BLOCK_E=c["block_e"], TILES=c["tiles"], Q_PER_PROG=c["q_per_prog"],
-        CAUSAL=causal, ASM=not INTERPRET, PACKED=c["packed"] and not INTERPRET, num_warps=c["num_warps"],
-        num_stages=c["num_stages"])
+        CAUSAL=causal, ASM=not INTERPRET, PACKED=c["packed"] and not INTERPRET,
+        SPAN=next_pow2(c["tiles"] * c["block_e"]), num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out, used
 
 

@@ -32,14 +32,10 @@ CUDA_KEYS_MIN_ROWS = 128  # H200, fp32 scores (BENCHMARKS.md, top-k): the sort i
 ROUTES = ("sort", "keys")
 
 
-def _check_dtype(scores: torch.Tensor) -> None:
-    if scores.dtype not in _INT_VIEW:
-        raise TypeError(f"top-k: scores must be float32 or bfloat16, found {scores.dtype}")
-
-
 def ordered_scores(scores: torch.Tensor) -> torch.Tensor:
     """[..., n] fp32 / bf16 -> [..., n] int32 / int16 in the numbers' order (-0 == +0; NaNs equal, above +inf)."""
-    _check_dtype(scores)
+    if scores.dtype not in _INT_VIEW:
+        raise TypeError(f"top-k: scores must be float32 or bfloat16, found {scores.dtype}")
     int_dtype, sign_shift, magnitude, nan = _INT_VIEW[scores.dtype]
     bits = (scores + 0.0).view(int_dtype)  # + 0.0 turns -0.0 into +0.0
     bits = torch.where(torch.isnan(scores), nan, bits)

@@ -58,7 +58,7 @@ def act_linear_cuda(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") -> 
     """Same signature and result as ``ops.act_linear``: the activation quantization in one launch, then the
     emulation's own fp32 GEMM."""
     if act != "fp8" or not on_device(x) or x.dtype != torch.bfloat16 or x.shape[-1] % 128:
-        fallbacks.note("act_linear", "input dtype, shape or format not supported")
+        fallbacks.note("act_linear", fallbacks.UNSUPPORTED)
         return ops.act_linear(x, weight, act)
     return (fake_quant_fp8(x, 128).float() @ weight.T).to(torch.bfloat16)
 
@@ -67,7 +67,7 @@ def kv_round_cuda(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tensor:
     """Same signature and result as ``ops.kv_round`` (bit-exact)."""
     nope = kv.shape[-1] - rope_dims
     if fmt != "fp8" or not on_device(kv) or kv.dtype != torch.bfloat16 or nope % 64 or nope < 0:
-        fallbacks.note("kv_round", "input dtype, shape or format not supported")
+        fallbacks.note("kv_round", fallbacks.UNSUPPORTED)
         return ops.kv_round(kv, rope_dims, fmt)
     return fake_quant_fp8(kv, 64, nope, num_warps=2)
 

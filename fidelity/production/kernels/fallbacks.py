@@ -5,6 +5,7 @@ wrapper fell back), so a report shows exactly where the kernels did not run."""
 
 from __future__ import annotations
 
+UNSUPPORTED = "input dtype, shape or format not supported"  # the reason for inputs a kernel does not take
 _COUNTS: dict[str, dict[str, int]] = {}
 
 

@@ -132,16 +132,23 @@ def _k_tile_bf16(k_ptr, ks_ptr, krow, kmask, stride_k, stride_ks, D: tl.constexp
 
 
 @triton.jit
+def _store_scores(score, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL: tl.constexpr):
+    """Head-summed scores [BLOCK_E] fp32 -> bf16 at ``out[i, keys]``; with CAUSAL, -inf where
+    ``keys >= (position + 1) // ratio``."""
+    if CAUSAL:
+        limit = (tl.load(pos_ptr + i64) + 1) // ratio
+        score = tl.where(keys < limit, score, float("-inf"))
+    tl.store(out_ptr + i64 * stride_on + keys, score.to(tl.bfloat16), mask=kmask)
+
+
+@triton.jit
 def _score_epilogue(s, w, hmask, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL: tl.constexpr):
     """The official bf16 steps on q.k [BLOCK_E, BLOCK_H] fp32: round, ReLU, times w, round, head sum, round."""
     s = s.to(tl.bfloat16).to(tl.float32)
     s = tl.where(s < 0, 0.0, s)  # ReLU that keeps NaN (torch.relu does)
     t = (s * w[None, :]).to(tl.bfloat16).to(tl.float32)
-    score = tl.sum(tl.where(hmask[None, :], t, 0.0), axis=1)
-    if CAUSAL:
-        limit = (tl.load(pos_ptr + i64) + 1) // ratio
-        score = tl.where(keys < limit, score, float("-inf"))
-    tl.store(out_ptr + i64 * stride_on + keys, score.to(tl.bfloat16), mask=kmask)
+    _store_scores(tl.sum(tl.where(hmask[None, :], t, 0.0), axis=1), keys, kmask, pos_ptr, i64, ratio, out_ptr,
+                  stride_on, CAUSAL)
 
 
 @triton.jit
@@ -159,20 +166,6 @@ def _round_bf16(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def _score_epilogue_fp32pipe(s, w, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL: tl.constexpr,
-                             ASM: tl.constexpr):
-    """:func:`_score_epilogue` with both bf16 roundings done by :func:`_round_bf16`, for programs whose q.k values
-    and their products with ``w`` are provably 0 or normal below 2^110 (padded heads carry w = 0: no head mask)."""
-    s = _round_bf16(s, ASM)
-    s = tl.where(s < 0, 0.0, s)
-    score = tl.sum(_round_bf16(s * w[None, :], ASM), axis=1)
-    if CAUSAL:
-        limit = (tl.load(pos_ptr + i64) + 1) // ratio
-        score = tl.where(keys < limit, score, float("-inf"))
-    tl.store(out_ptr + i64 * stride_on + keys, score.to(tl.bfloat16), mask=kmask)
-
-
-@triton.jit
 def _relu_times_w_bf16x2(s, w):
     """``round_bf16(relu(round_bf16(s)) * w)`` kept in fp32, two elements per step in packed bf16x2 arithmetic:
     ``cvt.rn.bf16x2.f32`` (both roundings of s at once), ``max.bf16x2`` with 0 (ReLU), ``mul.rn.bf16x2`` with w
@@ -186,14 +179,19 @@ def _relu_times_w_bf16x2(s, w):
 
 
 @triton.jit
-def _score_epilogue_packed(s, w, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL: tl.constexpr):
-    """:func:`_score_epilogue_fp32pipe` with the rounding, ReLU and weight steps in packed bf16x2 arithmetic
-    (:func:`_relu_times_w_bf16x2`); the head sum is the same fp32 reduction, so the scores are the same."""
-    score = tl.sum(_relu_times_w_bf16x2(s, tl.broadcast_to(w[None, :], s.shape)), axis=1)
-    if CAUSAL:
-        limit = (tl.load(pos_ptr + i64) + 1) // ratio
-        score = tl.where(keys < limit, score, float("-inf"))
-    tl.store(out_ptr + i64 * stride_on + keys, score.to(tl.bfloat16), mask=kmask)
+def _score_epilogue_fast(s, w, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL: tl.constexpr,
+                         ASM: tl.constexpr, PACKED: tl.constexpr):
+    """:func:`_score_epilogue` for programs whose q.k values and their products with ``w`` are provably 0 or
+    normal below 2^110 (padded heads carry w = 0: no head mask), without the conversion unit: PACKED, two values
+    per bf16x2 instruction (:func:`_relu_times_w_bf16x2`); else one at a time on the FP32 pipe
+    (:func:`_round_bf16`). Same values, same fp32 head sum: the same scores."""
+    if PACKED:
+        t = _relu_times_w_bf16x2(s, tl.broadcast_to(w[None, :], s.shape))
+    else:
+        s = _round_bf16(s, ASM)
+        s = tl.where(s < 0, 0.0, s)
+        t = _round_bf16(s * w[None, :], ASM)
+    _store_scores(tl.sum(t, axis=1), keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL)
 
 
 @triton.jit
@@ -307,12 +305,8 @@ def _index_scores_fp8mma_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, u
                     for t in range(TILES):
                         acc, keys, kmask = _fp8_tile(k_ptr, ks_ptr, q0, q1, q2, q3, first + t, n_keys, stride_k,
                                                      stride_ks, BLOCK_E, ASM)
-                        if PACKED:
-                            _score_epilogue_packed(acc, wq, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on,
-                                                   CAUSAL)
-                        else:
-                            _score_epilogue_fp32pipe(acc, wq, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on,
-                                                     CAUSAL, ASM)
+                        _score_epilogue_fast(acc, wq, keys, kmask, pos_ptr, i64, ratio, out_ptr, stride_on, CAUSAL,
+                                             ASM, PACKED)
                 else:
                     for t in range(TILES):
                         acc, keys, kmask = _fp8_tile(k_ptr, ks_ptr, q0, q1, q2, q3, first + t, n_keys, stride_k,
@@ -374,7 +368,7 @@ def index_scores_cuda(q, keys, weights, dtype=torch.bfloat16, *, positions=None,
     ok = (dtype == torch.bfloat16 and on_device(q) and q.dim() == 3 and keys.dim() == 2 and keys.shape[1] == d
           and d in (16, 32, 64, 128, 256) and q.shape[1] <= 128)
     if not ok:
-        fallbacks.note("index_scores", "input dtype, shape or format not supported")
+        fallbacks.note("index_scores", fallbacks.UNSUPPORTED)
         s = ops.index_scores(q, keys, weights, dtype)
         if positions is not None:
             j = torch.arange(keys.shape[0], device=s.device)
@@ -468,7 +462,7 @@ def index_scores_packed_cuda(q, codes, scales, weights, dtype=torch.bfloat16):
     ok = (dtype == torch.bfloat16 and on_device(q) and q.dim() == 3 and codes.dim() == 2 and scales.dim() == 2
           and codes.shape[1] * 2 == d and scales.shape[1] * 32 == d and d in (32, 64, 128, 256) and q.shape[1] <= 128)
     if not ok:
-        fallbacks.note("index_scores_fp4", "input dtype, shape or format not supported")
+        fallbacks.note("index_scores_fp4", fallbacks.UNSUPPORTED)
         return ops.index_scores_fp4(q, codes, scales, weights, dtype)
     return index_scores_fp4(q, codes, scales, weights)
 

@@ -156,10 +156,10 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk
     ``splits``: split-K programs per token tile (default: 1 = the fused single launch when the tiles fill the
     GPU, else enough splits for ~2 programs per SM, then a second launch that sums the partials in a fixed
     order and finishes; deterministic either way)."""
-    if not (on_device(x) and x.dim() == 3 and x.shape[1] == 4 and fn.shape == (24, 4 * x.shape[2])
-            and x.dtype in (torch.bfloat16, torch.float32)) or on("sinkhorn-3-iters") or on("comb-transposed"):
-        fallbacks.note("hc_pre", "injected Sinkhorn fault" if on("sinkhorn-3-iters") or on("comb-transposed")
-                       else "input dtype, shape or format not supported")
+    fault = on("sinkhorn-3-iters") or on("comb-transposed")
+    if fault or not (on_device(x) and x.dim() == 3 and x.shape[1] == 4 and fn.shape == (24, 4 * x.shape[2])
+                     and x.dtype in (torch.bfloat16, torch.float32)):
+        fallbacks.note("hc_pre", "injected Sinkhorn fault" if fault else fallbacks.UNSUPPORTED)
         return ops.hc_pre(x, fn, scale, base, norm_eps, iters, hc_eps)
     n, _, dim = x.shape
     x = x.contiguous()
@@ -232,7 +232,7 @@ def hc_post_cuda(f, residual, post, comb, out_dtype=torch.bfloat16, *, bt: int =
           and residual.shape[0] == f.shape[0] and residual.shape[2] == f.shape[1] and post.shape == (f.shape[0], 4)
           and comb.shape == (f.shape[0], 4, 4) and out_dtype in (torch.bfloat16, torch.float32))
     if not ok:
-        fallbacks.note("hc_post", "input dtype, shape or format not supported")
+        fallbacks.note("hc_post", fallbacks.UNSUPPORTED)
         return ops.hc_post(f, residual, post, comb, out_dtype)
     n, dim = f.shape
     out = torch.empty((n, 4, dim), dtype=out_dtype, device=f.device)

@@ -18,6 +18,8 @@ groups and load the next group before reducing and storing the current one). Bot
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -121,6 +123,7 @@ def _rms_norm_persistent_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_col
         x, mask = x_next, mask_next
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -170,7 +173,7 @@ def _ok(x, weight) -> bool:
 def rms_norm_cuda(x, weight, eps):
     """Same signature and result as ``ops.rms_norm`` (up to the fp32 summation order of the mean)."""
     if not _ok(x, weight):
-        fallbacks.note("rms_norm", "input dtype, shape or format not supported")
+        fallbacks.note("rms_norm", fallbacks.UNSUPPORTED)
         return ops.rms_norm(x, weight, eps)
     return _launch(x, weight, eps, True, False)
 
@@ -185,7 +188,7 @@ def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int 
     if x.shape[-1] % 128:
         raise ValueError(f"last dim must be a multiple of 128, found {x.shape[-1]}")
     if not _ok(x, weight):
-        fallbacks.note("rms_norm_fp8", "input dtype, shape or format not supported")
+        fallbacks.note("rms_norm_fp8", fallbacks.UNSUPPORTED)
         y = ops.rms_norm(x, weight, eps)
         from fidelity.formats import quantize_fp8
 

@@ -269,7 +269,7 @@ def _fallback_reason(q, kv, idx, fmt) -> str | None:
     if fmt not in ("bf16", "fp8"):
         return f"fmt {fmt!r}"
     if not _supported(q, kv, idx):
-        return "input dtype, shape or format not supported"
+        return fallbacks.UNSUPPORTED
     if fmt == "fp8" and q.shape[-1] % 64:
         return "fmt 'fp8' with a head_dim that is not a multiple of 64"
     fault = next((f for f in ("sink-value-row", "sink-dropped") if on(f)), None)

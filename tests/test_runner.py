@@ -37,6 +37,7 @@ def test_runner_compares_every_layer_in_each_mode(tiny, mode):
     assert len(cos) == 4 and (cos > 0.99).all()
     assert manifest["decode_steps"] == 3 and manifest["implementations"]["sparse_attention"] == "cpu"
     assert manifest["kernel_fallbacks"] == {}  # on the CPU no kernel is selected, so none can fall back
+    assert set(manifest["topk_routes"]) == {"keys"} and manifest["topk_routes"]["keys"] > 0  # the CPU's route
 
 
 def test_op_mode_is_tighter_than_layer_mode_and_layer_tighter_than_free(tiny):

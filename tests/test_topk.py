@@ -1,12 +1,14 @@
-"""The production top-k picks exactly what the CPU's stable descending sort of the scores picks, on both routes
-and for fp32 and bf16 scores (ties to the lower id, -0.0 equal to +0.0, NaN of either sign above +inf)."""
+"""The production top-k picks exactly what the CPU's stable descending sort of the scores picks, on both torch
+routes (the Triton ``radix`` route: ``tests/gpu/test_topk_cuda.py``) and for fp32 and bf16 scores (ties to the
+lower id, -0.0 equal to +0.0, NaN of either sign above +inf)."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fidelity.production.topk import ROUTES, order_keys, ordered_scores, stable_topk
+from fidelity.production import kernels, topk
+from fidelity.production.topk import TORCH_ROUTES, order_keys, ordered_scores, stable_topk
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38]
 DTYPES = (torch.float32, torch.bfloat16)
@@ -20,7 +22,7 @@ def _sorted_picks(x: torch.Tensor, k: int) -> torch.Tensor:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.one_of(st.sampled_from(SPECIALS), st.integers(-6, 6).map(lambda v: v / 4),
                           st.floats(width=32, allow_nan=True, allow_infinity=True)), min_size=1, max_size=200),
-       st.integers(1, 3), st.sampled_from(ROUTES), st.sampled_from(DTYPES), st.data())
+       st.integers(1, 3), st.sampled_from(TORCH_ROUTES), st.sampled_from(DTYPES), st.data())
 def test_every_route_equals_the_stable_descending_sort_on_ties_signed_zeros_nans_and_infinities(values, rows, route,
                                                                                               dtype, data):
     x = torch.tensor(values, dtype=torch.float32).repeat(rows, 1)
@@ -31,7 +33,7 @@ def test_every_route_equals_the_stable_descending_sort_on_ties_signed_zeros_nans
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", TORCH_ROUTES)
 def test_every_route_matches_the_sort_on_bf16_valued_scores_at_a_decode_size(route, dtype):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 40000, generator=g).bfloat16().float()  # bf16 values: thousands of exact ties
@@ -46,7 +48,7 @@ def test_every_route_matches_the_sort_on_bf16_valued_scores_at_a_decode_size(rou
     assert torch.equal(stable_topk(x[None], 512, route), _sorted_picks(x, 512)[None])  # leading dims
 
 
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", TORCH_ROUTES)
 def test_every_route_takes_k_zero_and_k_equal_to_the_row(route):
     x = torch.tensor([[1.0, float("-inf"), 1.0, 0.5]])
     assert stable_topk(x, 0, route).shape == (1, 0)
@@ -56,7 +58,7 @@ def test_every_route_takes_k_zero_and_k_equal_to_the_row(route):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_equal_scores_go_to_the_lower_entry_id_and_minus_zero_ties_plus_zero(dtype):
     x = torch.tensor([[0.0, -0.0, 1.0, 0.0, -0.0, float("nan"), 1.0, -float("nan")]], dtype=dtype)
-    for route in ROUTES:
+    for route in TORCH_ROUTES:
         assert stable_topk(x, 8, route).tolist() == [[5, 7, 2, 6, 0, 1, 3, 4]]
 
 
@@ -75,7 +77,7 @@ def test_order_keys_are_distinct_and_ordered_by_score_then_reversed_id():
     assert keys.argsort().tolist() == [8, 0, 1, 3, 2, 4, 5, 6, 7]  # -0 ties +0: the lower id (2) ranks higher
 
 
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", TORCH_ROUTES)
 def test_stable_topk_refuses_k_outside_the_row_and_other_dtypes(route):
     with pytest.raises(ValueError, match=r"k must lie in \[0, 3\].*found 4"):
         stable_topk(torch.zeros(1, 3), 4, route)
@@ -86,5 +88,22 @@ def test_stable_topk_refuses_k_outside_the_row_and_other_dtypes(route):
 
 
 def test_stable_topk_refuses_an_unknown_route():
-    with pytest.raises(ValueError, match="route must be one of .*found 'radix'"):
+    with pytest.raises(ValueError, match="route must be one of .*found 'bitonic'"):
+        stable_topk(torch.zeros(1, 3), 1, "bitonic")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the radix route runs on CUDA here")
+def test_radix_route_on_cpu_scores_says_it_needs_a_cuda_device():
+    with pytest.raises(ValueError, match="route 'radix' needs triton and the scores on a CUDA device, found scores on "
+                                         "cpu" + ("" if kernels.HAVE_TRITON else " and no triton")):
         stable_topk(torch.zeros(1, 3), 1, "radix")
+    with pytest.raises(TypeError, match="float32 or bfloat16, found torch.float16"):
+        stable_topk(torch.zeros(1, 3, dtype=torch.float16), 1, "radix")
+
+
+def test_cpu_scores_default_to_the_keys_route_and_the_route_calls_are_counted():
+    topk.reset_route_counts()
+    stable_topk(torch.zeros(2, 5), 2)
+    stable_topk(torch.zeros(2, 5), 2, "sort")
+    assert topk.default_route(torch.zeros(2, 5), 2) == "keys"
+    assert topk.route_counts() == {"keys": 1, "sort": 1}

@@ -8,8 +8,11 @@ of either sign, ranks above +inf (torch's CPU sort). CUDA's float sort is a radi
 which puts -0.0 below +0.0 and a negative NaN at the bottom, so the production path never sorts floats. It maps
 each score to an integer of the same order, ``ordered_scores`` (fp32 -> int32, bf16 -> int16: negative values
 get their magnitude bits flipped; -0.0 is folded into +0.0 and every NaN into one NaN above +inf), and selects
-by one of two routes with the same result:
+by one of three routes with the same result:
 
+* ``radix`` (CUDA, bf16 or fp32 scores, k <= 4096; the default there): a radix selection in Triton
+  (:mod:`fidelity.production.kernels.radix_topk`) that finds the k-th largest integer one byte at a time and sorts
+  only the k picks;
 * ``sort``: a stable descending sort of those integers (fastest on CUDA for bf16 scores at every measured shape,
   1-1024 rows, where it sorts 16-bit keys; for fp32 scores up to 64 rows: decode);
 * ``keys``: one distinct int64 key per entry, ``(ordered score) << 32 | (2^32 - 1 - id)``, and ``torch.topk``
@@ -23,19 +26,28 @@ from __future__ import annotations
 
 import torch
 
+from fidelity.production import kernels
+from fidelity.production.kernels._common import INTERPRET
+
 ID_BITS = 32
 ID_MASK = (1 << ID_BITS) - 1
 # bits and positive quiet NaN (above +inf in the integer order) of each supported score dtype
 _INT_VIEW = {torch.float32: (torch.int32, 31, 0x7FFFFFFF, 0x7FC00000),
              torch.bfloat16: (torch.int16, 15, 0x7FFF, 0x7FC0)}
 CUDA_KEYS_MIN_ROWS = 128  # H200, fp32 scores (BENCHMARKS.md, top-k): the sort is faster at 1-64 rows, the keys from 128
-ROUTES = ("sort", "keys")
+TORCH_ROUTES = ("sort", "keys")
+ROUTES = (*TORCH_ROUTES, "radix")
+_ROUTE_CALLS: dict[str, int] = {}
+
+
+def _check_dtype(scores: torch.Tensor) -> None:
+    if scores.dtype not in _INT_VIEW:
+        raise TypeError(f"top-k: scores must be float32 or bfloat16, found {scores.dtype}")
 
 
 def ordered_scores(scores: torch.Tensor) -> torch.Tensor:
     """[..., n] fp32 / bf16 -> [..., n] int32 / int16 in the numbers' order (-0 == +0; NaNs equal, above +inf)."""
-    if scores.dtype not in _INT_VIEW:
-        raise TypeError(f"top-k: scores must be float32 or bfloat16, found {scores.dtype}")
+    _check_dtype(scores)
     int_dtype, sign_shift, magnitude, nan = _INT_VIEW[scores.dtype]
     bits = (scores + 0.0).view(int_dtype)  # + 0.0 turns -0.0 into +0.0
     bits = torch.where(torch.isnan(scores), nan, bits)
@@ -51,10 +63,20 @@ def order_keys(scores: torch.Tensor) -> torch.Tensor:
     return (ordered_scores(scores).to(torch.int64) << ID_BITS) | (ID_MASK - ids)
 
 
-def default_route(scores: torch.Tensor) -> str:
-    """The fastest route measured for this device, dtype and row count."""
+def _kernels_run_here(scores: torch.Tensor) -> bool:
+    """True when the Triton kernels can take ``scores``: triton imports and they are on CUDA (or interpreted)."""
+    return kernels.HAVE_TRITON and (scores.is_cuda or INTERPRET)
+
+
+def default_route(scores: torch.Tensor, k: int = 512) -> str:
+    """The fastest route measured for this device, dtype, row count and k (BENCHMARKS.md, top-k)."""
     if not scores.is_cuda:
         return "keys"
+    if _kernels_run_here(scores):
+        from fidelity.production.kernels.radix_topk import supports
+
+        if supports(scores, k):
+            return "radix"
     return "sort" if scores.dtype == torch.bfloat16 or scores[..., 0].numel() < CUDA_KEYS_MIN_ROWS else "keys"
 
 
@@ -63,11 +85,32 @@ def stable_topk(scores: torch.Tensor, k: int, route: str | None = None) -> torch
     id: the CPU's ``scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]`` on every route and
     device."""
     n = scores.shape[-1]
+    _check_dtype(scores)
     if not 0 <= k <= n:
         raise ValueError(f"top-k: k must lie in [0, {n}] (entries per row), found {k}")
-    route = route or default_route(scores)
+    route = route or default_route(scores, k)
+    if route not in ROUTES:
+        raise ValueError(f"top-k: route must be one of {ROUTES}, found {route!r}")
+    _ROUTE_CALLS[route] = _ROUTE_CALLS.get(route, 0) + 1
+    if route == "radix":
+        if k == 0:
+            return torch.empty((*scores.shape[:-1], 0), dtype=torch.int64, device=scores.device)
+        if not _kernels_run_here(scores):
+            raise ValueError(f"top-k: route 'radix' needs triton and the scores on a CUDA device, found scores on "
+                             f"{scores.device}{'' if kernels.HAVE_TRITON else ' and no triton'}")
+        from fidelity.production.kernels.radix_topk import radix_topk
+
+        return radix_topk(scores, k)
     if route == "sort":
         return ordered_scores(scores).sort(dim=-1, descending=True, stable=True).indices[..., :k]
-    if route != "keys":
-        raise ValueError(f"top-k: route must be one of {ROUTES}, found {route!r}")
     return torch.topk(order_keys(scores), k, dim=-1, largest=True, sorted=True).indices
+
+
+def route_counts() -> dict[str, int]:
+    """{route: calls of :func:`stable_topk`} since the last :func:`reset_route_counts` (Python calls: a captured
+    CUDA graph's replays are not counted)."""
+    return dict(_ROUTE_CALLS)
+
+
+def reset_route_counts() -> None:
+    _ROUTE_CALLS.clear()

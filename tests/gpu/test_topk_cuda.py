@@ -1,14 +1,19 @@
-"""The production top-k on a CUDA device (skipped without one): the CPU stable sort's picks on every route, for
-fp32 and bf16 scores, where CUDA's own float sort differs (it orders -0.0 below +0.0 and a negative NaN last),
-also inside a CUDA graph (graph decode captures it)."""
+"""The production top-k on a CUDA device (skipped without one): the CPU stable sort's picks on every route (the
+Triton radix selection among them), for fp32 and bf16 scores, where CUDA's own float sort differs (it orders -0.0
+below +0.0 and a negative NaN last), also inside a CUDA graph (graph decode captures it)."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from fidelity.production.kernels.radix_topk import MAX_K  # noqa: E402
 from fidelity.production.topk import CUDA_KEYS_MIN_ROWS, ROUTES, default_route, stable_topk  # noqa: E402
+
+SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38]
 
 
 def _scores(rows: int, n: int, seed: int, dtype: torch.dtype = torch.float32, k: int = 512) -> torch.Tensor:
@@ -31,16 +36,39 @@ def _reference(x: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("rows,n,k", [(1, 32768, 512), (1, 262144, 1024), (64, 8192, 512), (3, 700, 700),
-                                      (CUDA_KEYS_MIN_ROWS, 8192, 512), (512, 32768, 512)])
+                                      (CUDA_KEYS_MIN_ROWS, 8192, 512), (512, 32768, 512), (5, 70001, MAX_K),
+                                      (2, 5000, 1)])
 def test_every_route_on_cuda_equals_the_cpu_stable_sort(rows, n, k, route, dtype):
     x = _scores(rows, n, seed=n + k, dtype=dtype, k=k)
     assert torch.equal(stable_topk(x.cuda(), k, route).cpu(), _reference(x, k))
 
 
-def test_cuda_default_route_is_the_sort_except_for_fp32_prefill_chunks():
-    assert default_route(_scores(1, 1000, 0).cuda()) == "sort"
-    assert default_route(_scores(CUDA_KEYS_MIN_ROWS, 1000, 0).cuda()) == "keys"
-    assert default_route(_scores(CUDA_KEYS_MIN_ROWS, 1000, 0, torch.bfloat16).cuda()) == "sort"
+def test_cuda_default_route_is_the_radix_selection_and_above_its_largest_k_the_torch_routes():
+    for dtype in (torch.float32, torch.bfloat16):
+        assert default_route(_scores(1, 1000, 0, dtype).cuda(), 512) == "radix"
+        assert default_route(_scores(CUDA_KEYS_MIN_ROWS, 1000, 0, dtype).cuda(), 1000) == "radix"
+    big = MAX_K + 1
+    assert default_route(_scores(1, 2 * big, 0).cuda(), big) == "sort"
+    assert default_route(_scores(CUDA_KEYS_MIN_ROWS, 2 * big, 0).cuda(), big) == "keys"
+    assert default_route(_scores(CUDA_KEYS_MIN_ROWS, 2 * big, 0, torch.bfloat16).cuda(), big) == "sort"
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.one_of(st.sampled_from(SPECIALS), st.integers(-6, 6).map(lambda v: v / 4),
+                          st.floats(width=32, allow_nan=True, allow_infinity=True)), min_size=1, max_size=40),
+       st.integers(1, 4), st.integers(1, 30000), st.sampled_from([torch.float32, torch.bfloat16]), st.data())
+def test_radix_route_equals_the_cpu_stable_sort_on_rows_of_few_distinct_values(pool, rows, n, dtype, data):
+    """Rows drawn from a small pool of values (specials included): every threshold is a heavy tie, spread over
+    many chunks, at any k the route takes."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.tensor(pool, dtype=torch.float32)[torch.randint(len(pool), (rows, n), generator=g)].to(dtype)
+    k = data.draw(st.integers(1, min(n, MAX_K)))
+    assert torch.equal(stable_topk(x.cuda(), k, "radix").cpu(), _reference(x, k))
+
+
+def test_radix_route_refuses_k_above_its_largest():
+    with pytest.raises(ValueError, match=f"1 <= k <= min\\({MAX_K}, entries per row\\).*k={MAX_K + 1}"):
+        stable_topk(torch.zeros(1, 2 * MAX_K, device="cuda"), MAX_K + 1, "radix")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,4 +1,5 @@
-"""Exact top-k of index scores by radix selection (Triton): the picks of a stable descending sort, without sorting.
+"""Exact top-k of index scores by radix selection (Triton): the picks of a stable descending sort of each row,
+without sorting the row.
 
 Each score is mapped to an unsigned integer of the same order (bf16 -> 16 bits, fp32 -> 32 bits; -0.0 folded
 into +0.0, every NaN into one NaN above +inf: the order of :func:`fidelity.production.topk.ordered_scores`).
@@ -7,7 +8,8 @@ the next byte among the entries whose higher bytes equal the threshold found so 
 every entry above ``T`` plus the lowest-id entries equal to ``T`` (each chunk's count of ``T``-entries comes from
 the last pass's per-chunk histogram, so a chunk knows how many lower-id ties precede it). The k picks are then
 sorted by one distinct int64 key each, ``(ordered score) << 32 | (2^32 - 1 - id)``: highest score first, ties to
-the lower id. Launches: one per byte, one selection, one sort; reads the scores once per launch but the last.
+the lower id. Launches: a zeroed per-row workspace (histograms, candidate counter), one histogram per byte, one
+selection, one sort of the k picks; every launch but the last reads the scores once.
 """
 
 from __future__ import annotations
@@ -94,23 +96,30 @@ def _histogram_kernel(s_ptr, stride_r, n, k, hist_ptr, chunk_ptr, n_chunks,
 @triton.jit
 def _select_kernel(s_ptr, stride_r, n, k, hist_ptr, chunk_ptr, n_chunks, cand_ptr, stride_c,
                    NBYTES: tl.constexpr, HIST_STRIDE: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr):
-    """Writes the keys of this chunk's picks (entries above the threshold, and ties while the row needs them, in id
-    order across chunks) to the row's candidate slots, at offsets claimed with one atomic per chunk."""
+    """Writes the keys of this chunk's picks (the entries above the threshold, and its ties while the row needs
+    them, in id order across chunks: only the chunk where the needed ties run out ranks its ties) to the row's
+    candidate slots, claimed with one atomic per chunk."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     hist_row = hist_ptr + row * HIST_STRIDE
     t, above = _threshold(hist_row, k, NBYTES, NBYTES)
     ties_needed = k - above
+    ties_at = chunk_ptr + row * n_chunks * 256 + (t & 255)
     cs = tl.arange(0, CHUNKS_P2)
-    ties_before = tl.sum(tl.load(chunk_ptr + (row * n_chunks + cs) * 256 + (t & 255), mask=cs < chunk, other=0), 0)
+    ties_before = tl.sum(tl.load(ties_at + cs * 256, mask=cs < chunk, other=0), 0)
+    ties_here = tl.load(ties_at + chunk * 256)
     u, offs, mask = _load_ordered(s_ptr, stride_r, n, BLOCK, NBYTES)
-    tie = (mask & (u == t)).to(tl.int32)
-    tie_rank = ties_before + tl.cumsum(tie, 0) - tie
-    pick = (mask & (u > t)) | ((tie != 0) & (tie_rank < ties_needed))
-    n_picked = tl.sum(pick.to(tl.int32), 0)
+    pick = mask & (u > t)
+    tie = mask & (u == t)
+    if ties_before + ties_here <= ties_needed:
+        pick = pick | tie
+    elif ties_before < ties_needed:
+        tie_i = tie.to(tl.int32)
+        pick = pick | (tie & (ties_before + tl.cumsum(tie_i, 0) - tie_i < ties_needed))
+    pick_i = pick.to(tl.int32)
+    n_picked = tl.sum(pick_i, 0)
     if n_picked > 0:
-        base = tl.atomic_add(hist_row + NBYTES * 256, n_picked, sem="relaxed")
-        slot = base + tl.cumsum(pick.to(tl.int32), 0) - pick.to(tl.int32)
+        slot = tl.atomic_add(hist_row + NBYTES * 256, n_picked, sem="relaxed") + tl.cumsum(pick_i, 0) - pick_i
         signed = u.to(tl.int64) - (1 << (8 * NBYTES - 1))
         key = (signed << 32) | (4294967295 - offs.to(tl.int64))
         tl.store(cand_ptr + row * stride_c + slot, key, mask=pick & (slot < k))
@@ -125,11 +134,13 @@ def _sort_kernel(cand_ptr, stride_c, out_ptr, k, K_P2: tl.constexpr):
     tl.store(out_ptr + row * k + offs, 4294967295 - (key & 4294967295), mask=offs < k)
 
 
-def default_config(rows: int, n: int) -> dict:
-    """Entries per program (about 1024 programs in all, 1024 to 8192 entries each) and warps per program (at most 16
-    entries per thread at 8 warps, 8 at 4)."""
+def default_config(rows: int, n: int, k: int) -> dict:
+    """Entries per program (about 1024 programs in all, 1024 to 8192 entries each), warps per program (at most 16
+    entries per thread at 8 warps, 8 at 4), and warps of the final sort (the fastest measured on the H200 for
+    k = 512 / 1024-2048 / 4096: BENCHMARKS.md, top-k)."""
     block = min(8192, max(1024, next_pow2(triton.cdiv(rows * n, 1024))))
-    return {"block": block, "num_warps": 8 if block >= 4096 else 4}
+    sort_warps = 4 if k <= 512 else 16 if k <= 2048 else 8
+    return {"block": block, "num_warps": 8 if block >= 4096 else 4, "sort_warps": sort_warps}
 
 
 def supports(scores: torch.Tensor, k: int) -> bool:
@@ -140,7 +151,7 @@ def supports(scores: torch.Tensor, k: int) -> bool:
 def radix_topk(scores: torch.Tensor, k: int, config: dict | None = None) -> torch.Tensor:
     """Ids [..., k] int64 of the k highest ``scores`` [..., n] (bf16 or fp32, on the GPU), highest first, ties to the
     lower id: the CPU's ``scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]``. ``config`` overrides
-    :func:`default_config`'s ``block`` (entries per program, a power of two) and ``num_warps``."""
+    :func:`default_config`'s ``block`` (entries per program, a power of two), ``num_warps`` and ``sort_warps``."""
     if not supports(scores, k):
         raise ValueError(f"radix top-k: expected bf16 or fp32 scores with 1 <= k <= min({MAX_K}, entries per row), "
                          f"found {scores.dtype}, k={k}, {scores.shape[-1]} entries")
@@ -152,7 +163,7 @@ def radix_topk(scores: torch.Tensor, k: int, config: dict | None = None) -> torc
     out = torch.empty((r, k), dtype=torch.int64, device=scores.device)
     if r == 0:
         return out.reshape(*scores.shape[:-1], k)
-    c = with_overrides(default_config(r, n), config)
+    c = with_overrides(default_config(r, n, k), config)
     block, num_warps = c["block"], c["num_warps"]
     n_chunks = triton.cdiv(n, block)
     hist_stride = nbytes * 256 + 1  # one histogram per byte, then the row's candidate counter
@@ -167,5 +178,5 @@ def radix_topk(scores: torch.Tensor, k: int, config: dict | None = None) -> torc
                                 HIST_STRIDE=hist_stride, BLOCK=block, num_warps=num_warps)
     _select_kernel[grid](bits, rows.stride(0), n, k, hist, chunk_hist, n_chunks, cand, k_p2, NBYTES=nbytes,
                          HIST_STRIDE=hist_stride, BLOCK=block, CHUNKS_P2=next_pow2(n_chunks), num_warps=num_warps)
-    _sort_kernel[(r,)](cand, k_p2, out, k, K_P2=k_p2, num_warps=4 if k_p2 <= 1024 else 8)
+    _sort_kernel[(r,)](cand, k_p2, out, k, K_P2=k_p2, num_warps=c["sort_warps"])
     return out.reshape(*scores.shape[:-1], k)

@@ -644,7 +644,7 @@ def bench_mhc(quick: bool):
         x = sets[0][0]
         ref = ops.hc_pre(x, fn, scale, base_, 1e-6, 20, 1e-6)
         check = {}
-        for prec in ("ieee", "tf32x3"):
+        for prec in ("ieee", "tf32x3", "bf16x3"):
             got = mhc.hc_pre_cuda(x, fn, scale, base_, 1e-6, 20, 1e-6, precision=prec)
             check[prec] = {"y_max_row_calc_diff": float(_row_calc_diff(got[0], ref[0]).max()),
                            "y_equal_frac": float((got[0] == ref[0]).float().mean()),
@@ -663,9 +663,13 @@ def bench_mhc(quick: bool):
                                                                          "num_warps": 4},
                     {"precision": "tf32x3", "bt": 64, "splits": 2, "num_warps": 4},
                     {"precision": "tf32x3", "bt": 32, "splits": 2, "num_warps": 4}]
+            cfgs += [{"precision": "bf16x3", "bt": bt, "splits": sp, "num_warps": nw}
+                     for bt, sp, nw in ((16, 1, 4), (64, 2, 4), (64, 4, 4), (64, 2, 8), (64, 3, 8), (64, 4, 8),
+                                        (64, None, 8))]
         else:
             cfgs = [{"precision": "tf32x3", "splits": 1}, {"precision": "tf32x3", "splits": None},
-                    {"precision": "tf32x3", "splits": 8}, {"precision": "ieee", "splits": None}]
+                    {"precision": "tf32x3", "splits": 8}, {"precision": "ieee", "splits": None},
+                    {"precision": "bf16x3", "splits": None}, {"precision": "bf16x3", "bt": 64, "splits": None}]
         if quick:
             cfgs = cfgs[::2]
         best = sweep("hc_pre", name, "triton fused", lambda cfg: (

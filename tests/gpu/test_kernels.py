@@ -463,24 +463,42 @@ def test_rms_norm_fp8_persistent_launch_gives_the_one_shot_bits(n, d, rows, warp
 
 
 @pytest.mark.parametrize("dim", [4096, 7168])
-@pytest.mark.parametrize(("n", "splits", "precision"), [(37, None, "tf32x3"), (37, 1, "tf32x3"), (300, None, "ieee"),
-                                                       (5, 7, "ieee")])
-def test_hc_pre_at_model_width(dim, n, splits, precision):
+@pytest.mark.parametrize(("n", "cfg"), [(37, {"precision": "tf32x3"}), (37, {"splits": 1, "precision": "tf32x3"}),
+                                        (300, {"precision": "ieee"}), (5, {"splits": 7, "precision": "ieee"}),
+                                        (37, {"precision": "bf16x3"}), (5, {"splits": 7, "precision": "bf16x3"}),
+                                        (300, {"precision": "bf16x3", "bt": 64, "splits": 2, "num_warps": 8}),
+                                        (300, {"precision": "bf16x3", "bt": 64, "splits": 1, "num_warps": 8}),
+                                        (1100, {})])
+def test_hc_pre_at_model_width(dim, n, cfg):
+    """Each precision and launch (fused, split-K) against the emulation; ``{}`` is the default launch."""
     g = torch.Generator().manual_seed(dim + n)
     x = torch.randn(n, 4, dim, generator=g).to(BF16)
     fn = torch.randn(24, 4 * dim, generator=g) * (4 * dim) ** -0.5
     scale, base = torch.rand(3, generator=g) * 2, torch.randn(24, generator=g)
-    found = mhc.hc_pre_cuda(x.to(CUDA), fn.to(CUDA), scale.to(CUDA), base.to(CUDA), 1e-6, 20, 1e-6, splits=splits,
-                            precision=precision)
+    found = mhc.hc_pre_cuda(x.to(CUDA), fn.to(CUDA), scale.to(CUDA), base.to(CUDA), 1e-6, 20, 1e-6, **cfg)
     emulated = ops.hc_pre(x, fn, scale, base, 1e-6, 20, 1e-6)
     assert float(_row_calc_diff(found[0].cpu(), emulated[0]).max()) <= (1.25 * 2.0**-8) ** 2 / 2
     for f, e in zip(found[1:], emulated[1:], strict=True):
         assert float(((f.cpu() - e).abs() / e.abs().clamp(min=1e-30)).max()) <= 2.0**-12  # 2 x (2^-14 vs fp64)
-    again = mhc.hc_pre_cuda(x.to(CUDA), fn.to(CUDA), scale.to(CUDA), base.to(CUDA), 1e-6, 20, 1e-6, splits=splits,
-                            precision=precision)
+    again = mhc.hc_pre_cuda(x.to(CUDA), fn.to(CUDA), scale.to(CUDA), base.to(CUDA), 1e-6, 20, 1e-6, **cfg)
     assert all(torch.equal(a, b) for a, b in zip(found, again, strict=True))  # deterministic (no atomics)
     check_case("hc_pre", mhc.hc_pre, Case({"x": x[:4], "fn": fn, "scale": scale, "base": base, "norm_eps": 1e-6,
                                            "iters": 20, "hc_eps": 1e-6}), device=CUDA)
+
+
+def test_hc_pre_fp32_streams_default_to_tf32x3_and_refuse_bf16x3():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 4, 512, generator=g)
+    fn = torch.randn(24, 4 * 512, generator=g) * 2048**-0.5
+    scale, base = torch.rand(3, generator=g) * 2, torch.randn(24, generator=g)
+    args = (fn.to(CUDA), scale.to(CUDA), base.to(CUDA), 1e-6, 20, 1e-6)
+    found = mhc.hc_pre_cuda(x.to(CUDA), *args)
+    assert all(torch.equal(a, b) for a, b in zip(found, mhc.hc_pre_cuda(x.to(CUDA), *args, precision="tf32x3"),
+                                                 strict=True))
+    for f, e in zip(found[1:], ops.hc_pre(x, fn, scale, base, 1e-6, 20, 1e-6)[1:], strict=True):
+        assert float(((f.cpu() - e).abs() / e.abs().clamp(min=1e-30)).max()) <= 2.0**-12
+    with pytest.raises(ValueError, match="precision 'bf16x3' takes bf16 streams, found torch.float32"):
+        mhc.hc_pre_cuda(x.to(CUDA), *args, precision="bf16x3")
 
 
 # ---------------------------------------------------------------------------------------------------------------

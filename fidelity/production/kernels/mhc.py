@@ -2,7 +2,7 @@
 projection, the RMS factor, the sigmoid / Sinkhorn split (20 rounds) and the collapse ``y = sum_i pre_i x_i``.
 
 One program handles ``BT`` tokens: pass 1 streams ``x`` [BT, 4*dim] against ``fn`` [24, 4*dim] (tensor cores with
-``tf32x3``, or fp32 FMA with ``"ieee"``; see :func:`hc_pre_cuda`) and the sum of squares; the 24 mixes
+``bf16x3`` or ``tf32x3``, or fp32 FMA with ``"ieee"``; see :func:`hc_pre_cuda`) and the sum of squares; the 24 mixes
 then go through the split and Sinkhorn in registers; pass 2 re-reads the token's streams (L2-resident) for the
 fp32 collapse, rounded once to bf16. Outputs as ``ops.hc_pre``: (y bf16 [n, dim], pre [n, 4], post [n, 4],
 comb [n, 4, 4] fp32). fp32 summation order differs from torch (tolerance contract of ``hc_pre``). With few
@@ -60,15 +60,33 @@ def _mix_chunk(x_ptr, fn_ptr, toks, tmask, k_lo, k_len, K, stride_xn, BT: tl.con
     """Partial mixes [BT, 32] (rows 24..31 zero) and sum of squares [BT] over x columns k_lo .. k_lo+k_len-1."""
     r32 = tl.arange(0, 32)
     mix = tl.zeros([BT, 32], tl.float32)
+    mix_mid = tl.zeros([BT, 32], tl.float32)  # bf16x3: one total per part, three independent MMA chains
+    mix_lo = tl.zeros([BT, 32], tl.float32)
     ssq = tl.zeros([BT], tl.float32)
     for kk in range(0, k_len, BK):
         ks = k_lo + kk + tl.arange(0, BK)
         km = ks < K
         xk = tl.load(x_ptr + toks[:, None] * stride_xn + ks[None, :], mask=tmask[:, None] & km[None, :],
-                     other=0.0).to(tl.float32)
-        ssq += tl.sum(xk * xk, axis=1)
+                     other=0.0)
+        xf = xk.to(tl.float32)
+        ssq += tl.sum(xf * xf, axis=1)
         fk = tl.load(fn_ptr + r32[None, :] * K + ks[:, None], mask=(r32[None, :] < 24) & km[:, None], other=0.0)
-        mix += tl.dot(xk, fk, input_precision=PREC)
+        if PREC == "bf16x3":
+            # bf16 streams times fn as three bf16 parts (fn = f1 + f2 + f3 to ~2^-24 relative); every product is
+            # exact in fp32. Each part's block of BK columns is summed by the tensor cores from zero, then added to
+            # its fp32 total with an RNE add (an fma by 1: not folded into the MMA), so the MMA's own accumulation
+            # rounding covers BK columns rather than all of K; the parts are added smallest first at the end.
+            f1 = fk.to(tl.bfloat16)
+            r1 = fk - f1.to(tl.float32)
+            f2 = r1.to(tl.bfloat16)
+            f3 = (r1 - f2.to(tl.float32)).to(tl.bfloat16)
+            mix_lo = tl.fma(tl.dot(xk, f3), 1.0, mix_lo)
+            mix_mid = tl.fma(tl.dot(xk, f2), 1.0, mix_mid)
+            mix = tl.fma(tl.dot(xk, f1), 1.0, mix)
+        else:
+            mix += tl.dot(xf, fk, input_precision=PREC)
+    if PREC == "bf16x3":
+        mix = mix + (mix_mid + mix_lo)
     return mix, ssq
 
 
@@ -146,22 +164,33 @@ def _hc_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_p
                         pid_d * d_per_prog, (pid_d + 1) * d_per_prog, False)
 
 
-def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk: int = 128, bd: int | None = None,
-                num_warps: int = 4, precision: str = "tf32x3", splits: int | None = None):
+def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int | None = None, bk: int = 128,
+                bd: int | None = None, num_warps: int | None = None, precision: str | None = None,
+                splits: int | None = None):
     """Same signature and outputs as ``ops.hc_pre``; x [n, 4, dim] (bf16 or fp32 streams) on CUDA (injected
     Sinkhorn faults run the torch emulation).
 
-    ``precision``: the mixes GEMM as ``"tf32x3"`` (default: tensor cores, three TF32 products; bf16 streams are
-    exact in TF32, so only fn's split into two TF32 parts rounds, about fp32 accuracy) or ``"ieee"`` (fp32 FMA).
-    ``splits``: split-K programs per token tile (default: 1 = the fused single launch when the tiles fill the
-    GPU, else enough splits for ~2 programs per SM, then a second launch that sums the partials in a fixed
-    order and finishes; deterministic either way)."""
+    ``precision``: the mixes GEMM as ``"bf16x3"`` (the default for bf16 streams: bf16 tensor-core MMAs of the
+    streams, exact in bf16, against fn split into three bf16 parts; each part's BK-column block is summed from
+    zero by the MMA and added to an fp32 total, which keeps the accuracy of ``"tf32x3"``), ``"tf32x3"`` (the
+    default for fp32 streams: three TF32 products; bf16 streams are exact in TF32, so only fn's split into two
+    TF32 parts rounds) or ``"ieee"`` (fp32 FMA). ``bt`` tokens per program and ``num_warps``: 64 and 8 for bf16x3
+    from 1024 tokens (2.7x faster than tf32x3 at 4096 tokens on the H200: BENCHMARKS.md), else 16 and 4.
+    ``splits``: split-K programs per token tile (default: about 256 programs in all for the 64-token tiles; else
+    1 = the fused single launch when the tiles fill the GPU, or enough splits for ~2 programs per SM); a split
+    launch is followed by one that sums the partials in a fixed order and finishes (deterministic either way)."""
     fault = on("sinkhorn-3-iters") or on("comb-transposed")
     if fault or not (on_device(x) and x.dim() == 3 and x.shape[1] == 4 and fn.shape == (24, 4 * x.shape[2])
                      and x.dtype in (torch.bfloat16, torch.float32)):
         fallbacks.note("hc_pre", "injected Sinkhorn fault" if fault else fallbacks.UNSUPPORTED)
         return ops.hc_pre(x, fn, scale, base, norm_eps, iters, hc_eps)
     n, _, dim = x.shape
+    precision = precision or ("bf16x3" if x.dtype == torch.bfloat16 else "tf32x3")
+    if precision == "bf16x3" and x.dtype != torch.bfloat16:
+        raise ValueError(f"hc_pre: precision 'bf16x3' takes bf16 streams, found {x.dtype}")
+    wide = precision == "bf16x3" and n >= 1024
+    bt = bt or (64 if wide else 16)
+    num_warps = num_warps or (8 if wide else 4)
     x = x.contiguous()
     dev = x.device
     y = torch.empty((n, dim), dtype=torch.bfloat16, device=dev)
@@ -174,7 +203,9 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int = 16, bk
     bd = bd or max(32, 4096 // bt)  # collapse tile [bt, 4, bd]: keep it at 16K elements
     tiles = triton.cdiv(n, bt)
     k_blocks = triton.cdiv(4 * dim, bk)
-    if splits is None:
+    if splits is None and wide:
+        splits = max(1, min(k_blocks, round(256 / tiles)))
+    elif splits is None:
         splits = 1 if tiles >= 128 else min(k_blocks, triton.cdiv(264, tiles))
     per = triton.cdiv(k_blocks, max(1, splits)) * bk
     splits = triton.cdiv(4 * dim, per)

@@ -94,11 +94,13 @@ def test_stable_topk_refuses_an_unknown_route():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the radix route runs on CUDA here")
 def test_radix_route_on_cpu_scores_says_it_needs_a_cuda_device():
+    topk.reset_route_counts()
     with pytest.raises(ValueError, match="route 'radix' needs triton and the scores on a CUDA device, found scores on "
                                          "cpu" + ("" if kernels.HAVE_TRITON else " and no triton")):
         stable_topk(torch.zeros(1, 3), 1, "radix")
     with pytest.raises(TypeError, match="float32 or bfloat16, found torch.float16"):
         stable_topk(torch.zeros(1, 3, dtype=torch.float16), 1, "radix")
+    assert topk.route_counts() == {}  # refused calls are not counted
 
 
 def test_cpu_scores_default_to_the_keys_route_and_the_route_calls_are_counted():

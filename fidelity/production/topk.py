@@ -13,8 +13,8 @@ by one of three routes with the same result:
 * ``radix`` (CUDA, bf16 or fp32 scores, k <= 4096; the default there): a radix selection in Triton
   (:mod:`fidelity.production.kernels.radix_topk`) that finds the k-th largest integer one byte at a time and sorts
   only the k picks;
-* ``sort``: a stable descending sort of those integers (fastest on CUDA for bf16 scores at every measured shape,
-  1-1024 rows, where it sorts 16-bit keys; for fp32 scores up to 64 rows: decode);
+* ``sort``: a stable descending sort of those integers (the CUDA default where ``radix`` does not apply, for bf16
+  scores at any row count, where it sorts 16-bit keys, and for fp32 scores up to 64 rows);
 * ``keys``: one distinct int64 key per entry, ``(ordered score) << 32 | (2^32 - 1 - id)``, and ``torch.topk``
   of the keys (fastest on the CPU, and on CUDA for fp32 scores from 128 rows: prefill chunks). The keys are
   distinct, so the picks and their order are fully determined.
@@ -91,15 +91,15 @@ def stable_topk(scores: torch.Tensor, k: int, route: str | None = None) -> torch
     route = route or default_route(scores, k)
     if route not in ROUTES:
         raise ValueError(f"top-k: route must be one of {ROUTES}, found {route!r}")
+    if route == "radix" and not _kernels_run_here(scores):
+        raise ValueError(f"top-k: route 'radix' needs triton and the scores on a CUDA device, found scores on "
+                         f"{scores.device}{'' if kernels.HAVE_TRITON else ' and no triton'}")
     _ROUTE_CALLS[route] = _ROUTE_CALLS.get(route, 0) + 1
     if route == "radix":
-        if k == 0:
-            return torch.empty((*scores.shape[:-1], 0), dtype=torch.int64, device=scores.device)
-        if not _kernels_run_here(scores):
-            raise ValueError(f"top-k: route 'radix' needs triton and the scores on a CUDA device, found scores on "
-                             f"{scores.device}{'' if kernels.HAVE_TRITON else ' and no triton'}")
         from fidelity.production.kernels.radix_topk import radix_topk
 
+        if k == 0:
+            return torch.empty((*scores.shape[:-1], 0), dtype=torch.int64, device=scores.device)
         return radix_topk(scores, k)
     if route == "sort":
         return ordered_scores(scores).sort(dim=-1, descending=True, stable=True).indices[..., :k]

@@ -787,7 +787,7 @@ def _radix_at(block: int):
     """The radix selection at ``block`` entries per program (a sweep point)."""
     from fidelity.production.kernels.radix_topk import radix_topk
 
-    return lambda s, k: radix_topk(s, k, {"block": block, "num_warps": 8 if block >= 4096 else 4})
+    return lambda s, k: radix_topk(s, k, {"block": block})
 
 
 def bench_topk(quick: bool):

@@ -134,11 +134,11 @@ def _sort_kernel(cand_ptr, stride_c, out_ptr, k, K_P2: tl.constexpr):
     tl.store(out_ptr + row * k + offs, ID_MASK - (key & ID_MASK), mask=offs < k)
 
 
-def default_config(rows: int, n: int, k: int) -> dict:
-    """Entries per program (about 1024 programs in all, 1024 to 8192 entries each), warps per program (at most 16
-    entries per thread at 8 warps, 8 at 4), and warps of the final sort (the fastest measured on the H200 for
-    k = 512 / 1024-2048 / 4096: BENCHMARKS.md, top-k)."""
-    block = min(8192, max(1024, next_pow2(triton.cdiv(rows * n, 1024))))
+def default_config(rows: int, n: int, k: int, block: int | None = None) -> dict:
+    """Entries per program (``block``, given or about 1024 programs in all, 1024 to 8192 entries each), warps per
+    program for that block (at most 16 entries per thread at 8 warps, 8 at 4), and warps of the final sort (the
+    fastest measured on the H200 for k = 512 / 1024-2048 / 4096: BENCHMARKS.md, top-k)."""
+    block = block or min(8192, max(1024, next_pow2(triton.cdiv(rows * n, 1024))))
     sort_warps = 4 if k <= 512 else 16 if k <= 2048 else 8
     return {"block": block, "num_warps": 8 if block >= 4096 else 4, "sort_warps": sort_warps}
 
@@ -163,7 +163,7 @@ def radix_topk(scores: torch.Tensor, k: int, config: dict | None = None) -> torc
     out = torch.empty((r, k), dtype=torch.int64, device=scores.device)
     if r == 0:
         return out.reshape(*scores.shape[:-1], k)
-    c = with_overrides(default_config(r, n, k), config)
+    c = with_overrides(default_config(r, n, k, (config or {}).get("block")), config)
     block, num_warps = c["block"], c["num_warps"]
     n_chunks = triton.cdiv(n, block)
     hist_stride = nbytes * 256 + 1  # one histogram per byte, then the row's candidate counter

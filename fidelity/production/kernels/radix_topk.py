@@ -21,7 +21,6 @@ import triton.language as tl
 from fidelity.production.kernels._common import next_pow2, with_overrides
 
 MAX_K = 4096  # the final sort holds next_pow2(k) int64 keys in one program
-ID_MASK: tl.constexpr = tl.constexpr((1 << 32) - 1)  # the key's low half: ID_MASK - entry id
 _BYTES = {torch.bfloat16: 2, torch.float32: 4}
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -121,7 +120,7 @@ def _select_kernel(s_ptr, stride_r, n, k, hist_ptr, chunk_ptr, n_chunks, cand_pt
     if n_picked > 0:
         slot = tl.atomic_add(hist_row + NBYTES * 256, n_picked, sem="relaxed") + tl.cumsum(pick_i, 0) - pick_i
         signed = u.to(tl.int64) - (1 << (8 * NBYTES - 1))
-        key = (signed << 32) | (ID_MASK - offs.to(tl.int64))
+        key = (signed << 32) | (4294967295 - offs.to(tl.int64))  # low half: 2^32 - 1 - entry id
         tl.store(cand_ptr + row * stride_c + slot, key, mask=pick & (slot < k))
 
 
@@ -131,7 +130,7 @@ def _sort_kernel(cand_ptr, stride_c, out_ptr, k, K_P2: tl.constexpr):
     offs = tl.arange(0, K_P2)
     key = tl.load(cand_ptr + row * stride_c + offs, mask=offs < k, other=-9223372036854775808)
     key = tl.sort(key, descending=True)
-    tl.store(out_ptr + row * k + offs, ID_MASK - (key & ID_MASK), mask=offs < k)
+    tl.store(out_ptr + row * k + offs, 4294967295 - (key & 4294967295), mask=offs < k)
 
 
 def default_config(rows: int, n: int, k: int, block: int | None = None) -> dict:

@@ -21,8 +21,7 @@ import triton.language as tl
 from fidelity.production.kernels._common import next_pow2, with_overrides
 
 MAX_K = 4096  # the final sort holds next_pow2(k) int64 keys in one program
-_BYTES = {torch.bfloat16: 2, torch.float32: 4}
-_INT_VIEW = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+SCORE_DTYPES = (torch.bfloat16, torch.float32)  # taken as their raw bits: int16 / int32
 
 
 @triton.jit
@@ -144,7 +143,7 @@ def default_config(rows: int, n: int, k: int, block: int | None = None) -> dict:
 
 def supports(scores: torch.Tensor, k: int) -> bool:
     """True when :func:`radix_topk` takes these scores and k."""
-    return scores.dtype in _BYTES and 1 <= k <= min(MAX_K, scores.shape[-1]) and scores.shape[-1] < 2**31
+    return scores.dtype in SCORE_DTYPES and 1 <= k <= min(MAX_K, scores.shape[-1]) and scores.shape[-1] < 2**31
 
 
 def radix_topk(scores: torch.Tensor, k: int, config: dict | None = None) -> torch.Tensor:
@@ -158,7 +157,7 @@ def radix_topk(scores: torch.Tensor, k: int, config: dict | None = None) -> torc
     rows = scores.reshape(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    r, nbytes = rows.shape[0], _BYTES[scores.dtype]
+    r, nbytes = rows.shape[0], scores.element_size()
     out = torch.empty((r, k), dtype=torch.int64, device=scores.device)
     if r == 0:
         return out.reshape(*scores.shape[:-1], k)
@@ -170,7 +169,7 @@ def radix_topk(scores: torch.Tensor, k: int, config: dict | None = None) -> torc
     chunk_hist = torch.empty((r, n_chunks, 256), dtype=torch.int32, device=scores.device)
     k_p2 = next_pow2(k)
     cand = torch.empty((r, k_p2), dtype=torch.int64, device=scores.device)
-    bits = rows.view(_INT_VIEW[scores.dtype])
+    bits = rows.view(torch.int16 if nbytes == 2 else torch.int32)
     grid = (r, n_chunks)
     for p in range(nbytes):
         _histogram_kernel[grid](bits, rows.stride(0), n, k, hist, chunk_hist, n_chunks, PASS=p, NBYTES=nbytes,

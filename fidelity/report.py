@@ -192,7 +192,8 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
 
 def _kernel_facts(manifest: dict) -> dict[str, str]:
     """The ops that resolved to a GPU kernel, the calls where a kernel's wrapper ran the emulation instead, and the
-    routes the indexer's top-k took (``radix``: the Triton selection)."""
+    routes the indexer's top-k (``radix``: the Triton selection) and the sparse attention (``ws``: the warp-specialized
+    decode kernel) took."""
     kernels = sorted(op for op, impl in (manifest.get("implementations") or {}).items() if impl != "cpu")
     facts = {"kernels": ", ".join(kernels)} if kernels else {}
     fallbacks = manifest.get("kernel_fallbacks") or {}
@@ -200,9 +201,9 @@ def _kernel_facts(manifest: dict) -> dict[str, str]:
         facts["kernel fallbacks (emulation ran)"] = "; ".join(
             f"{op}: " + ", ".join(f"{reason} ({n} calls)" for reason, n in sorted(by_reason.items()))
             for op, by_reason in sorted(fallbacks.items()))
-    routes = manifest.get("topk_routes") or {}
-    if routes:
-        facts["indexer top-k routes"] = ", ".join(f"{r} ({n} calls)" for r, n in sorted(routes.items()))
+    for key, label in (("topk_routes", "indexer top-k routes"), ("attention_routes", "sparse attention routes")):
+        if manifest.get(key):
+            facts[label] = ", ".join(f"{r} ({n} calls)" for r, n in sorted(manifest[key].items()))
     return facts
 
 

@@ -26,7 +26,7 @@ import torch
 from fidelity import __version__
 from fidelity.compare_sites import compare_recordings
 from fidelity.opmode import OpMode
-from fidelity.production import ProductionModel, topk
+from fidelity.production import ProductionModel, routes
 from fidelity.production.faults import on
 from fidelity.production.kernels import fallbacks as kernel_fallbacks
 from fidelity.production.profiles import profile_dict
@@ -125,7 +125,7 @@ class Runner:
     def run(self) -> tuple[pd.DataFrame, dict]:
         t0 = time.perf_counter()
         kernel_fallbacks.reset()
-        topk.reset_route_counts()
+        routes.reset()
         ids, history = self.spec.prompt.long(), self.spec.prompt.long().tolist()
         stop_reason = "length"
         for step in range(self.spec.decode_steps + 1):
@@ -237,7 +237,8 @@ class Runner:
             "cache_bytes": self.p_sess.cache_bytes(),
             "implementations": implementations_used(),
             "kernel_fallbacks": kernel_fallbacks.counts(),
-            "topk_routes": topk.route_counts(),
+            "topk_routes": routes.counts("topk"),
+            "attention_routes": routes.counts("sparse_attention"),
             "command": " ".join(sys.argv),
             "versions": {"python": platform.python_version(), "torch": torch.__version__},
             "device": _device_name(s.device),

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fidelity.production import kernels, topk
+from fidelity.production import kernels, routes, topk
 from fidelity.production.topk import TORCH_ROUTES, order_keys, ordered_scores, stable_topk
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38]
@@ -94,18 +94,18 @@ def test_stable_topk_refuses_an_unknown_route():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the radix route runs on CUDA here")
 def test_radix_route_on_cpu_scores_says_it_needs_a_cuda_device():
-    topk.reset_route_counts()
+    routes.reset()
     with pytest.raises(ValueError, match="route 'radix' needs triton and the scores on a CUDA device, found scores on "
                                          "cpu" + ("" if kernels.HAVE_TRITON else " and no triton")):
         stable_topk(torch.zeros(1, 3), 1, "radix")
     with pytest.raises(TypeError, match="float32 or bfloat16, found torch.float16"):
         stable_topk(torch.zeros(1, 3, dtype=torch.float16), 1, "radix")
-    assert topk.route_counts() == {}  # refused calls are not counted
+    assert routes.counts("topk") == {}  # refused calls are not counted
 
 
 def test_cpu_scores_default_to_the_keys_route_and_the_route_calls_are_counted():
-    topk.reset_route_counts()
+    routes.reset()
     stable_topk(torch.zeros(2, 5), 2)
     stable_topk(torch.zeros(2, 5), 2, "sort")
     assert topk.default_route(torch.zeros(2, 5), 2) == "keys"
-    assert topk.route_counts() == {"keys": 1, "sort": 1}
+    assert routes.counts("topk") == {"keys": 1, "sort": 1}

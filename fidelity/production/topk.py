@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from fidelity.production import kernels
+from fidelity.production import kernels, routes
 from fidelity.production.kernels._common import INTERPRET
 
 ID_BITS = 32
@@ -37,7 +37,6 @@ _INT_VIEW = {torch.float32: (torch.int32, 31, 0x7FFFFFFF, 0x7FC00000),
 CUDA_KEYS_MIN_ROWS = 128  # H200, fp32 scores (BENCHMARKS.md, top-k): the sort is faster at 1-64 rows, the keys from 128
 TORCH_ROUTES = ("sort", "keys")
 ROUTES = (*TORCH_ROUTES, "radix")
-_ROUTE_CALLS: dict[str, int] = {}
 
 
 def _check_dtype(scores: torch.Tensor) -> None:
@@ -94,7 +93,7 @@ def stable_topk(scores: torch.Tensor, k: int, route: str | None = None) -> torch
     if route == "radix" and not _kernels_run_here(scores):
         raise ValueError(f"top-k: route 'radix' needs triton and the scores on a CUDA device, found scores on "
                          f"{scores.device}{'' if kernels.HAVE_TRITON else ' and no triton'}")
-    _ROUTE_CALLS[route] = _ROUTE_CALLS.get(route, 0) + 1
+    routes.note("topk", route)
     if route == "radix":
         from fidelity.production.kernels.radix_topk import radix_topk
 
@@ -104,13 +103,3 @@ def stable_topk(scores: torch.Tensor, k: int, route: str | None = None) -> torch
     if route == "sort":
         return ordered_scores(scores).sort(dim=-1, descending=True, stable=True).indices[..., :k]
     return torch.topk(order_keys(scores), k, dim=-1, largest=True, sorted=True).indices
-
-
-def route_counts() -> dict[str, int]:
-    """{route: calls of :func:`stable_topk`} since the last :func:`reset_route_counts` (Python calls: a captured
-    CUDA graph's replays are not counted)."""
-    return dict(_ROUTE_CALLS)
-
-
-def reset_route_counts() -> None:
-    _ROUTE_CALLS.clear()

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fidelity.formats import dequantize_fp4, fake_quant_fp8, quantize_fp4, quantize_fp8  # noqa: E402
-from fidelity.production import ops  # noqa: E402
+from fidelity.production import ops, routes  # noqa: E402
 from fidelity.production.faults import inject  # noqa: E402
 from fidelity.production.kernels import (  # noqa: E402
     act_quant,
@@ -206,8 +206,82 @@ def test_sparse_attention_split_variants(case, splits, split_d):
     args = [v.to(CUDA) if isinstance(v, torch.Tensor) else v for v in a.values()]
     found = sparse_attention.sparse_attention_cuda(*args, config={"num_splits": splits, "split_d": split_d}).cpu()
     assert float(_row_calc_diff(found, ops.sparse_attention(*a.values())).max()) <= ROW_CALC_DIFF, case.note
-    if split_d == 1 and a["idx"].shape[1] <= 64:  # a single index block: the default launch's arithmetic
-        assert torch.equal(found, sparse_attention.sparse_attention_cuda(*args).cpu())
+    if split_d == 1 and a["idx"].shape[1] <= 64:  # a single index block: the unsplit launch's arithmetic
+        assert torch.equal(found, sparse_attention.sparse_attention_cuda(*args, config={"route": "triton"}).cpu())
+
+
+def _ws_runs_here() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0) and triton.__version__.startswith("3.6.")
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+@PROPS
+@given(case=attention_cases())
+def test_ws_decode_route_matches_emulation_and_the_triton_route(case):
+    """The warp-specialized decode kernel (route ``ws``) on DSv4-shaped cases: the emulation's contract, and the
+    Triton kernel's output except for rare bf16 flips (same reference order, different fp32 summation order)."""
+    a = case.args
+    if a["q"].shape[-1] != 512:
+        return
+    args = [v.to(CUDA) if isinstance(v, torch.Tensor) else v for v in a.values()]
+    got = sparse_attention.sparse_attention_cuda(*args, config={"route": "ws"}).cpu()
+    assert float(_row_calc_diff(got, ops.sparse_attention(*a.values())).max()) <= ROW_CALC_DIFF, case.note
+    other = sparse_attention.sparse_attention_cuda(*args, config={"route": "triton"}).cpu()
+    assert float(_row_calc_diff(got, other).max()) <= ROW_CALC_DIFF, case.note
+    assert (got == other).float().mean() >= 0.99, case.note
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+def test_ws_route_is_the_decode_default_and_masked_entries_read_no_row():
+    """Decode at d = 512 takes ``ws`` (recorded in the route counts), prefill the Triton kernel; a -1 entry
+    loads no row: a NaN row that no valid index names leaves the output finite and equal to the emulation's."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(3, 64, 512, generator=g).to(BF16)
+    kv = torch.randn(400, 512, generator=g).to(BF16)
+    kv[0] = float("nan")
+    idx = torch.randint(1, 400, (3, 200), generator=g).to(torch.int32)
+    idx[:, ::3] = -1
+    idx[2] = -1
+    sink = torch.randn(64, generator=g)
+    routes.reset()
+    got = sparse_attention.sparse_attention_cuda(q.to(CUDA), kv.to(CUDA), idx.to(CUDA), sink.to(CUDA), 512**-0.5)
+    assert routes.counts("sparse_attention") == {"ws": 1}
+    assert torch.isfinite(got.float()).all() and not got[2].abs().any()
+    assert float(_row_calc_diff(got.cpu(), ops.sparse_attention(q, kv, idx, sink, 512**-0.5)).max()) <= ROW_CALC_DIFF
+    qp = torch.randn(300, 64, 512, generator=g).to(BF16).to(CUDA)
+    sparse_attention.sparse_attention_cuda(qp, kv.to(CUDA), idx[:1].expand(300, -1).to(CUDA), sink.to(CUDA), 0.04)
+    assert routes.counts("sparse_attention") == {"ws": 1, "triton": 1}
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+def test_ws_route_replays_in_a_cuda_graph():
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(8, 128, 512, generator=g).to(BF16).to(CUDA)
+    kv = torch.randn(3000, 512, generator=g).to(BF16).to(CUDA)
+    idx = torch.randint(-1, 3000, (8, 640), generator=g).to(torch.int32).to(CUDA)
+    sink = torch.randn(128, generator=g).to(CUDA)
+    eager = sparse_attention.sparse_attention_cuda(q, kv, idx, sink, 0.04, config={"route": "ws"})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sparse_attention.sparse_attention_cuda(q, kv, idx, sink, 0.04, config={"route": "ws"})
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_sparse_attention_route_refusals_say_why():
+    q = torch.randn(2, 64, 128).to(BF16).to(CUDA)
+    kv = torch.randn(50, 128).to(BF16).to(CUDA)
+    idx = torch.zeros((2, 10), dtype=torch.int32, device=CUDA)
+    sink = torch.zeros(64, device=CUDA)
+    with pytest.raises(ValueError, match="route 'ws' cannot run: .*head_dim 512"):
+        sparse_attention.sparse_attention_cuda(q, kv, idx, sink, 0.1, config={"route": "ws"})
+    with pytest.raises(ValueError, match="route must be 'ws' or 'triton', found 'fast'"):
+        sparse_attention.sparse_attention_cuda(q, kv, idx, sink, 0.1, config={"route": "fast"})
+    if _ws_runs_here():
+        q5, kv5 = torch.randn(2, 64, 512).to(BF16).to(CUDA), torch.randn(50, 512).to(BF16).to(CUDA)
+        with pytest.raises(ValueError, match=r"takes no launch parameters, found \['block_h'\]"):
+            sparse_attention.sparse_attention_cuda(q5, kv5, idx, sink, 0.1, config={"route": "ws", "block_h": 32})
 
 
 @PROPS

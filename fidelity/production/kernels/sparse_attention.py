@@ -38,13 +38,14 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from fidelity.formats import quantize_fp8
-from fidelity.production import ops
+from fidelity.production import ops, routes
 from fidelity.production.faults import on
 from fidelity.production.kernels import fallbacks
 from fidelity.production.kernels._common import device_transparent, next_pow2, on_device, with_overrides
 from fidelity.production.kernels.rms_norm import e4m3_blocks
 
 BLOCK_N = 64  # indices per online-softmax step: the reference's block (fixes where P is rounded)
+WS_MAX_TOKENS = 256  # the warp-specialized kernel is the default up to this many query tokens (decode)
 FP8_ROW_BYTES = 584
 FP8_NOPE = 448
 FP8_ROPE = 64
@@ -279,13 +280,50 @@ def _fallback_reason(q, kv, idx, fmt) -> str | None:
 def sparse_attention_cuda(q, kv, idx, sink, scale, fmt="bf16", *, config=None):
     """CUDA-tensor entry point; same signature and result as ``ops.sparse_attention``, ``fmt`` "bf16" or "fp8"
     (profile ``fp8-fmha``: e4m3 Q, K/V and P; head_dim a multiple of 64). Unsupported shapes and injected sink
-    faults run the torch emulation on the GPU."""
+    faults run the torch emulation on the GPU. Two kernel routes (recorded in ``routes.counts``): ``ws``, the
+    warp-specialized Gluon decode kernel (``kernels/sparse_attention_ws.py``; bf16 d = 512 on sm_90), and
+    ``triton``, this module's kernel; see :func:`_route`."""
     reason = _fallback_reason(q, kv, idx, fmt)
     if reason:
         fallbacks.note("sparse_attention", reason)
         return ops.sparse_attention(q, kv, idx, sink, scale, fmt)
+    route, launch = _route(q, kv, idx, fmt, config)
+    routes.note("sparse_attention", route)
+    if route == "ws":
+        from fidelity.production.kernels.sparse_attention_ws import sparse_attention_ws
+        return sparse_attention_ws(q, kv, idx, sink, scale)
     kv = kv.contiguous()
-    return _launch(q, kv, kv, idx, sink, float(scale), q.shape[-1], False, config, fmt == "fp8")
+    return _launch(q, kv, kv, idx, sink, float(scale), q.shape[-1], False, launch, fmt == "fp8")
+
+
+def _ws_refusal(q, kv, idx, fmt) -> str | None:
+    """Why the warp-specialized decode kernel cannot take these inputs (None: it can)."""
+    if fmt != "bf16":
+        return f"fmt {fmt!r} (it runs the bf16 profile)"
+    try:
+        from fidelity.production.kernels.sparse_attention_ws import takes
+    except ImportError as exc:  # a triton without Gluon's Hopper API
+        return f"Gluon unavailable ({exc})"
+    return takes(q, kv, idx)
+
+
+def _route(q, kv, idx, fmt, config) -> tuple[str, dict | None]:
+    """``("ws", None)`` or ``("triton", launch parameters)``. ``config={"route": "ws" | "triton"}`` picks one;
+    without it, decode (<= 256 tokens) takes the warp-specialized kernel where it can (44 -> 25 us at Flash
+    decode b64, BENCHMARKS.md) unless Triton launch parameters are given."""
+    launch = {k: v for k, v in (config or {}).items() if k != "route"}
+    route = (config or {}).get("route")
+    if route not in (None, "ws", "triton"):
+        raise ValueError(f"sparse_attention: config route must be 'ws' or 'triton', found {route!r}")
+    if route == "ws":
+        refusal = _ws_refusal(q, kv, idx, fmt)
+        if refusal or launch:
+            raise ValueError(f"sparse_attention: route 'ws' cannot run: "
+                             f"{refusal or f'it takes no launch parameters, found {sorted(launch)}'}")
+        return "ws", None
+    if route is None and not launch and q.shape[0] <= WS_MAX_TOKENS and _ws_refusal(q, kv, idx, fmt) is None:
+        return "ws", None
+    return "triton", launch or None
 
 
 sparse_attention = device_transparent(sparse_attention_cuda)

@@ -232,9 +232,10 @@ def test_ws_decode_route_matches_emulation_and_the_triton_route(case):
 
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
-def test_ws_route_is_the_decode_default_and_masked_entries_read_no_row():
-    """Decode at d = 512 takes ``ws`` (recorded in the route counts), prefill the Triton kernel; a -1 entry
-    loads no row: a NaN row that no valid index names leaves the output finite and equal to the emulation's."""
+def test_ws_route_is_the_default_and_masked_entries_read_no_row():
+    """Attention at d = 512 takes ``ws`` (recorded in the route counts), a call with Triton launch parameters
+    the Triton kernel; a -1 entry loads no row: a NaN row that no valid index names leaves the output finite and
+    equal to the emulation's."""
     g = torch.Generator().manual_seed(11)
     q = torch.randn(3, 64, 512, generator=g).to(BF16)
     kv = torch.randn(400, 512, generator=g).to(BF16)
@@ -250,7 +251,9 @@ def test_ws_route_is_the_decode_default_and_masked_entries_read_no_row():
     assert float(_row_calc_diff(got.cpu(), ops.sparse_attention(q, kv, idx, sink, 512**-0.5)).max()) <= ROW_CALC_DIFF
     qp = torch.randn(300, 64, 512, generator=g).to(BF16).to(CUDA)
     sparse_attention.sparse_attention_cuda(qp, kv.to(CUDA), idx[:1].expand(300, -1).to(CUDA), sink.to(CUDA), 0.04)
-    assert routes.counts("sparse_attention") == {"ws": 1, "triton": 1}
+    sparse_attention.sparse_attention_cuda(qp, kv.to(CUDA), idx[:1].expand(300, -1).to(CUDA), sink.to(CUDA), 0.04,
+                                           config={"block_h": 64})
+    assert routes.counts("sparse_attention") == {"ws": 2, "triton": 1}
 
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")

@@ -45,7 +45,6 @@ from fidelity.production.kernels._common import device_transparent, next_pow2, o
 from fidelity.production.kernels.rms_norm import e4m3_blocks
 
 BLOCK_N = 64  # indices per online-softmax step: the reference's block (fixes where P is rounded)
-WS_MAX_TOKENS = 256  # the warp-specialized kernel is the default up to this many query tokens (decode)
 FP8_ROW_BYTES = 584
 FP8_NOPE = 448
 FP8_ROPE = 64
@@ -309,8 +308,8 @@ def _ws_refusal(q, kv, idx, fmt) -> str | None:
 
 def _route(q, kv, idx, fmt, config) -> tuple[str, dict | None]:
     """``("ws", None)`` or ``("triton", launch parameters)``. ``config={"route": "ws" | "triton"}`` picks one;
-    without it, decode (<= 256 tokens) takes the warp-specialized kernel where it can (44 -> 25 us at Flash
-    decode b64, BENCHMARKS.md) unless Triton launch parameters are given."""
+    without it, the warp-specialized kernel runs where it can (Flash decode b64 44 -> 25 us, Flash prefill 4K
+    1760 -> 1395 us, BENCHMARKS.md) unless Triton launch parameters are given."""
     launch = {k: v for k, v in (config or {}).items() if k != "route"}
     route = (config or {}).get("route")
     if route not in (None, "ws", "triton"):
@@ -321,7 +320,7 @@ def _route(q, kv, idx, fmt, config) -> tuple[str, dict | None]:
             raise ValueError(f"sparse_attention: route 'ws' cannot run: "
                              f"{refusal or f'it takes no launch parameters, found {sorted(launch)}'}")
         return "ws", None
-    if route is None and not launch and q.shape[0] <= WS_MAX_TOKENS and _ws_refusal(q, kv, idx, fmt) is None:
+    if route is None and not launch and _ws_refusal(q, kv, idx, fmt) is None:
         return "ws", None
     return "triton", launch or None
 

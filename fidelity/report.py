@@ -193,7 +193,7 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
 def _kernel_facts(manifest: dict) -> dict[str, str]:
     """The ops that resolved to a GPU kernel, the calls where a kernel's wrapper ran the emulation instead, and the
     routes the indexer's top-k (``radix``: the Triton selection) and the sparse attention (``ws``: the warp-specialized
-    decode kernel) took."""
+    kernel) took."""
     kernels = sorted(op for op, impl in (manifest.get("implementations") or {}).items() if impl != "cpu")
     facts = {"kernels": ", ".join(kernels)} if kernels else {}
     fallbacks = manifest.get("kernel_fallbacks") or {}

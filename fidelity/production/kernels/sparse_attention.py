@@ -280,7 +280,7 @@ def sparse_attention_cuda(q, kv, idx, sink, scale, fmt="bf16", *, config=None):
     """CUDA-tensor entry point; same signature and result as ``ops.sparse_attention``, ``fmt`` "bf16" or "fp8"
     (profile ``fp8-fmha``: e4m3 Q, K/V and P; head_dim a multiple of 64). Unsupported shapes and injected sink
     faults run the torch emulation on the GPU. Two kernel routes (recorded in ``routes.counts``): ``ws``, the
-    warp-specialized Gluon decode kernel (``kernels/sparse_attention_ws.py``; bf16 d = 512 on sm_90), and
+    warp-specialized Gluon kernel (``kernels/sparse_attention_ws.py``; bf16 d = 512 on sm_90), and
     ``triton``, this module's kernel; see :func:`_route`."""
     reason = _fallback_reason(q, kv, idx, fmt)
     if reason:
@@ -296,7 +296,7 @@ def sparse_attention_cuda(q, kv, idx, sink, scale, fmt="bf16", *, config=None):
 
 
 def _ws_refusal(q, kv, idx, fmt) -> str | None:
-    """Why the warp-specialized decode kernel cannot take these inputs (None: it can)."""
+    """Why the warp-specialized kernel cannot take these inputs (None: it can)."""
     if fmt != "bf16":
         return f"fmt {fmt!r} (it runs the bf16 profile)"
     try:

@@ -1,5 +1,5 @@
-"""Warp-specialized sparse FMHA decode for Hopper (Gluon, sm_90a): the default route of ``sparse_attention`` for
-d = 512 bf16 decode on an H100 / H200.
+"""Warp-specialized sparse FMHA for Hopper (Gluon, sm_90a): the default route of ``sparse_attention`` for bf16
+attention at d = 512 on an H100 / H200, decode and prefill (one CTA per query token and 32 heads).
 
 Same semantics and the same reference order as the Triton kernel (``kernels/sparse_attention.py``, spec §3
 ``sparse_attn``): online softmax over consecutive blocks of 64 indices, ``s = (q . k) * scale`` with fp32
@@ -115,7 +115,7 @@ def _consumer(idx_row_ptr, sink_ptr, o_ptr, stride_on, stride_oh, pid_n, h0, top
 
 
 @gluon.jit
-def _decode_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
+def _attention_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
                    stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
                    D: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, CH: gl.constexpr,
                    PW: gl.constexpr, PREGS: gl.constexpr, PARTS: gl.constexpr):
@@ -176,7 +176,7 @@ def sparse_attention_ws(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, si
     q, kv = q.contiguous(), kv.contiguous()
     idx = idx.to(torch.int32).contiguous()
     sink = sink.to(torch.float32).contiguous()
-    _decode_kernel[(n, h // BLOCK_H)](
+    _attention_kernel[(n, h // BLOCK_H)](
         q, kv, idx, sink, o, idx.shape[1], float(scale), q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
         o.stride(0), o.stride(1), D=d, BH=BLOCK_H, BN=BLOCK_N, NS=STAGES, CH=CHUNK, PW=PRODUCER_WARPS,
         PREGS=PRODUCER_REGS, PARTS=parts, num_warps=4)

@@ -348,8 +348,10 @@ def bench_attention(quick: bool):
             def make(cfg, fn=fn):
                 return lambda *xs: fn(*xs, scale, config=cfg)
             speed = {}
-            # bf16 KV: the warp-specialized route (the decode default on sm_90) against the Triton launches
-            routes_ = [{"route": "ws"}] if row_bytes == 1024 and not ATTN_CONFIGS else []
+            # bf16 KV: the warp-specialized route (the default on sm_90; one or two consumer warpgroups per CTA)
+            # against the Triton launches
+            routes_ = ([{"route": "ws"}, {"route": "ws", "consumers": 1}, {"route": "ws", "consumers": 2}]
+                       if row_bytes == 1024 and not ATTN_CONFIGS else [])
             best = sweep("sparse_attention", name, variant, make, routes_ + configs, args,
                          bytes_=qo + idx_b + batch * k * row_bytes, flops=flops, check=check)
             if best:
@@ -405,7 +407,8 @@ def bench_attention(quick: bool):
             base["transformers-style eager (dense)"] = t["us"]
             record("sparse_attention", name, "transformers-style eager", t, bytes_=bytes_, flops=flops)
         torch.cuda.empty_cache()
-        pre_cfgs = [cfgs512[i] for i in ((3, 5) if not quick else (5,))] + [{"route": "ws"}]
+        pre_cfgs = [cfgs512[i] for i in ((3, 5) if not quick else (5,))] + [
+            {"route": "ws"}, {"route": "ws", "consumers": 1}, {"route": "ws", "consumers": 2}]
 
         def make(cfg):
             return lambda *xs: sparse_attention.sparse_attention_cuda(*xs, scale, config=cfg)

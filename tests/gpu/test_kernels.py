@@ -217,18 +217,22 @@ def _ws_runs_here() -> bool:
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
 @PROPS
 @given(case=attention_cases())
-def test_ws_decode_route_matches_emulation_and_the_triton_route(case):
-    """The warp-specialized decode kernel (route ``ws``) on DSv4-shaped cases: the emulation's contract, and the
-    Triton kernel's output except for rare bf16 flips (same reference order, different fp32 summation order)."""
+def test_ws_route_matches_emulation_and_the_triton_route_with_one_or_two_consumers(case):
+    """The warp-specialized kernel (route ``ws``) on DSv4-shaped cases: the emulation's contract, and the Triton
+    kernel's output except for rare bf16 flips (same reference order, different fp32 summation order). One
+    consumer warpgroup per CTA (five half-tile slots) and two (64 heads per CTA, two whole-tile slots) do the same
+    arithmetic per head: the same bits."""
     a = case.args
     if a["q"].shape[-1] != 512:
         return
     args = [v.to(CUDA) if isinstance(v, torch.Tensor) else v for v in a.values()]
-    got = sparse_attention.sparse_attention_cuda(*args, config={"route": "ws"}).cpu()
+    got = sparse_attention.sparse_attention_cuda(*args, config={"route": "ws", "consumers": 1}).cpu()
     assert float(_row_calc_diff(got, ops.sparse_attention(*a.values())).max()) <= ROW_CALC_DIFF, case.note
     other = sparse_attention.sparse_attention_cuda(*args, config={"route": "triton"}).cpu()
     assert float(_row_calc_diff(got, other).max()) <= ROW_CALC_DIFF, case.note
     assert (got == other).float().mean() >= 0.99, case.note
+    two = sparse_attention.sparse_attention_cuda(*args, config={"route": "ws", "consumers": 2}).cpu()
+    assert torch.equal(two, got), case.note
 
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
@@ -250,10 +254,11 @@ def test_ws_route_is_the_default_and_masked_entries_read_no_row():
     assert torch.isfinite(got.float()).all() and not got[2].abs().any()
     assert float(_row_calc_diff(got.cpu(), ops.sparse_attention(q, kv, idx, sink, 512**-0.5)).max()) <= ROW_CALC_DIFF
     qp = torch.randn(300, 64, 512, generator=g).to(BF16).to(CUDA)
-    sparse_attention.sparse_attention_cuda(qp, kv.to(CUDA), idx[:1].expand(300, -1).to(CUDA), sink.to(CUDA), 0.04)
-    sparse_attention.sparse_attention_cuda(qp, kv.to(CUDA), idx[:1].expand(300, -1).to(CUDA), sink.to(CUDA), 0.04,
-                                           config={"block_h": 64})
+    prefill = (qp, kv.to(CUDA), idx[:1].expand(300, -1).to(CUDA), sink.to(CUDA), 0.04)
+    two = sparse_attention.sparse_attention_cuda(*prefill)  # 300 tokens x 64 heads: two consumers save waves
+    sparse_attention.sparse_attention_cuda(*prefill, config={"block_h": 64})
     assert routes.counts("sparse_attention") == {"ws": 2, "triton": 1}
+    assert torch.equal(two, sparse_attention.sparse_attention_cuda(*prefill, config={"consumers": 1}))
 
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
@@ -283,8 +288,10 @@ def test_sparse_attention_route_refusals_say_why():
         sparse_attention.sparse_attention_cuda(q, kv, idx, sink, 0.1, config={"route": "fast"})
     if _ws_runs_here():
         q5, kv5 = torch.randn(2, 64, 512).to(BF16).to(CUDA), torch.randn(50, 512).to(BF16).to(CUDA)
-        with pytest.raises(ValueError, match=r"takes no launch parameters, found \['block_h'\]"):
+        with pytest.raises(ValueError, match=r"takes no Triton launch parameters, found \['block_h'\]"):
             sparse_attention.sparse_attention_cuda(q5, kv5, idx, sink, 0.1, config={"route": "ws", "block_h": 32})
+        with pytest.raises(ValueError, match="consumers must be 1 or 2.*found consumers=3, heads=64"):
+            sparse_attention.sparse_attention_cuda(q5, kv5, idx, sink, 0.1, config={"consumers": 3})
 
 
 @PROPS

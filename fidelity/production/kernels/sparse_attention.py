@@ -290,7 +290,7 @@ def sparse_attention_cuda(q, kv, idx, sink, scale, fmt="bf16", *, config=None):
     routes.note("sparse_attention", route)
     if route == "ws":
         from fidelity.production.kernels.sparse_attention_ws import sparse_attention_ws
-        return sparse_attention_ws(q, kv, idx, sink, scale)
+        return sparse_attention_ws(q, kv, idx, sink, scale, **launch)
     kv = kv.contiguous()
     return _launch(q, kv, kv, idx, sink, float(scale), q.shape[-1], False, launch, fmt == "fp8")
 
@@ -306,11 +306,16 @@ def _ws_refusal(q, kv, idx, fmt) -> str | None:
     return takes(q, kv, idx)
 
 
+WS_LAUNCH = ("consumers",)  # the warp-specialized kernel's one launch parameter (1 or 2 consumer warpgroups)
+
+
 def _route(q, kv, idx, fmt, config) -> tuple[str, dict | None]:
-    """``("ws", None)`` or ``("triton", launch parameters)``. ``config={"route": "ws" | "triton"}`` picks one;
-    without it, the warp-specialized kernel runs where it can (Flash decode b64 44 -> 25 us, Flash prefill 4K
-    1760 -> 1395 us, BENCHMARKS.md) unless Triton launch parameters are given."""
+    """``("ws", its launch parameters)`` or ``("triton", launch parameters)``. ``config={"route": "ws" |
+    "triton"}`` picks one; without it, the warp-specialized kernel runs where it can (Flash decode b64 44 -> 24 us,
+    BENCHMARKS.md) unless Triton launch parameters are given. ``"consumers"`` is the ``ws`` kernel's own."""
     launch = {k: v for k, v in (config or {}).items() if k != "route"}
+    ws_launch = {k: v for k, v in launch.items() if k in WS_LAUNCH}
+    launch = {k: v for k, v in launch.items() if k not in WS_LAUNCH}
     route = (config or {}).get("route")
     if route not in (None, "ws", "triton"):
         raise ValueError(f"sparse_attention: config route must be 'ws' or 'triton', found {route!r}")
@@ -318,10 +323,15 @@ def _route(q, kv, idx, fmt, config) -> tuple[str, dict | None]:
         refusal = _ws_refusal(q, kv, idx, fmt)
         if refusal or launch:
             raise ValueError(f"sparse_attention: route 'ws' cannot run: "
-                             f"{refusal or f'it takes no launch parameters, found {sorted(launch)}'}")
-        return "ws", None
+                             f"{refusal or f'it takes no Triton launch parameters, found {sorted(launch)}'}")
+        return "ws", ws_launch
     if route is None and not launch and _ws_refusal(q, kv, idx, fmt) is None:
-        return "ws", None
+        return "ws", ws_launch
+    if ws_launch:
+        why = ("config route 'triton'" if route else f"Triton launch parameters {sorted(launch)} given" if launch
+               else _ws_refusal(q, kv, idx, fmt))
+        raise ValueError(f"sparse_attention: {sorted(ws_launch)} is a parameter of route 'ws', which does not run "
+                         f"here ({why})")
     return "triton", launch or None
 
 

@@ -174,8 +174,8 @@ def _consumer(q_ptr, stride_qn, stride_qh, idx_row_ptr, sink_ptr, o_ptr, stride_
     q_smem = q_all.index(C)
     p_smem = p_all.index(C)
     hc = h0 + C * BH
-    if SPLIT == 2:  # one consumer has registers to spare: the sink's load latency hides behind the loop
-        sink = gl.load(sink_ptr + hc + gl.arange(0, BH, layout=gl.SliceLayout(0, mma)))
+    heads = hc + gl.arange(0, BH, layout=gl.SliceLayout(0, mma))
+    sink = gl.load(sink_ptr + heads)
     hq = hc + gl.arange(0, BH, layout=gl.SliceLayout(1, rowl))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, rowl))
     q_smem.store(gl.load(q_ptr + pid_n * stride_qn + hq[:, None] * stride_qh + dq[None, :]))
@@ -188,8 +188,6 @@ def _consumer(q_ptr, stride_qn, stride_qh, idx_row_ptr, sink_ptr, o_ptr, stride_
         acc = gl.zeros([D, BH], gl.float32, layout=mma)
         acc, m_i, l_part = _blocks_whole(idx_row_ptr, topk, n_blocks, scale, kv_smem, q_smem, p_smem, ready, empty,
                                          m_i, l_part, acc, zero_s, mma, BN, NS, PARTS)
-        # two consumers run at 224 registers: the sink is loaded after the loop, not held through it
-        sink = gl.load(sink_ptr + hc + gl.arange(0, BH, layout=gl.SliceLayout(0, mma)))
         l_i = gl.sum(l_part, axis=0) + gl.exp(sink - m_i)
         o_t.store((acc / l_i[None, :]).to(gl.bfloat16))
     else:

@@ -244,10 +244,10 @@ def _attention_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
 def takes(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> str | None:
     """Why this kernel cannot take these inputs (None: it can): bf16 q [n, H, 512] with H a multiple of 32,
     bf16 kv [m, 512], 2-D idx, on a CUDA device of compute capability 9.0 (wgmma), under Triton 3.6."""
-    if not triton.__version__.startswith(GLUON_VERSION):
-        return f"written for the Gluon API of Triton {GLUON_VERSION}, found Triton {triton.__version__}"
     if not (q.is_cuda and q.dim() == 3 and kv.dim() == 2 and idx.dim() == 2):
         return "needs CUDA tensors q [n, H, d], kv [m, d], idx [n, K]"
+    if not triton.__version__.startswith(GLUON_VERSION):
+        return f"written for the Gluon API of Triton {GLUON_VERSION}, found Triton {triton.__version__}"
     cc = torch.cuda.get_device_capability(q.device)
     if cc != (9, 0):
         return f"needs an sm_90 device (wgmma), found compute capability {cc[0]}.{cc[1]}"

@@ -1,4 +1,5 @@
-"""Which route each multi-route production op took: ``{op: {route: calls}}`` since the last :func:`reset`.
+"""Which route each multi-route production op took: ``note(op, route)`` per call, ``counts(op)`` = {route: calls}
+since the last ``reset()``.
 
 Python calls are counted (a captured CUDA graph's replays are not). The runner resets the counts per run and
 writes them to the manifest (``topk_routes``, ``attention_routes``), so a report shows which kernel ran.
@@ -6,19 +7,7 @@ writes them to the manifest (``topk_routes``, ``attention_routes``), so a report
 
 from __future__ import annotations
 
-_CALLS: dict[str, dict[str, int]] = {}
+from fidelity.production.call_counts import CallCounts
 
-
-def note(op: str, route: str) -> None:
-    """One call of ``op`` took ``route``."""
-    by_route = _CALLS.setdefault(op, {})
-    by_route[route] = by_route.get(route, 0) + 1
-
-
-def counts(op: str) -> dict[str, int]:
-    """{route: calls} of ``op`` since the last :func:`reset`."""
-    return dict(_CALLS.get(op, {}))
-
-
-def reset() -> None:
-    _CALLS.clear()
+_COUNTS = CallCounts()
+note, counts, reset = _COUNTS.note, _COUNTS.counts, _COUNTS.reset

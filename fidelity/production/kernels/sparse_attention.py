@@ -313,23 +313,20 @@ def _route(q, kv, idx, fmt, config) -> tuple[str, dict | None]:
     """``("ws", its launch parameters)`` or ``("triton", launch parameters)``. ``config={"route": "ws" |
     "triton"}`` picks one; without it, the warp-specialized kernel runs where it can (Flash decode b64 44 -> 24 us,
     BENCHMARKS.md) unless Triton launch parameters are given. ``"consumers"`` is the ``ws`` kernel's own."""
-    launch = {k: v for k, v in (config or {}).items() if k != "route"}
-    ws_launch = {k: v for k, v in launch.items() if k in WS_LAUNCH}
-    launch = {k: v for k, v in launch.items() if k not in WS_LAUNCH}
-    route = (config or {}).get("route")
+    launch = dict(config or {})
+    route = launch.pop("route", None)
+    ws_launch = {k: launch.pop(k) for k in WS_LAUNCH if k in launch}
     if route not in (None, "ws", "triton"):
         raise ValueError(f"sparse_attention: config route must be 'ws' or 'triton', found {route!r}")
-    if route == "ws":
-        refusal = _ws_refusal(q, kv, idx, fmt)
-        if refusal or launch:
-            raise ValueError(f"sparse_attention: route 'ws' cannot run: "
-                             f"{refusal or f'it takes no Triton launch parameters, found {sorted(launch)}'}")
-        return "ws", ws_launch
-    if route is None and not launch and _ws_refusal(q, kv, idx, fmt) is None:
+    refusal = None if route == "triton" else _ws_refusal(q, kv, idx, fmt)
+    if route == "ws" and (refusal or launch):
+        raise ValueError(f"sparse_attention: route 'ws' cannot run: "
+                         f"{refusal or f'it takes no Triton launch parameters, found {sorted(launch)}'}")
+    if route != "triton" and refusal is None and not launch:
         return "ws", ws_launch
     if ws_launch:
         why = ("config route 'triton'" if route else f"Triton launch parameters {sorted(launch)} given" if launch
-               else _ws_refusal(q, kv, idx, fmt))
+               else refusal)
         raise ValueError(f"sparse_attention: {sorted(ws_launch)} is a parameter of route 'ws', which does not run "
                          f"here ({why})")
     return "triton", launch or None

@@ -49,6 +49,7 @@ VENDOR = {"bw": 4.8e12, "bf16": 989e12, "fp32": 67e12, "fp8": 1979e12}
 RESULTS: list[dict] = []
 CEIL: dict[str, float] = {}
 ATTN_CONFIGS: list[dict] = []  # --attn-configs: replaces the decode launch-config sweep
+WS_ROUTES = [{"route": "ws"}, {"route": "ws", "consumers": 1}, {"route": "ws", "consumers": 2}]  # default, forced
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -350,8 +351,7 @@ def bench_attention(quick: bool):
             speed = {}
             # bf16 KV: the warp-specialized route (the default on sm_90; one or two consumer warpgroups per CTA)
             # against the Triton launches
-            routes_ = ([{"route": "ws"}, {"route": "ws", "consumers": 1}, {"route": "ws", "consumers": 2}]
-                       if row_bytes == 1024 and not ATTN_CONFIGS else [])
+            routes_ = WS_ROUTES if row_bytes == 1024 and not ATTN_CONFIGS else []
             best = sweep("sparse_attention", name, variant, make, routes_ + configs, args,
                          bytes_=qo + idx_b + batch * k * row_bytes, flops=flops, check=check)
             if best:
@@ -407,8 +407,7 @@ def bench_attention(quick: bool):
             base["transformers-style eager (dense)"] = t["us"]
             record("sparse_attention", name, "transformers-style eager", t, bytes_=bytes_, flops=flops)
         torch.cuda.empty_cache()
-        pre_cfgs = [cfgs512[i] for i in ((3, 5) if not quick else (5,))] + [
-            {"route": "ws"}, {"route": "ws", "consumers": 1}, {"route": "ws", "consumers": 2}]
+        pre_cfgs = [cfgs512[i] for i in ((3, 5) if not quick else (5,))] + WS_ROUTES
 
         def make(cfg):
             return lambda *xs: sparse_attention.sparse_attention_cuda(*xs, scale, config=cfg)

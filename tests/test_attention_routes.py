@@ -38,6 +38,8 @@ def test_a_ws_route_that_cannot_run_says_why():
     (64, 64, 1),  # Flash decode b64: 128 CTAs of 32 heads fit one wave of 132 SMs
     (64, 128, 2),  # Pro decode b64: 256 CTAs would take two waves; 128 CTAs of 64 heads take one
     (1, 64, 1), (1, 128, 1),  # batch 1: one wave either way, and one consumer is the faster CTA
+    (32, 128, 1),  # Pro decode b32: 128 CTAs of 32 heads fit one wave
+    (128, 64, 2),  # Flash decode b128: two waves of one-consumer CTAs against one wave of two-consumer CTAs
     (512, 64, 2), (4096, 128, 2),  # prefill-sized grids: half the waves
     (300, 96, 1),  # 96 heads: not a multiple of 64
 ])

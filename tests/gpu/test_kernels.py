@@ -220,8 +220,8 @@ def _ws_runs_here() -> bool:
 def test_ws_route_matches_emulation_and_the_triton_route_with_one_or_two_consumers(case):
     """The warp-specialized kernel (route ``ws``) on DSv4-shaped cases: the emulation's contract, and the Triton
     kernel's output except for rare bf16 flips (same reference order, different fp32 summation order). One
-    consumer warpgroup per CTA (five half-tile slots) and two (64 heads per CTA, two whole-tile slots) do the same
-    arithmetic per head: the same bits."""
+    consumer warpgroup per CTA (32 heads, rows as the MMA's M) and two (64 heads, heads as M) round P at the same
+    points; their row sums add in different orders, so they agree except for rare one-ulp flips."""
     a = case.args
     if a["q"].shape[-1] != 512:
         return
@@ -231,8 +231,31 @@ def test_ws_route_matches_emulation_and_the_triton_route_with_one_or_two_consume
     other = sparse_attention.sparse_attention_cuda(*args, config={"route": "triton"}).cpu()
     assert float(_row_calc_diff(got, other).max()) <= ROW_CALC_DIFF, case.note
     assert (got == other).float().mean() >= 0.99, case.note
-    two = sparse_attention.sparse_attention_cuda(*args, config={"route": "ws", "consumers": 2}).cpu()
-    assert torch.equal(two, got), case.note
+    if a["q"].shape[1] % 64 == 0:
+        two = sparse_attention.sparse_attention_cuda(*args, config={"route": "ws", "consumers": 2}).cpu()
+        assert float(_row_calc_diff(two, ops.sparse_attention(*a.values())).max()) <= ROW_CALC_DIFF, case.note
+        assert (two == got).float().mean() >= 0.999, case.note
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("topk", [1, 63, 65, 130, 320, 1152])
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_ws_layouts_meet_the_contract_over_ragged_blocks_and_masked_rows(heads, topk, consumers):
+    """Both ``ws`` layouts against the emulation with 1 to 18 blocks (the slot rings and the two-consumer
+    layout's double-buffered P wrap several times), a ragged last block, 30% masked entries and a row with none
+    valid (zero output)."""
+    g = torch.Generator().manual_seed(heads * 10_000 + topk)
+    q = (torch.randn(5, heads, 512, generator=g) * 2).to(BF16)
+    kv = torch.randn(3000, 512, generator=g).to(BF16)
+    idx = torch.randint(0, 3000, (5, topk), generator=g).to(torch.int32)
+    idx[torch.rand(5, topk, generator=g) < 0.3] = -1
+    idx[2] = -1
+    sink = torch.randn(heads, generator=g)
+    got = sparse_attention.sparse_attention_cuda(q.to(CUDA), kv.to(CUDA), idx.to(CUDA), sink.to(CUDA), 512**-0.5,
+                                                 config={"consumers": consumers}).cpu()
+    assert not got[2].abs().any()
+    assert float(_row_calc_diff(got, ops.sparse_attention(q, kv, idx, sink, 512**-0.5)).max()) <= ROW_CALC_DIFF
 
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
@@ -258,7 +281,9 @@ def test_ws_route_is_the_default_and_masked_entries_read_no_row():
     two = sparse_attention.sparse_attention_cuda(*prefill)  # 300 tokens x 64 heads: two consumers save waves
     sparse_attention.sparse_attention_cuda(*prefill, config={"block_h": 64})
     assert routes.counts("sparse_attention") == {"ws": 2, "triton": 1}
-    assert torch.equal(two, sparse_attention.sparse_attention_cuda(*prefill, config={"consumers": 1}))
+    one = sparse_attention.sparse_attention_cuda(*prefill, config={"consumers": 1})
+    assert float(_row_calc_diff(two.cpu(), one.cpu()).max()) <= ROW_CALC_DIFF
+    assert (two == one).float().mean() >= 0.999
 
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")

@@ -55,7 +55,7 @@ CHUNK = 64  # columns per cp.async batch: [64 rows, 64 cols] = 16 B x 512 copies
 GLUON_VERSION = "3.6."  # warp_specialize's signature changed after 3.6
 GATHER, MATH = 1, 2  # PARTS bits: which halves run (both by default; benchmarks/diag_fmha_ws.py switches one off)
 # consumers -> (heads per CTA, ring slots, producer registers, lead warpgroup's registers)
-_LAYOUT = {1: (32, 5, 56, 0), 2: (64, 4, 56, 200)}
+_LAYOUT = {1: (BLOCK_H, 5, 56, 0), 2: (2 * BLOCK_H, 4, 56, 200)}
 _PER_CTA_COST = {1: 1.0, 2: 1.17}  # time of one CTA, one consumer = 1 (H200, Flash decode b64: 28.2 / 24.2 us)
 
 
@@ -92,22 +92,27 @@ def _producer(kv_ptr, idx_row_ptr, stride_kv, topk, n_blocks, kv_smem, ready, em
 
 
 @gluon.jit
-def _load_q(q_ptr, stride_qn, stride_qh, pid_n, h0, d0, q_smem, BH: gl.constexpr, W: gl.constexpr):
-    """q_smem [BH, W] = q[pid_n, h0 ..+BH, d0 ..+W], visible to wgmma."""
+def _row_ptrs(ptr, stride_n, stride_h, pid_n, h0, d0, BH: gl.constexpr, W: gl.constexpr):
+    """Pointers to x[pid_n, h0 ..+BH, d0 ..+W] of a [n, H, D] tensor, laid out as rows (a warp per row, 8 contiguous
+    elements per thread)."""
     rowl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     hq = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, rowl))
     dq = d0 + gl.arange(0, W, layout=gl.SliceLayout(0, rowl))
-    q_smem.store(gl.load(q_ptr + pid_n * stride_qn + hq[:, None] * stride_qh + dq[None, :]))
+    return ptr + pid_n * stride_n + hq[:, None] * stride_h + dq[None, :]
+
+
+@gluon.jit
+def _load_q(q_ptr, stride_qn, stride_qh, pid_n, h0, d0, q_smem, BH: gl.constexpr, W: gl.constexpr):
+    """q_smem [BH, W] = q[pid_n, h0 ..+BH, d0 ..+W], visible to wgmma."""
+    q_smem.store(gl.load(_row_ptrs(q_ptr, stride_qn, stride_qh, pid_n, h0, d0, BH, W)))
     fence_async_shared()
 
 
 @gluon.jit
 def _store_rows(o_ptr, stride_on, stride_oh, pid_n, h0, d0, o_smem, BH: gl.constexpr, W: gl.constexpr):
     """o[pid_n, h0 ..+BH, d0 ..+W] = o_smem [BH, W] as coalesced rows (after the writers' barrier)."""
-    rowl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    hq = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, rowl))
-    dq = d0 + gl.arange(0, W, layout=gl.SliceLayout(0, rowl))
-    gl.store(o_ptr + pid_n * stride_on + hq[:, None] * stride_oh + dq[None, :], o_smem.load(rowl))
+    ptrs = _row_ptrs(o_ptr, stride_on, stride_oh, pid_n, h0, d0, BH, W)
+    gl.store(ptrs, o_smem.load(ptrs.type.layout))
 
 
 @gluon.jit

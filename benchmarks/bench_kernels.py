@@ -496,7 +496,10 @@ def bench_indexer(quick: bool):
                  lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg, mma="bf16")),
                  [dict(c, q_per_prog=1) for c in cfgs]),
                 ("fp4 keys (68 B), FP8 MMA", a_4, 68,
-                 lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg, mma="fp8")), mma_cfgs)):
+                 lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg, mma="fp8")), mma_cfgs),
+                ("fp4 keys (68 B), FP8 MMA, warp-specialized (ws)", a_4, 68,
+                 lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg, mma="ws")),
+                 [{}, {"slots": 4}, {"slots": 8}])):
             best = sweep("index_scores", name, variant, fn, vcfgs, args,
                          bytes_=e * kbytes + e * 2 + h * d * 2 + h * 2, flops=flops, check=check,
                          unit="fp8" if variant.startswith("fp4") else "bf16",
@@ -505,14 +508,16 @@ def bench_indexer(quick: bool):
             if best:
                 best[0]["baselines"] = dict(base, **{f"speedup vs {kk}": v / best[0]["us"] for kk, v in base.items()})
                 print(f"  best {variant}: {best[0]['us']:.2f} us {best[1]} {best[0]['baselines']}", flush=True)
-                if variant.endswith("FP8 MMA"):
+                if "FP8 MMA" in variant:
                     cfg = best[1]
                     topk = 512
 
-                    def sel(q, p, s, w, cfg=cfg, topk=topk):
-                        return torch.topk(indexer.index_scores_fp4(q, p, s, w, config=cfg, mma="fp8"), topk, dim=-1)
+                    mma = "ws" if variant.endswith("(ws)") else "fp8"
+
+                    def sel(q, p, s, w, cfg=cfg, topk=topk, mma=mma):
+                        return torch.topk(indexer.index_scores_fp4(q, p, s, w, config=cfg, mma=mma), topk, dim=-1)
                     t = time_fn(sel, a_4)
-                    record("index_scores+topk", name, f"fp4 keys + torch.topk({topk})", t,
+                    record("index_scores+topk", name, f"fp4 keys ({mma}) + torch.topk({topk})", t,
                            bytes_=e * kbytes + e * 2, flops=flops, unit="fp8")
         del sets, a_b, a_4
         torch.cuda.empty_cache()

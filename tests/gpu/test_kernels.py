@@ -496,6 +496,101 @@ def test_index_scores_fp4_packed_bf16x2_epilogue_gives_the_fp32_pipe_bits(n_keys
         assert bool(torch.isneginf(fast[0, n_keys // 2:]).all()) and not bool(torch.isneginf(fast[1]).any())
 
 
+
+def _ws_index_case(n_q, n_keys, heads=64, seed=0, spread=0):
+    """FP4-simulated queries (query 1 a plain bf16 q where n_q >= 2, query 2 holding a NaN where n_q >= 3), FP4 keys
+    (every 7th scaled by 2^spread), weights, and the bf16 kernel's scores on the dequantized keys."""
+    g = torch.Generator().manual_seed(seed)
+    q = ops.indexer_round(torch.randn(n_q, heads, 128, generator=g), "fp4", rotate=True).to(BF16)
+    if n_q >= 2:
+        q[1] = torch.randn(heads, 128, generator=g).to(BF16)
+    if n_q >= 3:
+        q[2, 5, 7] = math.nan
+    keys = torch.randn(n_keys, 128, generator=g)
+    keys[::7] *= 2.0**spread
+    packed, scales = (t.to(CUDA) for t in quantize_fp4(keys, 32))
+    w = (torch.randn(n_q, heads, generator=g) / heads).to(BF16).to(CUDA)
+    deq = indexer.dequantize_fp4_keys(packed, scales)
+    return q.to(CUDA), packed, scales, w, deq, indexer.index_scores_cuda(q.to(CUDA), deq, w)
+
+
+def _assert_ws_scores(got, used, q, deq, w, ref):
+    """``used`` = 1 exactly for the FP4-simulated queries; NaN where the bf16 kernel has NaN; >= 99.9% equal to it
+    (the head sum adds in the tensor core's order), all within twice the contract's bound."""
+    exact = [int(i == 0 or i >= 3) for i in range(q.shape[0])]
+    assert used.tolist() == exact
+    assert torch.equal(got.isnan(), ref.isnan())
+    finite = ~ref.isnan()
+    assert float((got[finite] == ref[finite]).float().mean()) >= 0.999
+    rows = [i for i in range(q.shape[0]) if i != 2]
+    bound = 2 * _bound(q[rows].cpu(), deq.cpu(), w[rows].cpu())
+    shown = ~ref[rows].isinf().cpu()  # masked by the causal rule: -inf in both (checked above)
+    assert torch.equal(got[rows].isinf(), ref[rows].isinf())
+    assert bool(((got[rows].cpu().double() - ref[rows].cpu().double()).abs() <= bound)[shown].all())
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+def test_ws_index_scores_fp4_meet_the_contract():
+    def ws(q, codes, scales, weights, dtype):
+        mma = "ws" if 1 <= q.shape[0] <= 4 else "fp8"
+        return indexer.index_scores_fp4(q, codes, scales, weights, mma=mma)
+
+    check_against_oracle("index_scores_fp4", ws, max_examples=40, device=CUDA,
+                         strategy=strategies.index_scores_fp4_inputs(dims=(128,), max_heads=64))
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+@pytest.mark.parametrize("n_q, n_keys, causal, config", [
+    (1, 1, False, None), (1, 127, True, None), (2, 128, False, None), (3, 129, True, None),
+    (4, 5000, False, {"ctas": 3}), (1, 70000, True, {"slots": 4}), (4, 70001, False, None),
+    (1, 262144, False, None), (3, 262144, True, {"slots": 8})])
+def test_ws_index_scores_fp4_match_the_bf16_kernel(n_q, n_keys, causal, config):
+    """The warp-specialized kernel over ragged last tiles, 1 to 4 queries (a plain bf16 query and a NaN query take
+    its bf16 path), CTAs that walk many tiles (the slot ring wraps), and the causal mask."""
+    q, packed, scales, w, deq, ref = _ws_index_case(n_q, n_keys, seed=n_keys)
+    pos = (torch.arange(n_q) * 3 + n_keys * 2).to(CUDA) if causal else None
+    got, used = indexer.index_scores_fp4(q, packed, scales, w, positions=pos, config=config, mma="ws",
+                                         return_path=True)
+    if causal:
+        hidden = torch.arange(n_keys, device=CUDA)[None, :] >= ((pos + 1) // 4)[:, None]
+        assert bool(torch.isneginf(got[hidden]).all())
+        ref = ref.masked_fill(hidden, float("-inf"))
+    _assert_ws_scores(got, used, q, deq, w, ref)
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+@pytest.mark.parametrize("heads, spread, w_scale", [(64, 70, 1.0), (40, 0, 2.0**-60), (17, -60, 2.0**40)])
+def test_ws_index_scores_fp4_extreme_scales_and_fewer_heads(heads, spread, w_scale):
+    """Key scales far from 1, tiny or huge weights (bf16 products near the subnormal or overflow range), and
+    fewer than 64 heads (padded with zero codes and weights)."""
+    q, packed, scales, w, deq, _ = _ws_index_case(3, 3000, heads=heads, seed=heads, spread=spread)
+    w = (w.float() * w_scale).to(BF16)
+    ref = indexer.index_scores_cuda(q, deq, w)
+    got, used = indexer.index_scores_fp4(q, packed, scales, w, mma="ws", return_path=True)
+    _assert_ws_scores(got, used, q, deq, w, ref)
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+def test_ws_index_scores_fp4_replays_in_a_cuda_graph_and_refuses_what_it_cannot_take():
+    """The launch (query preparation + kernel) replays in a CUDA graph with the eager scores; ``auto`` keeps the
+    Triton FP8 kernel (ws is opt-in); inputs the kernel cannot take are refused with the reason."""
+    q, packed, scales, w, _, _ = _ws_index_case(1, 40000, seed=5)
+    ws = indexer.index_scores_fp4(q, packed, scales, w, mma="ws")
+    assert torch.equal(indexer.index_scores_fp4(q, packed, scales, w), indexer.index_scores_fp4(q, packed, scales, w,
+                                                                                                mma="fp8"))
+    out = torch.empty_like(ws)
+    graph = torch.cuda.CUDAGraph()
+    indexer.index_scores_fp4(q, packed, scales, w, mma="ws")  # compiled before capture
+    with torch.cuda.graph(graph):
+        out.copy_(indexer.index_scores_fp4(q, packed, scales, w, mma="ws"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ws)
+    with pytest.raises(ValueError, match="1 to 4 queries"):
+        indexer.index_scores_fp4(q.expand(5, -1, -1), packed, scales, w.expand(5, -1), mma="ws")
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        indexer.index_scores_fp4(q, packed.view(-1)[8:8 + 39999 * 64].view(39999, 64), scales[1:], w, mma="ws")
+
 # ---------------------------------------------------------------------------------------------------------------
 # RMSNorm (+ FP8 quantization)
 # ---------------------------------------------------------------------------------------------------------------

@@ -423,6 +423,15 @@ def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
 FP8_MMA_MIN_KEYS = 32768  # H200 (BENCHMARKS.md): at 32K keys FP8 measured 8.7 us vs 9.6 us for bf16 MMA
 
 
+def _ws_refusal(q, packed, scales) -> str | None:
+    """Why the warp-specialized kernel (``kernels/indexer_ws.py``) cannot take these inputs (None: it can)."""
+    try:
+        from fidelity.production.kernels import indexer_ws
+    except ImportError as err:  # a Triton without Gluon's Hopper modules
+        return f"Gluon is not available ({err})"
+    return indexer_ws.takes(q, packed, scales)
+
+
 def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, config=None, mma: str = "auto",
                      return_path: bool = False):
     """Scores against an FP4 key cache: packed uint8 [e, d/2] (low nibble = element 2i) and ue8m0 scale bytes
@@ -430,10 +439,13 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
 
     ``mma="fp8"`` (d = 128, H <= 128): keys upcast to e4m3 by a bit shuffle and scored on FP8 tensor cores
     against q's e4m3 codes, per query where q is FP4-simulated (spec §4 Indexer; else that query takes the bf16
-    path in the same launch); ``mma="bf16"``: keys dequantized to bf16 in registers, bf16 MMA; ``"auto"``: FP8
-    for decode (<= 4 queries) over >= ``FP8_MMA_MIN_KEYS`` keys, where it measured faster, else bf16. All give
-    the bf16 kernel's scores on the dequantized keys up to fp32 summation order. ``return_path``: also an int8
-    [n], 1 where a query was scored on FP8 tensor cores."""
+    path in the same launch); ``mma="ws"``: the same on the warp-specialized Gluon kernel
+    (``kernels/indexer_ws.py``: d = 128, H <= 64, 1 to 4 queries, sm_90; ``config`` may set its ``slots`` and
+    ``ctas``; opt-in: on the H200 it measured within 5% of ``fp8``, see BENCHMARKS.md); ``mma="bf16"``: keys
+    dequantized to bf16 in registers, bf16 MMA; ``"auto"``: ``fp8`` for decode (<= 4 queries) over >=
+    ``FP8_MMA_MIN_KEYS`` keys, where it measured faster, else ``bf16``. All give the bf16 kernel's scores on the
+    dequantized keys up to fp32 summation order. ``return_path``: also an int8 [n], 1 where a query was scored on
+    FP8 tensor cores."""
     d = q.shape[-1]
     if packed.dtype == torch.int8:
         packed = packed.view(torch.uint8)
@@ -442,12 +454,18 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     if packed.shape[-1] * 2 != d or scales.shape[-1] * 32 != d or d not in (32, 64, 128, 256):
         raise ValueError(f"packed [e, {d // 2}] and scales [e, {d // 32}] expected for d={d}, found "
                          f"{list(packed.shape)} and {list(scales.shape)}")
-    if mma not in ("auto", "fp8", "bf16"):
-        raise ValueError(f"mma: expected 'auto', 'fp8' or 'bf16', found {mma!r}")
+    if mma not in ("auto", "fp8", "bf16", "ws"):
+        raise ValueError(f"mma: expected 'auto', 'fp8', 'bf16' or 'ws', found {mma!r}")
     q = q.to(torch.bfloat16)
     if mma == "auto":
         mma = "fp8" if q.shape[0] <= 4 and packed.shape[0] >= FP8_MMA_MIN_KEYS else "bf16"
-    if mma == "fp8" and d == 128 and q.shape[1] <= 128:
+    if mma == "ws":
+        refusal = _ws_refusal(q, packed, scales)
+        if refusal:
+            raise ValueError(f"index_scores_fp4: mma 'ws' cannot run: {refusal}")
+        from fidelity.production.kernels.indexer_ws import index_scores_fp4_ws
+        out, used = index_scores_fp4_ws(q, packed, scales, weights, positions, ratio, **(config or {}))
+    elif mma == "fp8" and d == 128 and q.shape[1] <= 128:
         out, used = _launch_fp8mma(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, config)
     else:
         out = _launch(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, d, True, config)

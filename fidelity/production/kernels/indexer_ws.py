@@ -1,0 +1,376 @@
+"""Warp-specialized lightning-indexer scoring for Hopper (Gluon, sm_90a): FP4 keys (d = 128), up to 64 heads,
+decode (1 to 4 queries scored against the same keys). Route ``mma="ws"`` of ``index_scores_fp4``
+(``kernels/indexer.py``), opt-in: on the H200 it measured 23.0-23.5 us against the Triton FP8 kernel's 24.3-24.5 us
+at 1M context and 9.1 against 8.5 us at 128K (BENCHMARKS.md). Spec §4 Indexer.
+
+``score[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` with the official bf16 steps: q.k rounded to bf16, ReLU,
+times the bf16 weight and rounded to bf16, the head sum in fp32 rounded once to bf16.
+
+Persistent CTAs (at most one per SM) walk the 128-key tiles ``pid, pid + grid, ...`` in three partitions:
+
+* a loader (4 warps, few registers) copies each tile's packed codes (per 64-key half and 32-dim block, [64, 16]
+  bytes) and its keys' four ue8m0 scale bytes (one 32-bit word per key) into a ring of slots with ``cp.async``;
+* two consumer warpgroups take 64 keys of each tile. A consumer unpacks its codes to e4m3 by a bit shuffle (the
+  e4m3 value is the e2m1 value times 2^-6), releases the slot, and makes ``S_b [64 keys, 64 heads]`` by one
+  exact K = 32 e4m3 wgmma per 32-dim block b against the query's codes. ``q.k = sum_b S_b * f_b`` with ``f_b``
+  the key's block scale times the query's scale (powers of two: exact), then the bf16 steps two values per
+  instruction (``cvt.rn.bf16x2.f32``, ``max.NaN.bf16x2`` with 0, ``mul.rn.bf16x2`` with the weights), and the
+  head sum as one more wgmma (the bf16 products times a ones matrix, fp32 accumulation).
+
+A query's codes are ``q * 2^(7 - E)`` with one exponent E per query (from its amax), made by a small Triton
+kernel before the launch (:func:`_prepare_queries`). A query whose codes are not exact (not FP4-simulated, NaN,
+a value below 2^-9 of the code grid) is scored in the same launch on bf16 tensor cores: keys dequantized to bf16
+(exact), ``q.k`` by bf16 wgmma over the 128 dims, then the same steps. ``used[i]`` = 1 where the FP8 path ran.
+
+Both paths give the bf16 kernel's scores up to the fp32 summation order of the head sum (the tensor core adds
+in its own order), so a score can differ by one bf16 rounding flip near a tie (none in the H200 runs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+D = 128  # head dim of the indexer
+HEADS = 64  # heads per query (fewer are padded with zero codes and weights)
+TILE = 128  # keys per ring slot: 64 per consumer warpgroup
+HALF = TILE // 2
+MAX_QUERIES = 4
+LOADER_WARPS = 4
+SLOTS = 6
+LOADER_REGS, CONSUMER_REGS = 40, 224
+GLUON_VERSION = "3.6."  # warp_specialize's signature changed after 3.6
+LOADS, MMAS, EPILOGUE = 1, 2, 4  # PARTS bits: which stages run (all by default; benchmarks/diag_indexer_ws.py)
+_D, _HEADS, _TILE, _HALF = gl.constexpr(D), gl.constexpr(HEADS), gl.constexpr(TILE), gl.constexpr(HALF)
+# e2m1 nibble ``s e1 e0 m`` -> e4m3 byte ``s 0 0 e1 e0 m 0 0`` (value x 2^-6) for 8 codes of 4 packed bytes
+_UNPACK = gl.constexpr("{ .reg .b32 a, b; and.b32 a, $2, 0x08080808; shl.b32 a, a, 4; and.b32 b, $2, 0x07070707; "
+           "shl.b32 b, b, 2; or.b32 $0, a, b; and.b32 a, $2, 0x80808080; and.b32 b, $2, 0x70707070; "
+           "shr.b32 b, b, 2; or.b32 $1, a, b; }")
+# bf16(relu(bf16(s)) * w) for two (key, head) values: s fp32 pair, w bf16 pair -> bf16 pair (NaN kept, as torch.relu)
+_EPILOGUE = gl.constexpr("{ .reg .b32 p, z; mov.b32 z, 0; cvt.rn.bf16x2.f32 p, $2, $1; max.NaN.bf16x2 p, p, z; "
+             "mul.rn.bf16x2 $0, p, $3; }")
+
+
+@triton.jit
+def _prepare_queries(q_ptr, q8_ptr, qexp_ptr, used_ptr, n_heads, stride_qn, stride_qh, H: tl.constexpr,
+                     DIM: tl.constexpr):
+    """One program per query: E = floor(log2(amax)) over its heads and dims (clamped to [-100, 100]), codes
+    ``q * 2^(7 - E)`` as e4m3 into q8 [n, H, DIM] (padded heads 0), E into qexp, and whether every code is
+    exact into used."""
+    i = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, H)
+    dims = tl.arange(0, DIM)
+    q = tl.load(q_ptr + i * stride_qn + heads[:, None] * stride_qh + dims[None, :], mask=(heads < n_heads)[:, None],
+                other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(q), axis=1), axis=0)
+    e = tl.minimum(tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100), 100)
+    x = q * ((134 - e) << 23).to(tl.float32, bitcast=True)  # q * 2^(7 - E): |x| < 2^8, exact
+    ax = tl.abs(x)
+    # exact in e4m3 (tested on the fp32 bits, not by converting back: that round trip gave wrong flags on the
+    # H200 under Triton 3.6): at most 3 mantissa bits where normal (>= 2^-6), else a multiple of 2^-9; NaN fails
+    normal_ok = (ax.to(tl.int32, bitcast=True) & 0xFFFFF) == 0
+    tiny_ok = ax * 512.0 == tl.floor(ax * 512.0)
+    ok = (ax <= 448.0) & tl.where(ax >= 0.015625, normal_ok, tiny_ok)
+    inexact = tl.max(tl.max(tl.where(ok, 0, 1), axis=1), axis=0)
+    codes = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv)
+    tl.store(q8_ptr + i * H * DIM + heads[:, None] * DIM + dims[None, :], codes.to(tl.uint8, bitcast=True))
+    tl.store(qexp_ptr + i, e)
+    tl.store(used_ptr + i, (1 - inexact).to(tl.int8))
+
+
+@gluon.jit
+def _loader(k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty,
+            NS: gl.constexpr, LW: gl.constexpr, PARTS: gl.constexpr):
+    """Fills slot i % NS with this CTA's i-th tile once it is released. Keys 64c .. 64c + 63 of the tile (c = 0, 1):
+    codes[2 (4 s + b) + c] = their bytes 16b .. 16b + 15 (dims 32b .. 32b + 31, [_HALF, 16]), words[2 s + c] =
+    their scale words ([_HALF] int32); zeros past the last key."""
+    cl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [LW, 1], [1, 0])
+    wl: gl.constexpr = gl.BlockedLayout([1], [32], [LW], [0])
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    for i in range((n_tiles - pid + grid - 1) // grid):
+        tile = pid + i * grid
+        s = i % NS
+        mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+        cols = gl.arange(0, 16, layout=gl.SliceLayout(0, cl))
+        for c in gl.static_range(2):
+            keys = tile * _TILE + _HALF * c + gl.arange(0, _HALF, layout=gl.SliceLayout(1, cl))
+            valid = keys < n_keys
+            rows = gl.where(valid, keys, 0).to(gl.int64) * stride_k
+            for b in gl.static_range(4 if PARTS & 1 else 0):
+                async_copy.async_copy_global_to_shared(codes.index(2 * (4 * s + b) + c),
+                                                       k_ptr + rows[:, None] + 16 * b + cols[None, :],
+                                                       mask=valid[:, None])
+        for c in gl.static_range(2):
+            wkeys = tile * _TILE + _HALF * c + gl.arange(0, _HALF, layout=wl)
+            wvalid = wkeys < n_keys
+            async_copy.async_copy_global_to_shared(words.index(2 * s + c),
+                                                   ks_ptr + gl.where(wvalid, wkeys, 0).to(gl.int64) * stride_ks,
+                                                   mask=wvalid)
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _block_factor(word, b: gl.constexpr, qexp):
+    """2^(scale byte b - 127 + 6 + qexp - 7) as fp32: the key's block scale times the codes' 2^6 and the query's
+    2^(E - 7). Scale byte 255 (NaN) gives NaN; a factor below fp32's normal range is 0 or subnormal."""
+    sb = (word >> (8 * b)) & 0xFF
+    e = sb + qexp - 1  # fp32 exponent field of the factor
+    normal = (gl.minimum(gl.maximum(e, 1), 254) << 23).to(gl.float32, bitcast=True)
+    tiny = (1 << gl.minimum(gl.maximum(22 + e, 0), 22)).to(gl.float32, bitcast=True)
+    f = gl.where(e >= 1, normal, gl.where(e >= -22, tiny, 0.0))
+    f = gl.where(e > 254, float("inf"), f)
+    return gl.where(sb == 255, float("nan"), f)
+
+
+@gluon.jit
+def _unpack_block(codes, s, b: gl.constexpr, c):
+    """Block b of this consumer's 64 keys in slot s: e4m3 codes [_HALF, 32] (registers)."""
+    pl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+    pk = codes.index(2 * (4 * s + b) + c).load(pl)
+    lo, hi = gl.inline_asm_elementwise(_UNPACK, "=r,=r,r", [pk], dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
+    return gl.reshape(gl.join(lo, hi), [_HALF, 32]).to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def _dequantize_block(x8, word, b: gl.constexpr):
+    """Codes [_HALF, 32] e4m3 (value x 2^-6) of block b -> the keys' bf16 values (exact: e2m1 times a power of
+    two); ``word`` [_HALF]: the keys' scale words."""
+    return (x8.to(gl.float32) * _block_factor(word, b, 7)[:, None]).to(gl.bfloat16)  # 2^(byte - 127 + 6)
+
+
+@gluon.jit
+def _load_queries(q8_ptr, q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, c, NQ: gl.constexpr):
+    """Blocks 2c and 2c + 1 (32 dims each) of every query into shared memory: the e4m3 codes, and the bf16 q
+    where the codes are not exact. Returns whether any query takes the bf16 path."""
+    ql: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
+    heads = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, ql))
+    dims = gl.arange(0, 32, layout=gl.SliceLayout(0, ql))
+    any_bf16 = gl.to_tensor(0)
+    for qi in gl.static_range(NQ):
+        exact = gl.load(used_ptr + qi)
+        any_bf16 = gl.maximum(any_bf16, (exact == 0).to(gl.int32))
+        for bb in gl.static_range(2):
+            b = 2 * c + bb
+            codes = gl.load(q8_ptr + (qi * _HEADS + heads[:, None]) * _D + 32 * b + dims[None, :])
+            q8.index(4 * qi + b).store(codes.to(gl.float8e4nv, bitcast=True))
+            if exact == 0:
+                x = gl.load(q_ptr + qi * stride_qn + heads[:, None] * stride_qh + 32 * b + dims[None, :],
+                            mask=(heads < n_heads)[:, None], other=0.0)
+                qb.index(4 * qi + b).store(x)
+    return any_bf16
+
+
+@gluon.jit
+def _query_params(used_ptr, qexp_ptr, w_ptr, pos_ptr, qi: gl.constexpr, stride_wn, n_heads, ratio,
+                  CAUSAL: gl.constexpr, layout: gl.constexpr):
+    """Query qi's path flag, code exponent, weights ([_HEADS] bf16, 0 past n_heads) and causal limit."""
+    heads = gl.arange(0, _HEADS, layout=layout)
+    w = gl.load(w_ptr + qi * stride_wn + heads, mask=heads < n_heads, other=0.0)
+    limit = (gl.load(pos_ptr + qi) + 1) // ratio if CAUSAL else 0
+    return gl.load(used_ptr + qi), gl.load(qexp_ptr + qi), w, limit
+
+
+@gluon.jit
+def _scores(a8, ab, q8, qb, ones, qi: gl.constexpr, exact, qexp, w, word, PARTS: gl.constexpr):
+    """One query's head-summed scores of the consumer's 64 keys: fp32 [_HALF, 8] (8 equal columns)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 32])
+    mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 16])
+    hmma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    zero = gl.zeros([_HALF, _HEADS], gl.float32, layout=mma)
+    if exact != 0:
+        if PARTS & 2:
+            s0 = warpgroup_mma(a8.index(0), q8.index(4 * qi).permute((1, 0)), zero, use_acc=False, is_async=True)
+            s1 = warpgroup_mma(a8.index(1), q8.index(4 * qi + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
+            s2 = warpgroup_mma(a8.index(2), q8.index(4 * qi + 2).permute((1, 0)), zero, use_acc=False, is_async=True)
+            s3 = warpgroup_mma(a8.index(3), q8.index(4 * qi + 3).permute((1, 0)), zero, use_acc=False, is_async=True)
+            s0, s1, s2, s3 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3))
+        else:
+            s0, s1, s2, s3 = zero, zero, zero, zero
+        y = (s0 * _block_factor(word, 0, qexp)[:, None] + s1 * _block_factor(word, 1, qexp)[:, None]
+             + s2 * _block_factor(word, 2, qexp)[:, None] + s3 * _block_factor(word, 3, qexp)[:, None])
+    else:
+        acc = gl.zeros([_HALF, _HEADS], gl.float32, layout=mma16)
+        for b in gl.static_range(4):
+            acc = warpgroup_mma(ab.index(b), qb.index(4 * qi + b).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        y = gl.convert_layout(acc, mma)
+    if PARTS & 4:
+        wb, y = gl.broadcast(w[None, :], y)
+        t = gl.inline_asm_elementwise(_EPILOGUE, "=r,r,r,r", [y, wb], dtype=gl.bfloat16, is_pure=True, pack=2)
+        a = gl.convert_layout(t, gl.DotOperandLayout(operand_index=0, parent=hmma, k_width=2))
+        score = warpgroup_mma(a, ones.permute((1, 0)), gl.zeros([_HALF, 8], gl.float32, layout=hmma),
+                              use_acc=False, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(score,))
+    return gl.convert_layout(gl.reshape(y, [_HALF, 8, 8]).sum(axis=2), hmma)  # diagnosis only: no epilogue
+
+
+@gluon.jit
+def _consumer(q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio,
+              stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, a8, ab, ones, ready, empty, q_ready,
+              c, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr, PARTS: gl.constexpr):
+    """Keys 64c .. 64c + 63 of each of this CTA's tiles, scored for every query (NQ <= 4)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 32])
+    hmma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    cols: gl.constexpr = gl.SliceLayout(0, mma)
+    any_bf16 = _load_queries(q8_ptr, q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, c, NQ)
+    ones.store(gl.full([8, _HEADS], 1.0, gl.bfloat16, layout=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(q_ready.index(0), count=1)
+    mbarrier.wait(q_ready.index(0), 0)
+    # per-query values in registers for the whole loop (loads inside it would stall every tile)
+    ex0, qe0, w0, lim0 = _query_params(used_ptr, qexp_ptr, w_ptr, pos_ptr, 0, stride_wn, n_heads, ratio, CAUSAL, cols)
+    if NQ > 1:
+        ex1, qe1, w1, lim1 = _query_params(used_ptr, qexp_ptr, w_ptr, pos_ptr, 1, stride_wn, n_heads, ratio, CAUSAL,
+                                           cols)
+    if NQ > 2:
+        ex2, qe2, w2, lim2 = _query_params(used_ptr, qexp_ptr, w_ptr, pos_ptr, 2, stride_wn, n_heads, ratio, CAUSAL,
+                                           cols)
+    if NQ > 3:
+        ex3, qe3, w3, lim3 = _query_params(used_ptr, qexp_ptr, w_ptr, pos_ptr, 3, stride_wn, n_heads, ratio, CAUSAL,
+                                           cols)
+    col8 = gl.arange(0, 8, layout=gl.SliceLayout(0, hmma))
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    for i in range((n_tiles - pid + grid - 1) // grid):
+        tile = pid + i * grid
+        s = i % NS
+        mbarrier.wait(ready.index(s), (i // NS) & 1)
+        word = words.index(2 * s + c).load(gl.SliceLayout(1, mma))
+        x0 = _unpack_block(codes, s, 0, c)  # all reads of the slot first: one barrier between them and the stores
+        x1 = _unpack_block(codes, s, 1, c)
+        x2 = _unpack_block(codes, s, 2, c)
+        x3 = _unpack_block(codes, s, 3, c)
+        word_x = words.index(2 * s + c).load(gl.SliceLayout(1, x0.type.layout))
+        mbarrier.arrive(empty.index(s), count=1)
+        a8.index(0).store(x0)
+        a8.index(1).store(x1)
+        a8.index(2).store(x2)
+        a8.index(3).store(x3)
+        if any_bf16 != 0:
+            ab.index(0).store(_dequantize_block(x0, word_x, 0))
+            ab.index(1).store(_dequantize_block(x1, word_x, 1))
+            ab.index(2).store(_dequantize_block(x2, word_x, 2))
+            ab.index(3).store(_dequantize_block(x3, word_x, 3))
+        fence_async_shared()
+        gl.thread_barrier()
+        keys = tile * _TILE + _HALF * c + gl.arange(0, _HALF, layout=gl.SliceLayout(1, hmma))
+        for qi in gl.static_range(NQ):
+            if qi == 0:
+                ex, qe, w, limit = ex0, qe0, w0, lim0
+            elif qi == 1:
+                ex, qe, w, limit = ex1, qe1, w1, lim1
+            elif qi == 2:
+                ex, qe, w, limit = ex2, qe2, w2, lim2
+            else:
+                ex, qe, w, limit = ex3, qe3, w3, lim3
+            score = _scores(a8, ab, q8, qb, ones, qi, ex, qe, w, word, PARTS)
+            if CAUSAL:
+                score = gl.where((keys < limit)[:, None], score, float("-inf"))
+            gl.store(out_ptr + qi * stride_on + keys[:, None] + col8[None, :] * 0, score.to(gl.bfloat16),
+                     mask=(keys < n_keys)[:, None] & (col8 == 0)[None, :])
+        gl.thread_barrier()  # every warp's MMAs have read a8 / ab before the next tile overwrites them
+
+
+@gluon.jit
+def _index_ws_kernel(q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, k_ptr, ks_ptr,
+                     n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh, stride_wn, stride_on, stride_k,
+                     stride_ks, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr, LW: gl.constexpr,
+                     LREGS: gl.constexpr, CREGS: gl.constexpr, PARTS: gl.constexpr):
+    codes = gl.allocate_shared_memory(gl.uint8, [8 * NS, _HALF, 16],
+                                      gl.NVMMASharedLayout.get_default_for([_HALF, 16], gl.uint8))
+    words = gl.allocate_shared_memory(gl.int32, [2 * NS, _HALF], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q8 = gl.allocate_shared_memory(gl.float8e4nv, [4 * NQ, _HEADS, 32],
+                                   gl.NVMMASharedLayout.get_default_for([_HEADS, 32], gl.float8e4nv))
+    qb = gl.allocate_shared_memory(gl.bfloat16, [4 * NQ, _HEADS, 32],
+                                   gl.NVMMASharedLayout.get_default_for([_HEADS, 32], gl.bfloat16))
+    a8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF, 32], gl.float8e4nv)
+    ab_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF, 32], gl.bfloat16)
+    a8_0 = gl.allocate_shared_memory(gl.float8e4nv, [4, _HALF, 32], a8_layout)  # each consumer's unpacked keys
+    a8_1 = gl.allocate_shared_memory(gl.float8e4nv, [4, _HALF, 32], a8_layout)
+    ab_0 = gl.allocate_shared_memory(gl.bfloat16, [4, _HALF, 32], ab_layout)  # ... dequantized for the bf16 path
+    ab_1 = gl.allocate_shared_memory(gl.bfloat16, [4, _HALF, 32], ab_layout)
+    ones = gl.allocate_shared_memory(gl.bfloat16, [2, 8, _HEADS],
+                                     gl.NVMMASharedLayout.get_default_for([8, _HEADS], gl.bfloat16))
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=LW * 32)  # every loader thread's cp.async arrival
+        mbarrier.init(empty.index(i), count=2)  # both consumers
+    mbarrier.init(q_ready.index(0), count=2)
+    gl.warp_specialize([
+        (_consumer, (q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio,
+                     stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, a8_0, ab_0,
+                     ones.index(0), ready, empty, q_ready, gl.to_tensor(0), NS, NQ, CAUSAL, PARTS)),
+        (_consumer, (q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio,
+                     stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, a8_1, ab_1,
+                     ones.index(1), ready, empty, q_ready, gl.to_tensor(1), NS, NQ, CAUSAL, PARTS)),
+        (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW, PARTS)),
+    ], [4, LW], [CREGS, LREGS])
+
+
+def takes(q: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> str | None:
+    """Why this kernel cannot take these inputs (None: it can): q [n, H, 128] bf16 with 1 <= n <= 4 and H <= 64,
+    packed uint8 [e, 64] with 16-byte aligned rows, scale bytes uint8 [e, 4] with 4-byte aligned rows, on a CUDA
+    device of compute capability 9.0 (wgmma), under Triton 3.6."""
+    if not (q.is_cuda and q.dim() == 3 and packed.dim() == 2 and scales.dim() == 2):
+        return "needs CUDA tensors q [n, H, d], packed [e, d/2], scales [e, d/32]"
+    if not triton.__version__.startswith(GLUON_VERSION):
+        return f"written for the Gluon API of Triton {GLUON_VERSION}, found Triton {triton.__version__}"
+    cc = torch.cuda.get_device_capability(q.device)
+    if cc != (9, 0):
+        return f"needs an sm_90 device (wgmma), found compute capability {cc[0]}.{cc[1]}"
+    n, h, d = q.shape
+    if d != D or not 1 <= n <= MAX_QUERIES or h > HEADS:
+        return f"needs d = {D}, 1 to {MAX_QUERIES} queries and at most {HEADS} heads, found q {list(q.shape)}"
+    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        return f"needs uint8 codes and scale bytes, found {packed.dtype} and {scales.dtype}"
+    if packed.stride(1) != 1 or packed.stride(0) % 16 or packed.data_ptr() % 16:
+        return f"needs 16-byte aligned rows of codes, found strides {packed.stride()}"
+    if scales.stride(1) != 1 or scales.stride(0) % 4 or scales.data_ptr() % 4:
+        return f"needs 4-byte aligned rows of scale bytes, found strides {scales.stride()}"
+    return None
+
+
+def index_scores_fp4_ws(q: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor,
+                        positions: torch.Tensor | None = None, ratio: int = 4, *, slots: int = SLOTS,
+                        ctas: int | None = None, parts: int = LOADS | MMAS | EPILOGUE
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores [n, e] bf16 and ``used`` int8 [n] (1 where the FP8 path ran) for inputs :func:`takes` accepts;
+    ``positions`` [n]: causal mask ``j < (t + 1) // ratio`` (else -inf). ``ctas`` caps the persistent grid
+    (default: one CTA per SM); ``parts`` other than all three is for the diagnosis only (wrong results)."""
+    n, h, _ = q.shape
+    e = packed.shape[0]
+    dev = q.device
+    out = torch.empty((n, e), dtype=torch.bfloat16, device=dev)
+    used = torch.empty((n,), dtype=torch.int8, device=dev)
+    q = q.to(torch.bfloat16).contiguous()
+    q8 = torch.empty((n, HEADS, D), dtype=torch.uint8, device=dev)
+    qexp = torch.empty((n,), dtype=torch.int32, device=dev)
+    _prepare_queries[(n,)](q, q8, qexp, used, h, q.stride(0), q.stride(1), H=HEADS, DIM=D)
+    if e == 0:
+        return out, used
+    w = weights.to(torch.bfloat16).contiguous()
+    causal = positions is not None
+    pos = positions.to(torch.int32).contiguous() if causal else qexp
+    words = scales.view(torch.int32)  # [e, 1]: one word per key (takes() checked the alignment)
+    n_tiles = triton.cdiv(e, TILE)
+    grid = min(n_tiles, ctas or torch.cuda.get_device_properties(dev).multi_processor_count)
+    _index_ws_kernel[(grid,)](
+        q8, q, qexp, used, w, pos, out, packed, words, e, h, n_tiles, int(ratio), q.stride(0), q.stride(1),
+        w.stride(0), out.stride(0), packed.stride(0), scales.stride(0) // 4,
+        NS=slots, NQ=n, CAUSAL=causal, LW=LOADER_WARPS, LREGS=LOADER_REGS, CREGS=CONSUMER_REGS, PARTS=parts,
+        num_warps=4)
+    return out, used

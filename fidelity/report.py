@@ -201,7 +201,8 @@ def _kernel_facts(manifest: dict) -> dict[str, str]:
         facts["kernel fallbacks (emulation ran)"] = "; ".join(
             f"{op}: " + ", ".join(f"{reason} ({n} calls)" for reason, n in sorted(by_reason.items()))
             for op, by_reason in sorted(fallbacks.items()))
-    for key, label in (("topk_routes", "indexer top-k routes"), ("attention_routes", "sparse attention routes")):
+    for key, label in (("topk_routes", "indexer top-k routes"), ("index_routes", "indexer scoring routes"),
+                       ("attention_routes", "sparse attention routes")):
         if manifest.get(key):
             facts[label] = ", ".join(f"{r} ({n} calls)" for r, n in sorted(manifest[key].items()))
     return facts

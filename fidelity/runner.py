@@ -238,6 +238,7 @@ class Runner:
             "implementations": implementations_used(),
             "kernel_fallbacks": kernel_fallbacks.counts(),
             "topk_routes": routes.counts("topk"),
+            "index_routes": routes.counts("index_scores_fp4"),
             "attention_routes": routes.counts("sparse_attention"),
             "command": " ".join(sys.argv),
             "versions": {"python": platform.python_version(), "torch": torch.__version__},

@@ -571,13 +571,22 @@ def test_ws_index_scores_fp4_extreme_scales_and_fewer_heads(heads, spread, w_sca
 
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
-def test_ws_index_scores_fp4_replays_in_a_cuda_graph_and_refuses_what_it_cannot_take():
-    """The launch (query preparation + kernel) replays in a CUDA graph with the eager scores; ``auto`` keeps the
-    Triton FP8 kernel (ws is opt-in); inputs the kernel cannot take are refused with the reason."""
-    q, packed, scales, w, _, _ = _ws_index_case(1, 40000, seed=5)
+def test_ws_index_scores_fp4_is_the_1m_decode_default_and_replays_in_a_cuda_graph():
+    """``auto`` takes ``ws`` for one query over >= 2^18 keys and the Triton FP8 kernel below (or for more queries);
+    the launch (query preparation + kernel) replays in a CUDA graph with the eager scores; inputs the kernel cannot
+    take are refused with the reason."""
+    q, packed, scales, w, _, _ = _ws_index_case(2, indexer.WS_MIN_KEYS, seed=5)
+    q, w = q[:1], w[:1]
+    long = indexer.index_scores_fp4(q, packed, scales, w, mma="ws")
+    routes.reset()
+    assert torch.equal(indexer.index_scores_fp4(q, packed, scales, w), long)
+    assert routes.counts("index_scores_fp4") == {"ws": 1}
+    fp8 = indexer.index_scores_fp4(q.expand(2, -1, -1), packed, scales, w.expand(2, -1), mma="fp8")
+    assert torch.equal(indexer.index_scores_fp4(q.expand(2, -1, -1), packed, scales, w.expand(2, -1)), fp8)
+    packed, scales = packed[:40000], scales[:40000]
+    assert torch.equal(indexer.index_scores_fp4(q, packed, scales, w),
+                       indexer.index_scores_fp4(q, packed, scales, w, mma="fp8"))
     ws = indexer.index_scores_fp4(q, packed, scales, w, mma="ws")
-    assert torch.equal(indexer.index_scores_fp4(q, packed, scales, w), indexer.index_scores_fp4(q, packed, scales, w,
-                                                                                                mma="fp8"))
     out = torch.empty_like(ws)
     graph = torch.cuda.CUDAGraph()
     indexer.index_scores_fp4(q, packed, scales, w, mma="ws")  # compiled before capture

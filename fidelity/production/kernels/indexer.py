@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from fidelity.formats import dequantize_fp4
-from fidelity.production import ops
+from fidelity.production import ops, routes
 from fidelity.production.kernels import fallbacks
 from fidelity.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device, with_overrides
 
@@ -421,6 +421,7 @@ def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
 
 
 FP8_MMA_MIN_KEYS = 32768  # H200 (BENCHMARKS.md): at 32K keys FP8 measured 8.7 us vs 9.6 us for bf16 MMA
+WS_MIN_KEYS = 262144  # H200, one query: ws 21.97 vs fp8 24.33 us at 256K keys (1M context); 9.0 vs 8.4 us at 32K
 
 
 def _ws_refusal(q, packed, scales) -> str | None:
@@ -441,10 +442,11 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     against q's e4m3 codes, per query where q is FP4-simulated (spec §4 Indexer; else that query takes the bf16
     path in the same launch); ``mma="ws"``: the same on the warp-specialized Gluon kernel
     (``kernels/indexer_ws.py``: d = 128, H <= 64, 1 to 4 queries, sm_90; ``config`` may set its ``slots`` and
-    ``ctas``; opt-in: on the H200 it measured within 5% of ``fp8``, see BENCHMARKS.md); ``mma="bf16"``: keys
-    dequantized to bf16 in registers, bf16 MMA; ``"auto"``: ``fp8`` for decode (<= 4 queries) over >=
-    ``FP8_MMA_MIN_KEYS`` keys, where it measured faster, else ``bf16``. All give the bf16 kernel's scores on the
-    dequantized keys up to fp32 summation order. ``return_path``: also an int8 [n], 1 where a query was scored on
+    ``ctas``); ``mma="bf16"``: keys dequantized to bf16 in registers, bf16 MMA; ``"auto"``: for decode (<= 4
+    queries) over >= ``FP8_MMA_MIN_KEYS`` keys ``fp8``, or ``ws`` for one query over >= ``WS_MIN_KEYS`` keys where
+    it can run (each where it measured fastest), else ``bf16``. All give the bf16 kernel's scores on the
+    dequantized keys up to fp32 summation order; the route taken is counted in ``routes`` (manifest
+    ``index_routes``). ``return_path``: also an int8 [n], 1 where a query was scored on
     FP8 tensor cores."""
     d = q.shape[-1]
     if packed.dtype == torch.int8:
@@ -459,6 +461,9 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     q = q.to(torch.bfloat16)
     if mma == "auto":
         mma = "fp8" if q.shape[0] <= 4 and packed.shape[0] >= FP8_MMA_MIN_KEYS else "bf16"
+        if mma == "fp8" and q.shape[0] == 1 and packed.shape[0] >= WS_MIN_KEYS and not _ws_refusal(q, packed, scales):
+            mma = "ws"
+    routes.note("index_scores_fp4", mma)
     if mma == "ws":
         refusal = _ws_refusal(q, packed, scales)
         if refusal:

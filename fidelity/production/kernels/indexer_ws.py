@@ -1,7 +1,8 @@
 """Warp-specialized lightning-indexer scoring for Hopper (Gluon, sm_90a): FP4 keys (d = 128), up to 64 heads,
 decode (1 to 4 queries scored against the same keys). Route ``mma="ws"`` of ``index_scores_fp4``
-(``kernels/indexer.py``), opt-in: on the H200 it measured 23.0-23.5 us against the Triton FP8 kernel's 24.3-24.5 us
-at 1M context and 9.1 against 8.5 us at 128K (BENCHMARKS.md). Spec §4 Indexer.
+(``kernels/indexer.py``), its default for one query over >= 2^18 keys (1M context): on the H200 it measured
+21.97 us there against the Triton FP8 kernel's 24.33 us, but 9.0 against 8.4 us at 128K context and the same
+83 us for four queries at 1M (BENCHMARKS.md). Spec §4 Indexer.
 
 ``score[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` with the official bf16 steps: q.k rounded to bf16, ReLU,
 times the bf16 weight and rounded to bf16, the head sum in fp32 rounded once to bf16.
@@ -47,7 +48,7 @@ TILE = 128  # keys per ring slot: 64 per consumer warpgroup
 HALF = TILE // 2
 MAX_QUERIES = 4
 LOADER_WARPS = 4
-SLOTS = 6
+SLOTS = 4  # ring slots (H200, 1M keys, one query: 4 slots 21.97 us, 6: 22.49, 8: 22.73)
 LOADER_REGS, CONSUMER_REGS = 40, 224
 GLUON_VERSION = "3.6."  # warp_specialize's signature changed after 3.6
 LOADS, MMAS, EPILOGUE = 1, 2, 4  # PARTS bits: which stages run (all by default; benchmarks/diag_indexer_ws.py)
@@ -182,7 +183,7 @@ def _query_params(used_ptr, qexp_ptr, w_ptr, pos_ptr, qi: gl.constexpr, stride_w
 
 
 @gluon.jit
-def _scores(a8, ab, q8, qb, ones, qi: gl.constexpr, exact, qexp, w, word, PARTS: gl.constexpr):
+def _scores(k0, k1, k2, k3, ab, q8, qb, ones, qi: gl.constexpr, exact, qexp, w, word, PARTS: gl.constexpr):
     """One query's head-summed scores of the consumer's 64 keys: fp32 [_HALF, 8] (8 equal columns)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 32])
     mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 16])
@@ -190,10 +191,10 @@ def _scores(a8, ab, q8, qb, ones, qi: gl.constexpr, exact, qexp, w, word, PARTS:
     zero = gl.zeros([_HALF, _HEADS], gl.float32, layout=mma)
     if exact != 0:
         if PARTS & 2:
-            s0 = warpgroup_mma(a8.index(0), q8.index(4 * qi).permute((1, 0)), zero, use_acc=False, is_async=True)
-            s1 = warpgroup_mma(a8.index(1), q8.index(4 * qi + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
-            s2 = warpgroup_mma(a8.index(2), q8.index(4 * qi + 2).permute((1, 0)), zero, use_acc=False, is_async=True)
-            s3 = warpgroup_mma(a8.index(3), q8.index(4 * qi + 3).permute((1, 0)), zero, use_acc=False, is_async=True)
+            s0 = warpgroup_mma(k0, q8.index(4 * qi).permute((1, 0)), zero, use_acc=False, is_async=True)
+            s1 = warpgroup_mma(k1, q8.index(4 * qi + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
+            s2 = warpgroup_mma(k2, q8.index(4 * qi + 2).permute((1, 0)), zero, use_acc=False, is_async=True)
+            s3 = warpgroup_mma(k3, q8.index(4 * qi + 3).permute((1, 0)), zero, use_acc=False, is_async=True)
             s0, s1, s2, s3 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3))
         else:
             s0, s1, s2, s3 = zero, zero, zero, zero
@@ -217,7 +218,8 @@ def _scores(a8, ab, q8, qb, ones, qi: gl.constexpr, exact, qexp, w, word, PARTS:
 
 @gluon.jit
 def _consumer(q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio,
-              stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, a8, ab, ones, ready, empty, q_ready,
+              stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k0, k1, k2, k3, ab, ones, ready, empty,
+              q_ready,
               c, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr, PARTS: gl.constexpr):
     """Keys 64c .. 64c + 63 of each of this CTA's tiles, scored for every query (NQ <= 4)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 32])
@@ -254,10 +256,10 @@ def _consumer(q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys
         x3 = _unpack_block(codes, s, 3, c)
         word_x = words.index(2 * s + c).load(gl.SliceLayout(1, x0.type.layout))
         mbarrier.arrive(empty.index(s), count=1)
-        a8.index(0).store(x0)
-        a8.index(1).store(x1)
-        a8.index(2).store(x2)
-        a8.index(3).store(x3)
+        k0.store(x0)
+        k1.store(x1)
+        k2.store(x2)
+        k3.store(x3)
         if any_bf16 != 0:
             ab.index(0).store(_dequantize_block(x0, word_x, 0))
             ab.index(1).store(_dequantize_block(x1, word_x, 1))
@@ -275,12 +277,12 @@ def _consumer(q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys
                 ex, qe, w, limit = ex2, qe2, w2, lim2
             else:
                 ex, qe, w, limit = ex3, qe3, w3, lim3
-            score = _scores(a8, ab, q8, qb, ones, qi, ex, qe, w, word, PARTS)
+            score = _scores(k0, k1, k2, k3, ab, q8, qb, ones, qi, ex, qe, w, word, PARTS)
             if CAUSAL:
                 score = gl.where((keys < limit)[:, None], score, float("-inf"))
             gl.store(out_ptr + qi * stride_on + keys[:, None] + col8[None, :] * 0, score.to(gl.bfloat16),
                      mask=(keys < n_keys)[:, None] & (col8 == 0)[None, :])
-        gl.thread_barrier()  # every warp's MMAs have read a8 / ab before the next tile overwrites them
+        gl.thread_barrier()  # every warp's MMAs have read k0 .. k3 / ab before the next tile overwrites them
 
 
 @gluon.jit
@@ -297,8 +299,14 @@ def _index_ws_kernel(q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr,
                                    gl.NVMMASharedLayout.get_default_for([_HEADS, 32], gl.bfloat16))
     a8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF, 32], gl.float8e4nv)
     ab_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF, 32], gl.bfloat16)
-    a8_0 = gl.allocate_shared_memory(gl.float8e4nv, [4, _HALF, 32], a8_layout)  # each consumer's unpacked keys
-    a8_1 = gl.allocate_shared_memory(gl.float8e4nv, [4, _HALF, 32], a8_layout)
+    k00 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
+    k01 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
+    k02 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
+    k03 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
+    k10 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
+    k11 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
+    k12 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
+    k13 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
     ab_0 = gl.allocate_shared_memory(gl.bfloat16, [4, _HALF, 32], ab_layout)  # ... dequantized for the bf16 path
     ab_1 = gl.allocate_shared_memory(gl.bfloat16, [4, _HALF, 32], ab_layout)
     ones = gl.allocate_shared_memory(gl.bfloat16, [2, 8, _HEADS],
@@ -312,10 +320,10 @@ def _index_ws_kernel(q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr,
     mbarrier.init(q_ready.index(0), count=2)
     gl.warp_specialize([
         (_consumer, (q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio,
-                     stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, a8_0, ab_0,
+                     stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k00, k01, k02, k03, ab_0,
                      ones.index(0), ready, empty, q_ready, gl.to_tensor(0), NS, NQ, CAUSAL, PARTS)),
         (_consumer, (q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio,
-                     stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, a8_1, ab_1,
+                     stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k10, k11, k12, k13, ab_1,
                      ones.index(1), ready, empty, q_ready, gl.to_tensor(1), NS, NQ, CAUSAL, PARTS)),
         (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW, PARTS)),
     ], [4, LW], [CREGS, LREGS])

@@ -212,15 +212,18 @@ def test_report_contents(written):
 def test_report_names_the_kernels_where_they_fell_back_to_the_emulation_and_the_kernel_routes(clean, tmp_path):
     manifest = {"implementations": {"sparse_attention": "triton", "rms_norm": "triton", "gate": "cpu"},
                 "kernel_fallbacks": {"sparse_attention": {"injected fault sink-dropped": 12}},
-                "topk_routes": {"radix": 30, "sort": 2}, "attention_routes": {"ws": 40, "triton": 3}}
+                "topk_routes": {"radix": 30, "sort": 2}, "attention_routes": {"ws": 40, "triton": 3},
+                "index_routes": {"ws": 20, "fp8": 4}}
     md = write_report(tmp_path, clean, manifest)[0].read_text()
     assert "| kernels | rms_norm, sparse_attention |" in md
     assert "| kernel fallbacks (emulation ran) | sparse_attention: injected fault sink-dropped (12 calls) |" in md
     assert "| indexer top-k routes | radix (30 calls), sort (2 calls) |" in md
     assert "| sparse attention routes | triton (3 calls), ws (40 calls) |" in md
+    assert "| indexer scoring routes | fp8 (4 calls), ws (20 calls) |" in md
     md = write_report(tmp_path / "cpu", clean, {"implementations": {"gate": "cpu"}, "kernel_fallbacks": {}})[0]
     assert "| kernels |" not in md.read_text() and "| kernel fallbacks" not in md.read_text()
     assert "| indexer top-k routes |" not in md.read_text() and "| sparse attention routes |" not in md.read_text()
+    assert "| indexer scoring routes |" not in md.read_text()
 
 
 def test_report_pass_verdict(clean, tmp_path):

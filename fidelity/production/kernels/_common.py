@@ -10,6 +10,20 @@ import torch
 
 # TRITON_INTERPRET=1 runs the kernels on CPU tensors through triton's interpreter (debugging without a GPU)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+GLUON_VERSION = "3.6."  # the Gluon API of the warp-specialized kernels (warp_specialize's signature changed after 3.6)
+
+
+def hopper_gluon_refusal(device: torch.device) -> str | None:
+    """Why a warp-specialized Gluon kernel (``*_ws.py``) cannot run on ``device`` (None: it can): it needs
+    Triton 3.6's Gluon API and a device of compute capability 9.0 (wgmma)."""
+    import triton
+
+    if not triton.__version__.startswith(GLUON_VERSION):
+        return f"written for the Gluon API of Triton {GLUON_VERSION}, found Triton {triton.__version__}"
+    cc = torch.cuda.get_device_capability(device)
+    if cc != (9, 0):
+        return f"needs an sm_90 device (wgmma), found compute capability {cc[0]}.{cc[1]}"
+    return None
 
 
 def on_device(t: torch.Tensor) -> bool:

@@ -42,6 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from fidelity.production.kernels._common import hopper_gluon_refusal
+
 D = 128  # head dim of the indexer
 HEADS = 64  # heads per query (fewer are padded with zero codes and weights)
 TILE = 128  # keys per ring slot: 64 per consumer warpgroup
@@ -50,7 +52,6 @@ MAX_QUERIES = 4
 LOADER_WARPS = 4
 SLOTS = 4  # ring slots (H200, 1M keys, one query: 4 slots 21.97 us, 6: 22.49, 8: 22.73)
 LOADER_REGS, CONSUMER_REGS = 40, 224
-GLUON_VERSION = "3.6."  # warp_specialize's signature changed after 3.6
 LOADS, MMAS, EPILOGUE = 1, 2, 4  # PARTS bits: which stages run (all by default; benchmarks/diag_indexer_ws.py)
 _D, _HEADS, _TILE, _HALF = gl.constexpr(D), gl.constexpr(HEADS), gl.constexpr(TILE), gl.constexpr(HALF)
 # e2m1 nibble ``s e1 e0 m`` -> e4m3 byte ``s 0 0 e1 e0 m 0 0`` (value x 2^-6) for 8 codes of 4 packed bytes
@@ -335,11 +336,9 @@ def takes(q: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> str | 
     device of compute capability 9.0 (wgmma), under Triton 3.6."""
     if not (q.is_cuda and q.dim() == 3 and packed.dim() == 2 and scales.dim() == 2):
         return "needs CUDA tensors q [n, H, d], packed [e, d/2], scales [e, d/32]"
-    if not triton.__version__.startswith(GLUON_VERSION):
-        return f"written for the Gluon API of Triton {GLUON_VERSION}, found Triton {triton.__version__}"
-    cc = torch.cuda.get_device_capability(q.device)
-    if cc != (9, 0):
-        return f"needs an sm_90 device (wgmma), found compute capability {cc[0]}.{cc[1]}"
+    refusal = hopper_gluon_refusal(q.device)
+    if refusal:
+        return refusal
     n, h, d = q.shape
     if d != D or not 1 <= n <= MAX_QUERIES or h > HEADS:
         return f"needs d = {D}, 1 to {MAX_QUERIES} queries and at most {HEADS} heads, found q {list(q.shape)}"

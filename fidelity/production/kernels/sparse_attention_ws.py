@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -47,12 +46,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from fidelity.production.kernels._common import hopper_gluon_refusal
+
 BLOCK_N = 64  # indices per online-softmax step (the reference's block)
 BLOCK_H = 32  # heads per CTA of the one-consumer layout (64 with two consumers)
 HEAD_DIM = 512
 PRODUCER_WARPS = 4
 CHUNK = 64  # columns per cp.async batch: [64 rows, 64 cols] = 16 B x 512 copies
-GLUON_VERSION = "3.6."  # warp_specialize's signature changed after 3.6
 GATHER, MATH = 1, 2  # PARTS bits: which halves run (both by default; benchmarks/diag_fmha_ws.py switches one off)
 # consumers -> (heads per CTA, ring slots, producer registers, lead warpgroup's registers)
 _LAYOUT = {1: (BLOCK_H, 5, 56, 0), 2: (2 * BLOCK_H, 4, 56, 200)}
@@ -335,11 +335,9 @@ def takes(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> str | None:
     bf16 kv [m, 512], 2-D idx, on a CUDA device of compute capability 9.0 (wgmma), under Triton 3.6."""
     if not (q.is_cuda and q.dim() == 3 and kv.dim() == 2 and idx.dim() == 2):
         return "needs CUDA tensors q [n, H, d], kv [m, d], idx [n, K]"
-    if not triton.__version__.startswith(GLUON_VERSION):
-        return f"written for the Gluon API of Triton {GLUON_VERSION}, found Triton {triton.__version__}"
-    cc = torch.cuda.get_device_capability(q.device)
-    if cc != (9, 0):
-        return f"needs an sm_90 device (wgmma), found compute capability {cc[0]}.{cc[1]}"
+    refusal = hopper_gluon_refusal(q.device)
+    if refusal:
+        return refusal
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
         return f"needs bf16 q and kv, found {q.dtype} and {kv.dtype}"
     if q.shape[-1] != HEAD_DIM or kv.shape[1] != HEAD_DIM:

@@ -40,3 +40,11 @@ def test_ws_refuses_cpu_tensors_and_names_the_reason():
 def test_an_unknown_mma_is_refused():
     with pytest.raises(ValueError, match="mma: expected 'auto', 'fp8', 'bf16' or 'ws', found 'tf32'"):
         indexer.index_scores_fp4(*_inputs(), mma="tf32")
+
+
+def test_ws_refuses_weights_or_positions_of_the_wrong_shape_before_launching():
+    q, packed, scales, w = _inputs(n=2)
+    with pytest.raises(ValueError, match=r"weights \[2, 64\] and positions \[2\] expected .* found weights \[2, 32\]"):
+        indexer_ws.index_scores_fp4_ws(q, packed, scales, w[:, :32])
+    with pytest.raises(ValueError, match=r"found weights \[2, 64\], positions \[3\]"):
+        indexer_ws.index_scores_fp4_ws(q, packed, scales, w, torch.zeros(3, dtype=torch.int64))

@@ -38,6 +38,13 @@ from fidelity.production import ops, routes
 from fidelity.production.kernels import fallbacks
 from fidelity.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device, with_overrides
 
+# e2m1 nibbles ``s e1 e0 m`` -> e4m3 bytes ``s 0 0 e1 e0 m 0 0`` (value x 2^-6): 4 packed bytes in, the 4 low nibbles'
+# codes ($0) and the 4 high nibbles' codes ($1) out
+FP4_TO_E4M3_ASM = tl.constexpr(
+    "{ .reg .b32 a, b; and.b32 a, $2, 0x08080808; shl.b32 a, a, 4; and.b32 b, $2, 0x07070707; "
+    "shl.b32 b, b, 2; or.b32 $0, a, b; and.b32 a, $2, 0x80808080; and.b32 b, $2, 0x70707070; "
+    "shr.b32 b, b, 2; or.b32 $1, a, b; }")
+
 
 @triton.jit
 def _e2m1(c):
@@ -105,11 +112,8 @@ def _k_block_fp8(k_ptr, ks_ptr, krow, kmask, b, stride_k, stride_ks, BLOCK_E: tl
     the half-unit code lands on the e4m3 subnormal 2^-7); plus the ue8m0 block scale 2^(byte - 127) [BLOCK_E]."""
     pk = tl.load(k_ptr + krow[:, None] * stride_k + b * 16 + tl.arange(0, 16)[None, :], mask=kmask[:, None], other=0)
     if ASM:  # four packed bytes per 32-bit register: 8 e4m3 codes in 10 integer instructions
-        lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 a, b; and.b32 a, $2, 0x08080808; shl.b32 a, a, 4; and.b32 b, $2, 0x07070707; "
-            "shl.b32 b, b, 2; or.b32 $0, a, b; and.b32 a, $2, 0x80808080; and.b32 b, $2, 0x70707070; "
-            "shr.b32 b, b, 2; or.b32 $1, a, b; }",
-            "=r,=r,r", [pk], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(FP4_TO_E4M3_ASM, "=r,=r,r", [pk], dtype=(tl.uint8, tl.uint8), is_pure=True,
+                                           pack=4)
     else:
         lo = ((pk & 0x08) << 4) | ((pk & 0x07) << 2)  # element 2i
         hi = (pk & 0x80) | ((pk & 0x70) >> 2)  # element 2i + 1

@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fidelity.production.kernels._common import hopper_gluon_refusal
+from fidelity.production.kernels.indexer import FP4_TO_E4M3_ASM
 
 D = 128  # head dim of the indexer
 HEADS = 64  # heads per query (fewer are padded with zero codes and weights)
@@ -54,10 +55,6 @@ SLOTS = 4  # ring slots (H200, 1M keys, one query: 4 slots 21.97 us, 6: 22.49, 8
 LOADER_REGS, CONSUMER_REGS = 40, 224
 LOADS, MMAS, EPILOGUE = 1, 2, 4  # PARTS bits: which stages run (all by default; benchmarks/diag_indexer_ws.py)
 _D, _HEADS, _TILE, _HALF = gl.constexpr(D), gl.constexpr(HEADS), gl.constexpr(TILE), gl.constexpr(HALF)
-# e2m1 nibble ``s e1 e0 m`` -> e4m3 byte ``s 0 0 e1 e0 m 0 0`` (value x 2^-6) for 8 codes of 4 packed bytes
-_UNPACK = gl.constexpr("{ .reg .b32 a, b; and.b32 a, $2, 0x08080808; shl.b32 a, a, 4; and.b32 b, $2, 0x07070707; "
-           "shl.b32 b, b, 2; or.b32 $0, a, b; and.b32 a, $2, 0x80808080; and.b32 b, $2, 0x70707070; "
-           "shr.b32 b, b, 2; or.b32 $1, a, b; }")
 # bf16(relu(bf16(s)) * w) for two (key, head) values: s fp32 pair, w bf16 pair -> bf16 pair (NaN kept, as torch.relu)
 _EPILOGUE = gl.constexpr("{ .reg .b32 p, z; mov.b32 z, 0; cvt.rn.bf16x2.f32 p, $2, $1; max.NaN.bf16x2 p, p, z; "
              "mul.rn.bf16x2 $0, p, $3; }")
@@ -140,7 +137,8 @@ def _unpack_block(codes, s, b: gl.constexpr, c):
     """Block b of this consumer's 64 keys in slot s: e4m3 codes [_HALF, 32] (registers)."""
     pl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     pk = codes.index(2 * (4 * s + b) + c).load(pl)
-    lo, hi = gl.inline_asm_elementwise(_UNPACK, "=r,=r,r", [pk], dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
+    lo, hi = gl.inline_asm_elementwise(FP4_TO_E4M3_ASM, "=r,=r,r", [pk], dtype=(gl.uint8, gl.uint8), is_pure=True,
+                                       pack=4)
     return gl.reshape(gl.join(lo, hi), [_HALF, 32]).to(gl.float8e4nv, bitcast=True)
 
 
@@ -360,6 +358,10 @@ def index_scores_fp4_ws(q: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     (default: one CTA per SM); ``parts`` other than all three is for the diagnosis only (wrong results)."""
     n, h, _ = q.shape
     e = packed.shape[0]
+    if tuple(weights.shape) != (n, h) or (positions is not None and tuple(positions.shape) != (n,)):
+        raise ValueError(f"index_scores_fp4_ws: weights [{n}, {h}] and positions [{n}] expected for q "
+                         f"{list(q.shape)}, found weights {list(weights.shape)}, positions "
+                         f"{None if positions is None else list(positions.shape)}")
     dev = q.device
     out = torch.empty((n, e), dtype=torch.bfloat16, device=dev)
     used = torch.empty((n,), dtype=torch.int8, device=dev)

@@ -449,9 +449,8 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     ``ctas``); ``mma="bf16"``: keys dequantized to bf16 in registers, bf16 MMA; ``"auto"``: for decode (<= 4
     queries) over >= ``FP8_MMA_MIN_KEYS`` keys ``fp8``, or ``ws`` for one query over >= ``WS_MIN_KEYS`` keys where
     it can run (each where it measured fastest), else ``bf16``. All give the bf16 kernel's scores on the
-    dequantized keys up to fp32 summation order; the route taken is counted in ``routes`` (manifest
-    ``index_routes``). ``return_path``: also an int8 [n], 1 where a query was scored on
-    FP8 tensor cores."""
+    dequantized keys up to fp32 summation order; the route that ran is counted in ``routes`` (manifest
+    ``index_routes``). ``return_path``: also an int8 [n], 1 where a query was scored on FP8 tensor cores."""
     d = q.shape[-1]
     if packed.dtype == torch.int8:
         packed = packed.view(torch.uint8)
@@ -467,7 +466,6 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
         mma = "fp8" if q.shape[0] <= 4 and packed.shape[0] >= FP8_MMA_MIN_KEYS else "bf16"
         if mma == "fp8" and q.shape[0] == 1 and packed.shape[0] >= WS_MIN_KEYS and not _ws_refusal(q, packed, scales):
             mma = "ws"
-    routes.note("index_scores_fp4", mma)
     if mma == "ws":
         refusal = _ws_refusal(q, packed, scales)
         if refusal:
@@ -477,8 +475,10 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     elif mma == "fp8" and d == 128 and q.shape[1] <= 128:
         out, used = _launch_fp8mma(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, config)
     else:
+        mma = "bf16"
         out = _launch(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, d, True, config)
         used = torch.zeros((q.shape[0],), dtype=torch.int8, device=q.device)
+    routes.note("index_scores_fp4", mma)
     return (out, used) if return_path else out
 
 

@@ -499,7 +499,7 @@ def bench_indexer(quick: bool):
                  lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg, mma="fp8")), mma_cfgs),
                 ("fp4 keys (68 B), FP8 MMA, warp-specialized (ws)", a_4, 68,
                  lambda cfg: (lambda *xs: indexer.index_scores_fp4(*xs, config=cfg, mma="ws")),
-                 [{}, {"slots": 4}, {"slots": 8}])):
+                 [{}, {"slots": 6}, {"slots": 8}])):
             best = sweep("index_scores", name, variant, fn, vcfgs, args,
                          bytes_=e * kbytes + e * 2 + h * d * 2 + h * 2, flops=flops, check=check,
                          unit="fp8" if variant.startswith("fp4") else "bf16",

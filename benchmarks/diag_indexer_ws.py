@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    variants = {"triton fp8": ("fp8", {}), "ws": ("ws", {}), "ws slots=4": ("ws", {"slots": 4}),
+    variants = {"triton fp8": ("fp8", {}), "ws": ("ws", {}), "ws slots=6": ("ws", {"slots": 6}),
                 "ws slots=8": ("ws", {"slots": 8}), "ws no loads": ("ws", {"parts": 6}),
                 "ws no MMAs": ("ws", {"parts": 5}), "ws no epilogue": ("ws", {"parts": 3})}
     rows = []

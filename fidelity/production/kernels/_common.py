@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from collections.abc import Callable
 
@@ -64,3 +65,14 @@ def next_pow2(n: int) -> int:
 def with_overrides(defaults: dict, overrides: dict | None) -> dict:
     """Launch parameters: ``defaults`` updated with the entries of ``overrides`` that are not None."""
     return {**defaults, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+
+
+def ws_refusal(module: str, *inputs) -> str | None:
+    """Why the warp-specialized kernel of ``fidelity/production/kernels/<module>.py`` cannot take ``inputs`` (None:
+    it can): that module's ``takes``, or that it does not import (a Triton without Gluon's Hopper API)."""
+    try:
+        kernel = importlib.import_module(f"fidelity.production.kernels.{module}")
+    except ImportError as exc:
+        return f"Gluon unavailable ({exc})"
+    return kernel.takes(*inputs)
+

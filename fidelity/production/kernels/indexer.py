@@ -36,7 +36,14 @@ import triton.language as tl
 from fidelity.formats import dequantize_fp4
 from fidelity.production import ops, routes
 from fidelity.production.kernels import fallbacks
-from fidelity.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device, with_overrides
+from fidelity.production.kernels._common import (
+    INTERPRET,
+    device_transparent,
+    next_pow2,
+    on_device,
+    with_overrides,
+    ws_refusal,
+)
 
 # e2m1 nibbles ``s e1 e0 m`` -> e4m3 bytes ``s 0 0 e1 e0 m 0 0`` (value x 2^-6): 4 packed bytes in, the 4 low nibbles'
 # codes ($0) and the 4 high nibbles' codes ($1) out
@@ -428,15 +435,6 @@ FP8_MMA_MIN_KEYS = 32768  # H200 (BENCHMARKS.md): at 32K keys FP8 measured 8.7 u
 WS_MIN_KEYS = 262144  # H200, one query: ws 21.97 vs fp8 24.33 us at 256K keys (1M context); 9.0 vs 8.4 us at 32K
 
 
-def _ws_refusal(q, packed, scales) -> str | None:
-    """Why the warp-specialized kernel (``kernels/indexer_ws.py``) cannot take these inputs (None: it can)."""
-    try:
-        from fidelity.production.kernels import indexer_ws
-    except ImportError as err:  # a Triton without Gluon's Hopper modules
-        return f"Gluon is not available ({err})"
-    return indexer_ws.takes(q, packed, scales)
-
-
 def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, config=None, mma: str = "auto",
                      return_path: bool = False):
     """Scores against an FP4 key cache: packed uint8 [e, d/2] (low nibble = element 2i) and ue8m0 scale bytes
@@ -464,12 +462,13 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     q = q.to(torch.bfloat16)
     if mma == "auto":
         mma = "fp8" if q.shape[0] <= 4 and packed.shape[0] >= FP8_MMA_MIN_KEYS else "bf16"
-        if mma == "fp8" and q.shape[0] == 1 and packed.shape[0] >= WS_MIN_KEYS and not _ws_refusal(q, packed, scales):
-            mma = "ws"
-    if mma == "ws":
-        refusal = _ws_refusal(q, packed, scales)
+        if mma == "fp8" and q.shape[0] == 1 and packed.shape[0] >= WS_MIN_KEYS:
+            mma = "fp8" if ws_refusal("indexer_ws", q, packed, scales) else "ws"
+    elif mma == "ws":
+        refusal = ws_refusal("indexer_ws", q, packed, scales)
         if refusal:
             raise ValueError(f"index_scores_fp4: mma 'ws' cannot run: {refusal}")
+    if mma == "ws":
         from fidelity.production.kernels.indexer_ws import index_scores_fp4_ws
         out, used = index_scores_fp4_ws(q, packed, scales, weights, positions, ratio, **(config or {}))
     elif mma == "fp8" and d == 128 and q.shape[1] <= 128:

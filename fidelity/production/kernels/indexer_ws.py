@@ -379,7 +379,7 @@ def index_scores_fp4_ws(q: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     grid = min(n_tiles, ctas or torch.cuda.get_device_properties(dev).multi_processor_count)
     _index_ws_kernel[(grid,)](
         q8, q, qexp, used, w, pos, out, packed, words, e, h, n_tiles, int(ratio), q.stride(0), q.stride(1),
-        w.stride(0), out.stride(0), packed.stride(0), scales.stride(0) // 4,
+        w.stride(0), out.stride(0), packed.stride(0), words.stride(0),
         NS=slots, NQ=n, CAUSAL=causal, LW=LOADER_WARPS, LREGS=LOADER_REGS, CREGS=CONSUMER_REGS, PARTS=parts,
         num_warps=4)
     return out, used

@@ -41,7 +41,7 @@ from fidelity.formats import quantize_fp8
 from fidelity.production import ops, routes
 from fidelity.production.faults import on
 from fidelity.production.kernels import fallbacks
-from fidelity.production.kernels._common import device_transparent, next_pow2, on_device, with_overrides
+from fidelity.production.kernels._common import device_transparent, next_pow2, on_device, with_overrides, ws_refusal
 from fidelity.production.kernels.rms_norm import e4m3_blocks
 
 BLOCK_N = 64  # indices per online-softmax step: the reference's block (fixes where P is rounded)
@@ -299,11 +299,7 @@ def _ws_refusal(q, kv, idx, fmt) -> str | None:
     """Why the warp-specialized kernel cannot take these inputs (None: it can)."""
     if fmt != "bf16":
         return f"fmt {fmt!r} (it runs the bf16 profile)"
-    try:
-        from fidelity.production.kernels.sparse_attention_ws import takes
-    except ImportError as exc:  # a triton without Gluon's Hopper API
-        return f"Gluon unavailable ({exc})"
-    return takes(q, kv, idx)
+    return ws_refusal("sparse_attention_ws", q, kv, idx)
 
 
 WS_LAUNCH = ("consumers",)  # the warp-specialized kernel's one launch parameter (1 or 2 consumer warpgroups)

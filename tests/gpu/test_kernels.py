@@ -259,6 +259,29 @@ def test_ws_layouts_meet_the_contract_over_ragged_blocks_and_masked_rows(heads, 
 
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_ws_layouts_divide_like_the_triton_kernel_when_the_sink_dominates(consumers):
+    """O / l takes one multiply by 1 / l when every head's sum is in fp32's normal range, else the plain division:
+    sums between 2^126 and 2^128 (a sink ~88 above the max logit) and inf (no valid entry) take the second path,
+    next to heads of ordinary sums. Both give the Triton kernel's ``div.full.f32`` results."""
+    g = torch.Generator().manual_seed(31 + consumers)
+    q = (torch.randn(6, 64, 512, generator=g) * 0.01).to(BF16)
+    kv = torch.randn(500, 512, generator=g).to(BF16)
+    idx = torch.randint(0, 500, (6, 200), generator=g).to(torch.int32)
+    idx[4] = -1
+    sink = torch.randn(64, generator=g)
+    sink[::3] = 87.4 + torch.rand(22, generator=g)  # e^87.4 > 2^126, e^88.4 < 2^128
+    args = [x.to(CUDA) for x in (q, kv, idx, sink)]
+    got = sparse_attention.sparse_attention_cuda(*args, 512**-0.5, config={"consumers": consumers}).cpu()
+    other = sparse_attention.sparse_attention_cuda(*args, 512**-0.5, config={"route": "triton"}).cpu()
+    assert got[0, ::3].abs().max() < 1e-30 and got[0, 1].abs().max() > 1e-3  # the sink takes nearly all weight
+    assert not got[4].abs().any()
+    assert float(_row_calc_diff(got, other).max()) <= ROW_CALC_DIFF
+    assert (got == other).float().mean() >= 0.99
+    assert float(_row_calc_diff(got, ops.sparse_attention(q, kv, idx, sink, 512**-0.5)).max()) <= ROW_CALC_DIFF
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
 def test_ws_route_is_the_default_and_masked_entries_read_no_row():
     """Attention at d = 512 takes ``ws`` (recorded in the route counts), a call with Triton launch parameters
     the Triton kernel; a -1 entry loads no row: a NaN row that no valid index names leaves the output finite and

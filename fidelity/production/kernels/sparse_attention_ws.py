@@ -14,10 +14,11 @@ the ring); a slot's copies arrive on its ``ready`` mbarrier, and its reader rele
 Two layouts of the math (``consumers``):
 
 * one consumer warpgroup, 32 heads per CTA: the rows are the MMA's M, so 32 heads need no padding to wgmma's
-  M = 64: ``S^T [64 rows, 32 heads] = K Q^T``, the column softmax (the sum of P kept per (row, head), reduced over
-  rows at the end), ``P^T`` to shared memory, ``O^T [512, 32] += V^T P^T`` as two 256-dim halves. Five slots
-  (2.5 blocks in flight, 196 KB with Q and P); the first half's ``Q . K`` starts while the second half may still
-  land, and the first half's slot is released while the second half's ``P . V`` runs;
+  M = 64: ``S^T [64 rows, 32 heads] = K Q^T``, the column softmax (the four warps' column maxima meet in shared
+  memory at one barrier; the sum of P kept per (row, head), reduced over rows at the end), ``P^T`` to shared
+  memory, ``O^T [512, 32] += V^T P^T`` as two 256-dim halves. Five slots (2.5 blocks in flight, 196 KB with Q
+  and P); the first half's ``Q . K`` starts while the second half may still land, and the first half's slot is
+  released while the second half's ``P . V`` runs;
 * two consumer warpgroups, 64 heads per CTA: the heads are the MMA's M. The tail warpgroup makes
   ``S [64 heads, 64 rows] = Q K^T`` (m64n64k16), the row softmax (one fp32 sum per head and block) and P (bf16,
   to shared memory, with the rescale), then ``O[:, 256:] += P V[:, 256:]`` (m64n256k16); the lead warpgroup loads
@@ -116,11 +117,40 @@ def _store_rows(o_ptr, stride_on, stride_oh, pid_n, h0, d0, o_smem, BH: gl.const
 
 
 @gluon.jit
-def _softmax_to_smem(s_t, ids, m_i, l_part, scale, p_smem):
+def _divide_by_sums(acc, l_i, AXIS: gl.constexpr):
+    """``acc / l_i`` (l_i expanded at AXIS) with the bits of ``div.full.f32``, which ``/`` gives (as in the Triton
+    kernel). For a divisor in fp32's normal range that is x * rcp.approx(y), so when every l_i is in
+    [2^-126, 2^126] (the usual case: l >= 1 once an entry is valid) it is one multiply per element by 1 / l_i
+    instead of four instructions (the range fix-ups); otherwise (no valid entry: inf; a sink ~ e^87 above the
+    max) the plain division."""
+    if (gl.max(l_i, axis=0) <= 2.0**126) & (gl.min(l_i, axis=0) >= 2.0**-126):
+        out = acc * gl.expand_dims(1.0 / l_i, AXIS)
+    else:
+        out = acc / gl.expand_dims(l_i, AXIS)
+    return out
+
+
+@gluon.jit
+def _column_max(s_t, red, b):
+    """max over the rows of S^T [BN rows, BH heads] (mma layout, 16 rows per warp, BH = 32): each warp's partial
+    maxima go to ``red[b]`` ([4 warps, BH] fp32), one barrier, and every thread combines the four of its heads.
+    Order-free, so the bits equal ``gl.max(s_t, axis=0)``, which takes two barriers and a shuffle round trip."""
+    rows_per_warp: gl.constexpr = s_t.shape[0] // 4
+    red.index(b).store(gl.max(gl.reshape(s_t, [4, rows_per_warp, s_t.shape[1]]), axis=1))
+    gl.thread_barrier()
+    # a thread's heads as in the wgmma accumulator: 2 (lane % 4) + {0, 1} + 8 i
+    per_head: gl.constexpr = gl.BlockedLayout([4, 2], [8, 4], [4, 1], [1, 0])
+    m_blk = gl.max(red.index(b).load(per_head), axis=0)
+    return gl.convert_layout(m_blk, gl.SliceLayout(0, s_t.type.layout))
+
+
+@gluon.jit
+def _softmax_to_smem(s_t, ids, m_i, l_part, scale, p_smem, red, b):
     """One block of the online softmax on S^T [rows, heads]; P^T goes to ``p_smem`` as bf16. Returns the rescale
-    of the old sums, the new running max and the per-(row, head) running sums of P."""
+    of the old sums, the new running max and the per-(row, head) running sums of P. ``red`` is the scratch of
+    :func:`_column_max` (b alternates between blocks, so no warp overwrites a partial another still reads)."""
     s_t = gl.where((ids >= 0)[:, None], s_t * scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
+    m_new = gl.maximum(m_i, _column_max(s_t, red, b))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid logit yet: keep exp() finite
     alpha = gl.exp(m_i - m_use)
     p = gl.exp(s_t - m_use[None, :])
@@ -131,7 +161,7 @@ def _softmax_to_smem(s_t, ids, m_i, l_part, scale, p_smem):
 
 @gluon.jit
 def _one_consumer(q_ptr, stride_qn, stride_qh, idx_row_ptr, sink_ptr, o_ptr, stride_on, stride_oh, pid_n, h0, topk,
-                  n_blocks, scale, kv_smem, q_smem, p_smem, ready, empty,
+                  n_blocks, scale, kv_smem, q_smem, p_smem, red, ready, empty,
                   D: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, PARTS: gl.constexpr):
     """The one-consumer layout's math for heads h0 ..+BH of one token: block j in slots 2j, 2j+1 (mod NS),
     O^T [D/2, BH] twice; writes o [BH, D] bf16."""
@@ -161,7 +191,7 @@ def _one_consumer(q_ptr, stride_qn, stride_qh, idx_row_ptr, sink_ptr, o_ptr, str
         if PARTS & 2:
             s_t = warpgroup_mma(k1, q_t1, s_t, is_async=True)
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
-            alpha, m_i, l_part = _softmax_to_smem(s_t, ids, m_i, l_part, scale, p_smem)
+            alpha, m_i, l_part = _softmax_to_smem(s_t, ids, m_i, l_part, scale, p_smem, red, j % 2)
             acc0 = warpgroup_mma(k0.permute((1, 0)), p_smem, acc0 * alpha[None, :], is_async=True)
             acc1 = warpgroup_mma(k1.permute((1, 0)), p_smem, acc1 * alpha[None, :], is_async=True)
             acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
@@ -171,8 +201,8 @@ def _one_consumer(q_ptr, stride_qn, stride_qh, idx_row_ptr, sink_ptr, o_ptr, str
         mbarrier.arrive(empty.index(s1), count=1)
     l_i = gl.sum(l_part, axis=0) + gl.exp(sink - m_i)
     o_t = q_smem.permute((1, 0))  # O^T leaves through Q's buffer (Q is read by now) to be stored as rows
-    o_t.slice(0, W, dim=0).store((acc0 / l_i[None, :]).to(gl.bfloat16))
-    o_t.slice(W, W, dim=0).store((acc1 / l_i[None, :]).to(gl.bfloat16))
+    o_t.slice(0, W, dim=0).store(_divide_by_sums(acc0, l_i, 0).to(gl.bfloat16))
+    o_t.slice(W, W, dim=0).store(_divide_by_sums(acc1, l_i, 0).to(gl.bfloat16))
     gl.thread_barrier()
     _store_rows(o_ptr, stride_on, stride_oh, pid_n, h0, 0, q_smem, BH, D)
 
@@ -189,6 +219,7 @@ def _one_consumer_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, D], gl.NVMMASharedLayout.get_default_for([BH, D], gl.bfloat16))
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BH],
                                        gl.NVMMASharedLayout.get_default_for([BN, BH], gl.bfloat16))
+    red = gl.allocate_shared_memory(gl.float32, [2, 4, BH], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
@@ -198,7 +229,7 @@ def _one_consumer_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
     idx_row_ptr = idx_ptr + pid_n * stride_in
     gl.warp_specialize([
         (_one_consumer, (q_ptr, stride_qn, stride_qh, idx_row_ptr, sink_ptr, o_ptr, stride_on, stride_oh, pid_n, h0,
-                         topk, n_blocks, scale, kv_smem, q_smem, p_smem, ready, empty, D, BH, BN, NS, PARTS)),
+                         topk, n_blocks, scale, kv_smem, q_smem, p_smem, red, ready, empty, D, BH, BN, NS, PARTS)),
         (_producer, (kv_ptr, idx_row_ptr, stride_kv, topk, n_blocks, kv_smem, ready, empty, D, BN, NS, CH, PW,
                      PARTS)),
     ], [PW], [PREGS])
@@ -228,7 +259,7 @@ def _lead(q_ptr, stride_qn, stride_qh, o_ptr, stride_on, stride_oh, pid_n, h0, n
         mbarrier.arrive(empty.index(s), count=1)
     mbarrier.wait(l_ready.index(0), 0)
     l_i = l_buf.load(gl.SliceLayout(1, mma_o))
-    q_h.index(0).store((acc / l_i[:, None]).to(gl.bfloat16))  # Q's first half is read by now
+    q_h.index(0).store(_divide_by_sums(acc, l_i, 1).to(gl.bfloat16))  # Q's first half is read by now
     gl.thread_barrier()
     _store_rows(o_ptr, stride_on, stride_oh, pid_n, h0, 0, q_h.index(0), BH, W)
 
@@ -284,7 +315,7 @@ def _tail(idx_row_ptr, sink_ptr, o_ptr, stride_on, stride_oh, pid_n, h0, topk, n
     l_buf.store(l_i)
     mbarrier.arrive(l_ready.index(0), count=1)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, mma_o))
-    q_h.index(1).store((acc / l_o[:, None]).to(gl.bfloat16))  # Q's second half is read by now
+    q_h.index(1).store(_divide_by_sums(acc, l_o, 1).to(gl.bfloat16))  # Q's second half is read by now
     gl.thread_barrier()
     _store_rows(o_ptr, stride_on, stride_oh, pid_n, h0, W, q_h.index(1), BH, W)
 

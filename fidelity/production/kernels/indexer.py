@@ -432,7 +432,7 @@ def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
 
 
 FP8_MMA_MIN_KEYS = 32768  # H200 (BENCHMARKS.md): at 32K keys FP8 measured 8.7 us vs 9.6 us for bf16 MMA
-WS_MIN_KEYS = 262144  # H200, one query: ws 21.97 vs fp8 24.33 us at 256K keys (1M context); 9.0 vs 8.4 us at 32K
+WS_MIN_KEYS = 32768  # H200, one query: ws 7.2 vs fp8 8.5 us at 32K keys (128K context), 20.8 vs 24.8 at 256K
 
 
 def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, config=None, mma: str = "auto",

@@ -1,8 +1,8 @@
 """Warp-specialized lightning-indexer scoring for Hopper (Gluon, sm_90a): FP4 keys (d = 128), up to 64 heads,
 decode (1 to 4 queries scored against the same keys). Route ``mma="ws"`` of ``index_scores_fp4``
-(``kernels/indexer.py``), its default for one query over >= 2^18 keys (1M context): on the H200 it measured
-21.97 us there against the Triton FP8 kernel's 24.33 us, but 9.0 against 8.4 us at 128K context and the same
-83 us for four queries at 1M (BENCHMARKS.md). Spec §4 Indexer.
+(``kernels/indexer.py``), its default for one query over >= 2^15 keys (128K context and up): on the H200 it
+measured 20.8 us against the Triton FP8 kernel's 24.8 us at 1M context and 7.2 against 8.5 us at 128K, but 88
+against 84 us for four queries at 1M (BENCHMARKS.md). Spec §4 Indexer.
 
 ``score[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` with the official bf16 steps: q.k rounded to bf16, ReLU,
 times the bf16 weight and rounded to bf16, the head sum in fp32 rounded once to bf16.
@@ -18,10 +18,11 @@ Persistent CTAs (at most one per SM) walk the 128-key tiles ``pid, pid + grid, .
   instruction (``cvt.rn.bf16x2.f32``, ``max.NaN.bf16x2`` with 0, ``mul.rn.bf16x2`` with the weights), and the
   head sum as one more wgmma (the bf16 products times a ones matrix, fp32 accumulation).
 
-A query's codes are ``q * 2^(7 - E)`` with one exponent E per query (from its amax), made by a small Triton
-kernel before the launch (:func:`_prepare_queries`). A query whose codes are not exact (not FP4-simulated, NaN,
-a value below 2^-9 of the code grid) is scored in the same launch on bf16 tensor cores: keys dequantized to bf16
-(exact), ``q.k`` by bf16 wgmma over the 128 dims, then the same steps. ``used[i]`` = 1 where the FP8 path ran.
+A query's codes are ``q * 2^(7 - E)`` with one exponent E per query (from its amax), made by the consumers of
+every CTA at its start, each for its half of the dims (:func:`_prepare_queries`; no kernel runs before this one).
+A query whose codes are not exact (not FP4-simulated, NaN, a value below 2^-9 of the code grid) is scored in the
+same launch on bf16 tensor cores: keys dequantized to bf16 (exact), ``q.k`` by bf16 wgmma over the 128 dims, then
+the same steps. ``used[i]`` = 1 where the FP8 path ran.
 
 Both paths give the bf16 kernel's scores up to the fp32 summation order of the head sum (the tensor core adds
 in its own order), so a score can differ by one bf16 rounding flip near a tie (none in the H200 runs).
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,40 +51,14 @@ TILE = 128  # keys per ring slot: 64 per consumer warpgroup
 HALF = TILE // 2
 MAX_QUERIES = 4
 LOADER_WARPS = 4
-SLOTS = 4  # ring slots (H200, 1M keys, one query: 4 slots 21.97 us, 6: 22.49, 8: 22.73)
+SLOTS = 4  # ring slots (H200, 1M keys, one query: 4 slots 20.8-20.9 us, 6: 21.3-21.4, 8: 20.7-20.8)
 LOADER_REGS, CONSUMER_REGS = 40, 224
 LOADS, MMAS, EPILOGUE = 1, 2, 4  # PARTS bits: which stages run (all by default; benchmarks/diag_indexer_ws.py)
 _D, _HEADS, _TILE, _HALF = gl.constexpr(D), gl.constexpr(HEADS), gl.constexpr(TILE), gl.constexpr(HALF)
+_MAXQ = gl.constexpr(MAX_QUERIES)
 # bf16(relu(bf16(s)) * w) for two (key, head) values: s fp32 pair, w bf16 pair -> bf16 pair (NaN kept, as torch.relu)
 _EPILOGUE = gl.constexpr("{ .reg .b32 p, z; mov.b32 z, 0; cvt.rn.bf16x2.f32 p, $2, $1; max.NaN.bf16x2 p, p, z; "
              "mul.rn.bf16x2 $0, p, $3; }")
-
-
-@triton.jit
-def _prepare_queries(q_ptr, q8_ptr, qexp_ptr, used_ptr, n_heads, stride_qn, stride_qh, H: tl.constexpr,
-                     DIM: tl.constexpr):
-    """One program per query: E = floor(log2(amax)) over its heads and dims (clamped to [-100, 100]), codes
-    ``q * 2^(7 - E)`` as e4m3 into q8 [n, H, DIM] (padded heads 0), E into qexp, and whether every code is
-    exact into used."""
-    i = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, H)
-    dims = tl.arange(0, DIM)
-    q = tl.load(q_ptr + i * stride_qn + heads[:, None] * stride_qh + dims[None, :], mask=(heads < n_heads)[:, None],
-                other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(q), axis=1), axis=0)
-    e = tl.minimum(tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100), 100)
-    x = q * ((134 - e) << 23).to(tl.float32, bitcast=True)  # q * 2^(7 - E): |x| < 2^8, exact
-    ax = tl.abs(x)
-    # exact in e4m3 (tested on the fp32 bits, not by converting back: that round trip gave wrong flags on the
-    # H200 under Triton 3.6): at most 3 mantissa bits where normal (>= 2^-6), else a multiple of 2^-9; NaN fails
-    normal_ok = (ax.to(tl.int32, bitcast=True) & 0xFFFFF) == 0
-    tiny_ok = ax * 512.0 == tl.floor(ax * 512.0)
-    ok = (ax <= 448.0) & tl.where(ax >= 0.015625, normal_ok, tiny_ok)
-    inexact = tl.max(tl.max(tl.where(ok, 0, 1), axis=1), axis=0)
-    codes = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv)
-    tl.store(q8_ptr + i * H * DIM + heads[:, None] * DIM + dims[None, :], codes.to(tl.uint8, bitcast=True))
-    tl.store(qexp_ptr + i, e)
-    tl.store(used_ptr + i, (1 - inexact).to(tl.int8))
 
 
 @gluon.jit
@@ -150,35 +124,111 @@ def _dequantize_block(x8, word, b: gl.constexpr):
 
 
 @gluon.jit
-def _load_queries(q8_ptr, q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, c, NQ: gl.constexpr):
-    """Blocks 2c and 2c + 1 (32 dims each) of every query into shared memory: the e4m3 codes, and the bf16 q
-    where the codes are not exact. Returns whether any query takes the bf16 path."""
-    ql: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
-    heads = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, ql))
-    dims = gl.arange(0, 32, layout=gl.SliceLayout(0, ql))
-    any_bf16 = gl.to_tensor(0)
-    for qi in gl.static_range(NQ):
-        exact = gl.load(used_ptr + qi)
-        any_bf16 = gl.maximum(any_bf16, (exact == 0).to(gl.int32))
-        for bb in gl.static_range(2):
-            b = 2 * c + bb
-            codes = gl.load(q8_ptr + (qi * _HEADS + heads[:, None]) * _D + 32 * b + dims[None, :])
-            q8.index(4 * qi + b).store(codes.to(gl.float8e4nv, bitcast=True))
-            if exact == 0:
-                x = gl.load(q_ptr + qi * stride_qn + heads[:, None] * stride_qh + 32 * b + dims[None, :],
-                            mask=(heads < n_heads)[:, None], other=0.0)
-                qb.index(4 * qi + b).store(x)
-    return any_bf16
+def _query_block(q_ptr, stride_qn, stride_qh, n_heads, qi: gl.constexpr, b, layout: gl.constexpr):
+    """Dims 32b .. 32b + 31 of query qi: bf16 [_HEADS, 32], zeros past n_heads."""
+    heads = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, layout))
+    dims = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
+    return gl.load(q_ptr + qi * stride_qn + heads[:, None] * stride_qh + 32 * b + dims[None, :],
+                   mask=(heads < n_heads)[:, None], other=0.0)
 
 
 @gluon.jit
-def _query_params(used_ptr, qexp_ptr, w_ptr, pos_ptr, qi: gl.constexpr, stride_wn, n_heads, ratio,
-                  CAUSAL: gl.constexpr, layout: gl.constexpr):
-    """Query qi's path flag, code exponent, weights ([_HEADS] bf16, 0 past n_heads) and causal limit."""
+def _pair_amax(xa, xb):
+    """max |x| over two blocks (one cross-warp reduction)."""
+    return gl.max(gl.max(gl.maximum(gl.abs(xa.to(gl.float32)), gl.abs(xb.to(gl.float32))), axis=1), axis=0)
+
+
+@gluon.jit
+def _code_block(x, e, q8_block, qb_block):
+    """Block x (bf16 [_HEADS, 32]) of a query with code exponent e: the e4m3 codes ``x * 2^(7 - e)`` into q8_block,
+    x itself into qb_block (for the bf16 path); returns 1 where a code is not exact, else 0 ([_HEADS, 32])."""
+    xs = x.to(gl.float32) * ((134 - e) << 23).to(gl.float32, bitcast=True)  # |xs| < 2^8, exact
+    ax = gl.abs(xs)
+    # exact in e4m3, tested on the fp32 bits: at most 3 mantissa bits where normal (>= 2^-6), else a multiple of
+    # 2^-9; NaN fails (the e4m3 round trip gave wrong flags on the H200 under Triton 3.6)
+    normal_ok = (ax.to(gl.int32, bitcast=True) & 0xFFFFF) == 0
+    tiny_ok = ax * 512.0 == gl.floor(ax * 512.0)
+    ok = (ax <= 448.0) & gl.where(ax >= 0.015625, normal_ok, tiny_ok)
+    q8_block.store(gl.minimum(gl.maximum(xs, -448.0), 448.0).to(gl.float8e4nv))
+    qb_block.store(x)
+    return gl.where(ok, 0, 1)
+
+
+@gluon.jit
+def _code_query(xa, xb, e, qi: gl.constexpr, c: gl.constexpr, q8, qb):
+    """Blocks 2c (xa) and 2c + 1 (xb) of query qi coded with its exponent (from e [_MAXQ]); 1 if some code of
+    them is not exact."""
+    e_q = gl.sum(gl.where(gl.arange(0, _MAXQ, layout=e.type.layout) == qi, e, 0), axis=0)
+    bad = gl.maximum(_code_block(xa, e_q, q8.index(4 * qi + 2 * c), qb.index(4 * qi + 2 * c)),
+                     _code_block(xb, e_q, q8.index(4 * qi + 2 * c + 1), qb.index(4 * qi + 2 * c + 1)))
+    return gl.max(gl.max(bad, axis=1), axis=0)
+
+
+@gluon.jit
+def _prepare_queries(q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, ones, stats, stats_ready, q_ready,
+                     c: gl.constexpr, NQ: gl.constexpr):
+    """This consumer's half of every query (blocks 2c, 2c + 1: dims 64c .. 64c + 63) into shared memory, made in
+    the CTA (no kernel before this one). E = floor(log2(amax)) over the query's heads and dims, clamped to
+    [-100, 100] (the two halves' maxima meet through ``stats`` row c); the e4m3 codes ``q * 2^(7 - E)``; the bf16
+    q for the bf16 path; whether every code is exact (the halves' flags meet through ``stats`` row 2 + c after
+    ``q_ready``). Returns per query (exact, E) as two [_MAXQ] int32 vectors; CTA 0 writes ``used``."""
+    ql: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
+    sl: gl.constexpr = gl.BlockedLayout([2, 1], [1, 32], [1, 4], [0, 1])
+    vl: gl.constexpr = gl.SliceLayout(0, sl)
+    qid = gl.arange(0, _MAXQ, layout=vl)
+    # every load first (one round trip); a query's two blocks are xa (2c) and xb (2c + 1)
+    xa0 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 0, 2 * c, ql)
+    xb0 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 0, 2 * c + 1, ql)
+    if NQ > 1:
+        xa1 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 1, 2 * c, ql)
+        xb1 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 1, 2 * c + 1, ql)
+    if NQ > 2:
+        xa2 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 2, 2 * c, ql)
+        xb2 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 2, 2 * c + 1, ql)
+    if NQ > 3:
+        xa3 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 3, 2 * c, ql)
+        xb3 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 3, 2 * c + 1, ql)
+    amax = gl.where(qid == 0, _pair_amax(xa0, xb0), 0.0)
+    if NQ > 1:
+        amax = gl.where(qid == 1, _pair_amax(xa1, xb1), amax)
+    if NQ > 2:
+        amax = gl.where(qid == 2, _pair_amax(xa2, xb2), amax)
+    if NQ > 3:
+        amax = gl.where(qid == 3, _pair_amax(xa3, xb3), amax)
+    stats.slice(c, 1).store(amax.to(gl.int32, bitcast=True)[None, :])
+    gl.thread_barrier()
+    mbarrier.arrive(stats_ready.index(0), count=1)
+    mbarrier.wait(stats_ready.index(0), 0)
+    amax = gl.max(stats.slice(0, 2).load(sl).to(gl.float32, bitcast=True), axis=0)
+    e = gl.minimum(gl.maximum(((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100), 100)
+    inexact = gl.where(qid == 0, _code_query(xa0, xb0, e, 0, c, q8, qb), 0)
+    if NQ > 1:
+        inexact = gl.where(qid == 1, _code_query(xa1, xb1, e, 1, c, q8, qb), inexact)
+    if NQ > 2:
+        inexact = gl.where(qid == 2, _code_query(xa2, xb2, e, 2, c, q8, qb), inexact)
+    if NQ > 3:
+        inexact = gl.where(qid == 3, _code_query(xa3, xb3, e, 3, c, q8, qb), inexact)
+    stats.slice(2 + c, 1).store(inexact[None, :])
+    ones.store(gl.full([8, _HEADS], 1.0, gl.bfloat16, layout=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(q_ready.index(0), count=1)
+    mbarrier.wait(q_ready.index(0), 0)
+    exact = 1 - gl.max(stats.slice(2, 2).load(sl), axis=0)
+    gl.store(used_ptr + qid, exact.to(gl.int8), mask=(qid < NQ) & (gl.program_id(0) == 0) & (c == 0))
+    return exact, e
+
+
+@gluon.jit
+def _query_params(exact, e, w_ptr, pos_ptr, qi: gl.constexpr, stride_wn, n_heads, ratio, CAUSAL: gl.constexpr,
+                  layout: gl.constexpr):
+    """Query qi's path flag and code exponent (scalars from the [_MAXQ] vectors of :func:`_prepare_queries`),
+    weights ([_HEADS] bf16, 0 past n_heads) and causal limit."""
     heads = gl.arange(0, _HEADS, layout=layout)
     w = gl.load(w_ptr + qi * stride_wn + heads, mask=heads < n_heads, other=0.0)
     limit = (gl.load(pos_ptr + qi) + 1) // ratio if CAUSAL else 0
-    return gl.load(used_ptr + qi), gl.load(qexp_ptr + qi), w, limit
+    qid = gl.arange(0, _MAXQ, layout=exact.type.layout)
+    return gl.sum(gl.where(qid == qi, exact, 0), axis=0), gl.sum(gl.where(qid == qi, e, 0), axis=0), w, limit
 
 
 @gluon.jit
@@ -216,31 +266,25 @@ def _scores(k0, k1, k2, k3, ab, q8, qb, ones, qi: gl.constexpr, exact, qexp, w, 
 
 
 @gluon.jit
-def _consumer(q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio,
-              stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k0, k1, k2, k3, ab, ones, ready, empty,
-              q_ready,
-              c, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr, PARTS: gl.constexpr):
+def _consumer(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh,
+              stride_wn, stride_on, codes, words, q8, qb, k0, k1, k2, k3, ab, ones, stats, ready, empty, stats_ready,
+              q_ready, c: gl.constexpr, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
+              PARTS: gl.constexpr):
     """Keys 64c .. 64c + 63 of each of this CTA's tiles, scored for every query (NQ <= 4)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 32])
     hmma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     cols: gl.constexpr = gl.SliceLayout(0, mma)
-    any_bf16 = _load_queries(q8_ptr, q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, c, NQ)
-    ones.store(gl.full([8, _HEADS], 1.0, gl.bfloat16, layout=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(q_ready.index(0), count=1)
-    mbarrier.wait(q_ready.index(0), 0)
+    exact, e = _prepare_queries(q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, ones, stats, stats_ready,
+                                q_ready, c, NQ)
+    any_bf16 = gl.max(gl.where(gl.arange(0, _MAXQ, layout=exact.type.layout) < NQ, 1 - exact, 0), axis=0)
     # per-query values in registers for the whole loop (loads inside it would stall every tile)
-    ex0, qe0, w0, lim0 = _query_params(used_ptr, qexp_ptr, w_ptr, pos_ptr, 0, stride_wn, n_heads, ratio, CAUSAL, cols)
+    ex0, qe0, w0, lim0 = _query_params(exact, e, w_ptr, pos_ptr, 0, stride_wn, n_heads, ratio, CAUSAL, cols)
     if NQ > 1:
-        ex1, qe1, w1, lim1 = _query_params(used_ptr, qexp_ptr, w_ptr, pos_ptr, 1, stride_wn, n_heads, ratio, CAUSAL,
-                                           cols)
+        ex1, qe1, w1, lim1 = _query_params(exact, e, w_ptr, pos_ptr, 1, stride_wn, n_heads, ratio, CAUSAL, cols)
     if NQ > 2:
-        ex2, qe2, w2, lim2 = _query_params(used_ptr, qexp_ptr, w_ptr, pos_ptr, 2, stride_wn, n_heads, ratio, CAUSAL,
-                                           cols)
+        ex2, qe2, w2, lim2 = _query_params(exact, e, w_ptr, pos_ptr, 2, stride_wn, n_heads, ratio, CAUSAL, cols)
     if NQ > 3:
-        ex3, qe3, w3, lim3 = _query_params(used_ptr, qexp_ptr, w_ptr, pos_ptr, 3, stride_wn, n_heads, ratio, CAUSAL,
-                                           cols)
+        ex3, qe3, w3, lim3 = _query_params(exact, e, w_ptr, pos_ptr, 3, stride_wn, n_heads, ratio, CAUSAL, cols)
     col8 = gl.arange(0, 8, layout=gl.SliceLayout(0, hmma))
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
@@ -285,7 +329,7 @@ def _consumer(q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys
 
 
 @gluon.jit
-def _index_ws_kernel(q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, k_ptr, ks_ptr,
+def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, k_ptr, ks_ptr,
                      n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh, stride_wn, stride_on, stride_k,
                      stride_ks, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr, LW: gl.constexpr,
                      LREGS: gl.constexpr, CREGS: gl.constexpr, PARTS: gl.constexpr):
@@ -312,18 +356,21 @@ def _index_ws_kernel(q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr,
                                      gl.NVMMASharedLayout.get_default_for([8, _HEADS], gl.bfloat16))
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    stats = gl.allocate_shared_memory(gl.int32, [4, _MAXQ], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    stats_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=LW * 32)  # every loader thread's cp.async arrival
         mbarrier.init(empty.index(i), count=2)  # both consumers
+    mbarrier.init(stats_ready.index(0), count=2)
     mbarrier.init(q_ready.index(0), count=2)
     gl.warp_specialize([
-        (_consumer, (q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio,
-                     stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k00, k01, k02, k03, ab_0,
-                     ones.index(0), ready, empty, q_ready, gl.to_tensor(0), NS, NQ, CAUSAL, PARTS)),
-        (_consumer, (q8_ptr, q_ptr, qexp_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio,
-                     stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k10, k11, k12, k13, ab_1,
-                     ones.index(1), ready, empty, q_ready, gl.to_tensor(1), NS, NQ, CAUSAL, PARTS)),
+        (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh,
+                     stride_wn, stride_on, codes, words, q8, qb, k00, k01, k02, k03, ab_0, ones.index(0), stats, ready,
+                     empty, stats_ready, q_ready, 0, NS, NQ, CAUSAL, PARTS)),
+        (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh,
+                     stride_wn, stride_on, codes, words, q8, qb, k10, k11, k12, k13, ab_1, ones.index(1), stats, ready,
+                     empty, stats_ready, q_ready, 1, NS, NQ, CAUSAL, PARTS)),
         (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW, PARTS)),
     ], [4, LW], [CREGS, LREGS])
 
@@ -366,19 +413,17 @@ def index_scores_fp4_ws(q: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     out = torch.empty((n, e), dtype=torch.bfloat16, device=dev)
     used = torch.empty((n,), dtype=torch.int8, device=dev)
     q = q.to(torch.bfloat16).contiguous()
-    q8 = torch.empty((n, HEADS, D), dtype=torch.uint8, device=dev)
-    qexp = torch.empty((n,), dtype=torch.int32, device=dev)
-    _prepare_queries[(n,)](q, q8, qexp, used, h, q.stride(0), q.stride(1), H=HEADS, DIM=D)
-    if e == 0:
-        return out, used
     w = weights.to(torch.bfloat16).contiguous()
     causal = positions is not None
-    pos = positions.to(torch.int32).contiguous() if causal else qexp
+    pos = positions.to(torch.int32).contiguous() if causal else used  # not read without the causal mask
+    if e == 0:  # no keys: one CTA still prepares the queries (``used``); its loader and tile loops do nothing
+        packed, scales = torch.zeros((1, D // 2), dtype=torch.uint8, device=dev), torch.zeros(
+            (1, D // 32), dtype=torch.uint8, device=dev)
     words = scales.view(torch.int32)  # [e, 1]: one word per key (takes() checked the alignment)
     n_tiles = triton.cdiv(e, TILE)
-    grid = min(n_tiles, ctas or torch.cuda.get_device_properties(dev).multi_processor_count)
+    grid = max(1, min(n_tiles, ctas or torch.cuda.get_device_properties(dev).multi_processor_count))
     _index_ws_kernel[(grid,)](
-        q8, q, qexp, used, w, pos, out, packed, words, e, h, n_tiles, int(ratio), q.stride(0), q.stride(1),
+        q, used, w, pos, out, packed, words, e, h, n_tiles, int(ratio), q.stride(0), q.stride(1),
         w.stride(0), out.stride(0), packed.stride(0), words.stride(0),
         NS=slots, NQ=n, CAUSAL=causal, LW=LOADER_WARPS, LREGS=LOADER_REGS, CREGS=CONSUMER_REGS, PARTS=parts,
         num_warps=4)

@@ -21,7 +21,9 @@ from fidelity.production.kernels import indexer  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def _sets(n_q: int, e: int, seed: int) -> list[tuple]:
+def indexer_sets(n_q: int, e: int, seed: int) -> list[tuple]:
+    """Rotating decode inputs (q, packed FP4 keys, scale bytes, weights): n_q FP4-simulated queries over e keys,
+    as many sets as make >= 3x the L2 of key bytes."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     out = []
     for _ in range(_n_sets(e * 68, hi=96)):
@@ -43,7 +45,7 @@ def main() -> None:
                 "ws no MMAs": ("ws", {"parts": 5}), "ws no epilogue": ("ws", {"parts": 3})}
     rows = []
     for n_q, e in ((1, 262144), (1, 32768), (4, 262144)):
-        sets = _sets(n_q, e, seed=e + n_q)
+        sets = indexer_sets(n_q, e, seed=e + n_q)
         q, p, s, w = sets[0]
         ref = indexer.index_scores_cuda(q, indexer.dequantize_fp4_keys(p, s), w)
         for name, (mma, cfg) in variants.items():

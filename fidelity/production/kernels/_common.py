@@ -75,4 +75,3 @@ def ws_refusal(module: str, *inputs) -> str | None:
     except ImportError as exc:
         return f"Gluon unavailable ({exc})"
     return kernel.takes(*inputs)
-

@@ -155,10 +155,16 @@ def _code_block(x, e, q8_block, qb_block):
 
 
 @gluon.jit
+def _pick(v, qi: gl.constexpr):
+    """Entry qi of a [_MAXQ] int32 vector, as a scalar."""
+    return gl.sum(gl.where(gl.arange(0, _MAXQ, layout=v.type.layout) == qi, v, 0), axis=0)
+
+
+@gluon.jit
 def _code_query(xa, xb, e, qi: gl.constexpr, c: gl.constexpr, q8, qb):
     """Blocks 2c (xa) and 2c + 1 (xb) of query qi coded with its exponent (from e [_MAXQ]); 1 if some code of
     them is not exact."""
-    e_q = gl.sum(gl.where(gl.arange(0, _MAXQ, layout=e.type.layout) == qi, e, 0), axis=0)
+    e_q = _pick(e, qi)
     bad = gl.maximum(_code_block(xa, e_q, q8.index(4 * qi + 2 * c), qb.index(4 * qi + 2 * c)),
                      _code_block(xb, e_q, q8.index(4 * qi + 2 * c + 1), qb.index(4 * qi + 2 * c + 1)))
     return gl.max(gl.max(bad, axis=1), axis=0)
@@ -227,8 +233,7 @@ def _query_params(exact, e, w_ptr, pos_ptr, qi: gl.constexpr, stride_wn, n_heads
     heads = gl.arange(0, _HEADS, layout=layout)
     w = gl.load(w_ptr + qi * stride_wn + heads, mask=heads < n_heads, other=0.0)
     limit = (gl.load(pos_ptr + qi) + 1) // ratio if CAUSAL else 0
-    qid = gl.arange(0, _MAXQ, layout=exact.type.layout)
-    return gl.sum(gl.where(qid == qi, exact, 0), axis=0), gl.sum(gl.where(qid == qi, e, 0), axis=0), w, limit
+    return _pick(exact, qi), _pick(e, qi), w, limit
 
 
 @gluon.jit

@@ -622,6 +622,42 @@ def test_ws_index_scores_fp4_extreme_scales_and_fewer_heads(heads, spread, w_sca
 
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+def test_ws_half_tiles_fold_the_block_scales_or_take_the_bf16_path():
+    """A 64-key half tile is scored with the block scales folded into the FP8 codes only when every key's scale
+    bytes lie within SPREAD of their smallest and the key's power of two keeps the bf16 steps normal; otherwise
+    the half tile takes the bf16 path for that query. Spreads of 11 (folds) and 12, a NaN scale byte, scale bytes
+    near both ends of the e8m0 range, and a query whose weights are subnormal: the scores stay the bf16 kernel's
+    (NaN where it has NaN) and ``paths`` counts each half tile on the path expected."""
+    from fidelity.production.kernels import indexer_ws
+
+    g = torch.Generator().manual_seed(3)
+    q = ops.indexer_round(torch.randn(2, 64, 128, generator=g), "fp4", rotate=True).to(BF16).to(CUDA)
+    packed, scales = (t.to(CUDA) for t in quantize_fp4(torch.randn(1000, 128, generator=g), 32))
+    w = (torch.randn(2, 64, generator=g) / 64).to(BF16).to(CUDA)
+    w[1, 5] = 2.0**-130  # subnormal weight: query 1 never folds
+    spread = indexer_ws.SPREAD
+    scales[10] = torch.tensor([120, 120 + spread, 121, 125], dtype=torch.uint8)  # half 0: folds
+    scales[70] = torch.tensor([120, 121, 120 + spread + 1, 125], dtype=torch.uint8)  # half 1: too wide
+    scales[200, 2] = 255  # half 3: NaN block
+    scales[300] = 2  # half 4: 2^-125 scales, F below the range
+    scales[450] = 250  # half 7: 2^123 scales, F above the range
+    deq = indexer.dequantize_fp4_keys(packed, scales)
+    ref = indexer.index_scores_cuda(q, deq, w)
+    paths = torch.zeros(2, dtype=torch.int32, device=CUDA)
+    got, used = indexer_ws.index_scores_fp4_ws(q, packed, scales, w, paths=paths)
+    assert used.tolist() == [1, 1]
+    halves = 2 * math.ceil(1000 / 128)
+    assert paths.tolist() == [halves - 4, halves + 4]  # query 0: halves 1, 3, 4, 7 on bf16; query 1: all
+    _assert_ws_scores(got, used, q, deq, w, ref, exact=[1, 1])
+    assert bool(got[:, 200].isnan().all())
+    one = torch.zeros(2, dtype=torch.int32, device=CUDA)
+    indexer_ws.index_scores_fp4_ws(q[:1], packed[:64], scales[:64], w[:1], paths=one)
+    assert one.tolist() == [2, 0]  # both halves of the one tile fold (the second has no keys)
+    with pytest.raises(ValueError, match="paths must be int32"):
+        indexer_ws.index_scores_fp4_ws(q, packed, scales, w, paths=torch.zeros(2, device=CUDA))
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
 def test_ws_index_scores_fp4_is_the_one_query_decode_default_and_replays_in_a_cuda_graph():
     """``auto`` takes ``ws`` for one query over >= ``WS_MIN_KEYS`` keys, the Triton FP8 kernel for more queries,
     the bf16 kernel below ``FP8_MMA_MIN_KEYS``; the launch replays in a CUDA graph with the eager scores; inputs

@@ -1,8 +1,7 @@
 """Warp-specialized lightning-indexer scoring for Hopper (Gluon, sm_90a): FP4 keys (d = 128), up to 64 heads,
 decode (1 to 4 queries scored against the same keys). Route ``mma="ws"`` of ``index_scores_fp4``
-(``kernels/indexer.py``), its default for one query over >= 2^15 keys (128K context and up): on the H200 it
-measured 20.8 us against the Triton FP8 kernel's 24.8 us at 1M context and 7.2 against 8.5 us at 128K, but 88
-against 84 us for four queries at 1M (BENCHMARKS.md). Spec §4 Indexer.
+(``kernels/indexer.py``), its default for one query over >= 2^15 keys (128K context and up); BENCHMARKS.md has
+its times against the Triton FP8 kernel. Spec §4 Indexer.
 
 ``score[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` with the official bf16 steps: q.k rounded to bf16, ReLU,
 times the bf16 weight and rounded to bf16, the head sum in fp32 rounded once to bf16.
@@ -11,21 +10,31 @@ Persistent CTAs (at most one per SM) walk the 128-key tiles ``pid, pid + grid, .
 
 * a loader (4 warps, few registers) copies each tile's packed codes (per 64-key half and 32-dim block, [64, 16]
   bytes) and its keys' four ue8m0 scale bytes (one 32-bit word per key) into a ring of slots with ``cp.async``;
-* two consumer warpgroups take 64 keys of each tile. A consumer unpacks its codes to e4m3 by a bit shuffle (the
-  e4m3 value is the e2m1 value times 2^-6), releases the slot, and makes ``S_b [64 keys, 64 heads]`` by one
-  exact K = 32 e4m3 wgmma per 32-dim block b against the query's codes. ``q.k = sum_b S_b * f_b`` with ``f_b``
-  the key's block scale times the query's scale (powers of two: exact), then the bf16 steps two values per
-  instruction (``cvt.rn.bf16x2.f32``, ``max.NaN.bf16x2`` with 0, ``mul.rn.bf16x2`` with the weights), and the
-  head sum as one more wgmma (the bf16 products times a ones matrix, fp32 accumulation).
+* two consumer warpgroups take 64 keys of each tile. A consumer unpacks its codes to e4m3 by a table lookup that
+  folds the key's block scales into the codes (below), releases the slot, and makes ``S [64 keys, 64 heads]`` by
+  four chained K = 32 e4m3 wgmmas against the query's codes; then the bf16 steps two values per instruction
+  (``cvt.rn.bf16x2.f32``, ``max.NaN.bf16x2`` with 0, ``mul.rn.bf16x2`` with the weights), the head sum as one more
+  wgmma (the bf16 products times a ones matrix, fp32 accumulation), and one power of two per key.
+
+**Folded block scales.** A key with scale bytes ``s_b`` (blocks b = 0..3) and smallest byte m gets the codes
+``e2m1 * 2^(s_b - m - 5)``: exact e4m3 normals while ``s_b - m <= 11``. Then ``q.k = S * 2^(m + E - 129)`` with
+E the query's code exponent (below), and that power of two passes through every bf16 step unchanged while no value
+leaves the normal range, so it multiplies the head sum instead of every (key, head) value. The per-query weight
+range and the key's m decide whether it may (:func:`_query_params`); the 64 keys of a half tile take this path
+for a query only if all of them may, else that half tile is scored on bf16 tensor cores (keys dequantized to
+bf16, exact; ``q.k`` by bf16 wgmma over the 128 dims) for that query. The per-block products are exact; the FP8
+tensor core keeps about 14 significant bits of a running sum (e8m13), which the FP4 x FP4 sums of 128 products of
+FP4-simulated queries and keys fit in the H200 runs (bit-equal to the previous per-block kernel); a sum that needs
+more is truncated there, a near-tie of the bf16 score at most.
 
 A query's codes are ``q * 2^(7 - E)`` with one exponent E per query (from its amax), made by the consumers of
 every CTA at its start, each for its half of the dims (:func:`_prepare_queries`; no kernel runs before this one).
-A query whose codes are not exact (not FP4-simulated, NaN, a value below 2^-9 of the code grid) is scored in the
-same launch on bf16 tensor cores: keys dequantized to bf16 (exact), ``q.k`` by bf16 wgmma over the 128 dims, then
-the same steps. ``used[i]`` = 1 where the FP8 path ran.
+A query whose codes are not exact (not FP4-simulated, NaN, a value below 2^-9 of the code grid) is scored on the
+bf16 path throughout. ``used[i]`` = 1 where the FP8 path could run; ``paths`` counts the (half tile, query) pairs
+scored by each path.
 
 Both paths give the bf16 kernel's scores up to the fp32 summation order of the head sum (the tensor core adds
-in its own order), so a score can differ by one bf16 rounding flip near a tie (none in the H200 runs).
+in its own order), so a score can differ by one bf16 rounding flip near a tie.
 """
 
 from __future__ import annotations
@@ -43,7 +52,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fidelity.production.kernels._common import hopper_gluon_refusal
-from fidelity.production.kernels.indexer import FP4_TO_E4M3_ASM
 
 D = 128  # head dim of the indexer
 HEADS = 64  # heads per query (fewer are padded with zero codes and weights)
@@ -51,11 +59,21 @@ TILE = 128  # keys per ring slot: 64 per consumer warpgroup
 HALF = TILE // 2
 MAX_QUERIES = 4
 LOADER_WARPS = 4
-SLOTS = 4  # ring slots (H200, 1M keys, one query: 4 slots 20.8-20.9 us, 6: 21.3-21.4, 8: 20.7-20.8)
+SLOTS = 4  # ring slots
+SPREAD = 11  # the most a key's block scale bytes may differ by for its codes to fold them (6 * 2^(11 - 5) = 384)
 LOADER_REGS, CONSUMER_REGS = 40, 224
 LOADS, MMAS, EPILOGUE = 1, 2, 4  # PARTS bits: which stages run (all by default; benchmarks/diag_indexer_ws.py)
 _D, _HEADS, _TILE, _HALF = gl.constexpr(D), gl.constexpr(HEADS), gl.constexpr(TILE), gl.constexpr(HALF)
-_MAXQ = gl.constexpr(MAX_QUERIES)
+_MAXQ, _SPREAD = gl.constexpr(MAX_QUERIES), gl.constexpr(SPREAD)
+# e4m3 codes of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 times 2^-5: table bytes 0-3 and 4-7
+_TABLE_LO, _TABLE_HI = gl.constexpr(0x14100800), gl.constexpr(0x24201C18)
+# 4 packed bytes (8 e2m1 nibbles, element 2i low) and a block's table ($3 low, $7 high word) -> e4m3 codes of
+# elements 0-3 ($0) and 4-7 ($1): magnitudes by byte permute, signs moved from nibble bit 3 to byte bit 7
+_UNPACK = gl.constexpr("{ .reg .b32 m, n, a, b, s, p, r; and.b32 m, $2, 0x77777777; shr.u32 n, m, 16; "
+                       "prmt.b32 a, $3, $7, m; prmt.b32 b, $3, $7, n; shl.b32 s, $2, 4; prmt.b32 p, s, $2, 0x5140; "
+                       "prmt.b32 r, s, $2, 0x7362; and.b32 p, p, 0x80808080; and.b32 r, r, 0x80808080; "
+                       "or.b32 $0, a, p; or.b32 $1, b, r; }")
+_WARP_AND = gl.constexpr("redux.sync.and.b32 $0, $1, 0xffffffff;")
 # bf16(relu(bf16(s)) * w) for two (key, head) values: s fp32 pair, w bf16 pair -> bf16 pair (NaN kept, as torch.relu)
 _EPILOGUE = gl.constexpr("{ .reg .b32 p, z; mov.b32 z, 0; cvt.rn.bf16x2.f32 p, $2, $1; max.NaN.bf16x2 p, p, z; "
              "mul.rn.bf16x2 $0, p, $3; }")
@@ -94,40 +112,66 @@ def _loader(k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, r
 
 
 @gluon.jit
-def _block_factor(word, b: gl.constexpr, qexp):
-    """2^(scale byte b - 127 + 6 + qexp - 7) as fp32: the key's block scale times the codes' 2^6 and the query's
-    2^(E - 7). Scale byte 255 (NaN) gives NaN; a factor below fp32's normal range is 0 or subnormal."""
-    sb = (word >> (8 * b)) & 0xFF
-    e = sb + qexp - 1  # fp32 exponent field of the factor
-    normal = (gl.minimum(gl.maximum(e, 1), 254) << 23).to(gl.float32, bitcast=True)
-    tiny = (1 << gl.minimum(gl.maximum(22 + e, 0), 22)).to(gl.float32, bitcast=True)
-    f = gl.where(e >= 1, normal, gl.where(e >= -22, tiny, 0.0))
-    f = gl.where(e > 254, float("inf"), f)
-    return gl.where(sb == 255, float("nan"), f)
+def _scale_bytes(word):
+    """The four scale bytes of each key's word ([_HALF] int32) and the smallest of them."""
+    b0 = word & 0xFF
+    b1 = (word >> 8) & 0xFF
+    b2 = (word >> 16) & 0xFF
+    b3 = (word >> 24) & 0xFF
+    return b0, b1, b2, b3, gl.minimum(gl.minimum(b0, b1), gl.minimum(b2, b3))
 
 
 @gluon.jit
-def _unpack_block(codes, s, b: gl.constexpr, c):
-    """Block b of this consumer's 64 keys in slot s: e4m3 codes [_HALF, 32] (registers)."""
+def _folds(b0, b1, b2, b3, m):
+    """Whether a key's block scales fold into its codes: bytes within ``_SPREAD`` of the smallest, none 255."""
+    top = gl.maximum(gl.maximum(b0, b1), gl.maximum(b2, b3))
+    return (top - m <= _SPREAD) & (top < 255)
+
+
+@gluon.jit
+def _unpack_block(codes, s, b: gl.constexpr, c, byte, m, fold):
+    """Block b of this consumer's 64 keys in slot s as e4m3 codes [_HALF, 32] (registers), dims in the order of
+    :func:`_dims`: ``e2m1 * 2^(byte - m - 5)`` for a folded key, ``e2m1 * 2^-5`` for the others (``byte``, ``m``,
+    ``fold``: [_HALF] per key)."""
     pl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+    kl: gl.constexpr = gl.SliceLayout(1, pl)
+    k = gl.convert_layout(gl.where(fold, byte - m, 0), kl)
     pk = codes.index(2 * (4 * s + b) + c).load(pl)
-    lo, hi = gl.inline_asm_elementwise(FP4_TO_E4M3_ASM, "=r,=r,r", [pk], dtype=(gl.uint8, gl.uint8), is_pure=True,
-                                       pack=4)
-    return gl.reshape(gl.join(lo, hi), [_HALF, 32]).to(gl.float8e4nv, bitcast=True)
+    lo, _ = gl.broadcast((k * 0x08080800 + _TABLE_LO)[:, None], pk)
+    hi, _ = gl.broadcast((k * 0x08080808 + _TABLE_HI)[:, None], pk)
+    x, y = gl.inline_asm_elementwise(_UNPACK, "=r,=r,r,r,r,r,r,r,r,r,r", [pk, lo, hi],
+                                     dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
+    return gl.reshape(gl.join(x, y), [_HALF, 32]).to(gl.float8e4nv, bitcast=True)
 
 
 @gluon.jit
-def _dequantize_block(x8, word, b: gl.constexpr):
-    """Codes [_HALF, 32] e4m3 (value x 2^-6) of block b -> the keys' bf16 values (exact: e2m1 times a power of
-    two); ``word`` [_HALF]: the keys' scale words."""
-    return (x8.to(gl.float32) * _block_factor(word, b, 7)[:, None]).to(gl.bfloat16)  # 2^(byte - 127 + 6)
+def _dims(layout: gl.constexpr):
+    """The dim each of a block's 32 positions holds ([32] in ``layout``): position 8g + 2j + a holds dim
+    8g + 4a + j, the order :data:`_UNPACK` writes a key's codes in (the queries are laid out the same way)."""
+    p = gl.arange(0, 32, layout=layout)
+    return (p & 24) | ((p & 1) << 2) | ((p >> 1) & 3)
+
+
+@gluon.jit
+def _dequantize_block(kb, byte, m, fold):
+    """The codes of one block (shared memory ``kb``, [_HALF, 32]) -> the keys' bf16 values: code x 2^(m - 122) for
+    a folded key, code x 2^(byte - 122) for the others (byte 255: NaN). Exact within bf16's range."""
+    xl: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
+    kl: gl.constexpr = gl.SliceLayout(1, xl)
+    byte, m, fold = gl.convert_layout(byte, kl), gl.convert_layout(m, kl), gl.convert_layout(fold, kl)
+    e = gl.where(fold, m, byte) - 122
+    h = e >> 1  # two normal factors 2^h and 2^(e - h): the product rounds once
+    f1 = ((h + 127) << 23).to(gl.float32, bitcast=True)
+    f2 = ((e - h + 127) << 23).to(gl.float32, bitcast=True)
+    v = kb.load(xl).to(gl.float32) * f1[:, None] * f2[:, None]
+    return gl.where(((byte == 255) & ~fold)[:, None], float("nan"), v).to(gl.bfloat16)
 
 
 @gluon.jit
 def _query_block(q_ptr, stride_qn, stride_qh, n_heads, qi: gl.constexpr, b, layout: gl.constexpr):
-    """Dims 32b .. 32b + 31 of query qi: bf16 [_HEADS, 32], zeros past n_heads."""
+    """Dims 32b .. 32b + 31 of query qi in the order of :func:`_dims`: bf16 [_HEADS, 32], zeros past n_heads."""
     heads = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, layout))
-    dims = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
+    dims = _dims(gl.SliceLayout(0, layout))
     return gl.load(q_ptr + qi * stride_qn + heads[:, None] * stride_qh + 32 * b + dims[None, :],
                    mask=(heads < n_heads)[:, None], other=0.0)
 
@@ -228,32 +272,39 @@ def _prepare_queries(q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, one
 @gluon.jit
 def _query_params(exact, e, w_ptr, pos_ptr, qi: gl.constexpr, stride_wn, n_heads, ratio, CAUSAL: gl.constexpr,
                   layout: gl.constexpr):
-    """Query qi's path flag and code exponent (scalars from the [_MAXQ] vectors of :func:`_prepare_queries`),
-    weights ([_HEADS] bf16, 0 past n_heads) and causal limit."""
+    """Query qi's code exponent (from the [_MAXQ] vector of :func:`_prepare_queries`), weights ([_HEADS] bf16, 0
+    past n_heads), causal limit, and the range [lo, hi] of a key's smallest scale byte m for which its power of two
+    F = 2^(m + E - 129) may wait until after the head sum (empty where the query's codes are not exact). With the
+    unscaled ``S`` in [2^-18, 2^25] (codes are multiples of 2^-9) and nonzero weights in [2^a, 2^(b + 1)): every
+    bf16 step stays normal, scaled or not, when a >= -101, b <= 95, log2 F in [max(-101 - a, -108), min(95 - b,
+    101)] (the head sum's partial sums are multiples of 2^(a - 25) and below 2^(b + 32))."""
     heads = gl.arange(0, _HEADS, layout=layout)
     w = gl.load(w_ptr + qi * stride_wn + heads, mask=heads < n_heads, other=0.0)
     limit = (gl.load(pos_ptr + qi) + 1) // ratio if CAUSAL else 0
-    return _pick(exact, qi), _pick(e, qi), w, limit
+    ex, qe = _pick(exact, qi), _pick(e, qi)
+    ew = ((w.to(gl.float32).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |w|); -127 subnormal
+    a = gl.min(gl.where(w != 0.0, ew, 255), axis=0)
+    b = gl.max(gl.where(w != 0.0, ew, -255), axis=0)
+    lo = gl.maximum(-101 - a, -108) + 129 - qe
+    hi = gl.minimum(95 - b, 101) + 129 - qe
+    return qe, w, limit, gl.where((ex != 0) & (a >= -101) & (b <= 95), lo, 1000), hi
 
 
 @gluon.jit
-def _scores(k0, k1, k2, k3, ab, q8, qb, ones, qi: gl.constexpr, exact, qexp, w, word, PARTS: gl.constexpr):
-    """One query's head-summed scores of the consumer's 64 keys: fp32 [_HALF, 8] (8 equal columns)."""
+def _scores(k0, k1, k2, k3, ab, q8, qb, ones, qi: gl.constexpr, fold, w, PARTS: gl.constexpr):
+    """One query's head-summed scores of the consumer's 64 keys: fp32 [_HALF, 8] (8 equal columns). ``fold``: from
+    the FP8 codes with the folded scales (still to be multiplied by each key's F), else from the bf16 keys."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 32])
     mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 16])
     hmma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
-    zero = gl.zeros([_HALF, _HEADS], gl.float32, layout=mma)
-    if exact != 0:
+    if fold != 0:
+        y = gl.zeros([_HALF, _HEADS], gl.float32, layout=mma)
         if PARTS & 2:
-            s0 = warpgroup_mma(k0, q8.index(4 * qi).permute((1, 0)), zero, use_acc=False, is_async=True)
-            s1 = warpgroup_mma(k1, q8.index(4 * qi + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
-            s2 = warpgroup_mma(k2, q8.index(4 * qi + 2).permute((1, 0)), zero, use_acc=False, is_async=True)
-            s3 = warpgroup_mma(k3, q8.index(4 * qi + 3).permute((1, 0)), zero, use_acc=False, is_async=True)
-            s0, s1, s2, s3 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3))
-        else:
-            s0, s1, s2, s3 = zero, zero, zero, zero
-        y = (s0 * _block_factor(word, 0, qexp)[:, None] + s1 * _block_factor(word, 1, qexp)[:, None]
-             + s2 * _block_factor(word, 2, qexp)[:, None] + s3 * _block_factor(word, 3, qexp)[:, None])
+            y = warpgroup_mma(k0, q8.index(4 * qi).permute((1, 0)), y, use_acc=False, is_async=True)
+            y = warpgroup_mma(k1, q8.index(4 * qi + 1).permute((1, 0)), y, is_async=True)
+            y = warpgroup_mma(k2, q8.index(4 * qi + 2).permute((1, 0)), y, is_async=True)
+            y = warpgroup_mma(k3, q8.index(4 * qi + 3).permute((1, 0)), y, is_async=True)
+            y = warpgroup_mma_wait(num_outstanding=0, deps=(y,))
     else:
         acc = gl.zeros([_HALF, _HEADS], gl.float32, layout=mma16)
         for b in gl.static_range(4):
@@ -271,73 +322,112 @@ def _scores(k0, k1, k2, k3, ab, q8, qb, ones, qi: gl.constexpr, exact, qexp, w, 
 
 
 @gluon.jit
-def _consumer(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh,
-              stride_wn, stride_on, codes, words, q8, qb, k0, k1, k2, k3, ab, ones, stats, ready, empty, stats_ready,
-              q_ready, c: gl.constexpr, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
-              PARTS: gl.constexpr):
+def _fold_bits(fold, m, lo, hi, qi: gl.constexpr):
+    """Bit qi set for the keys whose scores for query qi may take the folded path."""
+    return gl.where(fold & (m >= lo) & (m <= hi), 1 << qi, 0)
+
+
+@gluon.jit
+def _half_tile_bits(tflag):
+    """AND of the four warps' fold bits (``tflag`` [_HALF]: each warp wrote its AND at its 16 keys): a scalar."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    bits = (tflag.slice(0, 1).load(one) & tflag.slice(16, 1).load(one) & tflag.slice(32, 1).load(one)
+            & tflag.slice(48, 1).load(one))
+    return gl.max(bits, axis=0)
+
+
+@gluon.jit
+def _consumer(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn,
+              stride_qh, stride_wn, stride_on, codes, words, q8, qb, k0, k1, k2, k3, ab, ones, stats, tflag, ready,
+              empty, stats_ready, q_ready, c: gl.constexpr, NS: gl.constexpr, NQ: gl.constexpr,
+              CAUSAL: gl.constexpr, COUNT: gl.constexpr, PARTS: gl.constexpr):
     """Keys 64c .. 64c + 63 of each of this CTA's tiles, scored for every query (NQ <= 4)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 32])
     hmma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    kl: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # a key per thread
+    hl: gl.constexpr = gl.SliceLayout(1, hmma)
     cols: gl.constexpr = gl.SliceLayout(0, mma)
     exact, e = _prepare_queries(q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, ones, stats, stats_ready,
                                 q_ready, c, NQ)
     any_bf16 = gl.max(gl.where(gl.arange(0, _MAXQ, layout=exact.type.layout) < NQ, 1 - exact, 0), axis=0)
     # per-query values in registers for the whole loop (loads inside it would stall every tile)
-    ex0, qe0, w0, lim0 = _query_params(exact, e, w_ptr, pos_ptr, 0, stride_wn, n_heads, ratio, CAUSAL, cols)
+    qe0, w0, lim0, lo0, hi0 = _query_params(exact, e, w_ptr, pos_ptr, 0, stride_wn, n_heads, ratio, CAUSAL, cols)
     if NQ > 1:
-        ex1, qe1, w1, lim1 = _query_params(exact, e, w_ptr, pos_ptr, 1, stride_wn, n_heads, ratio, CAUSAL, cols)
+        qe1, w1, lim1, lo1, hi1 = _query_params(exact, e, w_ptr, pos_ptr, 1, stride_wn, n_heads, ratio, CAUSAL, cols)
     if NQ > 2:
-        ex2, qe2, w2, lim2 = _query_params(exact, e, w_ptr, pos_ptr, 2, stride_wn, n_heads, ratio, CAUSAL, cols)
+        qe2, w2, lim2, lo2, hi2 = _query_params(exact, e, w_ptr, pos_ptr, 2, stride_wn, n_heads, ratio, CAUSAL, cols)
     if NQ > 3:
-        ex3, qe3, w3, lim3 = _query_params(exact, e, w_ptr, pos_ptr, 3, stride_wn, n_heads, ratio, CAUSAL, cols)
+        qe3, w3, lim3, lo3, hi3 = _query_params(exact, e, w_ptr, pos_ptr, 3, stride_wn, n_heads, ratio, CAUSAL, cols)
     col8 = gl.arange(0, 8, layout=gl.SliceLayout(0, hmma))
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
+    n_fold = pid * 0
     for i in range((n_tiles - pid + grid - 1) // grid):
         tile = pid + i * grid
         s = i % NS
         mbarrier.wait(ready.index(s), (i // NS) & 1)
-        word = words.index(2 * s + c).load(gl.SliceLayout(1, mma))
-        x0 = _unpack_block(codes, s, 0, c)  # all reads of the slot first: one barrier between them and the stores
-        x1 = _unpack_block(codes, s, 1, c)
-        x2 = _unpack_block(codes, s, 2, c)
-        x3 = _unpack_block(codes, s, 3, c)
-        word_x = words.index(2 * s + c).load(gl.SliceLayout(1, x0.type.layout))
+        b0, b1, b2, b3, m = _scale_bytes(words.index(2 * s + c).load(kl))
+        mh = _scale_bytes(words.index(2 * s + c).load(hl))[4]
+        fold = _folds(b0, b1, b2, b3, m)
+        x0 = _unpack_block(codes, s, 0, c, b0, m, fold)  # all reads of the slot first, then one barrier
+        x1 = _unpack_block(codes, s, 1, c, b1, m, fold)
+        x2 = _unpack_block(codes, s, 2, c, b2, m, fold)
+        x3 = _unpack_block(codes, s, 3, c, b3, m, fold)
         mbarrier.arrive(empty.index(s), count=1)
         k0.store(x0)
         k1.store(x1)
         k2.store(x2)
         k3.store(x3)
-        if any_bf16 != 0:
-            ab.index(0).store(_dequantize_block(x0, word_x, 0))
-            ab.index(1).store(_dequantize_block(x1, word_x, 1))
-            ab.index(2).store(_dequantize_block(x2, word_x, 2))
-            ab.index(3).store(_dequantize_block(x3, word_x, 3))
+        bits = gl.where(tile * _TILE + _HALF * c + gl.arange(0, _HALF, layout=kl) < n_keys, 0, 15)
+        bits |= _fold_bits(fold, m, lo0, hi0, 0)
+        if NQ > 1:
+            bits |= _fold_bits(fold, m, lo1, hi1, 1)
+        if NQ > 2:
+            bits |= _fold_bits(fold, m, lo2, hi2, 2)
+        if NQ > 3:
+            bits |= _fold_bits(fold, m, lo3, hi3, 3)
+        tflag.index(c).store(gl.inline_asm_elementwise(_WARP_AND, "=r,r", [bits], dtype=gl.int32, is_pure=True,
+                                                       pack=1))
         fence_async_shared()
         gl.thread_barrier()
-        keys = tile * _TILE + _HALF * c + gl.arange(0, _HALF, layout=gl.SliceLayout(1, hmma))
+        ok = _half_tile_bits(tflag.index(c))
+        if (any_bf16 != 0) | ((ok & ((1 << NQ) - 1)) != (1 << NQ) - 1):  # some query takes the bf16 path
+            ab.index(0).store(_dequantize_block(k0, b0, m, fold))
+            ab.index(1).store(_dequantize_block(k1, b1, m, fold))
+            ab.index(2).store(_dequantize_block(k2, b2, m, fold))
+            ab.index(3).store(_dequantize_block(k3, b3, m, fold))
+            fence_async_shared()
+            gl.thread_barrier()
+        keys = tile * _TILE + _HALF * c + gl.arange(0, _HALF, layout=hl)
         for qi in gl.static_range(NQ):
             if qi == 0:
-                ex, qe, w, limit = ex0, qe0, w0, lim0
+                qe, w, limit = qe0, w0, lim0
             elif qi == 1:
-                ex, qe, w, limit = ex1, qe1, w1, lim1
+                qe, w, limit = qe1, w1, lim1
             elif qi == 2:
-                ex, qe, w, limit = ex2, qe2, w2, lim2
+                qe, w, limit = qe2, w2, lim2
             else:
-                ex, qe, w, limit = ex3, qe3, w3, lim3
-            score = _scores(k0, k1, k2, k3, ab, q8, qb, ones, qi, ex, qe, w, word, PARTS)
+                qe, w, limit = qe3, w3, lim3
+            fq = (ok >> qi) & 1
+            score = _scores(k0, k1, k2, k3, ab, q8, qb, ones, qi, fq, w, PARTS)
+            f = gl.where(fq != 0, ((mh + qe - 2) << 23).to(gl.float32, bitcast=True), 1.0)  # 2^(m + E - 129)
+            score = score * f[:, None]
+            n_fold += fq
             if CAUSAL:
                 score = gl.where((keys < limit)[:, None], score, float("-inf"))
             gl.store(out_ptr + qi * stride_on + keys[:, None] + col8[None, :] * 0, score.to(gl.bfloat16),
                      mask=(keys < n_keys)[:, None] & (col8 == 0)[None, :])
         gl.thread_barrier()  # every warp's MMAs have read k0 .. k3 / ab before the next tile overwrites them
+    if COUNT:
+        gl.atomic_add(paths_ptr, n_fold)
+        gl.atomic_add(paths_ptr + 1, (n_tiles - pid + grid - 1) // grid * NQ - n_fold)
 
 
 @gluon.jit
-def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, k_ptr, ks_ptr,
+def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, k_ptr, ks_ptr,
                      n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh, stride_wn, stride_on, stride_k,
-                     stride_ks, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr, LW: gl.constexpr,
-                     LREGS: gl.constexpr, CREGS: gl.constexpr, PARTS: gl.constexpr):
+                     stride_ks, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr, COUNT: gl.constexpr,
+                     LW: gl.constexpr, LREGS: gl.constexpr, CREGS: gl.constexpr, PARTS: gl.constexpr):
     codes = gl.allocate_shared_memory(gl.uint8, [8 * NS, _HALF, 16],
                                       gl.NVMMASharedLayout.get_default_for([_HALF, 16], gl.uint8))
     words = gl.allocate_shared_memory(gl.int32, [2 * NS, _HALF], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -362,6 +452,7 @@ def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, k_ptr, ks_ptr,
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     stats = gl.allocate_shared_memory(gl.int32, [4, _MAXQ], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    tflag = gl.allocate_shared_memory(gl.int32, [2, _HALF], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     stats_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
@@ -370,12 +461,12 @@ def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, k_ptr, ks_ptr,
     mbarrier.init(stats_ready.index(0), count=2)
     mbarrier.init(q_ready.index(0), count=2)
     gl.warp_specialize([
-        (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh,
-                     stride_wn, stride_on, codes, words, q8, qb, k00, k01, k02, k03, ab_0, ones.index(0), stats, ready,
-                     empty, stats_ready, q_ready, 0, NS, NQ, CAUSAL, PARTS)),
-        (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh,
-                     stride_wn, stride_on, codes, words, q8, qb, k10, k11, k12, k13, ab_1, ones.index(1), stats, ready,
-                     empty, stats_ready, q_ready, 1, NS, NQ, CAUSAL, PARTS)),
+        (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn,
+                     stride_qh, stride_wn, stride_on, codes, words, q8, qb, k00, k01, k02, k03, ab_0, ones.index(0),
+                     stats, tflag, ready, empty, stats_ready, q_ready, 0, NS, NQ, CAUSAL, COUNT, PARTS)),
+        (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn,
+                     stride_qh, stride_wn, stride_on, codes, words, q8, qb, k10, k11, k12, k13, ab_1, ones.index(1),
+                     stats, tflag, ready, empty, stats_ready, q_ready, 1, NS, NQ, CAUSAL, COUNT, PARTS)),
         (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW, PARTS)),
     ], [4, LW], [CREGS, LREGS])
 
@@ -403,11 +494,13 @@ def takes(q: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> str | 
 
 def index_scores_fp4_ws(q: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor,
                         positions: torch.Tensor | None = None, ratio: int = 4, *, slots: int = SLOTS,
-                        ctas: int | None = None, parts: int = LOADS | MMAS | EPILOGUE
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores [n, e] bf16 and ``used`` int8 [n] (1 where the FP8 path ran) for inputs :func:`takes` accepts;
-    ``positions`` [n]: causal mask ``j < (t + 1) // ratio`` (else -inf). ``ctas`` caps the persistent grid
-    (default: one CTA per SM); ``parts`` other than all three is for the diagnosis only (wrong results)."""
+                        ctas: int | None = None, parts: int = LOADS | MMAS | EPILOGUE,
+                        paths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores [n, e] bf16 and ``used`` int8 [n] (1 where the query's codes are exact, so the FP8 path may run)
+    for inputs :func:`takes` accepts; ``positions`` [n]: causal mask ``j < (t + 1) // ratio`` (else -inf).
+    ``paths`` (int32 [2] on the device, optional): the kernel adds the number of (64-key half tile, query) pairs
+    it scored on the folded FP8 path and on the bf16 path. ``ctas`` caps the persistent grid (default: one CTA
+    per SM); ``parts`` other than all three is for the diagnosis only (wrong results)."""
     n, h, _ = q.shape
     e = packed.shape[0]
     if tuple(weights.shape) != (n, h) or (positions is not None and tuple(positions.shape) != (n,)):
@@ -424,12 +517,15 @@ def index_scores_fp4_ws(q: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     if e == 0:  # no keys: one CTA still prepares the queries (``used``); its loader and tile loops do nothing
         packed, scales = torch.zeros((1, D // 2), dtype=torch.uint8, device=dev), torch.zeros(
             (1, D // 32), dtype=torch.uint8, device=dev)
+    if paths is not None and (paths.dtype != torch.int32 or tuple(paths.shape) != (2,) or paths.device != dev):
+        raise ValueError(f"index_scores_fp4_ws: paths must be int32 [2] on {dev}, found {paths.dtype} "
+                         f"{list(paths.shape)} on {paths.device}")
     words = scales.view(torch.int32)  # [e, 1]: one word per key (takes() checked the alignment)
     n_tiles = triton.cdiv(e, TILE)
     grid = max(1, min(n_tiles, ctas or torch.cuda.get_device_properties(dev).multi_processor_count))
     _index_ws_kernel[(grid,)](
-        q, used, w, pos, out, packed, words, e, h, n_tiles, int(ratio), q.stride(0), q.stride(1),
-        w.stride(0), out.stride(0), packed.stride(0), words.stride(0),
-        NS=slots, NQ=n, CAUSAL=causal, LW=LOADER_WARPS, LREGS=LOADER_REGS, CREGS=CONSUMER_REGS, PARTS=parts,
-        num_warps=4)
+        q, used, w, pos, out, used if paths is None else paths, packed, words, e, h, n_tiles, int(ratio), q.stride(0),
+        q.stride(1), w.stride(0), out.stride(0), packed.stride(0), words.stride(0),
+        NS=slots, NQ=n, CAUSAL=causal, COUNT=paths is not None, LW=LOADER_WARPS, LREGS=LOADER_REGS,
+        CREGS=CONSUMER_REGS, PARTS=parts, num_warps=4)
     return out, used

@@ -33,3 +33,19 @@ def test_ws_refuses_weights_or_positions_of_the_wrong_shape_before_launching():
         indexer_ws.index_scores_fp4_ws(q, packed, scales, w[:, :32])
     with pytest.raises(ValueError, match=r"found weights \[2, 64\], positions \[3\]"):
         indexer_ws.index_scores_fp4_ws(q, packed, scales, w, torch.zeros(3, dtype=torch.int64))
+
+
+def test_ws_refuses_a_consumer_count_it_has_no_build_for_before_launching():
+    q, packed, scales, w = _inputs(n=2)
+    with pytest.raises(ValueError, match="consumers must be 2, or 4 for one query, found 3 for 2 queries"):
+        indexer_ws.index_scores_fp4_ws(q, packed, scales, w, consumers=3)
+    with pytest.raises(ValueError, match="consumers must be 2, or 4 for one query, found 4 for 2 queries"):
+        indexer_ws.index_scores_fp4_ws(q, packed, scales, w, consumers=4)
+
+
+def test_ws_refuses_a_paths_counter_of_the_wrong_dtype_or_shape_before_launching():
+    q, packed, scales, w = _inputs()
+    with pytest.raises(ValueError, match=r"paths must be int32 \[2\] on cpu, found torch.int64 \[2\]"):
+        indexer_ws.index_scores_fp4_ws(q, packed, scales, w, paths=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"found torch.int32 \[3\]"):
+        indexer_ws.index_scores_fp4_ws(q, packed, scales, w, paths=torch.zeros(3, dtype=torch.int32))

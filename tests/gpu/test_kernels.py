@@ -567,7 +567,7 @@ def test_ws_index_scores_fp4_meet_the_contract():
 @pytest.mark.parametrize("n_q, n_keys, causal, config", [
     (1, 1, False, None), (1, 127, True, None), (2, 128, False, None), (3, 129, True, None),
     (4, 5000, False, {"ctas": 3}), (1, 70000, True, {"slots": 4}), (4, 70001, False, None),
-    (1, 262144, False, None), (3, 262144, True, {"slots": 8})])
+    (1, 262144, False, None), (3, 262144, True, {"slots": 8}), (1, 70001, True, {"consumers": 2})])
 def test_ws_index_scores_fp4_match_the_bf16_kernel(n_q, n_keys, causal, config):
     """The warp-specialized kernel over ragged last tiles, 1 to 4 queries (a plain bf16 query and a NaN query take
     its bf16 path), CTAs that walk many tiles (the slot ring wraps), and the causal mask."""
@@ -659,9 +659,9 @@ def test_ws_half_tiles_fold_the_block_scales_or_take_the_bf16_path():
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
 def test_ws_index_scores_fp4_is_the_one_query_decode_default_and_replays_in_a_cuda_graph():
-    """``auto`` takes ``ws`` for one query over >= ``WS_MIN_KEYS`` keys, the Triton FP8 kernel for more queries,
-    the bf16 kernel below ``FP8_MMA_MIN_KEYS``; the launch replays in a CUDA graph with the eager scores; inputs
-    the kernel cannot take are refused with the reason."""
+    """``auto`` takes ``ws`` for one query over >= ``WS_MIN_KEYS`` keys, the Triton FP8 kernel for more queries
+    below ``WS_MIN_KEYS_QUERIES`` keys and ``ws`` above, the bf16 kernel below ``FP8_MMA_MIN_KEYS``; the launch
+    replays in a CUDA graph with the eager scores; inputs the kernel cannot take are refused with the reason."""
     q, packed, scales, w, _, _ = _ws_index_case(2, 40000, seed=5)
     q, w = q[:1], w[:1]
     assert indexer.WS_MIN_KEYS <= 40000
@@ -675,6 +675,13 @@ def test_ws_index_scores_fp4_is_the_one_query_decode_default_and_replays_in_a_cu
     assert torch.equal(indexer.index_scores_fp4(q, packed[:short], scales[:short], w),
                        indexer.index_scores_fp4(q, packed[:short], scales[:short], w, mma="bf16"))
     assert routes.counts("index_scores_fp4") == {"ws": 1, "fp8": 2, "bf16": 2}
+    assert indexer.WS_MIN_KEYS_QUERIES > 40000
+    more = torch.cat([packed, packed[:indexer.WS_MIN_KEYS_QUERIES - 40000]])
+    more_scales = torch.cat([scales, scales[:indexer.WS_MIN_KEYS_QUERIES - 40000]])
+    two = indexer.index_scores_fp4(q.expand(2, -1, -1), more, more_scales, w.expand(2, -1))
+    assert routes.counts("index_scores_fp4") == {"ws": 2, "fp8": 2, "bf16": 2}
+    assert torch.equal(two, indexer.index_scores_fp4(q.expand(2, -1, -1), more, more_scales, w.expand(2, -1),
+                                                     mma="ws"))
     ws = indexer.index_scores_fp4(q, packed, scales, w, mma="ws")
     out = torch.empty_like(ws)
     graph = torch.cuda.CUDAGraph()

@@ -432,7 +432,10 @@ def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
 
 
 FP8_MMA_MIN_KEYS = 32768  # H200 (BENCHMARKS.md): at 32K keys FP8 measured 8.7 us vs 9.6 us for bf16 MMA
-WS_MIN_KEYS = 32768  # H200, one query: ws 7.2 vs fp8 8.5 us at 32K keys (128K context), 20.8 vs 24.8 at 256K
+WS_MIN_KEYS = 32768  # H200, one query: ws 7.3 vs fp8 8.4 us at 32K keys (128K context), 18.4 vs 24.3 at 256K
+# H200, 2-4 queries (folded-scale ws kernel): 2 queries 13.2 vs 18.8 us at 64K keys, 26.7 vs 44.3 at 256K; 4 queries
+# 34.5 vs 51.1 at 128K keys, 48.9 vs 83.5 at 256K (not measured below 64K keys)
+WS_MIN_KEYS_QUERIES = 65536
 
 
 def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, config=None, mma: str = "auto",
@@ -443,10 +446,11 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     ``mma="fp8"`` (d = 128, H <= 128): keys upcast to e4m3 by a bit shuffle and scored on FP8 tensor cores
     against q's e4m3 codes, per query where q is FP4-simulated (spec §4 Indexer; else that query takes the bf16
     path in the same launch); ``mma="ws"``: the same on the warp-specialized Gluon kernel
-    (``kernels/indexer_ws.py``: d = 128, H <= 64, 1 to 4 queries, sm_90; ``config`` may set its ``slots`` and
-    ``ctas``); ``mma="bf16"``: keys dequantized to bf16 in registers, bf16 MMA; ``"auto"``: for decode (<= 4
-    queries) over >= ``FP8_MMA_MIN_KEYS`` keys ``fp8``, or ``ws`` for one query over >= ``WS_MIN_KEYS`` keys where
-    it can run (each where it measured fastest), else ``bf16``. All give the bf16 kernel's scores on the
+    (``kernels/indexer_ws.py``: d = 128, H <= 64, 1 to 4 queries, sm_90; ``config`` may set its ``slots``,
+    ``ctas`` and ``consumers``); ``mma="bf16"``: keys dequantized to bf16 in registers, bf16 MMA; ``"auto"``: for
+    decode (<= 4 queries) over >= ``FP8_MMA_MIN_KEYS`` keys ``fp8``, or ``ws`` where it can run for one query over
+    >= ``WS_MIN_KEYS`` keys and for 2-4 over >= ``WS_MIN_KEYS_QUERIES`` (each where it measured fastest), else
+    ``bf16``. All give the bf16 kernel's scores on the
     dequantized keys up to fp32 summation order; the route that ran is counted in ``routes`` (manifest
     ``index_routes``). ``return_path``: also an int8 [n], 1 where a query was scored on FP8 tensor cores."""
     d = q.shape[-1]
@@ -462,7 +466,7 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     q = q.to(torch.bfloat16)
     if mma == "auto":
         mma = "fp8" if q.shape[0] <= 4 and packed.shape[0] >= FP8_MMA_MIN_KEYS else "bf16"
-        if mma == "fp8" and q.shape[0] == 1 and packed.shape[0] >= WS_MIN_KEYS:
+        if mma == "fp8" and packed.shape[0] >= (WS_MIN_KEYS if q.shape[0] == 1 else WS_MIN_KEYS_QUERIES):
             mma = "fp8" if ws_refusal("indexer_ws", q, packed, scales) else "ws"
     elif mma == "ws":
         refusal = ws_refusal("indexer_ws", q, packed, scales)

@@ -1,20 +1,23 @@
 """Warp-specialized lightning-indexer scoring for Hopper (Gluon, sm_90a): FP4 keys (d = 128), up to 64 heads,
 decode (1 to 4 queries scored against the same keys). Route ``mma="ws"`` of ``index_scores_fp4``
-(``kernels/indexer.py``), its default for one query over >= 2^15 keys (128K context and up); BENCHMARKS.md has
-its times against the Triton FP8 kernel. Spec §4 Indexer.
+(``kernels/indexer.py``), its default for one query over >= 2^15 keys and for 2-4 queries over >= 2^16; on the
+H200 it measured 18.4 us against the Triton FP8 kernel's 24.3 us for one query at 1M context, 48.9 against 83.5
+us for four (BENCHMARKS.md). Spec §4 Indexer.
 
 ``score[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` with the official bf16 steps: q.k rounded to bf16, ReLU,
 times the bf16 weight and rounded to bf16, the head sum in fp32 rounded once to bf16.
 
-Persistent CTAs (at most one per SM) walk the 128-key tiles ``pid, pid + grid, ...`` in three partitions:
+Persistent CTAs (at most one per SM) walk the 128-key tiles ``pid, pid + grid, ...`` in three kinds of partition:
 
 * a loader (4 warps, few registers) copies each tile's packed codes (per 64-key half and 32-dim block, [64, 16]
   bytes) and its keys' four ue8m0 scale bytes (one 32-bit word per key) into a ring of slots with ``cp.async``;
-* two consumer warpgroups take 64 keys of each tile. A consumer unpacks its codes to e4m3 by a table lookup that
-  folds the key's block scales into the codes (below), releases the slot, and makes ``S [64 keys, 64 heads]`` by
-  four chained K = 32 e4m3 wgmmas against the query's codes; then the bf16 steps two values per instruction
-  (``cvt.rn.bf16x2.f32``, ``max.NaN.bf16x2`` with 0, ``mul.rn.bf16x2`` with the weights), the head sum as one more
-  wgmma (the bf16 products times a ones matrix, fp32 accumulation), and one power of two per key.
+* two or four consumer warpgroups: each takes 64 keys (one half) of every tile, or of every other tile with four
+  (two tiles in flight: one query from ``FOUR_CONSUMER_TILES`` tiles per CTA). A consumer unpacks its codes to e4m3
+  by a table lookup that folds the key's block scales into the codes (below), releases the slot, and makes
+  ``S [64 keys, 64 heads]`` by four chained K = 32 e4m3 wgmmas against the query's codes; then the bf16 steps two
+  values per instruction (``cvt.rn.bf16x2.f32``, ``max.NaN.bf16x2`` with 0, ``mul.rn.bf16x2`` with the weights),
+  the head sum as one more wgmma (the bf16 products times a ones matrix, fp32 accumulation), and one power of two
+  per key.
 
 **Folded block scales.** A key with scale bytes ``s_b`` (blocks b = 0..3) and smallest byte m gets the codes
 ``e2m1 * 2^(s_b - m - 5)``: exact e4m3 normals while ``s_b - m <= 11``. Then ``q.k = S * 2^(m + E - 129)`` with
@@ -22,12 +25,13 @@ E the query's code exponent (below), and that power of two passes through every 
 leaves the normal range, so it multiplies the head sum instead of every (key, head) value. The per-query weight
 range and the key's m decide whether it may (:func:`_query_params`); the 64 keys of a half tile take this path
 for a query only if all of them may, else that half tile is scored on bf16 tensor cores (keys dequantized to
-bf16, exact; ``q.k`` by bf16 wgmma over the 128 dims) for that query. The per-block products are exact; the FP8
-tensor core keeps about 14 significant bits of a running sum (e8m13), which the FP4 x FP4 sums of 128 products of
-FP4-simulated queries and keys fit in the H200 runs (bit-equal to the previous per-block kernel); a sum that needs
-more is truncated there, a near-tie of the bf16 score at most.
+bf16, exact; ``q.k`` by bf16 wgmma over the 128 dims) for that query. The products are exact; Hopper's FP8 tensor
+core is reported to keep about 14 significant bits of a running sum (DeepSeek-V3 report), which the sums of 128
+products of FP4-simulated queries and keys fit in the H200 runs (every benchmark and A/B output bit-equal to the
+previous kernel, which scaled four exact K = 32 sums in fp32); a sum that needs more is truncated there, a near-tie
+of the bf16 score at most.
 
-A query's codes are ``q * 2^(7 - E)`` with one exponent E per query (from its amax), made by the consumers of
+A query's codes are ``q * 2^(7 - E)`` with one exponent E per query (from its amax), made by consumers 0 and 1 of
 every CTA at its start, each for its half of the dims (:func:`_prepare_queries`; no kernel runs before this one).
 A query whose codes are not exact (not FP4-simulated, NaN, a value below 2^-9 of the code grid) is scored on the
 bf16 path throughout. ``used[i]`` = 1 where the FP8 path could run; ``paths`` counts the (half tile, query) pairs
@@ -61,14 +65,18 @@ MAX_QUERIES = 4
 LOADER_WARPS = 4
 SLOTS = 4  # ring slots
 SPREAD = 11  # the most a key's block scale bytes may differ by for its codes to fold them (6 * 2^(11 - 5) = 384)
-LOADER_REGS, CONSUMER_REGS = 40, 224
+# consumer warpgroups per CTA: 4 (two tiles in flight) for one query from 10 tiles per CTA, else 2 (H200, one query:
+# 4 vs 2 consumers 18.4 vs 19.3 us at 15.5 tiles per CTA, 8.6 vs 7.3 us at 2; more queries do not fit 4)
+FOUR_CONSUMER_TILES = 10
+LOADER_REGS, CONSUMER_REGS = 40, {2: 224, 4: 112}  # per thread, by consumers per CTA
 LOADS, MMAS, EPILOGUE = 1, 2, 4  # PARTS bits: which stages run (all by default; benchmarks/diag_indexer_ws.py)
 _D, _HEADS, _TILE, _HALF = gl.constexpr(D), gl.constexpr(HEADS), gl.constexpr(TILE), gl.constexpr(HALF)
 _MAXQ, _SPREAD = gl.constexpr(MAX_QUERIES), gl.constexpr(SPREAD)
 # e4m3 codes of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 times 2^-5: table bytes 0-3 and 4-7
 _TABLE_LO, _TABLE_HI = gl.constexpr(0x14100800), gl.constexpr(0x24201C18)
-# 4 packed bytes (8 e2m1 nibbles, element 2i low) and a block's table ($3 low, $7 high word) -> e4m3 codes of
-# elements 0-3 ($0) and 4-7 ($1): magnitudes by byte permute, signs moved from nibble bit 3 to byte bit 7
+# 4 packed bytes (8 e2m1 nibbles, element 2i low) and a block's table ($3 low, $7 high word: with pack=4 Triton
+# passes each int32 operand as four registers, $3-$6 and $7-$10, all equal here) -> e4m3 codes of elements 0-3 ($0)
+# and 4-7 ($1): magnitudes by byte permute, signs moved from nibble bit 3 to byte bit 7
 _UNPACK = gl.constexpr("{ .reg .b32 m, n, a, b, s, p, r; and.b32 m, $2, 0x77777777; shr.u32 n, m, 16; "
                        "prmt.b32 a, $3, $7, m; prmt.b32 b, $3, $7, n; shl.b32 s, $2, 4; prmt.b32 p, s, $2, 0x5140; "
                        "prmt.b32 r, s, $2, 0x7362; and.b32 p, p, 0x80808080; and.b32 r, r, 0x80808080; "
@@ -130,9 +138,10 @@ def _folds(b0, b1, b2, b3, m):
 
 @gluon.jit
 def _unpack_block(codes, s, b: gl.constexpr, c, byte, m, fold):
-    """Block b of this consumer's 64 keys in slot s as e4m3 codes [_HALF, 32] (registers), dims in the order of
-    :func:`_dims`: ``e2m1 * 2^(byte - m - 5)`` for a folded key, ``e2m1 * 2^-5`` for the others (``byte``, ``m``,
-    ``fold``: [_HALF] per key)."""
+    """Block b of this consumer's 64 keys in slot s as e4m3 codes [_HALF, 32] (registers): ``e2m1 * 2^(byte - m -
+    5)`` for a folded key, ``e2m1 * 2^-5`` for the others (``byte``, ``m``, ``fold``: [_HALF] per key). Position
+    8g + 2j + a holds dim 8g + 4a + j, the order :data:`_UNPACK` writes the codes in (:func:`_query_block` lays the
+    queries out the same way)."""
     pl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     kl: gl.constexpr = gl.SliceLayout(1, pl)
     k = gl.convert_layout(gl.where(fold, byte - m, 0), kl)
@@ -142,14 +151,6 @@ def _unpack_block(codes, s, b: gl.constexpr, c, byte, m, fold):
     x, y = gl.inline_asm_elementwise(_UNPACK, "=r,=r,r,r,r,r,r,r,r,r,r", [pk, lo, hi],
                                      dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
     return gl.reshape(gl.join(x, y), [_HALF, 32]).to(gl.float8e4nv, bitcast=True)
-
-
-@gluon.jit
-def _dims(layout: gl.constexpr):
-    """The dim each of a block's 32 positions holds ([32] in ``layout``): position 8g + 2j + a holds dim
-    8g + 4a + j, the order :data:`_UNPACK` writes a key's codes in (the queries are laid out the same way)."""
-    p = gl.arange(0, 32, layout=layout)
-    return (p & 24) | ((p & 1) << 2) | ((p >> 1) & 3)
 
 
 @gluon.jit
@@ -169,11 +170,13 @@ def _dequantize_block(kb, byte, m, fold):
 
 @gluon.jit
 def _query_block(q_ptr, stride_qn, stride_qh, n_heads, qi: gl.constexpr, b, layout: gl.constexpr):
-    """Dims 32b .. 32b + 31 of query qi in the order of :func:`_dims`: bf16 [_HEADS, 32], zeros past n_heads."""
+    """Dims 32b .. 32b + 31 of query qi in the order of the key codes (:func:`_unpack_block`): bf16 [_HEADS, 32],
+    zeros past n_heads. Loaded in dim order (vector loads), then reordered in registers."""
     heads = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, layout))
-    dims = _dims(gl.SliceLayout(0, layout))
-    return gl.load(q_ptr + qi * stride_qn + heads[:, None] * stride_qh + 32 * b + dims[None, :],
-                   mask=(heads < n_heads)[:, None], other=0.0)
+    dims = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
+    x = gl.load(q_ptr + qi * stride_qn + heads[:, None] * stride_qh + 32 * b + dims[None, :],
+                mask=(heads < n_heads)[:, None], other=0.0)
+    return gl.reshape(gl.permute(gl.reshape(x, [_HEADS, 4, 2, 4]), (0, 1, 3, 2)), [_HEADS, 32])
 
 
 @gluon.jit
@@ -215,17 +218,14 @@ def _code_query(xa, xb, e, qi: gl.constexpr, c: gl.constexpr, q8, qb):
 
 
 @gluon.jit
-def _prepare_queries(q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, ones, stats, stats_ready, q_ready,
-                     c: gl.constexpr, NQ: gl.constexpr):
-    """This consumer's half of every query (blocks 2c, 2c + 1: dims 64c .. 64c + 63) into shared memory, made in
-    the CTA (no kernel before this one). E = floor(log2(amax)) over the query's heads and dims, clamped to
-    [-100, 100] (the two halves' maxima meet through ``stats`` row c); the e4m3 codes ``q * 2^(7 - E)``; the bf16
-    q for the bf16 path; whether every code is exact (the halves' flags meet through ``stats`` row 2 + c after
-    ``q_ready``). Returns per query (exact, E) as two [_MAXQ] int32 vectors; CTA 0 writes ``used``."""
+def _code_queries(q_ptr, stride_qn, stride_qh, n_heads, q8, qb, stats, stats_ready, c: gl.constexpr, NQ: gl.constexpr):
+    """Consumer c's (0 or 1) half of every query (blocks 2c, 2c + 1: dims 64c .. 64c + 63) into shared memory.
+    E = floor(log2(amax)) over the query's heads and dims, clamped to [-100, 100] (the two halves' maxima meet
+    through ``stats`` row c); the e4m3 codes ``q * 2^(7 - E)``; the bf16 q for the bf16 path; whether some code of
+    the half is not exact (``stats`` row 2 + c)."""
     ql: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
     sl: gl.constexpr = gl.BlockedLayout([2, 1], [1, 32], [1, 4], [0, 1])
-    vl: gl.constexpr = gl.SliceLayout(0, sl)
-    qid = gl.arange(0, _MAXQ, layout=vl)
+    qid = gl.arange(0, _MAXQ, layout=gl.SliceLayout(0, sl))
     # every load first (one round trip); a query's two blocks are xa (2c) and xb (2c + 1)
     xa0 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 0, 2 * c, ql)
     xb0 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 0, 2 * c + 1, ql)
@@ -249,8 +249,7 @@ def _prepare_queries(q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, one
     gl.thread_barrier()
     mbarrier.arrive(stats_ready.index(0), count=1)
     mbarrier.wait(stats_ready.index(0), 0)
-    amax = gl.max(stats.slice(0, 2).load(sl).to(gl.float32, bitcast=True), axis=0)
-    e = gl.minimum(gl.maximum(((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100), 100)
+    e = _exponents(stats)
     inexact = gl.where(qid == 0, _code_query(xa0, xb0, e, 0, c, q8, qb), 0)
     if NQ > 1:
         inexact = gl.where(qid == 1, _code_query(xa1, xb1, e, 1, c, q8, qb), inexact)
@@ -259,35 +258,62 @@ def _prepare_queries(q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, one
     if NQ > 3:
         inexact = gl.where(qid == 3, _code_query(xa3, xb3, e, 3, c, q8, qb), inexact)
     stats.slice(2 + c, 1).store(inexact[None, :])
-    ones.store(gl.full([8, _HEADS], 1.0, gl.bfloat16, layout=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(q_ready.index(0), count=1)
-    mbarrier.wait(q_ready.index(0), 0)
-    exact = 1 - gl.max(stats.slice(2, 2).load(sl), axis=0)
-    gl.store(used_ptr + qid, exact.to(gl.int8), mask=(qid < NQ) & (gl.program_id(0) == 0) & (c == 0))
-    return exact, e
 
 
 @gluon.jit
-def _query_params(exact, e, w_ptr, pos_ptr, qi: gl.constexpr, stride_wn, n_heads, ratio, CAUSAL: gl.constexpr,
-                  layout: gl.constexpr):
-    """Query qi's code exponent (from the [_MAXQ] vector of :func:`_prepare_queries`), weights ([_HEADS] bf16, 0
-    past n_heads), causal limit, and the range [lo, hi] of a key's smallest scale byte m for which its power of two
-    F = 2^(m + E - 129) may wait until after the head sum (empty where the query's codes are not exact). With the
-    unscaled ``S`` in [2^-18, 2^25] (codes are multiples of 2^-9) and nonzero weights in [2^a, 2^(b + 1)): every
-    bf16 step stays normal, scaled or not, when a >= -101, b <= 95, log2 F in [max(-101 - a, -108), min(95 - b,
-    101)] (the head sum's partial sums are multiples of 2^(a - 25) and below 2^(b + 32))."""
+def _exponents(stats):
+    """Per query, E = floor(log2(amax)) clamped to [-100, 100], from the halves' maxima in ``stats`` rows 0-1."""
+    sl: gl.constexpr = gl.BlockedLayout([2, 1], [1, 32], [1, 4], [0, 1])
+    amax = gl.max(stats.slice(0, 2).load(sl).to(gl.float32, bitcast=True), axis=0)
+    return gl.minimum(gl.maximum(((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100), 100)
+
+
+@gluon.jit
+def _prepare_queries(q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, ones, stats, stats_ready, q_ready,
+                     c: gl.constexpr, NQ: gl.constexpr):
+    """The queries coded in the CTA (no kernel before this one) by consumers 0 and 1 (:func:`_code_queries`);
+    every consumer waits for them (``q_ready``) and returns per query (exact, E) as two [_MAXQ] int32 vectors.
+    Consumer 0 of CTA 0 writes ``used``."""
+    sl: gl.constexpr = gl.BlockedLayout([2, 1], [1, 32], [1, 4], [0, 1])
+    qid = gl.arange(0, _MAXQ, layout=gl.SliceLayout(0, sl))
+    if c < 2:
+        _code_queries(q_ptr, stride_qn, stride_qh, n_heads, q8, qb, stats, stats_ready, c, NQ)
+    ones.store(gl.full([8, _HEADS], 1.0, gl.bfloat16, layout=gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
+    fence_async_shared()
+    gl.thread_barrier()
+    if c < 2:
+        mbarrier.arrive(q_ready.index(0), count=1)
+    mbarrier.wait(q_ready.index(0), 0)
+    exact = 1 - gl.max(stats.slice(2, 2).load(sl), axis=0)
+    gl.store(used_ptr + qid, exact.to(gl.int8), mask=(qid < NQ) & (gl.program_id(0) == 0) & (c == 0))
+    return exact, _exponents(stats)
+
+
+@gluon.jit
+def _query_inputs(w_ptr, pos_ptr, qi: gl.constexpr, stride_wn, n_heads, CAUSAL: gl.constexpr, layout: gl.constexpr):
+    """Query qi's weights ([_HEADS] bf16, 0 past n_heads) and position (0 without the causal mask), loaded before
+    the queries are coded so that the loads overlap."""
     heads = gl.arange(0, _HEADS, layout=layout)
     w = gl.load(w_ptr + qi * stride_wn + heads, mask=heads < n_heads, other=0.0)
-    limit = (gl.load(pos_ptr + qi) + 1) // ratio if CAUSAL else 0
+    return w, gl.load(pos_ptr + qi) if CAUSAL else 0
+
+
+@gluon.jit
+def _query_params(w, pos, exact, e, qi: gl.constexpr, ratio, CAUSAL: gl.constexpr):
+    """Query qi's code exponent (from the [_MAXQ] vectors of :func:`_prepare_queries`), causal limit, and the range
+    [lo, hi] of a key's smallest scale byte m for which its power of two F = 2^(m + E - 129) may wait until after
+    the head sum (empty where the query's codes are not exact). With the unscaled ``S`` in [2^-18, 2^25] (codes are
+    multiples of 2^-9) and nonzero weights in [2^a, 2^(b + 1)): every bf16 step stays normal, scaled or not, when
+    a >= -101, b <= 95, log2 F in [max(-101 - a, -108), min(95 - b, 101)] (the head sum's partial sums are
+    multiples of 2^(a - 25) and below 2^(b + 32))."""
     ex, qe = _pick(exact, qi), _pick(e, qi)
     ew = ((w.to(gl.float32).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |w|); -127 subnormal
     a = gl.min(gl.where(w != 0.0, ew, 255), axis=0)
     b = gl.max(gl.where(w != 0.0, ew, -255), axis=0)
     lo = gl.maximum(-101 - a, -108) + 129 - qe
     hi = gl.minimum(95 - b, 101) + 129 - qe
-    return qe, w, limit, gl.where((ex != 0) & (a >= -101) & (b <= 95), lo, 1000), hi
+    limit = (pos + 1) // ratio if CAUSAL else 0
+    return qe, limit, gl.where((ex != 0) & (a >= -101) & (b <= 95), lo, 1000), hi
 
 
 @gluon.jit
@@ -339,46 +365,55 @@ def _half_tile_bits(tflag):
 @gluon.jit
 def _consumer(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn,
               stride_qh, stride_wn, stride_on, codes, words, q8, qb, k0, k1, k2, k3, ab, ones, stats, tflag, ready,
-              empty, stats_ready, q_ready, c: gl.constexpr, NS: gl.constexpr, NQ: gl.constexpr,
+              empty, stats_ready, q_ready, c: gl.constexpr, NC: gl.constexpr, NS: gl.constexpr, NQ: gl.constexpr,
               CAUSAL: gl.constexpr, COUNT: gl.constexpr, PARTS: gl.constexpr):
-    """Keys 64c .. 64c + 63 of each of this CTA's tiles, scored for every query (NQ <= 4)."""
+    """Consumer c of NC (2 or 4): keys 64h .. 64h + 63 (h = c % 2) of this CTA's tiles i = c // 2, c // 2 + NC / 2,
+    ... (of its own walk), scored for every query (NQ <= 4)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 32])
     hmma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     kl: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # a key per thread
     hl: gl.constexpr = gl.SliceLayout(1, hmma)
     cols: gl.constexpr = gl.SliceLayout(0, mma)
+    # the per-query loads first (they overlap the queries' coding); the values stay in registers for the loop
+    w0, pos0 = _query_inputs(w_ptr, pos_ptr, 0, stride_wn, n_heads, CAUSAL, cols)
+    if NQ > 1:
+        w1, pos1 = _query_inputs(w_ptr, pos_ptr, 1, stride_wn, n_heads, CAUSAL, cols)
+    if NQ > 2:
+        w2, pos2 = _query_inputs(w_ptr, pos_ptr, 2, stride_wn, n_heads, CAUSAL, cols)
+    if NQ > 3:
+        w3, pos3 = _query_inputs(w_ptr, pos_ptr, 3, stride_wn, n_heads, CAUSAL, cols)
     exact, e = _prepare_queries(q_ptr, stride_qn, stride_qh, n_heads, used_ptr, q8, qb, ones, stats, stats_ready,
                                 q_ready, c, NQ)
     any_bf16 = gl.max(gl.where(gl.arange(0, _MAXQ, layout=exact.type.layout) < NQ, 1 - exact, 0), axis=0)
-    # per-query values in registers for the whole loop (loads inside it would stall every tile)
-    qe0, w0, lim0, lo0, hi0 = _query_params(exact, e, w_ptr, pos_ptr, 0, stride_wn, n_heads, ratio, CAUSAL, cols)
+    qe0, lim0, lo0, hi0 = _query_params(w0, pos0, exact, e, 0, ratio, CAUSAL)
     if NQ > 1:
-        qe1, w1, lim1, lo1, hi1 = _query_params(exact, e, w_ptr, pos_ptr, 1, stride_wn, n_heads, ratio, CAUSAL, cols)
+        qe1, lim1, lo1, hi1 = _query_params(w1, pos1, exact, e, 1, ratio, CAUSAL)
     if NQ > 2:
-        qe2, w2, lim2, lo2, hi2 = _query_params(exact, e, w_ptr, pos_ptr, 2, stride_wn, n_heads, ratio, CAUSAL, cols)
+        qe2, lim2, lo2, hi2 = _query_params(w2, pos2, exact, e, 2, ratio, CAUSAL)
     if NQ > 3:
-        qe3, w3, lim3, lo3, hi3 = _query_params(exact, e, w_ptr, pos_ptr, 3, stride_wn, n_heads, ratio, CAUSAL, cols)
+        qe3, lim3, lo3, hi3 = _query_params(w3, pos3, exact, e, 3, ratio, CAUSAL)
     col8 = gl.arange(0, 8, layout=gl.SliceLayout(0, hmma))
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
+    h: gl.constexpr = c % 2
     n_fold = pid * 0
-    for i in range((n_tiles - pid + grid - 1) // grid):
+    for i in range(c // 2, (n_tiles - pid + grid - 1) // grid, NC // 2):
         tile = pid + i * grid
         s = i % NS
         mbarrier.wait(ready.index(s), (i // NS) & 1)
-        b0, b1, b2, b3, m = _scale_bytes(words.index(2 * s + c).load(kl))
-        mh = _scale_bytes(words.index(2 * s + c).load(hl))[4]
+        b0, b1, b2, b3, m = _scale_bytes(words.index(2 * s + h).load(kl))
+        mh = _scale_bytes(words.index(2 * s + h).load(hl))[4]
         fold = _folds(b0, b1, b2, b3, m)
-        x0 = _unpack_block(codes, s, 0, c, b0, m, fold)  # all reads of the slot first, then one barrier
-        x1 = _unpack_block(codes, s, 1, c, b1, m, fold)
-        x2 = _unpack_block(codes, s, 2, c, b2, m, fold)
-        x3 = _unpack_block(codes, s, 3, c, b3, m, fold)
+        x0 = _unpack_block(codes, s, 0, h, b0, m, fold)  # all reads of the slot first, then one barrier
+        x1 = _unpack_block(codes, s, 1, h, b1, m, fold)
+        x2 = _unpack_block(codes, s, 2, h, b2, m, fold)
+        x3 = _unpack_block(codes, s, 3, h, b3, m, fold)
         mbarrier.arrive(empty.index(s), count=1)
         k0.store(x0)
         k1.store(x1)
         k2.store(x2)
         k3.store(x3)
-        bits = gl.where(tile * _TILE + _HALF * c + gl.arange(0, _HALF, layout=kl) < n_keys, 0, 15)
+        bits = gl.where(tile * _TILE + _HALF * h + gl.arange(0, _HALF, layout=kl) < n_keys, 0, 15)
         bits |= _fold_bits(fold, m, lo0, hi0, 0)
         if NQ > 1:
             bits |= _fold_bits(fold, m, lo1, hi1, 1)
@@ -398,7 +433,7 @@ def _consumer(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_hea
             ab.index(3).store(_dequantize_block(k3, b3, m, fold))
             fence_async_shared()
             gl.thread_barrier()
-        keys = tile * _TILE + _HALF * c + gl.arange(0, _HALF, layout=hl)
+        keys = tile * _TILE + _HALF * h + gl.arange(0, _HALF, layout=hl)
         for qi in gl.static_range(NQ):
             if qi == 0:
                 qe, w, limit = qe0, w0, lim0
@@ -420,14 +455,29 @@ def _consumer(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_hea
         gl.thread_barrier()  # every warp's MMAs have read k0 .. k3 / ab before the next tile overwrites them
     if COUNT:
         gl.atomic_add(paths_ptr, n_fold)
-        gl.atomic_add(paths_ptr + 1, (n_tiles - pid + grid - 1) // grid * NQ - n_fold)
+        mine = ((n_tiles - pid + grid - 1) // grid - c // 2 + NC // 2 - 1) // (NC // 2)  # tiles this consumer took
+        gl.atomic_add(paths_ptr + 1, gl.maximum(mine, 0) * NQ - n_fold)
+
+
+@gluon.jit
+def _key_buffers():
+    """Shared memory for one consumer's unpacked keys: four e4m3 [_HALF, 32] blocks (separate allocations, so the
+    compiler puts no barrier between their stores) and the four bf16 blocks of the bf16 path."""
+    a8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF, 32], gl.float8e4nv)
+    return (gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8),
+            gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8),
+            gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8),
+            gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8),
+            gl.allocate_shared_memory(gl.bfloat16, [4, _HALF, 32],
+                                      gl.NVMMASharedLayout.get_default_for([_HALF, 32], gl.bfloat16)))
 
 
 @gluon.jit
 def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, k_ptr, ks_ptr,
                      n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh, stride_wn, stride_on, stride_k,
-                     stride_ks, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr, COUNT: gl.constexpr,
-                     LW: gl.constexpr, LREGS: gl.constexpr, CREGS: gl.constexpr, PARTS: gl.constexpr):
+                     stride_ks, NC: gl.constexpr, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
+                     COUNT: gl.constexpr, LW: gl.constexpr, LREGS: gl.constexpr, CREGS: gl.constexpr,
+                     PARTS: gl.constexpr):
     codes = gl.allocate_shared_memory(gl.uint8, [8 * NS, _HALF, 16],
                                       gl.NVMMASharedLayout.get_default_for([_HALF, 16], gl.uint8))
     words = gl.allocate_shared_memory(gl.int32, [2 * NS, _HALF], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -435,40 +485,57 @@ def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, k_ptr,
                                    gl.NVMMASharedLayout.get_default_for([_HEADS, 32], gl.float8e4nv))
     qb = gl.allocate_shared_memory(gl.bfloat16, [4 * NQ, _HEADS, 32],
                                    gl.NVMMASharedLayout.get_default_for([_HEADS, 32], gl.bfloat16))
-    a8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF, 32], gl.float8e4nv)
-    ab_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF, 32], gl.bfloat16)
-    k00 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
-    k01 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
-    k02 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
-    k03 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
-    k10 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
-    k11 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
-    k12 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
-    k13 = gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8_layout)
-    ab_0 = gl.allocate_shared_memory(gl.bfloat16, [4, _HALF, 32], ab_layout)  # ... dequantized for the bf16 path
-    ab_1 = gl.allocate_shared_memory(gl.bfloat16, [4, _HALF, 32], ab_layout)
-    ones = gl.allocate_shared_memory(gl.bfloat16, [2, 8, _HEADS],
+    ones = gl.allocate_shared_memory(gl.bfloat16, [NC, 8, _HEADS],
                                      gl.NVMMASharedLayout.get_default_for([8, _HEADS], gl.bfloat16))
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     stats = gl.allocate_shared_memory(gl.int32, [4, _MAXQ], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    tflag = gl.allocate_shared_memory(gl.int32, [2, _HALF], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tflag = gl.allocate_shared_memory(gl.int32, [NC, _HALF], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     stats_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=LW * 32)  # every loader thread's cp.async arrival
-        mbarrier.init(empty.index(i), count=2)  # both consumers
+        mbarrier.init(empty.index(i), count=2)  # the two consumers of the tile
     mbarrier.init(stats_ready.index(0), count=2)
-    mbarrier.init(q_ready.index(0), count=2)
-    gl.warp_specialize([
-        (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn,
-                     stride_qh, stride_wn, stride_on, codes, words, q8, qb, k00, k01, k02, k03, ab_0, ones.index(0),
-                     stats, tflag, ready, empty, stats_ready, q_ready, 0, NS, NQ, CAUSAL, COUNT, PARTS)),
-        (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn,
-                     stride_qh, stride_wn, stride_on, codes, words, q8, qb, k10, k11, k12, k13, ab_1, ones.index(1),
-                     stats, tflag, ready, empty, stats_ready, q_ready, 1, NS, NQ, CAUSAL, COUNT, PARTS)),
-        (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW, PARTS)),
-    ], [4, LW], [CREGS, LREGS])
+    mbarrier.init(q_ready.index(0), count=2)  # consumers 0 and 1 code the queries
+    k00, k01, k02, k03, ab_0 = _key_buffers()
+    k10, k11, k12, k13, ab_1 = _key_buffers()
+    if NC == 2:
+        gl.warp_specialize([
+            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
+                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k00, k01, k02, k03, ab_0,
+                         ones.index(0), stats, tflag, ready, empty, stats_ready, q_ready, 0, NC, NS, NQ, CAUSAL,
+                         COUNT, PARTS)),
+            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
+                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k10, k11, k12, k13, ab_1,
+                         ones.index(1), stats, tflag, ready, empty, stats_ready, q_ready, 1, NC, NS, NQ, CAUSAL,
+                         COUNT, PARTS)),
+            (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW,
+                       PARTS)),
+        ], [4, LW], [CREGS, LREGS])
+    else:
+        k20, k21, k22, k23, ab_2 = _key_buffers()
+        k30, k31, k32, k33, ab_3 = _key_buffers()
+        gl.warp_specialize([
+            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
+                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k00, k01, k02, k03, ab_0,
+                         ones.index(0), stats, tflag, ready, empty, stats_ready, q_ready, 0, NC, NS, NQ, CAUSAL,
+                         COUNT, PARTS)),
+            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
+                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k10, k11, k12, k13, ab_1,
+                         ones.index(1), stats, tflag, ready, empty, stats_ready, q_ready, 1, NC, NS, NQ, CAUSAL,
+                         COUNT, PARTS)),
+            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
+                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k20, k21, k22, k23, ab_2,
+                         ones.index(2), stats, tflag, ready, empty, stats_ready, q_ready, 2, NC, NS, NQ, CAUSAL,
+                         COUNT, PARTS)),
+            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
+                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k30, k31, k32, k33, ab_3,
+                         ones.index(3), stats, tflag, ready, empty, stats_ready, q_ready, 3, NC, NS, NQ, CAUSAL,
+                         COUNT, PARTS)),
+            (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW,
+                       PARTS)),
+        ], [4, 4, 4, LW], [CREGS, CREGS, CREGS, LREGS])
 
 
 def takes(q: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> str | None:
@@ -494,6 +561,7 @@ def takes(q: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> str | 
 
 def index_scores_fp4_ws(q: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor,
                         positions: torch.Tensor | None = None, ratio: int = 4, *, slots: int = SLOTS,
+                        consumers: int | None = None,
                         ctas: int | None = None, parts: int = LOADS | MMAS | EPILOGUE,
                         paths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores [n, e] bf16 and ``used`` int8 [n] (1 where the query's codes are exact, so the FP8 path may run)
@@ -517,15 +585,19 @@ def index_scores_fp4_ws(q: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     if e == 0:  # no keys: one CTA still prepares the queries (``used``); its loader and tile loops do nothing
         packed, scales = torch.zeros((1, D // 2), dtype=torch.uint8, device=dev), torch.zeros(
             (1, D // 32), dtype=torch.uint8, device=dev)
+    if consumers not in (None, *CONSUMER_REGS) or (consumers == 4 and n > 1):
+        raise ValueError(f"index_scores_fp4_ws: consumers must be 2, or 4 for one query, found {consumers} for "
+                         f"{n} queries")
     if paths is not None and (paths.dtype != torch.int32 or tuple(paths.shape) != (2,) or paths.device != dev):
         raise ValueError(f"index_scores_fp4_ws: paths must be int32 [2] on {dev}, found {paths.dtype} "
                          f"{list(paths.shape)} on {paths.device}")
     words = scales.view(torch.int32)  # [e, 1]: one word per key (takes() checked the alignment)
     n_tiles = triton.cdiv(e, TILE)
     grid = max(1, min(n_tiles, ctas or torch.cuda.get_device_properties(dev).multi_processor_count))
+    consumers = consumers or (4 if n == 1 and n_tiles >= FOUR_CONSUMER_TILES * grid else 2)
     _index_ws_kernel[(grid,)](
         q, used, w, pos, out, used if paths is None else paths, packed, words, e, h, n_tiles, int(ratio), q.stride(0),
         q.stride(1), w.stride(0), out.stride(0), packed.stride(0), words.stride(0),
-        NS=slots, NQ=n, CAUSAL=causal, COUNT=paths is not None, LW=LOADER_WARPS, LREGS=LOADER_REGS,
-        CREGS=CONSUMER_REGS, PARTS=parts, num_warps=4)
+        NC=consumers, NS=slots, NQ=n, CAUSAL=causal, COUNT=paths is not None, LW=LOADER_WARPS, LREGS=LOADER_REGS,
+        CREGS=CONSUMER_REGS[consumers], PARTS=parts, num_warps=4)
     return out, used

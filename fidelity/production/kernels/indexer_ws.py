@@ -363,12 +363,13 @@ def _half_tile_bits(tflag):
 
 
 @gluon.jit
-def _consumer(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn,
-              stride_qh, stride_wn, stride_on, codes, words, q8, qb, k0, k1, k2, k3, ab, ones, stats, tflag, ready,
-              empty, stats_ready, q_ready, c: gl.constexpr, NC: gl.constexpr, NS: gl.constexpr, NQ: gl.constexpr,
-              CAUSAL: gl.constexpr, COUNT: gl.constexpr, PARTS: gl.constexpr):
+def _consumer(shared, k0, k1, k2, k3, ab, ones, c: gl.constexpr, NC: gl.constexpr, NS: gl.constexpr,
+              NQ: gl.constexpr, CAUSAL: gl.constexpr, COUNT: gl.constexpr, PARTS: gl.constexpr):
     """Consumer c of NC (2 or 4): keys 64h .. 64h + 63 (h = c % 2) of this CTA's tiles i = c // 2, c // 2 + NC / 2,
-    ... (of its own walk), scored for every query (NQ <= 4)."""
+    ... (of its own walk), scored for every query (NQ <= 4). ``shared``: the arguments all consumers take, in the
+    order :func:`_index_ws_kernel` packs them."""
+    (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh,
+     stride_wn, stride_on, codes, words, q8, qb, stats, tflag, ready, empty, stats_ready, q_ready) = shared
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 32])
     hmma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     kl: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # a key per thread
@@ -498,43 +499,25 @@ def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, k_ptr,
         mbarrier.init(empty.index(i), count=2)  # the two consumers of the tile
     mbarrier.init(stats_ready.index(0), count=2)
     mbarrier.init(q_ready.index(0), count=2)  # consumers 0 and 1 code the queries
+    shared = (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn,
+              stride_qh, stride_wn, stride_on, codes, words, q8, qb, stats, tflag, ready, empty, stats_ready, q_ready)
     k00, k01, k02, k03, ab_0 = _key_buffers()
     k10, k11, k12, k13, ab_1 = _key_buffers()
     if NC == 2:
         gl.warp_specialize([
-            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
-                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k00, k01, k02, k03, ab_0,
-                         ones.index(0), stats, tflag, ready, empty, stats_ready, q_ready, 0, NC, NS, NQ, CAUSAL,
-                         COUNT, PARTS)),
-            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
-                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k10, k11, k12, k13, ab_1,
-                         ones.index(1), stats, tflag, ready, empty, stats_ready, q_ready, 1, NC, NS, NQ, CAUSAL,
-                         COUNT, PARTS)),
-            (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW,
-                       PARTS)),
+            (_consumer, (shared, k00, k01, k02, k03, ab_0, ones.index(0), 0, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_consumer, (shared, k10, k11, k12, k13, ab_1, ones.index(1), 1, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW, PARTS)),
         ], [4, LW], [CREGS, LREGS])
     else:
         k20, k21, k22, k23, ab_2 = _key_buffers()
         k30, k31, k32, k33, ab_3 = _key_buffers()
         gl.warp_specialize([
-            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
-                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k00, k01, k02, k03, ab_0,
-                         ones.index(0), stats, tflag, ready, empty, stats_ready, q_ready, 0, NC, NS, NQ, CAUSAL,
-                         COUNT, PARTS)),
-            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
-                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k10, k11, k12, k13, ab_1,
-                         ones.index(1), stats, tflag, ready, empty, stats_ready, q_ready, 1, NC, NS, NQ, CAUSAL,
-                         COUNT, PARTS)),
-            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
-                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k20, k21, k22, k23, ab_2,
-                         ones.index(2), stats, tflag, ready, empty, stats_ready, q_ready, 2, NC, NS, NQ, CAUSAL,
-                         COUNT, PARTS)),
-            (_consumer, (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio,
-                         stride_qn, stride_qh, stride_wn, stride_on, codes, words, q8, qb, k30, k31, k32, k33, ab_3,
-                         ones.index(3), stats, tflag, ready, empty, stats_ready, q_ready, 3, NC, NS, NQ, CAUSAL,
-                         COUNT, PARTS)),
-            (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW,
-                       PARTS)),
+            (_consumer, (shared, k00, k01, k02, k03, ab_0, ones.index(0), 0, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_consumer, (shared, k10, k11, k12, k13, ab_1, ones.index(1), 1, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_consumer, (shared, k20, k21, k22, k23, ab_2, ones.index(2), 2, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_consumer, (shared, k30, k31, k32, k33, ab_3, ones.index(3), 3, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW, PARTS)),
         ], [4, 4, 4, LW], [CREGS, CREGS, CREGS, LREGS])
 
 

@@ -1,6 +1,7 @@
 """The warp-specialized FP4 indexer (``kernels/indexer_ws.py``) without a GPU: the reasons it gives for inputs it
-cannot take, and the shape checks made before a launch. (Its query preparation runs inside the Gluon kernel, which
-the CPU interpreter cannot run: tests/gpu/test_kernels.py covers it.)"""
+cannot take, the argument checks made before a launch, and its key unpack (the PTX string, interpreted) against
+the e2m1 values and the queries' dim order. (The rest runs inside the Gluon kernel, which the CPU interpreter
+cannot run: tests/gpu/test_kernels.py covers it.)"""
 
 import pytest
 import torch
@@ -49,3 +50,67 @@ def test_ws_refuses_a_paths_counter_of_the_wrong_dtype_or_shape_before_launching
         indexer_ws.index_scores_fp4_ws(q, packed, scales, w, paths=torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"found torch.int32 \[3\]"):
         indexer_ws.index_scores_fp4_ws(q, packed, scales, w, paths=torch.zeros(3, dtype=torch.int32))
+
+
+def _run_ptx(asm: str, regs: dict) -> dict:
+    """Interprets the straight-line PTX of an inline-asm string (b32 and, or, shl, shr, prmt) on Python ints."""
+    body = asm.strip().strip("{}").split(";")
+    for line in body:
+        words = line.replace(",", " ").split()
+        if not words or words[0] == ".reg":
+            continue
+        op, dst, *src = words
+        val = [regs[s] if s in regs else int(s, 0) for s in src]
+        if op == "and.b32":
+            out = val[0] & val[1]
+        elif op == "or.b32":
+            out = val[0] | val[1]
+        elif op == "shl.b32":
+            out = (val[0] << val[1]) & 0xFFFFFFFF
+        elif op == "shr.u32":
+            out = val[0] >> val[1]
+        elif op == "prmt.b32":  # default mode: byte n of {b, a} picked by selector nibble n; bit 3 replicates the msb
+            pool = val[0].to_bytes(4, "little") + val[1].to_bytes(4, "little")
+            out = 0
+            for n in range(4):
+                sel = (val[2] >> (4 * n)) & 0xF
+                byte = pool[sel & 7]
+                out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << (8 * n)
+        else:
+            raise AssertionError(f"no interpreter for {op}")
+        regs[dst] = out
+    return regs
+
+
+def _unpack_word(word: int, k: int) -> list[int]:
+    """The kernel's unpack of 4 packed bytes with a block offset k: 8 e4m3 bytes in the order join(x, y) stores."""
+    lo, hi = k * 0x08080800 + indexer_ws._TABLE_LO.value, k * 0x08080808 + indexer_ws._TABLE_HI.value
+    regs = _run_ptx(indexer_ws._UNPACK.value, {"$2": word, "$3": lo, "$7": hi})
+    x, y = regs["$0"].to_bytes(4, "little"), regs["$1"].to_bytes(4, "little")
+    return [b for pair in zip(x, y, strict=True) for b in pair]
+
+
+def test_unpack_asm_gives_the_folded_e4m3_codes_of_every_nibble_in_the_order_the_queries_use():
+    """The kernel's PTX unpack, interpreted: for every packed byte value and block offset k = 0..SPREAD, each e4m3
+    code is the e2m1 value times 2^(k - 5), exactly (signed zeros kept), at position 8g + 2j + a for dim
+    8g + 4a + j; the queries' reorder (the reshape and permute of ``_query_block``) puts the same dim there, so the
+    dot product over a block is the natural one."""
+    from fidelity.formats import FP4_VALUES
+
+    e2m1 = [(-1.0 if n & 8 else 1.0) * FP4_VALUES[n & 7] for n in range(16)]
+    for k in range(indexer_ws.SPREAD + 1):
+        for b in range(256):
+            word = b * 0x01010101 ^ 0x00A05F30  # four different bytes built from b
+            codes = torch.tensor(_unpack_word(word, k), dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+            nibbles = [(word >> (4 * i)) & 0xF for i in range(8)]
+            want = torch.tensor([e2m1[nibbles[4 * (p % 2) + p // 2]] * 2.0 ** (k - 5) for p in range(8)])
+            assert torch.equal(codes, want) and torch.equal(codes.signbit(), want.signbit()), (k, hex(word))
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (16,), dtype=torch.uint8, generator=g)  # one 32-dim block of one key
+    words = packed.view(torch.int32).tolist()
+    keys = torch.tensor([c for w in words for c in _unpack_word(w & 0xFFFFFFFF, 3)], dtype=torch.uint8)
+    natural = torch.tensor([e2m1[(int(packed[i // 2]) >> (4 * (i % 2))) & 0xF] * 2.0 ** (3 - 5) for i in range(32)])
+    dim_at = torch.tensor([8 * (p // 8) + 4 * (p % 2) + (p % 8) // 2 for p in range(32)])
+    assert torch.equal(keys.view(torch.float8_e4m3fn).float(), natural[dim_at])
+    q = torch.arange(32.0)
+    assert torch.equal(q.reshape(4, 2, 4).permute(0, 2, 1).reshape(32), q[dim_at])  # as _query_block reorders

@@ -114,3 +114,35 @@ def test_unpack_asm_gives_the_folded_e4m3_codes_of_every_nibble_in_the_order_the
     assert torch.equal(keys.view(torch.float8_e4m3fn).float(), natural[dim_at])
     q = torch.arange(32.0)
     assert torch.equal(q.reshape(4, 2, 4).permute(0, 2, 1).reshape(32), q[dim_at])  # as _query_block reorders
+
+
+def _scores_bf16_steps(s: torch.Tensor, w: torch.Tensor, f: float, folded: bool) -> torch.Tensor:
+    """Per key: sum_h bf16(w_h * relu(bf16(s_h * f))) in fp32 (heads in order), rounded to bf16; ``folded``: the
+    power of two f applied to the fp32 head sum instead (the ws kernel's folded path)."""
+    bf16 = torch.bfloat16
+    x = s if folded else s * f
+    t = (x.to(bf16).relu() * w.to(bf16)).float()
+    head_sum = t.cumsum(dim=-1, dtype=torch.float32)[..., -1]
+    return (head_sum * f if folded else head_sum).to(bf16)
+
+
+def test_a_power_of_two_after_the_head_sum_gives_the_reference_scores_inside_the_kernels_bounds():
+    """The folded path multiplies the head sum by F = 2^fe instead of every q.k; the kernel takes it only for fe in
+    [max(-101 - a, -108), min(95 - b, 101)] with nonzero weights in [2^a, 2^(b + 1)) (``_query_params``) and
+    unscaled sums in [2^-18, 2^25]. At both ends of that range the scores equal the reference order of steps bit
+    for bit; 30 powers of two below it, with small sums, they do not (subnormal products round differently)."""
+    g = torch.Generator().manual_seed(1)
+    a, b = -20, -6
+    mant = torch.randint(1 << 7, 1 << 8, (4000, 64), generator=g).double()
+    s = (mant * torch.randint(-1, 2, (4000, 64), generator=g) * 2.0 ** torch.randint(-25, 18, (4000, 64),
+                                                                                    generator=g)).float()
+    w = (torch.randint(1 << 7, 1 << 8, (64,), generator=g).double() * torch.randint(-1, 2, (64,), generator=g)
+         * 2.0 ** torch.randint(a - 7, b - 6, (64,), generator=g)).float()
+    w[0], w[1] = 2.0**a, -(2.0 ** (b + 1)) * (1 - 2.0**-8)  # both ends of the weight range
+    lo, hi = max(-101 - a, -108), min(95 - b, 101)
+    for fe in (lo, hi, 0):
+        f = 2.0**fe
+        assert torch.equal(_scores_bf16_steps(s, w, f, True), _scores_bf16_steps(s, w, f, False)), fe
+    small = s.abs().clamp(max=2.0**-9) * s.sign()  # sums near 2^-18: their products reach the subnormals first
+    f = 2.0 ** (lo - 30)
+    assert not torch.equal(_scores_bf16_steps(small, w, f, True), _scores_bf16_steps(small, w, f, False))

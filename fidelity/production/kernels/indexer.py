@@ -452,7 +452,8 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     >= ``WS_MIN_KEYS`` keys and for 2-4 over >= ``WS_MIN_KEYS_QUERIES`` (each where it measured fastest), else
     ``bf16``. All give the bf16 kernel's scores on the
     dequantized keys up to fp32 summation order; the route that ran is counted in ``routes`` (manifest
-    ``index_routes``). ``return_path``: also an int8 [n], 1 where a query was scored on FP8 tensor cores."""
+    ``index_routes``). ``return_path``: also an int8 [n], 1 where a query was scored on FP8 tensor cores (under
+    ``ws``: where its codes allow them; a half tile of keys whose scales cannot fold still takes bf16 there)."""
     d = q.shape[-1]
     if packed.dtype == torch.int8:
         packed = packed.view(torch.uint8)

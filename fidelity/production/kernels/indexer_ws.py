@@ -143,9 +143,8 @@ def _unpack_block(codes, s, b: gl.constexpr, c, byte, m, fold):
     5)`` for a folded key, ``e2m1 * 2^-5`` for the others (``byte``, ``m``, ``fold``: [_HALF] per key). Position
     8g + 2j + a holds dim 8g + 4a + j, the order :data:`_UNPACK` writes the codes in (:func:`_query_block` lays the
     queries out the same way)."""
-    pl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
-    kl: gl.constexpr = gl.SliceLayout(1, pl)
-    k = gl.convert_layout(gl.where(fold, byte - m, 0), kl)
+    pl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])  # its slice holds the per-key values
+    k = gl.where(fold, byte - m, 0)
     pk = codes.index(2 * (4 * s + b) + c).load(pl)
     lo, _ = gl.broadcast((k * 0x08080800 + _TABLE_LO)[:, None], pk)
     hi, _ = gl.broadcast((k * 0x08080808 + _TABLE_HI)[:, None], pk)
@@ -404,7 +403,7 @@ def _consumer(shared, k0, k1, k2, k3, ab, ones, c: gl.constexpr, NC: gl.constexp
         s = i % NS
         mbarrier.wait(ready.index(s), (i // NS) & 1)
         b0, b1, b2, b3, m = _scale_bytes(words.index(2 * s + h).load(kl))
-        mh = _scale_bytes(words.index(2 * s + h).load(hl))[4]
+        mh = _scale_bytes(words.index(2 * s + h).load(hl))[4]  # m again in the score rows' layout (no conversion)
         fold = _folds(b0, b1, b2, b3, m)
         x0 = _unpack_block(codes, s, 0, h, b0, m, fold)  # all reads of the slot first, then one barrier
         x1 = _unpack_block(codes, s, 1, h, b1, m, fold)

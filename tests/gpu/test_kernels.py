@@ -622,6 +622,28 @@ def test_ws_index_scores_fp4_extreme_scales_and_fewer_heads(heads, spread, w_sca
 
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+@pytest.mark.parametrize("n_q, n_keys, count", [(1, 31, False), (1, 31, True), (2, 3, False), (2, 3, True)])
+def test_ws_index_scores_fp4_with_one_head_match_the_bf16_kernel(n_q, n_keys, count):
+    """One head (63 padded with zero codes and weights), with and without the ``paths`` counter (two builds each):
+    the bf16 kernel's scores, all on the FP8 path. In a draft of this kernel (register operands, 2026-12-02,
+    ``benchmarks/results/2026-12-02-h200-indexer-rega``) the builds specialized to n_heads == 1 stored stray bytes,
+    NaN codes among them, into the padded heads' query codes (ptxas packed them from unrelated registers), and every
+    score came out NaN; these are the shapes that showed it."""
+    from fidelity.production.kernels import indexer_ws
+
+    g = torch.Generator().manual_seed(n_keys + n_q)
+    q = ops.indexer_round(torch.randn(n_q, 1, 128, generator=g), "fp4", rotate=True).to(BF16).to(CUDA)
+    packed, scales = (t.to(CUDA) for t in quantize_fp4(torch.randn(n_keys, 128, generator=g), 32))
+    w = (torch.randn(n_q, 1, generator=g) / 4).to(BF16).to(CUDA)
+    deq = indexer.dequantize_fp4_keys(packed, scales)
+    paths = torch.zeros(2, dtype=torch.int32, device=CUDA) if count else None
+    got, used = indexer_ws.index_scores_fp4_ws(q, packed, scales, w, paths=paths)
+    if count:
+        assert paths.tolist() == [2 * n_q, 0]  # both 64-key halves of the one tile, per query, on the FP8 path
+    _assert_ws_scores(got, used, q, deq, w, indexer.index_scores_cuda(q, deq, w), exact=[1] * n_q)
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
 def test_ws_half_tiles_fold_the_block_scales_or_take_the_bf16_path():
     """A 64-key half tile is scored with the block scales folded into the FP8 codes only when every key's scale
     bytes lie within SPREAD of their smallest and the key's power of two keeps the bf16 steps normal; otherwise

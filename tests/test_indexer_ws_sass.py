@@ -8,6 +8,7 @@ NaN on the H200. The instruction it used, an e4m3 pack of one register twice mer
 is what the test looks for; none of the tree's builds has one."""
 
 import re
+import subprocess
 
 import pytest
 
@@ -16,6 +17,8 @@ indexer_ws = pytest.importorskip("fidelity.production.kernels.indexer_ws")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+from fidelity.production.kernels._common import GLUON_VERSION  # noqa: E402
 
 POINTERS = {"q_ptr": "*bf16", "used_ptr": "*i8", "w_ptr": "*bf16", "pos_ptr": "*i8", "out_ptr": "*bf16",
             "paths_ptr": "*i32", "k_ptr": "*u8", "ks_ptr": "*i32"}
@@ -28,8 +31,8 @@ ONE_HEAD = {"n_heads": 1, "n_tiles": 1, "stride_wn": 1, "stride_ks": 1}
 def _sass(n_q: int, count: bool, tmp_path) -> str:
     """SASS of the two-consumer build for ``n_q`` queries (no causal mask) with ``ONE_HEAD``'s constants (those the
     kernel does not exempt from specialization)."""
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip(f"the kernel is written for Triton 3.6's Gluon, found {triton.__version__}")
+    if not triton.__version__.startswith(GLUON_VERSION):
+        pytest.skip(f"the kernel is written for Triton {GLUON_VERSION}'s Gluon, found {triton.__version__}")
     runtime = {p.name for p in indexer_ws._index_ws_kernel.params if p.do_not_specialize}  # as a launch does
     consts = {k: v for k, v in ONE_HEAD.items() if k not in runtime}
     consts.update(NC=2, NS=indexer_ws.SLOTS, NQ=n_q, CAUSAL=False, COUNT=count, LW=indexer_ws.LOADER_WARPS,
@@ -40,8 +43,6 @@ def _sass(n_q: int, count: bool, tmp_path) -> str:
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     cubin = tmp_path / "kernel.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
-    import subprocess
-
     return subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", str(cubin)], check=True, capture_output=True,
                           text=True).stdout
 

@@ -82,38 +82,53 @@ def _run_ptx(asm: str, regs: dict) -> dict:
     return regs
 
 
-def _unpack_word(word: int, k: int) -> list[int]:
-    """The kernel's unpack of 4 packed bytes with a block offset k: 8 e4m3 bytes in the order join(x, y) stores."""
+def _unpack_word(word: int, k: int) -> tuple[bytes, bytes]:
+    """The kernel's unpack of 4 packed bytes with a block offset k: the e4m3 bytes x (elements 0-3) and y (4-7)."""
     lo, hi = k * 0x08080800 + indexer_ws._TABLE_LO.value, k * 0x08080808 + indexer_ws._TABLE_HI.value
     regs = _run_ptx(indexer_ws._UNPACK.value, {"$2": word, "$3": lo, "$7": hi})
-    x, y = regs["$0"].to_bytes(4, "little"), regs["$1"].to_bytes(4, "little")
-    return [b for pair in zip(x, y, strict=True) for b in pair]
+    return regs["$0"].to_bytes(4, "little"), regs["$1"].to_bytes(4, "little")
 
 
-def test_unpack_asm_gives_the_folded_e4m3_codes_of_every_nibble_in_the_order_the_queries_use():
-    """The kernel's PTX unpack, interpreted: for every packed byte value and block offset k = 0..SPREAD, each e4m3
-    code is the e2m1 value times 2^(k - 5), exactly (signed zeros kept), at position 8g + 2j + a for dim
-    8g + 4a + j; the queries' reorder (the reshape and permute of ``_query_block``) puts the same dim there, so the
-    dot product over a block is the natural one."""
+def test_unpack_asm_gives_the_folded_e4m3_codes_of_every_nibble():
+    """The kernel's PTX unpack, interpreted: for every packed byte value and block offset k = 0..SPREAD, x holds
+    elements 0-3 and y elements 4-7 of the word, each the e2m1 value times 2^(k - 5) exactly (signed zeros
+    kept)."""
     from fidelity.formats import FP4_VALUES
 
     e2m1 = [(-1.0 if n & 8 else 1.0) * FP4_VALUES[n & 7] for n in range(16)]
     for k in range(indexer_ws.SPREAD + 1):
         for b in range(256):
             word = b * 0x01010101 ^ 0x00A05F30  # four different bytes built from b
-            codes = torch.tensor(_unpack_word(word, k), dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-            nibbles = [(word >> (4 * i)) & 0xF for i in range(8)]
-            want = torch.tensor([e2m1[nibbles[4 * (p % 2) + p // 2]] * 2.0 ** (k - 5) for p in range(8)])
+            x, y = _unpack_word(word, k)
+            codes = torch.tensor(list(x + y), dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+            want = torch.tensor([e2m1[(word >> (4 * i)) & 0xF] * 2.0 ** (k - 5) for i in range(8)])
             assert torch.equal(codes, want) and torch.equal(codes.signbit(), want.signbit()), (k, hex(word))
+
+
+def test_key_operands_and_query_reorder_put_the_same_dim_in_every_column():
+    """Operand j of a key (``_unpack_half``): column 16a + 4t + i holds element 4a + i of word j of block t, i.e.
+    dim 32t + 8j + 4a + i; the queries' reorder (``_query_half``, mirrored here with the kernel's reshape, permute
+    and split) puts that same dim of q in that column, so the four chained K = 32 products sum q . k."""
+    from fidelity.formats import FP4_VALUES
+
+    e2m1 = [(-1.0 if n & 8 else 1.0) * FP4_VALUES[n & 7] for n in range(16)]
     g = torch.Generator().manual_seed(0)
-    packed = torch.randint(0, 256, (16,), dtype=torch.uint8, generator=g)  # one 32-dim block of one key
-    words = packed.view(torch.int32).tolist()
-    keys = torch.tensor([c for w in words for c in _unpack_word(w & 0xFFFFFFFF, 3)], dtype=torch.uint8)
-    natural = torch.tensor([e2m1[(int(packed[i // 2]) >> (4 * (i % 2))) & 0xF] * 2.0 ** (3 - 5) for i in range(32)])
-    dim_at = torch.tensor([8 * (p // 8) + 4 * (p % 2) + (p % 8) // 2 for p in range(32)])
-    assert torch.equal(keys.view(torch.float8_e4m3fn).float(), natural[dim_at])
-    q = torch.arange(32.0)
-    assert torch.equal(q.reshape(4, 2, 4).permute(0, 2, 1).reshape(32), q[dim_at])  # as _query_block reorders
+    packed = torch.randint(0, 256, (64,), dtype=torch.uint8, generator=g)  # one key: 4 blocks of 16 bytes
+    natural = torch.tensor([e2m1[(int(packed[d // 2]) >> (4 * (d % 2))) & 0xF] * 2.0 ** (3 - 5) for d in range(128)])
+    q = torch.arange(128.0)
+    for j in range(4):
+        operand, dim_at = [0] * 32, [0] * 32
+        for t in range(4):
+            x, y = _unpack_word(int.from_bytes(bytes(packed[16 * t + 4 * j:16 * t + 4 * j + 4].tolist()), "little"), 3)
+            for a, half in enumerate((x, y)):
+                for i in range(4):
+                    operand[16 * a + 4 * t + i], dim_at[16 * a + 4 * t + i] = half[i], 32 * t + 8 * j + 4 * a + i
+        codes = torch.tensor(operand, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        assert torch.equal(codes, natural[dim_at])
+        c, jp = divmod(j, 2)  # consumer c codes operands 2c and 2c + 1 from dims 32t + 16c .. 32t + 16c + 15
+        x = q.reshape(4, 32)[:, 16 * c:16 * c + 16]  # [t, u]
+        reordered = x.reshape(4, 2, 2, 4).permute(2, 0, 3, 1).reshape(32, 2)[:, jp]
+        assert torch.equal(reordered, q[dim_at])
 
 
 def _scores_bf16_steps(s: torch.Tensor, w: torch.Tensor, f: float, folded: bool) -> torch.Tensor:

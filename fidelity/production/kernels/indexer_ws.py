@@ -1,7 +1,7 @@
 """Warp-specialized lightning-indexer scoring for Hopper (Gluon, sm_90a): FP4 keys (d = 128), up to 64 heads,
 decode (1 to 4 queries scored against the same keys). Route ``mma="ws"`` of ``index_scores_fp4``
 (``kernels/indexer.py``), its default for one query over >= 2^15 keys and for 2-4 queries over >= 2^16; on the
-H200 it measured 18.4 us against the Triton FP8 kernel's 24.3 us for one query at 1M context, 48.9 against 83.5
+H200 it measured 15.4 us against the Triton FP8 kernel's 24.3 us for one query at 1M context, 42.2 against 83.5
 us for four (BENCHMARKS.md). Spec §4 Indexer.
 
 ``score[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` with the official bf16 steps: q.k rounded to bf16, ReLU,
@@ -12,12 +12,12 @@ Persistent CTAs (at most one per SM) walk the 128-key tiles ``pid, pid + grid, .
 * a loader (4 warps, few registers) copies each tile's packed codes (per 64-key half and 32-dim block, [64, 16]
   bytes) and its keys' four ue8m0 scale bytes (one 32-bit word per key) into a ring of slots with ``cp.async``;
 * two or four consumer warpgroups: each takes 64 keys (one half) of every tile, or of every other tile with four
-  (two tiles in flight: one query from ``FOUR_CONSUMER_TILES`` tiles per CTA). A consumer unpacks its codes to e4m3
-  by a table lookup that folds the key's block scales into the codes (below), releases the slot, and makes
-  ``S [64 keys, 64 heads]`` by four chained K = 32 e4m3 wgmmas against the query's codes; then the bf16 steps two
-  values per instruction (``cvt.rn.bf16x2.f32``, ``max.NaN.bf16x2`` with 0, ``mul.rn.bf16x2`` with the weights),
-  the head sum as one more wgmma (the bf16 products times a ones matrix, fp32 accumulation), and one power of two
-  per key.
+  (two tiles in flight: one query from ``FOUR_CONSUMER_TILES`` tiles per CTA). A consumer loads its keys' code
+  bytes into registers, unpacks them to e4m3 by a table lookup that folds the key's block scales into the codes
+  (below), releases the slot, and makes ``S [64 keys, 64 heads]`` by four chained K = 32 e4m3 wgmmas whose A
+  operands are those registers, against the query's codes in shared memory; then the bf16 steps two values per
+  instruction (``cvt.rn.relu.bf16x2.f32``, ``mul.rn.bf16x2`` with the weights packed once per query), the head sum
+  as one more wgmma (the bf16 products times a ones matrix, fp32 accumulation), and one power of two per key.
 
 **Folded block scales.** A key with scale bytes ``s_b`` (blocks b = 0..3) and smallest byte m gets the codes
 ``e2m1 * 2^(s_b - m - 5)``: exact e4m3 normals while ``s_b - m <= 11``. Then ``q.k = S * 2^(m + E - 129)`` with
@@ -67,7 +67,8 @@ SLOTS = 4  # ring slots
 SPREAD = 11  # the most a key's block scale bytes may differ by for its codes to fold them (6 * 2^(11 - 5) = 384)
 # consumer warpgroups per CTA: 4 (two tiles in flight) for one query from 10 tiles per CTA, else 2 (H200, one query,
 # 4 vs 2 consumers: 8.6 vs 7.3 us at 2 tiles per CTA, 10.1 vs 9.2 at 3.9, 12.9 vs 12.8 at 7.8, 16.3 vs 16.6 at 11.6,
-# 18.4 vs 19.3 at 15.5; with 4, three or four queries exceed shared memory and two spill)
+# 18.4 vs 19.3 at 15.5, measured before the keys became register operands; after: 7.6 vs 6.8 at 3.9, 15.7 vs 16.6 at
+# 15.5; with 4, three or four queries exceed shared memory and two spill)
 FOUR_CONSUMER_TILES = 10
 LOADER_REGS, CONSUMER_REGS = 40, {2: 224, 4: 112}  # per thread, by consumers per CTA
 LOADS, MMAS, EPILOGUE = 1, 2, 4  # PARTS bits: which stages run (all by default; benchmarks/diag_indexer_ws.py)
@@ -82,19 +83,33 @@ _UNPACK = gl.constexpr("{ .reg .b32 m, n, a, b, s, p, r; and.b32 m, $2, 0x777777
                        "prmt.b32 a, $3, $7, m; prmt.b32 b, $3, $7, n; shl.b32 s, $2, 4; prmt.b32 p, s, $2, 0x5140; "
                        "prmt.b32 r, s, $2, 0x7362; and.b32 p, p, 0x80808080; and.b32 r, r, 0x80808080; "
                        "or.b32 $0, a, p; or.b32 $1, b, r; }")
-_WARP_AND = gl.constexpr("redux.sync.and.b32 $0, $1, 0xffffffff;")
-# bf16(relu(bf16(s)) * w) for two (key, head) values: s fp32 pair, w bf16 pair -> bf16 pair (NaN kept, as torch.relu)
-_EPILOGUE = gl.constexpr("{ .reg .b32 p, z; mov.b32 z, 0; cvt.rn.bf16x2.f32 p, $2, $1; max.NaN.bf16x2 p, p, z; "
-             "mul.rn.bf16x2 $0, p, $3; }")
+# register layouts of a consumer's 64 keys (warp w holds keys 16w .. 16w + 15, as the wgmma row fragments do;
+# lane l keys 16w + l // 4 and + 8, block t = l % 4): _RAW the code bytes [_HALF, 64] (16 of block t per key),
+# _P3 one packed word per (key, block) [_HALF, 4, 4], _A8 the e4m3 A operand of a K = 32 wgmma, _KEYS per key
+_RAW = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HALF, 64]))
+_P3 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]], lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[HALF, 4, 4]))
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 32]))
+_A8 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=4))
+_KEYS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
+# AND over a warp of two registers (a thread's two keys): both outputs get it
+_WARP_AND = gl.constexpr("{ .reg .b32 t; and.b32 t, $2, $3; redux.sync.and.b32 $0, t, 0xffffffff; mov.b32 $1, $0; }")
+# bf16(relu(bf16(s)) * w) for two (key, head) values: s fp32 pair ($1, $2), the two heads' bf16 weights as one word
+# ($3; $4 is the same word) -> bf16 pair. The ReLU is the rounding's (NaN stays NaN, as torch.relu keeps it; -0 may
+# become +0, which no product or sum tells apart)
+_EPILOGUE = gl.constexpr("{ .reg .b32 p; cvt.rn.relu.bf16x2.f32 p, $2, $1; mul.rn.bf16x2 $0, p, $3; }")
 
 
 @gluon.jit
 def _loader(k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty,
             NS: gl.constexpr, LW: gl.constexpr, PARTS: gl.constexpr):
     """Fills slot i % NS with this CTA's i-th tile once it is released. Keys 64c .. 64c + 63 of the tile (c = 0, 1):
-    codes[2 (4 s + b) + c] = their bytes 16b .. 16b + 15 (dims 32b .. 32b + 31, [_HALF, 16]), words[2 s + c] =
-    their scale words ([_HALF] int32); zeros past the last key."""
-    cl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [LW, 1], [1, 0])
+    codes[2 s + c] = their 64 code bytes ([_HALF, 64], rows as stored), words[2 s + c] = their scale words
+    ([_HALF] int32); zeros past the last key. 16-byte copies."""
+    cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LW, 1], [1, 0])
     wl: gl.constexpr = gl.BlockedLayout([1], [32], [LW], [0])
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
@@ -102,15 +117,13 @@ def _loader(k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, r
         tile = pid + i * grid
         s = i % NS
         mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
-        cols = gl.arange(0, 16, layout=gl.SliceLayout(0, cl))
-        for c in gl.static_range(2):
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, cl))
+        for c in gl.static_range(2 if PARTS & 1 else 0):
             keys = tile * _TILE + _HALF * c + gl.arange(0, _HALF, layout=gl.SliceLayout(1, cl))
             valid = keys < n_keys
             rows = gl.where(valid, keys, 0).to(gl.int64) * stride_k
-            for b in gl.static_range(4 if PARTS & 1 else 0):
-                async_copy.async_copy_global_to_shared(codes.index(2 * (4 * s + b) + c),
-                                                       k_ptr + rows[:, None] + 16 * b + cols[None, :],
-                                                       mask=valid[:, None])
+            async_copy.async_copy_global_to_shared(codes.index(2 * s + c), k_ptr + rows[:, None] + cols[None, :],
+                                                   mask=valid[:, None])
         for c in gl.static_range(2):
             wkeys = tile * _TILE + _HALF * c + gl.arange(0, _HALF, layout=wl)
             wvalid = wkeys < n_keys
@@ -138,45 +151,72 @@ def _folds(b0, b1, b2, b3, m):
 
 
 @gluon.jit
-def _unpack_block(codes, s, b: gl.constexpr, c, byte, m, fold):
-    """Block b of this consumer's 64 keys in slot s as e4m3 codes [_HALF, 32] (registers): ``e2m1 * 2^(byte - m -
-    5)`` for a folded key, ``e2m1 * 2^-5`` for the others (``byte``, ``m``, ``fold``: [_HALF] per key). Position
-    8g + 2j + a holds dim 8g + 4a + j, the order :data:`_UNPACK` writes the codes in (:func:`_query_block` lays the
-    queries out the same way)."""
-    pl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])  # its slice holds the per-key values
-    k = gl.where(fold, byte - m, 0)
-    pk = codes.index(2 * (4 * s + b) + c).load(pl)
-    lo, _ = gl.broadcast((k * 0x08080800 + _TABLE_LO)[:, None], pk)
-    hi, _ = gl.broadcast((k * 0x08080808 + _TABLE_HI)[:, None], pk)
-    x, y = gl.inline_asm_elementwise(_UNPACK, "=r,=r,r,r,r,r,r,r,r,r,r", [pk, lo, hi],
+def _unpack_word(p, lo, hi):
+    """One wgmma's A operand from its packed words ``p`` ([_HALF, 4 blocks t, 4 bytes], one 32-bit word per key
+    and block in each thread) and the tables of each (key, block) (``lo``, ``hi`` [_HALF, 4, 1]): e4m3 [_HALF, 32]
+    in registers, column 16a + 4t + i holding element 4a + i of the word of block t (:data:`_UNPACK`)."""
+    lo, _ = gl.broadcast(lo, p)
+    hi, _ = gl.broadcast(hi, p)
+    x, y = gl.inline_asm_elementwise(_UNPACK, "=r,=r,r,r,r,r,r,r,r,r,r", [p, lo, hi],
                                      dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
-    return gl.reshape(gl.join(x, y), [_HALF, 32]).to(gl.float8e4nv, bitcast=True)
+    a = gl.reshape(gl.permute(gl.join(x, y), (0, 3, 1, 2)), [_HALF, 32]).to(gl.float8e4nv, bitcast=True)
+    return gl.convert_layout(a, _A8)
 
 
 @gluon.jit
-def _dequantize_block(kb, byte, m, fold):
-    """The codes of one block (shared memory ``kb``, [_HALF, 32]) -> the keys' bf16 values: code x 2^(m - 122) for
-    a folded key, code x 2^(byte - 122) for the others (byte 255: NaN). Exact within bf16's range."""
-    xl: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
-    kl: gl.constexpr = gl.SliceLayout(1, xl)
-    byte, m, fold = gl.convert_layout(byte, kl), gl.convert_layout(m, kl), gl.convert_layout(fold, kl)
-    e = gl.where(fold, m, byte) - 122
+def _unpack_half(raw, word, m, fold):
+    """A consumer's 64 keys (``raw``: their code bytes [_HALF, 64] in :data:`_RAW`; ``word``, ``m``, ``fold``:
+    [_HALF] per key in :data:`_KEYS`) as the e4m3 A operands of four K = 32 wgmmas, in registers: wgmma j takes
+    word j (bytes 4j .. 4j + 3) of every block t, so column 16a + 4t + i of operand j holds dim 32t + 8j + 4a + i
+    (:func:`_query_half` orders the queries the same way). Codes ``e2m1 * 2^(byte_t - m - 5)`` for a folded key,
+    ``e2m1 * 2^-5`` for the others."""
+    tl: gl.constexpr = gl.SliceLayout(2, _P3)
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, tl))
+    byte = (gl.convert_layout(word, gl.SliceLayout(1, tl))[:, None] >> (8 * t)[None, :]) & 0xFF
+    m = gl.convert_layout(m, gl.SliceLayout(1, tl))
+    k = gl.where(gl.convert_layout(fold, gl.SliceLayout(1, tl))[:, None], byte - m[:, None], 0)
+    lo = (k * 0x08080800 + _TABLE_LO)[:, :, None]
+    hi = (k * 0x08080808 + _TABLE_HI)[:, :, None]
+    # (key, block t, word j = 2 j1 + j0, byte i) -> four [_HALF, t, i] tensors, one per word j
+    r = gl.permute(gl.reshape(raw, [_HALF, 4, 2, 2, 4]), (0, 1, 4, 2, 3))
+    even, odd = gl.split(r)
+    w0, w2 = gl.split(even)
+    w1, w3 = gl.split(odd)
+    return (_unpack_word(gl.convert_layout(w0, _P3), lo, hi), _unpack_word(gl.convert_layout(w1, _P3), lo, hi),
+            _unpack_word(gl.convert_layout(w2, _P3), lo, hi), _unpack_word(gl.convert_layout(w3, _P3), lo, hi))
+
+
+@gluon.jit
+def _dequantize(a, word, m, fold):
+    """Operand ``a`` of :func:`_unpack_half` (e4m3 [_HALF, 32], column 16a + 4t + i from block t) -> the keys'
+    bf16 values in the same order: code x 2^(m - 122) for a folded key, code x 2^(byte_t - 122) for the others
+    (byte 255: NaN). Exact within bf16's range."""
+    t = (gl.arange(0, 32, layout=gl.SliceLayout(0, _A8)) // 4) % 4
+    kl: gl.constexpr = gl.SliceLayout(1, _A8)
+    word, m, fold = gl.convert_layout(word, kl), gl.convert_layout(m, kl), gl.convert_layout(fold, kl)
+    byte = (word[:, None] >> (8 * t)[None, :]) & 0xFF
+    e = gl.where(fold[:, None], m[:, None], byte) - 122
     h = e >> 1  # two normal factors 2^h and 2^(e - h): the product rounds once
     f1 = ((h + 127) << 23).to(gl.float32, bitcast=True)
     f2 = ((e - h + 127) << 23).to(gl.float32, bitcast=True)
-    v = kb.load(xl).to(gl.float32) * f1[:, None] * f2[:, None]
-    return gl.where(((byte == 255) & ~fold)[:, None], float("nan"), v).to(gl.bfloat16)
+    v = a.to(gl.float32) * f1 * f2
+    return gl.where((byte == 255) & ~fold[:, None], float("nan"), v).to(gl.bfloat16)
 
 
 @gluon.jit
-def _query_block(q_ptr, stride_qn, stride_qh, n_heads, qi: gl.constexpr, b, layout: gl.constexpr):
-    """Dims 32b .. 32b + 31 of query qi in the order of the key codes (:func:`_unpack_block`): bf16 [_HEADS, 32],
-    zeros past n_heads. Loaded in dim order (vector loads), then reordered in registers."""
-    heads = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, layout))
-    dims = gl.arange(0, 32, layout=gl.SliceLayout(0, layout))
-    x = gl.load(q_ptr + qi * stride_qn + heads[:, None] * stride_qh + 32 * b + dims[None, :],
-                mask=(heads < n_heads)[:, None], other=0.0)
-    return gl.reshape(gl.permute(gl.reshape(x, [_HEADS, 4, 2, 4]), (0, 1, 3, 2)), [_HEADS, 32])
+def _query_half(q_ptr, stride_qn, stride_qh, n_heads, qi: gl.constexpr, c: gl.constexpr, layout: gl.constexpr):
+    """Query qi's B operands of wgmmas 2c and 2c + 1 in the keys' column order (:func:`_unpack_half`): two bf16
+    [_HEADS, 32], zeros past n_heads. Dims 32t + 16c .. 32t + 16c + 15 of each block t are loaded in order
+    (vector loads), then reordered in registers."""
+    l2: gl.constexpr = gl.SliceLayout(2, layout)
+    heads = gl.arange(0, _HEADS, layout=gl.SliceLayout(1, l2))
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, l2))
+    u = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+    off = (heads[:, None] * stride_qh + 32 * t[None, :] + 16 * c)[:, :, None] + u[None, None, :]
+    x = gl.load(q_ptr + qi * stride_qn + off, mask=(heads < n_heads)[:, None, None], other=0.0)  # [_HEADS, t, u]
+    # u = 8 j' + 4 a + i -> (a, t, i) for j' = 0, 1
+    x = gl.permute(gl.reshape(x, [_HEADS, 4, 2, 2, 4]), (0, 3, 1, 4, 2))
+    return gl.split(gl.reshape(x, [_HEADS, 32, 2]))
 
 
 @gluon.jit
@@ -223,21 +263,17 @@ def _code_queries(q_ptr, stride_qn, stride_qh, n_heads, q8, qb, stats, stats_rea
     E = floor(log2(amax)) over the query's heads and dims, clamped to [-100, 100] (the two halves' maxima meet
     through ``stats`` row c); the e4m3 codes ``q * 2^(7 - E)``; the bf16 q for the bf16 path; whether some code of
     the half is not exact (``stats`` row 2 + c)."""
-    ql: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
+    ql: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 4, 1], [4, 1, 1], [2, 1, 0])
     sl: gl.constexpr = gl.BlockedLayout([2, 1], [1, 32], [1, 4], [0, 1])
     qid = gl.arange(0, _MAXQ, layout=gl.SliceLayout(0, sl))
-    # every load first (one round trip); a query's two blocks are xa (2c) and xb (2c + 1)
-    xa0 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 0, 2 * c, ql)
-    xb0 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 0, 2 * c + 1, ql)
+    # every load first (one round trip); a query's operands are xa (wgmma 2c) and xb (2c + 1)
+    xa0, xb0 = _query_half(q_ptr, stride_qn, stride_qh, n_heads, 0, c, ql)
     if NQ > 1:
-        xa1 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 1, 2 * c, ql)
-        xb1 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 1, 2 * c + 1, ql)
+        xa1, xb1 = _query_half(q_ptr, stride_qn, stride_qh, n_heads, 1, c, ql)
     if NQ > 2:
-        xa2 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 2, 2 * c, ql)
-        xb2 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 2, 2 * c + 1, ql)
+        xa2, xb2 = _query_half(q_ptr, stride_qn, stride_qh, n_heads, 2, c, ql)
     if NQ > 3:
-        xa3 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 3, 2 * c, ql)
-        xb3 = _query_block(q_ptr, stride_qn, stride_qh, n_heads, 3, 2 * c + 1, ql)
+        xa3, xb3 = _query_half(q_ptr, stride_qn, stride_qh, n_heads, 3, c, ql)
     amax = gl.where(qid == 0, _pair_amax(xa0, xb0), 0.0)
     if NQ > 1:
         amax = gl.where(qid == 1, _pair_amax(xa1, xb1), amax)
@@ -299,6 +335,16 @@ def _query_inputs(w_ptr, pos_ptr, qi: gl.constexpr, stride_wn, n_heads, CAUSAL: 
 
 
 @gluon.jit
+def _weight_pairs(w):
+    """Weights [_HEADS] bf16 -> int32 [_HEADS], entry h the word of heads 2 (h // 2) (low half) and 2 (h // 2) + 1
+    (high half): what the epilogue multiplies two heads' values by, made once (not repacked per tile)."""
+    bits = w.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    lo, hi = gl.split(gl.reshape(bits, [_HEADS // 2, 2]))
+    word = lo | (hi << 16)
+    return gl.convert_layout(gl.reshape(gl.join(word, word), [_HEADS]), w.type.layout)
+
+
+@gluon.jit
 def _query_params(w, pos, exact, e, qi: gl.constexpr, ratio, CAUSAL: gl.constexpr):
     """Query qi's code exponent (from the [_MAXQ] vectors of :func:`_prepare_queries`), causal limit, and the range
     [lo, hi] of a key's smallest scale byte m for which its power of two F = 2^(m + E - 129) may wait until after
@@ -317,29 +363,29 @@ def _query_params(w, pos, exact, e, qi: gl.constexpr, ratio, CAUSAL: gl.constexp
 
 
 @gluon.jit
-def _scores(k0, k1, k2, k3, ab, q8, qb, ones, qi: gl.constexpr, fold, w, PARTS: gl.constexpr):
+def _scores(a0, a1, a2, a3, ab, ab0: gl.constexpr, q8, qb, ones, qi: gl.constexpr, fold, w, PARTS: gl.constexpr):
     """One query's head-summed scores of the consumer's 64 keys: fp32 [_HALF, 8] (8 equal columns). ``fold``: from
-    the FP8 codes with the folded scales (still to be multiplied by each key's F), else from the bf16 keys."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 32])
+    the FP8 codes with the folded scales (``a0`` .. ``a3``, registers; still to be multiplied by each key's F), else
+    from the bf16 keys (``ab`` from index ab0). ``w``: the query's weights as :func:`_weight_pairs` packs them."""
     mma16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 16])
     hmma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     if fold != 0:
-        y = gl.zeros([_HALF, _HEADS], gl.float32, layout=mma)
+        y = gl.zeros([_HALF, _HEADS], gl.float32, layout=_MMA)
         if PARTS & 2:
-            y = warpgroup_mma(k0, q8.index(4 * qi).permute((1, 0)), y, use_acc=False, is_async=True)
-            y = warpgroup_mma(k1, q8.index(4 * qi + 1).permute((1, 0)), y, is_async=True)
-            y = warpgroup_mma(k2, q8.index(4 * qi + 2).permute((1, 0)), y, is_async=True)
-            y = warpgroup_mma(k3, q8.index(4 * qi + 3).permute((1, 0)), y, is_async=True)
+            y = warpgroup_mma(a0, q8.index(4 * qi).permute((1, 0)), y, use_acc=False, is_async=True)
+            y = warpgroup_mma(a1, q8.index(4 * qi + 1).permute((1, 0)), y, is_async=True)
+            y = warpgroup_mma(a2, q8.index(4 * qi + 2).permute((1, 0)), y, is_async=True)
+            y = warpgroup_mma(a3, q8.index(4 * qi + 3).permute((1, 0)), y, is_async=True)
             y = warpgroup_mma_wait(num_outstanding=0, deps=(y,))
     else:
         acc = gl.zeros([_HALF, _HEADS], gl.float32, layout=mma16)
         for b in gl.static_range(4):
-            acc = warpgroup_mma(ab.index(b), qb.index(4 * qi + b).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(ab.index(ab0 + b), qb.index(4 * qi + b).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        y = gl.convert_layout(acc, mma)
+        y = gl.convert_layout(acc, _MMA)
     if PARTS & 4:
         wb, y = gl.broadcast(w[None, :], y)
-        t = gl.inline_asm_elementwise(_EPILOGUE, "=r,r,r,r", [y, wb], dtype=gl.bfloat16, is_pure=True, pack=2)
+        t = gl.inline_asm_elementwise(_EPILOGUE, "=r,r,r,r,r", [y, wb], dtype=gl.bfloat16, is_pure=True, pack=2)
         a = gl.convert_layout(t, gl.DotOperandLayout(operand_index=0, parent=hmma, k_width=2))
         score = warpgroup_mma(a, ones.permute((1, 0)), gl.zeros([_HALF, 8], gl.float32, layout=hmma),
                               use_acc=False, is_async=True)
@@ -363,18 +409,16 @@ def _half_tile_bits(tflag):
 
 
 @gluon.jit
-def _consumer(shared, k0, k1, k2, k3, ab, ones, c: gl.constexpr, NC: gl.constexpr, NS: gl.constexpr,
+def _consumer(shared, ones, c: gl.constexpr, NC: gl.constexpr, NS: gl.constexpr,
               NQ: gl.constexpr, CAUSAL: gl.constexpr, COUNT: gl.constexpr, PARTS: gl.constexpr):
     """Consumer c of NC (2 or 4): keys 64h .. 64h + 63 (h = c % 2) of this CTA's tiles i = c // 2, c // 2 + NC / 2,
     ... (of its own walk), scored for every query (NQ <= 4). ``shared``: the arguments all consumers take, in the
     order :func:`_index_ws_kernel` packs them."""
     (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh,
-     stride_wn, stride_on, codes, words, q8, qb, stats, tflag, ready, empty, stats_ready, q_ready) = shared
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HEADS, 32])
+     stride_wn, stride_on, codes, words, q8, qb, ab, stats, tflag, ready, empty, stats_ready, q_ready) = shared
     hmma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
-    kl: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # a key per thread
     hl: gl.constexpr = gl.SliceLayout(1, hmma)
-    cols: gl.constexpr = gl.SliceLayout(0, mma)
+    cols: gl.constexpr = gl.SliceLayout(0, _MMA)
     # the per-query loads first (they overlap the queries' coding); the values stay in registers for the loop
     w0, pos0 = _query_inputs(w_ptr, pos_ptr, 0, stride_wn, n_heads, CAUSAL, cols)
     if NQ > 1:
@@ -387,12 +431,16 @@ def _consumer(shared, k0, k1, k2, k3, ab, ones, c: gl.constexpr, NC: gl.constexp
                                 q_ready, c, NQ)
     any_bf16 = gl.max(gl.where(gl.arange(0, _MAXQ, layout=exact.type.layout) < NQ, 1 - exact, 0), axis=0)
     qe0, lim0, lo0, hi0 = _query_params(w0, pos0, exact, e, 0, ratio, CAUSAL)
+    w0 = _weight_pairs(w0)
     if NQ > 1:
         qe1, lim1, lo1, hi1 = _query_params(w1, pos1, exact, e, 1, ratio, CAUSAL)
+        w1 = _weight_pairs(w1)
     if NQ > 2:
         qe2, lim2, lo2, hi2 = _query_params(w2, pos2, exact, e, 2, ratio, CAUSAL)
+        w2 = _weight_pairs(w2)
     if NQ > 3:
         qe3, lim3, lo3, hi3 = _query_params(w3, pos3, exact, e, 3, ratio, CAUSAL)
+        w3 = _weight_pairs(w3)
     col8 = gl.arange(0, 8, layout=gl.SliceLayout(0, hmma))
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
@@ -402,19 +450,13 @@ def _consumer(shared, k0, k1, k2, k3, ab, ones, c: gl.constexpr, NC: gl.constexp
         tile = pid + i * grid
         s = i % NS
         mbarrier.wait(ready.index(s), (i // NS) & 1)
-        b0, b1, b2, b3, m = _scale_bytes(words.index(2 * s + h).load(kl))
-        mh = _scale_bytes(words.index(2 * s + h).load(hl))[4]  # m again in the score rows' layout (no conversion)
+        word = words.index(2 * s + h).load(_KEYS)
+        raw = codes.index(2 * s + h).load(_RAW)
+        b0, b1, b2, b3, m = _scale_bytes(word)
         fold = _folds(b0, b1, b2, b3, m)
-        x0 = _unpack_block(codes, s, 0, h, b0, m, fold)  # all reads of the slot first, then one barrier
-        x1 = _unpack_block(codes, s, 1, h, b1, m, fold)
-        x2 = _unpack_block(codes, s, 2, h, b2, m, fold)
-        x3 = _unpack_block(codes, s, 3, h, b3, m, fold)
-        mbarrier.arrive(empty.index(s), count=1)
-        k0.store(x0)
-        k1.store(x1)
-        k2.store(x2)
-        k3.store(x3)
-        bits = gl.where(tile * _TILE + _HALF * h + gl.arange(0, _HALF, layout=kl) < n_keys, 0, 15)
+        a0, a1, a2, a3 = _unpack_half(raw, word, m, fold)
+        keys = tile * _TILE + _HALF * h + gl.arange(0, _HALF, layout=_KEYS)
+        bits = gl.where(keys < n_keys, 0, 15)
         bits |= _fold_bits(fold, m, lo0, hi0, 0)
         if NQ > 1:
             bits |= _fold_bits(fold, m, lo1, hi1, 1)
@@ -422,19 +464,21 @@ def _consumer(shared, k0, k1, k2, k3, ab, ones, c: gl.constexpr, NC: gl.constexp
             bits |= _fold_bits(fold, m, lo2, hi2, 2)
         if NQ > 3:
             bits |= _fold_bits(fold, m, lo3, hi3, 3)
-        tflag.index(c).store(gl.inline_asm_elementwise(_WARP_AND, "=r,r", [bits], dtype=gl.int32, is_pure=True,
-                                                       pack=1))
-        fence_async_shared()
-        gl.thread_barrier()
+        tflag.index(c).store(gl.inline_asm_elementwise(_WARP_AND, "=r,=r,r,r", [bits], dtype=gl.int32, is_pure=True,
+                                                       pack=2))
+        gl.thread_barrier()  # also: every thread has read the slot
+        mbarrier.arrive(empty.index(s), count=1)
         ok = _half_tile_bits(tflag.index(c))
         if (any_bf16 != 0) | ((ok & ((1 << NQ) - 1)) != (1 << NQ) - 1):  # some query takes the bf16 path
-            ab.index(0).store(_dequantize_block(k0, b0, m, fold))
-            ab.index(1).store(_dequantize_block(k1, b1, m, fold))
-            ab.index(2).store(_dequantize_block(k2, b2, m, fold))
-            ab.index(3).store(_dequantize_block(k3, b3, m, fold))
+            gl.thread_barrier()  # every warp is past its previous bf16 MMAs
+            ab.index(4 * c + 0).store(_dequantize(a0, word, m, fold))
+            ab.index(4 * c + 1).store(_dequantize(a1, word, m, fold))
+            ab.index(4 * c + 2).store(_dequantize(a2, word, m, fold))
+            ab.index(4 * c + 3).store(_dequantize(a3, word, m, fold))
             fence_async_shared()
             gl.thread_barrier()
-        keys = tile * _TILE + _HALF * h + gl.arange(0, _HALF, layout=hl)
+        mh = gl.convert_layout(m, hl)
+        keys = gl.convert_layout(keys, hl)
         for qi in gl.static_range(NQ):
             if qi == 0:
                 qe, w, limit = qe0, w0, lim0
@@ -445,7 +489,7 @@ def _consumer(shared, k0, k1, k2, k3, ab, ones, c: gl.constexpr, NC: gl.constexp
             else:
                 qe, w, limit = qe3, w3, lim3
             fq = (ok >> qi) & 1
-            score = _scores(k0, k1, k2, k3, ab, q8, qb, ones, qi, fq, w, PARTS)
+            score = _scores(a0, a1, a2, a3, ab, 4 * c, q8, qb, ones, qi, fq, w, PARTS)
             f = gl.where(fq != 0, ((mh + qe - 2) << 23).to(gl.float32, bitcast=True), 1.0)  # 2^(m + E - 129)
             score = score * f[:, None]
             n_fold += fq
@@ -453,34 +497,22 @@ def _consumer(shared, k0, k1, k2, k3, ab, ones, c: gl.constexpr, NC: gl.constexp
                 score = gl.where((keys < limit)[:, None], score, float("-inf"))
             gl.store(out_ptr + qi * stride_on + keys[:, None] + col8[None, :] * 0, score.to(gl.bfloat16),
                      mask=(keys < n_keys)[:, None] & (col8 == 0)[None, :])
-        gl.thread_barrier()  # every warp's MMAs have read k0 .. k3 / ab before the next tile overwrites them
     if COUNT:
         gl.atomic_add(paths_ptr, n_fold)
         mine = ((n_tiles - pid + grid - 1) // grid - c // 2 + NC // 2 - 1) // (NC // 2)  # tiles this consumer took
         gl.atomic_add(paths_ptr + 1, gl.maximum(mine, 0) * NQ - n_fold)
 
 
-@gluon.jit
-def _key_buffers():
-    """Shared memory for one consumer's unpacked keys: four e4m3 [_HALF, 32] blocks (separate allocations, so the
-    compiler puts no barrier between their stores) and the four bf16 blocks of the bf16 path."""
-    a8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HALF, 32], gl.float8e4nv)
-    return (gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8),
-            gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8),
-            gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8),
-            gl.allocate_shared_memory(gl.float8e4nv, [_HALF, 32], a8),
-            gl.allocate_shared_memory(gl.bfloat16, [4, _HALF, 32],
-                                      gl.NVMMASharedLayout.get_default_for([_HALF, 32], gl.bfloat16)))
-
-
-@gluon.jit
+# n_heads is not specialized: with n_heads == 1 the padded heads' codes are constant zeros, and ptxas (Triton 3.6,
+# sm_90a) then packed some of those e4m3 pairs with another register's half (the thread id, the stack pointer) into
+# the q8 stores: stray codes, NaN ones among them, in heads of weight 0, which made every score NaN (2026-12-02)
+@gluon.jit(do_not_specialize=["n_heads"])
 def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, k_ptr, ks_ptr,
                      n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh, stride_wn, stride_on, stride_k,
                      stride_ks, NC: gl.constexpr, NS: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
                      COUNT: gl.constexpr, LW: gl.constexpr, LREGS: gl.constexpr, CREGS: gl.constexpr,
                      PARTS: gl.constexpr):
-    codes = gl.allocate_shared_memory(gl.uint8, [8 * NS, _HALF, 16],
-                                      gl.NVMMASharedLayout.get_default_for([_HALF, 16], gl.uint8))
+    codes = gl.allocate_shared_memory(gl.uint8, [2 * NS, _HALF, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     words = gl.allocate_shared_memory(gl.int32, [2 * NS, _HALF], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q8 = gl.allocate_shared_memory(gl.float8e4nv, [4 * NQ, _HEADS, 32],
                                    gl.NVMMASharedLayout.get_default_for([_HEADS, 32], gl.float8e4nv))
@@ -492,6 +524,8 @@ def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, k_ptr,
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     stats = gl.allocate_shared_memory(gl.int32, [4, _MAXQ], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     tflag = gl.allocate_shared_memory(gl.int32, [NC, _HALF], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ab = gl.allocate_shared_memory(gl.bfloat16, [4 * NC, _HALF, 32],
+                                   gl.NVMMASharedLayout.get_default_for([_HALF, 32], gl.bfloat16))
     stats_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
@@ -500,23 +534,20 @@ def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, k_ptr,
     mbarrier.init(stats_ready.index(0), count=2)
     mbarrier.init(q_ready.index(0), count=2)  # consumers 0 and 1 code the queries
     shared = (q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, n_keys, n_heads, n_tiles, ratio, stride_qn,
-              stride_qh, stride_wn, stride_on, codes, words, q8, qb, stats, tflag, ready, empty, stats_ready, q_ready)
-    k00, k01, k02, k03, ab_0 = _key_buffers()
-    k10, k11, k12, k13, ab_1 = _key_buffers()
+              stride_qh, stride_wn, stride_on, codes, words, q8, qb, ab, stats, tflag, ready, empty, stats_ready,
+              q_ready)
     if NC == 2:
         gl.warp_specialize([
-            (_consumer, (shared, k00, k01, k02, k03, ab_0, ones.index(0), 0, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
-            (_consumer, (shared, k10, k11, k12, k13, ab_1, ones.index(1), 1, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_consumer, (shared, ones.index(0), 0, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_consumer, (shared, ones.index(1), 1, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
             (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW, PARTS)),
         ], [4, LW], [CREGS, LREGS])
     else:
-        k20, k21, k22, k23, ab_2 = _key_buffers()
-        k30, k31, k32, k33, ab_3 = _key_buffers()
         gl.warp_specialize([
-            (_consumer, (shared, k00, k01, k02, k03, ab_0, ones.index(0), 0, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
-            (_consumer, (shared, k10, k11, k12, k13, ab_1, ones.index(1), 1, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
-            (_consumer, (shared, k20, k21, k22, k23, ab_2, ones.index(2), 2, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
-            (_consumer, (shared, k30, k31, k32, k33, ab_3, ones.index(3), 3, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_consumer, (shared, ones.index(0), 0, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_consumer, (shared, ones.index(1), 1, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_consumer, (shared, ones.index(2), 2, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
+            (_consumer, (shared, ones.index(3), 3, NC, NS, NQ, CAUSAL, COUNT, PARTS)),
             (_loader, (k_ptr, ks_ptr, stride_k, stride_ks, n_keys, n_tiles, codes, words, ready, empty, NS, LW, PARTS)),
         ], [4, 4, 4, LW], [CREGS, CREGS, CREGS, LREGS])
 

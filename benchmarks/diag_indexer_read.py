@@ -2,7 +2,8 @@
 (CUDA-graph replays, rotating inputs >= 3x L2): an empty kernel (the per-call cost of a launch inside a graph), and
 a bare read of the keys, a Triton kernel that streams the packed FP4 codes and scale bytes (68 B per key) and writes
 one bf16 per key per query (an XOR fold of the key's bytes, so no byte can be skipped): the bytes the indexer
-must move, with none of its arithmetic. The best of a few launch configurations is kept.
+must move, with none of its arithmetic. The best of a few launch configurations is kept. The ``ws`` indexer kernel
+(``index_scores_fp4_ws``, its default launch) is timed on the same inputs beside them.
 
     python3 benchmarks/diag_indexer_read.py --out DIR [--reps 3]
 
@@ -23,6 +24,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernels import time_fn  # noqa: E402
 from diag_indexer_ws import indexer_sets  # noqa: E402
+
+from fidelity.production.kernels import indexer_ws  # noqa: E402
 
 
 @triton.jit
@@ -73,7 +76,8 @@ def main() -> None:
     rows.append({"what": "empty kernel, 132 CTAs", "us": t})
     print(json.dumps(rows[-1]), flush=True)
     for n_q, e in ((1, 262144), (1, 32768), (1, 1024), (4, 262144)):
-        sets = [(p, s) for _, p, s, _ in indexer_sets(n_q, e, seed=e + n_q)]
+        full = indexer_sets(n_q, e, seed=e + n_q)
+        sets = [(p, s) for _, p, s, _ in full]
         ref = sets[0][0].view(torch.int32).reshape(e, 16)
         fold = ref[:, 0]
         for k in range(1, 16):
@@ -92,7 +96,10 @@ def main() -> None:
             rows.append(row)
             best = row if best is None or min(t) < min(best["us"]) else best
         rows.append({**best, "what": "bare read of the FP4 keys, best config"})
-        del sets
+        t = [time_fn(indexer_ws.index_scores_fp4_ws, full)["us"] for _ in range(args.reps)]
+        rows.append({"what": "ws indexer kernel", "n_q": n_q, "keys": e, "us": t, "sets": len(full)})
+        print(json.dumps(rows[-1]), flush=True)
+        del full, sets
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "diag_indexer_read.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -65,3 +65,12 @@ def test_the_check_finds_the_drafts_instruction():
              "        /*1d70*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R21, R36, R21, R35 ;\n"
              "        /*1d80*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R35, R36, R35, RZ ;\n")
     assert _stray_merges(draft) == ["R43"]
+
+
+def test_the_epilogue_takes_the_relu_in_its_bf16_rounding(tmp_path):
+    """bf16(relu(s)) is one packed conversion with ReLU per two values (``cvt.rn.relu.bf16x2.f32``), not a rounding
+    then a bf16 max with zero: 24 fewer instructions per 64-key half tile with the weights packed once per query
+    (H200 1M context one query: 16.2 -> 15.4 us, 2026-12-02)."""
+    sass = _sass(1, False, tmp_path)
+    assert "F2FP.RELU.BF16.F32.PACK_AB" in sass
+    assert "HMNMX2" not in sass

@@ -67,8 +67,9 @@ SLOTS = 4  # ring slots
 SPREAD = 11  # the most a key's block scale bytes may differ by for its codes to fold them (6 * 2^(11 - 5) = 384)
 # consumer warpgroups per CTA: 4 (two tiles in flight) for one query from 10 tiles per CTA, else 2 (H200, one query,
 # 4 vs 2 consumers: 8.6 vs 7.3 us at 2 tiles per CTA, 10.1 vs 9.2 at 3.9, 12.9 vs 12.8 at 7.8, 16.3 vs 16.6 at 11.6,
-# 18.4 vs 19.3 at 15.5, measured before the keys became register operands; after: 7.6 vs 6.8 at 3.9, 15.7 vs 16.6 at
-# 15.5; with 4, three or four queries exceed shared memory and two spill)
+# 18.4 vs 19.3 at 15.5, measured before the keys became register operands; this kernel: 8.7 vs 8.2 at 3.9, 11.2 vs
+# 11.0 at 7.8, 13.3 vs 13.4 at 11.6, 15.5 vs 16.1 at 15.5; with 4, three or four queries exceed shared memory and two
+# spill)
 FOUR_CONSUMER_TILES = 10
 LOADER_REGS, CONSUMER_REGS = 40, {2: 224, 4: 112}  # per thread, by consumers per CTA
 LOADS, MMAS, EPILOGUE = 1, 2, 4  # PARTS bits: which stages run (all by default; benchmarks/diag_indexer_ws.py)

@@ -100,7 +100,7 @@ _KEYS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
 _WARP_AND = gl.constexpr("{ .reg .b32 t; and.b32 t, $2, $3; redux.sync.and.b32 $0, t, 0xffffffff; mov.b32 $1, $0; }")
 # bf16(relu(bf16(s)) * w) for two (key, head) values: s fp32 pair ($1, $2), the two heads' bf16 weights as one word
 # ($3; $4 is the same word) -> bf16 pair. The ReLU is the rounding's (NaN stays NaN, as torch.relu keeps it; -0 may
-# become +0, which no product or sum tells apart)
+# become +0, which can change at most the sign of a zero score)
 _EPILOGUE = gl.constexpr("{ .reg .b32 p; cvt.rn.relu.bf16x2.f32 p, $2, $1; mul.rn.bf16x2 $0, p, $3; }")
 
 

@@ -34,6 +34,11 @@ def _empty_kernel(x_ptr):
 
 
 @triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
 def _read_keys_kernel(k_ptr, ks_ptr, out_ptr, n_keys, N_Q: tl.constexpr, BLOCK: tl.constexpr):
     """out[i, j] = bf16 of (XOR of key j's 16 code words and its scale word) & 0x7fff, for i < N_Q."""
     pid = tl.program_id(0)
@@ -45,11 +50,6 @@ def _read_keys_kernel(k_ptr, ks_ptr, out_ptr, n_keys, N_Q: tl.constexpr, BLOCK: 
     val = (fold & 0x7FFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
     for i in tl.static_range(N_Q):
         tl.store(out_ptr + i * n_keys + keys, val, mask=valid)
-
-
-@triton.jit
-def _xor(a, b):
-    return a ^ b
 
 
 def read_keys(packed: torch.Tensor, scales: torch.Tensor, n_q: int, block: int, warps: int) -> torch.Tensor:
@@ -69,12 +69,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     rows = []
     dummy = torch.empty(1, device="cuda")
-    t = [time_fn(lambda x: _empty_kernel[(1,)](x), [(dummy,)] * 3)["us"] for _ in range(args.reps)]
-    rows.append({"what": "empty kernel, 1 CTA", "us": t})
-    print(json.dumps(rows[-1]), flush=True)
-    t = [time_fn(lambda x: _empty_kernel[(132,)](x), [(dummy,)] * 3)["us"] for _ in range(args.reps)]
-    rows.append({"what": "empty kernel, 132 CTAs", "us": t})
-    print(json.dumps(rows[-1]), flush=True)
+    for ctas in (1, torch.cuda.get_device_properties(0).multi_processor_count):
+        t = [time_fn(lambda x, n=ctas: _empty_kernel[(n,)](x), [(dummy,)] * 3)["us"] for _ in range(args.reps)]
+        rows.append({"what": f"empty kernel, {ctas} CTAs", "us": t})
+        print(json.dumps(rows[-1]), flush=True)
     for n_q, e in ((1, 262144), (1, 32768), (1, 1024), (4, 262144)):
         full = indexer_sets(n_q, e, seed=e + n_q)
         sets = [(p, s) for _, p, s, _ in full]
@@ -83,14 +81,14 @@ def main() -> None:
         for k in range(1, 16):
             fold = fold ^ ref[:, k]
         fold = (fold ^ sets[0][1].view(torch.int32)[:, 0]) & 0x7FFF
-        best = None
+        best, moved = None, e * 68 + e * 2 * n_q
         for block, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
             got = read_keys(*sets[0], n_q, block, warps)
             assert torch.equal(got.view(torch.int16).to(torch.int32), fold.expand(n_q, e).to(torch.int32) & 0x7FFF)
             t = [time_fn(lambda p, s, b=block, w=warps, n=n_q: read_keys(p, s, n, b, w), sets)["us"]
                  for _ in range(args.reps)]
             row = {"what": "bare read of the FP4 keys", "n_q": n_q, "keys": e, "block": block, "warps": warps,
-                   "us": t, "bytes": e * 68 + e * 2 * n_q, "tb_per_s": (e * 68 + e * 2 * n_q) / min(t) / 1e6,
+                   "us": t, "bytes": moved, "tb_per_s": moved / min(t) / 1e6,
                    "sets": len(sets)}
             print(json.dumps(row), flush=True)
             rows.append(row)

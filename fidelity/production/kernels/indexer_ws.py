@@ -432,16 +432,16 @@ def _consumer(shared, ones, c: gl.constexpr, NC: gl.constexpr, NS: gl.constexpr,
                                 q_ready, c, NQ)
     any_bf16 = gl.max(gl.where(gl.arange(0, _MAXQ, layout=exact.type.layout) < NQ, 1 - exact, 0), axis=0)
     qe0, lim0, lo0, hi0 = _query_params(w0, pos0, exact, e, 0, ratio, CAUSAL)
-    w0 = _weight_pairs(w0)
+    wp0 = _weight_pairs(w0)
     if NQ > 1:
         qe1, lim1, lo1, hi1 = _query_params(w1, pos1, exact, e, 1, ratio, CAUSAL)
-        w1 = _weight_pairs(w1)
+        wp1 = _weight_pairs(w1)
     if NQ > 2:
         qe2, lim2, lo2, hi2 = _query_params(w2, pos2, exact, e, 2, ratio, CAUSAL)
-        w2 = _weight_pairs(w2)
+        wp2 = _weight_pairs(w2)
     if NQ > 3:
         qe3, lim3, lo3, hi3 = _query_params(w3, pos3, exact, e, 3, ratio, CAUSAL)
-        w3 = _weight_pairs(w3)
+        wp3 = _weight_pairs(w3)
     col8 = gl.arange(0, 8, layout=gl.SliceLayout(0, hmma))
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
@@ -482,15 +482,15 @@ def _consumer(shared, ones, c: gl.constexpr, NC: gl.constexpr, NS: gl.constexpr,
         keys = gl.convert_layout(keys, hl)
         for qi in gl.static_range(NQ):
             if qi == 0:
-                qe, w, limit = qe0, w0, lim0
+                qe, wp, limit = qe0, wp0, lim0
             elif qi == 1:
-                qe, w, limit = qe1, w1, lim1
+                qe, wp, limit = qe1, wp1, lim1
             elif qi == 2:
-                qe, w, limit = qe2, w2, lim2
+                qe, wp, limit = qe2, wp2, lim2
             else:
-                qe, w, limit = qe3, w3, lim3
+                qe, wp, limit = qe3, wp3, lim3
             fq = (ok >> qi) & 1
-            score = _scores(a0, a1, a2, a3, ab, 4 * c, q8, qb, ones, qi, fq, w, PARTS)
+            score = _scores(a0, a1, a2, a3, ab, 4 * c, q8, qb, ones, qi, fq, wp, PARTS)
             f = gl.where(fq != 0, ((mh + qe - 2) << 23).to(gl.float32, bitcast=True), 1.0)  # 2^(m + E - 129)
             score = score * f[:, None]
             n_fold += fq

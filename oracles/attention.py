@@ -45,12 +45,29 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, s
     denominator only (it has no value row); invalid rows contribute nothing.
     """
     logits = torch.einsum("nhd,nmd->nhm", q, rows) * scale
+    return torch.einsum("nhm,nmd->nhd", sink_softmax(logits, valid, sink), rows)
+
+
+def window_and_entries_attention(q: torch.Tensor, window_rows: torch.Tensor, window_valid: torch.Tensor,
+                                 entries: torch.Tensor, entry_valid: torch.Tensor, sink: torch.Tensor,
+                                 scale: float) -> torch.Tensor:
+    """``sparse_attention`` over each query's window rows [n, W, d] followed by compressed entries that every
+    query shares [e, d] (HCA: all entries, masked by ``entry_valid`` [n, e]); the same as gathering the
+    entries per query, without the [n, e, d] copy. -> o [n, H, d]."""
+    logits = torch.cat((torch.einsum("nhd,nmd->nhm", q, window_rows), torch.einsum("nhd,ed->nhe", q, entries)), -1)
+    p = sink_softmax(logits * scale, torch.cat((window_valid, entry_valid), dim=1), sink)
+    w = window_rows.shape[1]
+    return torch.einsum("nhm,nmd->nhd", p[..., :w], window_rows) + torch.einsum("nhe,ed->nhd", p[..., w:], entries)
+
+
+def sink_softmax(logits: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """logits [n, H, m], valid [n, m], sink [H] -> p [n, H, m]: softmax with exp(sink_h) added to the
+    denominator only; invalid entries get 0."""
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    sink = sink.to(q.dtype)[None, :, None].expand(q.shape[0], -1, 1)
+    sink = sink.to(logits.dtype)[None, :, None].expand(logits.shape[0], -1, 1)
     top = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
     p = (logits - top).exp()
-    denom = p.sum(dim=-1, keepdim=True) + (sink - top).exp()
-    return torch.einsum("nhm,nmd->nhd", p / denom, rows)
+    return p / (p.sum(dim=-1, keepdim=True) + (sink - top).exp())
 
 
 def output_projection(o: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, wo_a: torch.Tensor,

@@ -16,21 +16,40 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, positions
                  ratio: int) -> torch.Tensor:
     """q [n, h, d], keys [e, d], w [n, h], positions [n] -> scores [n, e] (-inf on future entries)."""
     dots = torch.einsum("nhd,ed->nhe", q, keys).relu()
-    scores = (dots * w.unsqueeze(-1)).sum(dim=1)
+    scores = torch.einsum("nhe,nh->ne", dots, w)
     future = torch.arange(keys.shape[0], device=q.device)[None, :] >= ((positions + 1) // ratio)[:, None]
-    return scores.masked_fill(future, float("-inf"))
+    return scores.masked_fill_(future, float("-inf"))
 
 
 def select_topk(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
-    """scores [n, e] -> indices [n, topk]: the top min(topk, e) entries per query; picks that are not
-    visible (j >= (t+1) // ratio) and unused columns are -1.
+    """scores [n, e] -> indices [n, topk]: the top min(topk, e) entries per query, highest score first;
+    picks that are not visible (j >= (t+1) // ratio) and unused columns are -1.
 
-    Ties are broken towards the lower entry index (a stable sort). They are common, not rare: the score
-    is exactly 0 for every entry whose dot products are all negative under the ReLU. The reference's
-    ``torch.topk`` leaves tie order implementation-defined (spec "Open"); the oracle fixes one order so
-    that prefill and decode select the same set.
+    Ties are broken towards the lower entry index: the first k of a stable descending sort. They are
+    common, not rare: the score is exactly 0 for every entry whose dot products are all negative under the
+    ReLU. The reference's ``torch.topk`` leaves tie order implementation-defined (spec "Open"); the oracle
+    fixes one order so that prefill and decode select the same set. NaN ranks above +inf, as in a sort.
     """
     k = min(topk, scores.shape[1])
-    picks = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    picks = stable_topk_indices(scores, k)
     picks = torch.where(picks >= ((positions + 1) // ratio)[:, None], -1, picks)
     return torch.nn.functional.pad(picks, (0, topk - k), value=-1)
+
+
+def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [n, e] -> [n, k]: ``scores.sort(-1, descending=True, stable=True).indices[:, :k]`` without
+    sorting all e entries: the entries above the k-th largest score, then the lowest-index entries equal
+    to it, those k sorted (stably) by score. Scores holding NaN take the full sort."""
+    if k == 0:
+        return scores.new_zeros((scores.shape[0], 0), dtype=torch.long)
+    vals, top = scores.topk(k, dim=-1)  # the k largest (NaN first); which of several equal ones is unspecified
+    if vals.isnan().any():
+        return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    e = scores.shape[1]
+    kth = vals[:, -1:]  # [n, 1]
+    above = torch.where(vals > kth, top, e)  # [n, k] picks strictly above the k-th score, e = none
+    ids = torch.arange(e, dtype=torch.int32, device=scores.device)
+    tied = torch.where(scores == kth, ids, e).topk(k, dim=-1, largest=False).values.long()  # lowest ids
+    tied = torch.where(ids[:k] < k - (vals > kth).sum(-1, keepdim=True), tied, e)
+    chosen = torch.cat((above, tied), dim=1).sort(dim=-1).values[:, :k]  # [n, k] in index order
+    return chosen.gather(1, scores.gather(1, chosen).sort(dim=-1, descending=True, stable=True).indices)

@@ -63,9 +63,11 @@ class OracleModel:
         return OracleSession(self, recorder)
 
     @torch.no_grad()
-    def logits(self, input_ids: torch.Tensor, recorder: Recorder | None = None) -> torch.Tensor:
-        """input_ids [T] -> logits [T, vocab] at every position (one call, no cache carried over)."""
-        return self.session(recorder).forward(input_ids)
+    def logits(self, input_ids: torch.Tensor, recorder: Recorder | None = None,
+               last_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] -> logits [T, vocab] at every position, or [len(last_rows), vocab] at those rows (one
+        call, no cache carried over; see ``OracleSession.forward``)."""
+        return self.session(recorder).forward(input_ids, last_rows)
 
 
 class OracleSession:
@@ -82,8 +84,8 @@ class OracleSession:
             self.rec(site, tensor)
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.forward(input_ids)
+    def prefill(self, input_ids: torch.Tensor, last_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward(input_ids, last_rows)
 
     @torch.no_grad()
     def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
@@ -91,8 +93,12 @@ class OracleSession:
         return self.forward(torch.as_tensor([int(token_id)]))[0]
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """New tokens [n] at positions pos .. pos+n-1 -> logits [n, vocab]."""
+    def forward(self, input_ids: torch.Tensor, last_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """New tokens [n] at positions pos .. pos+n-1 -> logits [n, vocab].
+
+        ``last_rows`` (indices into the n rows): logits [len(last_rows), vocab] of those rows only; every layer
+        but the last still runs every row (later tokens and layers read their KV and compressed entries), the
+        last layer's attention and MoE run only these rows. The caches end as after a full call."""
         ids = torch.as_tensor(input_ids).long().flatten()
         if ids.numel() == 0:
             raise ValueError("input_ids: expected at least one token, found 0")
@@ -105,8 +111,9 @@ class OracleSession:
         x = self.m.w("embed.weight")[ids]  # [n, dim]
         self.emit("embed", x)
         x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [n, hc, dim]
+        last = self.cfg.n_layers - 1
         for i in range(self.cfg.n_layers):
-            x = self.block(i, x, positions, ids)
+            x = self.block(i, x, positions, ids, last_rows if i == last else None)
         logits = self.head(x)
         self.pos += ids.numel()
         self.calls += 1
@@ -200,7 +207,8 @@ class OracleSession:
 
     def attend(self, i: int, q: torch.Tensor, positions: torch.Tensor, st: LayerState, entries: torch.Tensor,
                picks: torch.Tensor | None) -> torch.Tensor:
-        """Sparse attention of q [n, H, hd] over window rows and compressed entries, in query chunks."""
+        """Sparse attention of q [n, H, hd] over window rows and compressed entries, in query chunks.
+        HCA layers see every complete entry, so their entries are shared by all queries, not gathered."""
         cfg = self.cfg
         ratio = cfg.ratio(i)
         win = attn.window_positions(positions, cfg.window_size)  # [n, W]
@@ -210,18 +218,22 @@ class OracleSession:
             comp = attn.hca_entries(positions, ratio, entries.shape[0])
         else:
             comp = picks
-        visible = torch.cat((win, comp), dim=1)
-        self.emit(f"L{i}.attn.visible", visible)
-        table = torch.cat((st.kv, entries))  # window rows first, then compressed entries
-        rows_idx = torch.cat((win - st.kv_start, comp + st.kv.shape[0]), dim=1)
-        valid = torch.cat((win >= 0, comp >= 0), dim=1)
+        self.emit(f"L{i}.attn.visible", torch.cat((win, comp), dim=1))
+        shared = ratio > 0 and picks is None  # HCA
+        table = st.kv if shared else torch.cat((st.kv, entries))  # window rows first, then compressed entries
+        rows_idx = win - st.kv_start if shared else torch.cat((win - st.kv_start, comp + st.kv.shape[0]), dim=1)
+        valid = win >= 0 if shared else torch.cat((win >= 0, comp >= 0), dim=1)
         rows_idx = torch.where(valid, rows_idx, 0)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
         out = []
-        step = max(1, CHUNK_ELEMENTS // max(1, visible.shape[1] * cfg.head_dim))
+        step = max(1, CHUNK_ELEMENTS // max(1, (cfg.window_size + comp.shape[1]) * cfg.head_dim))
         for s in range(0, len(positions), step):
             sl = slice(s, s + step)
-            out.append(attn.sparse_attention(q[sl], table[rows_idx[sl]], valid[sl], sink, scale))
+            if shared:
+                out.append(attn.window_and_entries_attention(q[sl], table[rows_idx[sl]], valid[sl], entries,
+                                                             comp[sl] >= 0, sink, scale))
+            else:
+                out.append(attn.sparse_attention(q[sl], table[rows_idx[sl]], valid[sl], sink, scale))
         return torch.cat(out)
 
     def indexer(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,

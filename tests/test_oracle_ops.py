@@ -4,11 +4,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fidelity.config import ModelConfig
 from oracles import attention as attn
 from oracles.compressor import CompressorState, CompressorWeights, compress
-from oracles.indexer import index_scores, select_topk
+from oracles.indexer import index_scores, select_topk, stable_topk_indices
 from oracles.mhc import hc_post, hc_split, sinkhorn
 from oracles.moe import gate
 from oracles.rope import apply_rope, inv_freq, yarn_correction_range
@@ -178,3 +180,34 @@ def test_hash_gate_routes_by_token_id():
 def test_topk_breaks_exact_ties_towards_the_lower_entry():
     scores = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]])
     assert select_topk(scores, torch.tensor([19]), 4, 3)[0].tolist() == [1, 0, 2]
+
+
+# ---- the oracle's fast paths equal their plain definitions -------------------------------------------------------
+TIE_VALUES = st.sampled_from([-math.inf, -1.5, -0.0, 0.0, 0.25, 1.0, math.inf, math.nan])
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.integers(1, 4).flatmap(lambda n: st.integers(1, 24).flatmap(lambda e: st.tuples(
+    st.lists(st.lists(TIE_VALUES, min_size=e, max_size=e), min_size=n, max_size=n), st.integers(0, e)))))
+def test_stable_topk_picks_what_a_stable_descending_sort_picks(case):
+    """Few distinct values (ties everywhere), signed zeros, +-inf and NaN: the same k ids in the same order."""
+    rows, k = case
+    for dtype in (torch.float32, torch.float64):
+        scores = torch.tensor(rows, dtype=dtype)
+        expected = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(stable_topk_indices(scores, k), expected)
+
+
+def test_hca_attention_over_shared_entries_equals_attention_over_gathered_rows():
+    g = torch.Generator().manual_seed(5)
+    n, heads, d, w, e = 6, 3, 16, 5, 9
+    q, window, entries = torch.randn(n, heads, d, generator=g), torch.randn(n, w, d, generator=g), \
+        torch.randn(e, d, generator=g)
+    window_valid = torch.rand(n, w, generator=g) > 0.3
+    entry_valid = torch.rand(n, e, generator=g) > 0.4
+    entry_valid[0] = False  # a query that sees no compressed entry
+    sink = torch.randn(heads, generator=g)
+    got = attn.window_and_entries_attention(q, window, window_valid, entries, entry_valid, sink, 0.25)
+    rows = torch.cat((window, entries.expand(n, e, d)), dim=1)
+    want = attn.sparse_attention(q, rows, torch.cat((window_valid, entry_valid), dim=1), sink, 0.25)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)

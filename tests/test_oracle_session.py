@@ -51,18 +51,31 @@ def test_chunked_prefill_matches_full_sequence(tiny_oracle):
     assert _rel(torch.cat(parts), full) <= PARITY_REL_TOL
 
 
+def test_last_rows_give_the_full_forwards_logits_at_those_rows(tiny_oracle):
+    ids = torch.randint(2, 4096, (300,), generator=torch.Generator().manual_seed(4))
+    rows = torch.tensor([0, 127, 128, 255, 299])
+    full = tiny_oracle.logits(ids)
+    assert _rel(tiny_oracle.logits(ids, last_rows=rows), full[rows]) <= PARITY_REL_TOL
+    session = tiny_oracle.session()
+    session.prefill(ids[:299], last_rows=torch.tensor([298]))
+    assert _rel(session.step(ids[299])[None], full[299:]) <= PARITY_REL_TOL  # the caches are complete
+
+
 @pytest.mark.slow
 def test_decode_matches_full_sequence_around_128k():
-    """128K +- 1 on a narrow two-layer CSA + HCA model: 32768 indexer entries, 1024 HCA entries."""
+    """128K +- 1 on a narrow two-layer HCA + CSA model: 1024 HCA entries, 32768 indexer entries. Only the logits
+    of the last rows are compared, so the last (CSA) layer's attention runs on those rows in both passes; every
+    layer's caches, the HCA attention and the CSA decode steps cover the whole context."""
     cfg = ModelConfig.preset("tiny").replace(
-        vocab_size=256, dim=128, n_layers=2, compress_ratios=(4, 128), n_hash_layers=1, n_heads=2, o_groups=1,
+        vocab_size=256, dim=128, n_layers=2, compress_ratios=(128, 4), n_hash_layers=1, n_heads=2, o_groups=1,
         q_lora_rank=128, moe_inter_dim=128, n_routed_experts=4, index_n_heads=1, max_seq_len=1 << 17,
     )
     oracle = OracleModel(synthesize(cfg, seed=0))
     ids = torch.randint(2, 256, (131074,), generator=torch.Generator().manual_seed(3))
-    full = oracle.logits(ids)[-4:]
+    full = oracle.logits(ids, last_rows=torch.arange(131070, 131074))
     session = oracle.session()
-    logits = [session.prefill(ids[:131071])[-1:]] + [session.step(t)[None] for t in ids[131071:]]
+    logits = [session.prefill(ids[:131071], last_rows=torch.tensor([131070]))]
+    logits += [session.step(t)[None] for t in ids[131071:]]
     assert _rel(torch.cat(logits), full) <= PARITY_REL_TOL
 
 

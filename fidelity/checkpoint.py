@@ -254,7 +254,8 @@ class Checkpoint:
     """Canonical DSv4 tensors of one model: ``ckpt[name]`` (dequantized at use), ``ckpt.stored(name)``.
 
     ``config``: the ModelConfig; ``layout``: "deepseek" / "official" / "transformers" (from disk) or
-    "synthetic"; ``path``: the directory (None in memory); ``ignored``: stored keys accepted but unused (MTP).
+    "synthetic"; ``path``: the directory (None in memory); ``ignored``: stored keys accepted but unused (MTP);
+    ``origin``: how an in-memory checkpoint was made (``synthesize`` records its seed, the CLI its preset).
     """
 
     def __init__(
@@ -272,6 +273,7 @@ class Checkpoint:
         self.layout = layout
         self.path = path
         self.ignored = list(ignored)
+        self.origin: dict = {}
         self._specs = expected_tensors(config)
         self._names = [n for n in names]
         self._known = set(self._names)
@@ -425,7 +427,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     layout = detect_layout(infos, [p.name for p in root.glob("*.safetensors")], wo_a)
     plan: dict[str, _Located] = {}
     if config is not None:
-        plan = _match(config, layout, infos, index, problems)
+        absent = set(index.values()) - set(files) if index else set()  # shards the index names, not on disk
+        plan = _match(config, layout, infos, index, problems, unreadable | absent)
         _check_config_vs_weights(config, layout, infos, problems)
         _check_values(config, root, plan, problems)
     if problems:
@@ -564,12 +567,15 @@ def _describe(want: _Want) -> str:
 
 
 def _match(
-    config: ModelConfig, layout: str, infos: dict[str, _KeyInfo], index: dict[str, str] | None, problems: list[str]
+    config: ModelConfig, layout: str, infos: dict[str, _KeyInfo], index: dict[str, str] | None, problems: list[str],
+    unreadable: set[str] = frozenset(),
 ) -> dict[str, _Located]:
-    """Assign stored keys to canonical tensors; report missing / duplicate / misshapen / unexpected keys."""
-    m = _Matcher(config, layout, infos, index, problems)
+    """Assign stored keys to canonical tensors; report missing / duplicate / misshapen / unexpected keys. Tensors
+    missing because they may sit in an unreadable file are reported in one line, not one line each."""
+    m = _Matcher(config, layout, infos, index, problems, unreadable)
     plan = {name: loc for name, spec in expected_tensors(config).items() if (loc := m.locate(spec)) is not None}
     m.report_unexpected()
+    m.report_unreadable()
     return plan
 
 
@@ -583,8 +589,11 @@ class _Matcher:
         infos: dict[str, _KeyInfo],
         index: dict[str, str] | None,
         problems: list[str],
+        unreadable: set[str] = frozenset(),
     ):
         self.config, self.layout, self.infos, self.index, self.problems = config, layout, infos, index, problems
+        self.unreadable = unreadable
+        self.in_unreadable: list[str] = []  # missing tensors that an unreadable file may hold
         self.claimed: set[str] = set()
         self.fused_checked: set[str] = set()
 
@@ -609,10 +618,22 @@ class _Matcher:
     def _missing(self, name: str, key: str, want: _Want, has_scale: bool) -> None:
         if has_scale:  # an orphaned scale is part of this problem, not an unexpected tensor
             self.claimed.update(k for k in release_scale_aliases(name) if k in self.infos)
+        if self.unreadable and (self.index is None or self.index.get(key) in self.unreadable):
+            self.in_unreadable.append(name)
+            return
         hint = ""
         if self.index is not None and key in self.index:
             hint = f" (the index maps it to {self.index[key]}, which is missing or unreadable)"
         self.problems.append(f"missing tensor {name!r}: expected {_describe(want)} as {key!r}{hint}")
+
+    def report_unreadable(self) -> None:
+        """One line for the tensors that an unreadable file may hold."""
+        if self.in_unreadable:
+            shown = ", ".join(repr(n) for n in self.in_unreadable[:3])
+            more = f" and {len(self.in_unreadable) - 3} more" if len(self.in_unreadable) > 3 else ""
+            self.problems.append(f"{len(self.in_unreadable)} tensors not found ({shown}{more}): they would be in the "
+                                 f"missing or unreadable file(s) {', '.join(sorted(self.unreadable))}; repair or "
+                                 "replace those first")
 
     def _check_weight(self, name: str, src: Source, want: _Want, info: _KeyInfo) -> bool:
         """Dtype and shape of one stored weight; a fused HF expert tensor is checked (and reported) once."""
@@ -754,6 +775,9 @@ def save_checkpoint(
         _write_tensors(ckpt, tmp, layout, max_shard_bytes)
         config = _config_dict(ckpt.config, layout)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp and safetensors make them private; a checkpoint is an ordinary folder
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         _replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -19,10 +20,10 @@ EXAMPLES = """examples:
   fidelity run --profile fp8-fmha --decode 16 --mode layer --mode op --gate
   fidelity run --checkpoint ckpt/ --prompt-file ids.txt --profile my_profile.toml --thresholds th.toml
   fidelity report runs/<run-id>              re-render the report (optionally --thresholds)
-  fidelity compare runs/<a> runs/<b>         two profiles or versions side by side
+  fidelity compare runs/<a> runs/<b> ...     profiles or versions side by side (runs/compare-<a>-vs-<b>/)
   fidelity memory --preset flash --context 1048576
   fidelity oracle                            the oracle alone on the tiny checkpoint
-  fidelity oracle --prompt-len 4096 --decode 32 --dtype fp64
+  fidelity oracle --prompt-len 4096 --decode 32 --oracle-dtype fp64
   fidelity synth --preset tiny --seed 1 --out ckpt/ --layout deepseek
   fidelity oracle --checkpoint ckpt/         any checkpoint: deepseek, official or transformers layout
   fidelity inspect ckpt/                     validate a checkpoint and list what it holds
@@ -30,21 +31,40 @@ EXAMPLES = """examples:
 """
 
 SYNTH_LIMIT_BYTES = 4 << 30
+SMALL_MODEL_DIM = 1024  # --threads auto: one intra-op thread on the CPU up to this hidden size
 
 
 class UsageError(Exception):
     """A user error reported as one line, exit code 2."""
 
 
-def _load(args) -> tuple[object, str]:
-    from fidelity.checkpoint import load_checkpoint
-    from fidelity.synthesize import synthesize
-
-    if args.checkpoint:
-        return load_checkpoint(args.checkpoint), f"checkpoint {args.checkpoint}"
+def _config(args) -> ModelConfig:
+    """The config of ``--preset`` (cheap: nothing synthesized yet); checked for size."""
     cfg = ModelConfig.preset(args.preset)
     _check_synth_size(cfg, args.preset)
-    return synthesize(cfg, seed=args.seed), f"preset '{args.preset}' (synthetic, seed {args.seed})"
+    return cfg
+
+
+def _open(args) -> tuple[ModelConfig, object | None]:
+    """(config, checkpoint or None): ``--checkpoint`` is opened (headers only, cheap); for ``--preset`` only the
+    config is made, so that every argument is checked before the weights are synthesized (``_ready``)."""
+    from fidelity.checkpoint import load_checkpoint
+
+    if args.checkpoint:
+        ckpt = load_checkpoint(args.checkpoint)
+        return ckpt.config, ckpt
+    return _config(args), None
+
+
+def _ready(args, ckpt) -> tuple[object, str]:
+    """(checkpoint, what it is in words): the opened one, or the preset synthesized now."""
+    from fidelity.synthesize import synthesize
+
+    if ckpt is not None:
+        return ckpt, f"checkpoint {args.checkpoint}"
+    ckpt = synthesize(_config(args), seed=args.seed)
+    ckpt.origin["preset"] = args.preset
+    return ckpt, f"preset '{args.preset}' (synthetic, seed {args.seed})"
 
 
 def _check_synth_size(cfg: ModelConfig, name: str) -> None:
@@ -60,50 +80,78 @@ def _prompt(args, vocab: int) -> torch.Tensor:
     from fidelity.oracle_run import default_prompt
 
     if args.prompt_file:
-        return _read_prompt(args.prompt_file, vocab)
+        return _read_ids(args.prompt_file, vocab, "--prompt-file")
     if args.prompt_len < 1:
         raise UsageError(f"--prompt-len: expected >= 1, found {args.prompt_len}")
     return default_prompt(vocab, args.prompt_len, args.seed)
 
 
-def _progress(label: str):
-    def show(k: int, n: int) -> None:
-        if sys.stderr.isatty():
-            print(f"\r{label} {k}/{n}", end="" if k < n else "\n", file=sys.stderr, flush=True)
+def _threads(args, cfg: ModelConfig, device: str = "cpu") -> int:
+    """Apply ``--threads`` (``auto``: 1 on the CPU for models up to SMALL_MODEL_DIM wide, where torch's intra-op
+    threads cost more than they give on small tensors; torch's default otherwise). Returns the count."""
+    if args.threads == "auto":
+        if torch.device(device).type != "cpu" or cfg.dim > SMALL_MODEL_DIM:
+            return torch.get_num_threads()
+        n = 1
+    else:
+        try:
+            n = int(args.threads)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UsageError(f"--threads: expected 'auto' or an integer >= 1, found {args.threads!r}")
+    torch.set_num_threads(n)
+    return n
 
-    return show
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def cmd_run(args) -> int:
     from fidelity.job import run_job
+    from fidelity.oracle_run import ORACLE_DTYPES
     from fidelity.production import get_profile
+    from fidelity.progress import Progress
+    from fidelity.rundir import check_output, new_run_id
     from fidelity.runner import RunSpec
     from fidelity.sampling import SamplerConfig
+    from fidelity.thresholds import load_thresholds
 
-    ckpt, what = _load(args)
-    cfg = ckpt.config
-    prompt = _prompt(args, cfg.vocab_size)
-    try:
+    try:  # everything a user can get wrong is checked before the checkpoint is synthesized or read
         profile = get_profile(args.profile)
         sampler = SamplerConfig(args.temperature, args.top_p, args.repetition_penalty, args.sample_seed)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    continuation = _read_prompt(args.continuation_file, cfg.vocab_size) if args.continuation_file else None
+    if args.thresholds:
+        load_thresholds(args.thresholds)
+    run_id = args.run_id or new_run_id()
+    check_output(args.out, run_id, args.overwrite)
+    if args.decode < 0:
+        raise UsageError(f"--decode: expected >= 0, found {args.decode}")
+    cfg, ckpt = _open(args)
+    prompt = _prompt(args, cfg.vocab_size)
+    continuation = _read_ids(args.continuation_file, cfg.vocab_size, "--continuation-file") \
+        if args.continuation_file else None
     max_context = args.max_context or len(prompt) + args.decode
     if len(prompt) + args.decode > max_context:
         raise UsageError(f"prompt: {len(prompt)} tokens + {args.decode} decode steps exceeds --max-context "
                          f"{max_context}")
-    spec = RunSpec(prompt=prompt, decode_steps=args.decode, profile=profile.name if not args.profile.endswith(
-        (".toml", ".json")) else args.profile, modes=tuple(args.mode or ("free", "layer", "op")), stream=args.stream,
-        continuation=continuation, sampler=sampler, stop_ids=_stops(args, cfg), max_context=max_context,
-        oracle_dtype={"fp32": torch.float32, "fp64": torch.float64}[args.oracle_dtype],
-        sample_queries=args.sample_queries, device=args.device)
+    stops = _stops(args, cfg)
+    threads = _threads(args, cfg, args.device)
+    ckpt, what = _ready(args, ckpt)
+    spec = RunSpec(prompt=prompt, decode_steps=args.decode, profile=profile, modes=tuple(args.mode or ("free", "layer",
+        "op")), stream=args.stream, continuation=continuation, sampler=sampler, stop_ids=stops, max_context=max_context,
+        oracle_dtype=ORACLE_DTYPES[args.oracle_dtype], sample_queries=args.sample_queries, device=args.device)
     t0 = time.perf_counter()
-    res = run_job(ckpt, spec, args.out, args.run_id, args.thresholds, args.overwrite, _progress("decode"))
+    progress = Progress()
+    res = run_job(ckpt, spec, args.out, run_id, args.thresholds, args.overwrite, progress)
+    progress.close()  # a run that stopped on a stop token ends its decode bar here
+    steps = res.manifest["decode_steps"]
     print(f"dsv4-fidelity {__version__}: {profile.name} vs oracle on {what}, modes {'+'.join(spec.modes)}")
-    print(f"prompt {len(prompt)} tokens, {res.manifest['decode_steps']} decode steps "
-          f"({res.manifest['stop_reason']}), {time.perf_counter() - t0:.1f} s")
-    _print_verdict(res)
+    print(f"prompt {_plural(len(prompt), 'token')}, {_plural(steps, 'decode step')} ({res.manifest['stop_reason']}), "
+          f"{time.perf_counter() - t0:.1f} s, {_plural(threads, 'thread')}")
+    _print_verdict(res.judgement)
     print(f"report: {res.run_dir / 'report.md'} (and report.html, metrics.parquet, plots/)")
     return 1 if args.gate and not res.passed else 0
 
@@ -118,25 +166,32 @@ def _stops(args, cfg) -> tuple[int, ...] | None:
     return None
 
 
-def _print_verdict(res) -> None:
-    n = len(res.failures)
-    print(f"verdict: {'PASS' if res.passed else 'FAIL'}" + ("" if res.passed else f" ({n} threshold failures)"))
-    print(f"first divergence: {res.divergence}" if res.divergence else "first divergence: none")
+def _print_verdict(j) -> None:
+    """Verdict, first divergence, and a warning for each threshold-file rule that checked nothing."""
+    n = int((~j.judged["passed"]).sum())
+    print(f"verdict: {'PASS' if j.passed else 'FAIL'}" + ("" if j.passed else f" ({n} threshold failures)"))
+    print(f"first divergence: {j.first_divergence or 'none'}")
+    for rule in j.unmatched():
+        if rule.source != "default":
+            print(f"warning: threshold rule {rule.site_regex!r} {rule.metric} {rule.text} ({rule.source}) checked "
+                  "no value of this run", file=sys.stderr)
 
 
 def cmd_report(args) -> int:
-    from fidelity.job import judge_run
+    from fidelity.judgement import judge, run_rules
     from fidelity.report import write_report
-    from fidelity.rundir import read_run
-    from fidelity.thresholds import thresholds_for
+    from fidelity.rundir import read_run, update_manifest
 
     df, manifest = read_run(args.run)
-    profile = str(df["profile"].iloc[0]) if len(df) else "reference"
-    md, html = write_report(args.run, df, manifest, thresholds_for(profile, args.thresholds))
-    res = judge_run(args.run, args.thresholds)
-    _print_verdict(res)
+    rules, klass = run_rules(manifest, df, args.thresholds)
+    judgement = judge(df, rules, klass)
+    if args.thresholds:  # the new judgement becomes the run's: a later plain re-render reproduces it
+        manifest.update(judgement.manifest_entries(), rejudged_with=str(args.thresholds))
+        update_manifest(args.run, manifest)
+    md, html = write_report(args.run, df, manifest, judgement)
+    _print_verdict(judgement)
     print(f"report: {md} and {html}")
-    return 1 if args.gate and not res.passed else 0
+    return 1 if args.gate and not judgement.passed else 0
 
 
 def cmd_plot(args) -> int:
@@ -152,7 +207,7 @@ def cmd_plot(args) -> int:
 def cmd_compare(args) -> int:
     from fidelity.compare import compare_runs
 
-    table, plot = compare_runs(args.run_a, args.run_b, args.out)
+    table, plot = compare_runs(args.runs, args.out, overwrite=args.overwrite)
     print(table)
     print(f"plot: {plot}")
     return 0
@@ -169,21 +224,34 @@ def cmd_memory(args) -> int:
 
 
 def cmd_mutants(args) -> int:
-    from fidelity.mutants import MutantSettings, gate_failures, matrix_table, run_mutants, write_matrix
+    from fidelity.mutants import (
+        MutantSettings,
+        check_names,
+        gate_failures,
+        matrix_table,
+        run_mutants,
+        write_matrix,
+    )
     from fidelity.report import md_table
+    from fidelity.rundir import check_output, new_run_id
 
-    ckpt, what = _load(args)
+    try:
+        check_names(args.only)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    run_id = args.run_id or f"mutants-{new_run_id()}"
+    check_output(args.out, run_id, args.overwrite)
+    cfg, ckpt = _open(args)
+    threads = _threads(args, cfg)
+    ckpt, what = _ready(args, ckpt)
     settings = MutantSettings(args.prompt_len, args.decode, tuple(args.mode or ("layer", "op")), args.seed)
 
     def progress(k: int, n: int, name: str) -> None:
         print(f"[{k + 1}/{n}] {name}", file=sys.stderr, flush=True)
 
-    try:
-        matrix = run_mutants(ckpt, args.only, settings, progress)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    out = write_matrix(matrix, args.out, args.run_id)
-    print(f"dsv4-fidelity {__version__}: mutants on {what}")
+    matrix = run_mutants(ckpt, args.only, settings, progress)
+    out = write_matrix(matrix, args.out, run_id, args.overwrite)
+    print(f"dsv4-fidelity {__version__}: mutants on {what}, {_plural(threads, 'thread')}")
     print(md_table(matrix_table(matrix)))
     failures = gate_failures(matrix)
     print("gate: PASS" if not failures else "gate: FAIL\n" + "\n".join(f"  - {f}" for f in failures))
@@ -192,43 +260,48 @@ def cmd_mutants(args) -> int:
 
 
 def cmd_oracle(args) -> int:
-    from fidelity.oracle_run import format_summary, run_oracle
+    from fidelity.oracle_run import ORACLE_DTYPES, format_summary, run_oracle
+    from fidelity.progress import Progress
 
-    ckpt, what = _load(args)
-    prompt = _prompt(args, ckpt.config.vocab_size)
     if args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
-    dtype = {"fp32": torch.float32, "fp64": torch.float64}[args.dtype]
-
-    summary = run_oracle(ckpt, prompt, args.decode, dtype, _progress("decode"))
+    cfg, ckpt = _open(args)
+    prompt = _prompt(args, cfg.vocab_size)
+    _threads(args, cfg)
+    ckpt, what = _ready(args, ckpt)
+    summary = run_oracle(ckpt, prompt, args.decode, ORACLE_DTYPES[args.oracle_dtype], Progress())
     print(format_summary(summary, f"dsv4-fidelity {__version__}: oracle on {what}"))
     return 0
 
 
-def _read_prompt(path: str, vocab: int) -> torch.Tensor:
-    """A prompt file holds token ids separated by whitespace or commas (or a JSON list)."""
+_ID_SEPARATORS = re.compile(r"[\s,\[\]]+")
+
+
+def _read_ids(path: str, vocab: int, option: str) -> torch.Tensor:
+    """Token ids from a file: separated by whitespace or commas, or a JSON list. Errors name the first bad
+    token by position (0-based) and text."""
     try:
         text = Path(path).read_text()
     except OSError as err:
-        raise UsageError(f"--prompt-file: cannot read {path}: {err.strerror}") from None
-    try:
-        ids = [int(t) for t in text.replace(",", " ").replace("[", " ").replace("]", " ").split()]
-    except ValueError:
-        raise UsageError(f"--prompt-file {path}: expected integer token ids, found non-integer text") from None
-    if not ids:
-        raise UsageError(f"--prompt-file {path}: expected at least one token id, found none")
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise UsageError(f"--prompt-file {path}: expected token ids in [0, {vocab}), found {bad[:5]}")
-    return torch.tensor(ids, dtype=torch.long)
+        raise UsageError(f"{option}: cannot read {path}: {err.strerror}") from None
+    tokens = [t for t in _ID_SEPARATORS.split(text) if t]
+    if not tokens:
+        raise UsageError(f"{option} {path}: expected at least one token id, found none")
+    for k, t in enumerate(tokens):
+        if not re.fullmatch(r"[+-]?\d+", t):
+            raise UsageError(f"{option} {path}: token {k} is {t[:40]!r}, expected an integer token id")
+        if not 0 <= int(t) < vocab:
+            raise UsageError(f"{option} {path}: token {k} is {int(t)}, expected an id in [0, {vocab})")
+    return torch.tensor([int(t) for t in tokens], dtype=torch.long)
 
 
 def cmd_synth(args) -> int:
+    from fidelity.atomic_write import check_new_dir
     from fidelity.checkpoint import save_checkpoint
     from fidelity.synthesize import synthesize
 
-    cfg = ModelConfig.preset(args.preset)
-    _check_synth_size(cfg, args.preset)
+    check_new_dir(args.out, args.overwrite, "--out", allow_empty=True)
+    cfg = _config(args)
     save_checkpoint(synthesize(cfg, seed=args.seed), args.out, layout=args.layout, overwrite=args.overwrite)
     print(f"wrote {args.layout} checkpoint of preset '{args.preset}' (seed {args.seed}) to {args.out}")
     return 0
@@ -267,6 +340,16 @@ def _source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="synthetic weights and default prompt seed")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--prompt-file", help="token ids (whitespace/comma separated) instead of a random prompt")
+    _threads_arg(p)
+
+
+def _threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", default="auto",
+                   help="torch CPU threads (default auto: 1 for models up to 1024 wide, else torch's default)")
+
+
+def _oracle_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--oracle-dtype", choices=("fp32", "fp64"), default="fp32", help="the oracle's dtype")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--sample-seed", type=int, default=0)
     r.add_argument("--stop-id", type=int, action="append", help="extra stop token id (repeatable)")
     r.add_argument("--tokenizer", help="tokenizer.json / tokenizer_config.json / generation_config.json for stops")
-    r.add_argument("--oracle-dtype", choices=("fp32", "fp64"), default="fp32")
+    _oracle_dtype_arg(r)
     r.add_argument("--max-context", type=int, help="production cache size (default: prompt + decode)")
     r.add_argument("--sample-queries", type=int, help="layer/op modes: oracle on this many prefill queries")
     r.add_argument("--device", default="cpu")
@@ -310,24 +393,27 @@ def build_parser() -> argparse.ArgumentParser:
     mu.add_argument("--prompt-len", type=int, default=300)
     mu.add_argument("--decode", type=int, default=8)
     mu.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="default: layer and op")
-    mu.add_argument("--out", default="runs")
-    mu.add_argument("--run-id")
+    mu.add_argument("--out", default="runs", help="parent folder of the matrix's directory (default runs/)")
+    mu.add_argument("--run-id", help="the directory's name (default mutants-<UTC time>-<random>)")
+    mu.add_argument("--overwrite", action="store_true")
+    _threads_arg(mu)
     mu.add_argument("--gate", action="store_true",
                     help="exit 1 if the clean decoder alarms or a mutant is missed or found elsewhere")
     mu.set_defaults(func=cmd_mutants)
 
-    rep = sub.add_parser("report", help="re-render a run's report.md / report.html")
+    rep = sub.add_parser("report", help="re-render a run's report.md / report.html with the rules it was judged "
+                         "with, or re-judge it with a threshold file added")
     rep.add_argument("run")
-    rep.add_argument("--thresholds")
+    rep.add_argument("--thresholds", help="TOML rules appended to the run's (the manifest records the new verdict)")
     rep.add_argument("--gate", action="store_true")
     rep.set_defaults(func=cmd_report)
     pl = sub.add_parser("plot", help="re-draw a run's plots")
     pl.add_argument("run")
     pl.set_defaults(func=cmd_plot)
-    cmp_ = sub.add_parser("compare", help="two runs side by side: one table and one plot")
-    cmp_.add_argument("run_a")
-    cmp_.add_argument("run_b")
-    cmp_.add_argument("--out", default=".", help="folder for the comparison plot")
+    cmp_ = sub.add_parser("compare", help="two or more runs side by side: one table and one plot")
+    cmp_.add_argument("runs", nargs="+", metavar="RUN", help="run directories (at least two)")
+    cmp_.add_argument("--out", help="folder for compare.md and the plot (default: runs/compare-<A>-vs-<B>...)")
+    cmp_.add_argument("--overwrite", action="store_true")
     cmp_.set_defaults(func=cmd_compare)
     mem = sub.add_parser("memory", help="cache bytes per token and in total, bf16 vs packed storage")
     mem.add_argument("--preset", default="flash")
@@ -339,7 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _source_args(o)
     o.add_argument("--decode", type=int, default=16, help="greedy decode steps after the prompt")
-    o.add_argument("--dtype", choices=("fp32", "fp64"), default="fp32")
+    _oracle_dtype_arg(o)
+    o.add_argument("--dtype", dest="oracle_dtype", choices=("fp32", "fp64"), default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the older spelling
     o.set_defaults(func=cmd_oracle)
 
     s = sub.add_parser("synth", help="write a deterministic synthetic checkpoint")
@@ -363,7 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fidelity.atomic_write import OutputError
     from fidelity.checkpoint import CheckpointError
+    from fidelity.compare import CompareError
     from fidelity.production import ContextError
     from fidelity.rundir import RunDirError
     from fidelity.runner import RunError
@@ -377,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (UsageError, ConfigError, CheckpointError, RunDirError, ThresholdError, RunError, ContextError,
-            TokenizerFileError) as err:
+            TokenizerFileError, OutputError, CompareError) as err:
         print(f"fidelity: error: {err}", file=sys.stderr)
         return 2
 

@@ -353,8 +353,12 @@ def _from_hf(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
         "bos_token_id": "bos_token_id",
         "max_position_embeddings": None,
     }
+    types = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
     for src, dst in simple.items():
         if src in raw and dst is not None and raw[src] is not None:
+            if bad := _type_problem(src, raw[src], types.get(dst)):
+                problems.append(bad)  # named as written in the file; the fields derived from it are not checked
+                continue
             k[dst] = raw[src]
     # transformers' own defaults where the file is silent (they differ from ModelArgs' defaults)
     k.setdefault("compress_rope_theta", 160000.0)
@@ -371,7 +375,7 @@ def _from_hf(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
         k["rope_head_dim"] = raw["qk_rope_head_dim"]
     elif raw.get("partial_rotary_factor") is not None:
         k["rope_head_dim"] = int(round(head_dim * raw["partial_rotary_factor"]))
-    n = raw.get("num_hidden_layers", 43)
+    n = k.get("n_layers", 43 if "num_hidden_layers" not in raw else None)  # None: num_hidden_layers is malformed
     rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, "sliding_attention": 0}
     rates.update(raw.get("compress_rates") or {})
     if raw.get("compress_rate_csa") is not None:
@@ -388,7 +392,7 @@ def _from_hf(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
             k["compress_ratios"] = tuple(rates[t] for t in raw["layer_types"]) + (0,) * n_mtp
     elif raw.get("compress_ratios") is not None:
         k["compress_ratios"] = tuple(raw["compress_ratios"])
-    else:  # transformers' default schedule: 2x HCA then CSA/HCA interleaved
+    elif n is not None:  # transformers' default schedule: 2x HCA then CSA/HCA interleaved
         k["compress_ratios"] = tuple([128] * min(n, 2) + [4 if i % 2 else 128 for i in range(max(n - 2, 0))])
     mlp_types = raw.get("mlp_layer_types")
     if mlp_types is not None:
@@ -398,10 +402,10 @@ def _from_hf(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
                 "mlp_layer_types: expected 'hash_moe' for a prefix of layers then 'moe', found "
                 f"{list(mlp_types)}"
             )
-        if len(mlp_types) != n:
+        if n is not None and len(mlp_types) != n:
             problems.append(f"mlp_layer_types: expected {n} entries (num_hidden_layers), found {len(mlp_types)}")
         k["n_hash_layers"] = n_hash
-    else:
+    elif n is not None:
         k["n_hash_layers"] = min(n, raw.get("num_hash_layers", 3))
     rope = _hf_rope(raw)
     if rope.get("rope_theta") is not None and isinstance(raw.get("rope_parameters", {}).get("compress"), dict):
@@ -431,6 +435,17 @@ def _from_hf(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
         k["scale_fmt"] = None
         k["expert_dtype"] = raw.get("expert_dtype")
     return k
+
+
+def _type_problem(key: str, value: Any, kind: str | None) -> str | None:
+    """A problem naming ``key`` when ``value`` is not of the field type ``kind`` ('int', 'float', 'str'), else None."""
+    if kind == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+        return f"{key}: expected an integer, found {value!r}"
+    if kind == "float" and (not isinstance(value, int | float) or isinstance(value, bool)):
+        return f"{key}: expected a number, found {value!r}"
+    if kind == "str" and not isinstance(value, str):
+        return f"{key}: expected a string, found {value!r}"
+    return None
 
 
 def _flash() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""A run from start to verdict: runner -> metrics table -> run directory -> thresholds (``fidelity run``)."""
+"""A run from start to verdict: runner -> metrics table -> judgement -> run directory (``fidelity run``)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,30 @@ from pathlib import Path
 
 import pandas as pd
 
-from fidelity.rundir import new_run_id, read_run, write_run
+from fidelity.judgement import Judgement, csa_layers, judge, run_rules
+from fidelity.production.profiles import get_profile
+from fidelity.rundir import check_output, new_run_id, read_run, write_run
 from fidelity.runner import Runner, RunSpec
-from fidelity.thresholds import COLUMNS, Divergence, evaluate, first_divergence, thresholds_for
+from fidelity.thresholds import COLUMNS, Divergence, profile_class, thresholds_for
 
 
 @dataclass
 class JobResult:
     run_dir: Path
-    failures: pd.DataFrame
-    divergence: Divergence | None
+    judgement: Judgement
     manifest: dict
 
     @property
+    def failures(self) -> pd.DataFrame:
+        return self.judgement.failures
+
+    @property
+    def first_divergence(self) -> Divergence | None:
+        return self.judgement.first_divergence
+
+    @property
     def passed(self) -> bool:
-        return self.failures.empty
+        return self.judgement.passed
 
 
 def tidy(df: pd.DataFrame, run_id: str, profile: str) -> pd.DataFrame:
@@ -36,22 +45,22 @@ def tidy(df: pd.DataFrame, run_id: str, profile: str) -> pd.DataFrame:
 
 def run_job(checkpoint, spec: RunSpec, out_root: str | Path = "runs", run_id: str | None = None,
             thresholds_path: str | Path | None = None, overwrite: bool = False, progress=None) -> JobResult:
-    csa = [i for i, k in enumerate(checkpoint.config.layer_kinds) if k == "csa"]
-    thresholds = thresholds_for(spec.profile, thresholds_path, csa)  # parse errors before the long work
+    """Run ``spec``, judge it once and write the run directory. Thresholds, the profile and the output place are
+    checked before the long work."""
+    profile = get_profile(spec.profile)
+    rules = thresholds_for(profile, thresholds_path, csa_layers(checkpoint.config))
     run_id = run_id or new_run_id()
+    check_output(out_root, run_id, overwrite)
     df, manifest = Runner(checkpoint, spec, progress).run()
     manifest["run_id"] = run_id
-    df = tidy(df, run_id, spec.profile)
-    run_dir = write_run(out_root, run_id, df, manifest, thresholds, overwrite=overwrite)
-    failures = evaluate(df, thresholds)
-    return JobResult(run_dir, failures, first_divergence(failures), manifest)
+    df = tidy(df, run_id, profile.name)
+    judgement = judge(df, rules, profile_class(profile))
+    run_dir = write_run(out_root, run_id, df, manifest, judgement, overwrite=overwrite)
+    return JobResult(run_dir, judgement, manifest)
 
 
 def judge_run(run_dir: str | Path, thresholds_path: str | Path | None = None) -> JobResult:
-    """Re-judge an existing run (e.g. with another thresholds file)."""
+    """Judge an existing run with the rules it was judged with (plus those of ``thresholds_path``)."""
     df, manifest = read_run(run_dir)
-    profile = str(df["profile"].iloc[0]) if len(df) else "reference"
-    kinds = manifest.get("config", {}).get("compress_ratios", [])
-    csa = [i for i, r in enumerate(kinds[: manifest.get("config", {}).get("n_layers", len(kinds))]) if r == 4]
-    failures = evaluate(df, thresholds_for(profile, thresholds_path, csa))
-    return JobResult(Path(run_dir), failures, first_divergence(failures), manifest)
+    rules, klass = run_rules(manifest, df, thresholds_path)
+    return JobResult(Path(run_dir), judge(df, rules, klass), manifest)

@@ -9,6 +9,7 @@ the stream, a decode step, enough context past top-k * ratio).
 
 from __future__ import annotations
 
+import html
 import re
 import time
 from collections.abc import Callable
@@ -17,12 +18,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from fidelity.atomic_write import write_dir_atomic
 from fidelity.config import ModelConfig
 from fidelity.job import tidy
 from fidelity.oracle_run import default_prompt
 from fidelity.production.faults import FAULTS, inject
 from fidelity.report import html_table, md_table
-from fidelity.rundir import new_run_id
+from fidelity.rundir import check_output, new_run_id
 from fidelity.runner import Runner, RunSpec
 from fidelity.sampling import SamplerConfig
 from fidelity.thresholds import apply_thresholds, first_divergence, sort_divergence, thresholds_for
@@ -162,13 +164,18 @@ def detection_rows(name: str, judged: pd.DataFrame, mutant: Mutant | None, cfg: 
     return [summary] + rows
 
 
+def check_names(names: list[str] | None) -> None:
+    """Raise ValueError naming any mutant that is not in the catalogue."""
+    unknown = sorted(set(names or ()) - set(BY_NAME))
+    if unknown:
+        raise ValueError(f"mutants: unknown name(s) {unknown}; expected some of {sorted(BY_NAME)}")
+
+
 def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSettings | None = None,
                 progress: Callable[[int, int, str], None] | None = None) -> pd.DataFrame:
     """The detection matrix: the clean decoder first, then each mutant (``names`` = all by default)."""
     s = settings or MutantSettings()
-    unknown = sorted(set(names or ()) - set(BY_NAME))
-    if unknown:
-        raise ValueError(f"mutants: unknown name(s) {unknown}; expected some of {sorted(BY_NAME)}")
+    check_names(names)
     chosen = [BY_NAME[n] for n in names] if names else list(CATALOGUE)
     rows = []
     for k, mutant in enumerate([None, *chosen]):
@@ -214,28 +221,21 @@ def matrix_table(matrix: pd.DataFrame) -> pd.DataFrame:
     return wide.reindex([m for m in order if m in wide.index]).reset_index()
 
 
-def write_matrix(matrix: pd.DataFrame, out_dir: str | Path, run_id: str | None = None) -> Path:
-    """detection.parquet, detection.md and detection.html under ``out_dir/<run_id>/`` (atomic rename)."""
-    import shutil
-    import tempfile
+def write_matrix(matrix: pd.DataFrame, out_dir: str | Path, run_id: str | None = None,
+                 overwrite: bool = False) -> Path:
+    """detection.parquet, detection.md and detection.html under ``out_dir/<run_id>/`` (default id
+    ``mutants-<UTC time>-<random>``), written atomically; an existing directory is replaced only with
+    ``overwrite``."""
+    target = check_output(out_dir, run_id or f"mutants-{new_run_id()}", overwrite)
+    table = matrix_table(matrix)
+    failures = gate_failures(matrix)
+    verdict = "PASS" if not failures else "FAIL: " + "; ".join(failures)
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / (run_id or f"mutants-{new_run_id()}")
-    tmp = Path(tempfile.mkdtemp(prefix=".mutants-", dir=out_dir))
-    try:
+    def fill(tmp: Path) -> None:
         matrix.to_parquet(tmp / "detection.parquet", index=False)
-        table = matrix_table(matrix)
-        failures = gate_failures(matrix)
-        verdict = "PASS" if not failures else "FAIL: " + "; ".join(failures)
         (tmp / "detection.md").write_text(f"# Mutant detection matrix\n\ngate: {verdict}\n\n{md_table(table)}\n")
         (tmp / "detection.html").write_text(
             "<!doctype html><meta charset='utf-8'><title>mutants</title><h1>Mutant detection matrix</h1>"
-            f"<p>gate: {verdict}</p>{html_table(table)}")
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+            f"<p>gate: {html.escape(verdict)}</p>{html_table(table)}")
+
+    return write_dir_atomic(target, fill, overwrite)

@@ -14,6 +14,13 @@ import torch
 from fidelity.sites import Recorder
 from oracles import OracleModel
 
+ORACLE_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # the names the CLI and run manifests use
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'fp32' / 'fp64' (the CLI's names) for an oracle dtype."""
+    return next((k for k, v in ORACLE_DTYPES.items() if v == dtype), str(dtype).removeprefix("torch."))
+
 
 def default_prompt(vocab_size: int, length: int, seed: int = 0) -> torch.Tensor:
     """A deterministic pseudo-random prompt [length] of token ids in [3, vocab) (0 BOS, 1 EOS, 2 end of turn)."""
@@ -65,7 +72,11 @@ def run_oracle(checkpoint, prompt: torch.Tensor, decode_steps: int, dtype: torch
     rec = Recorder([r"L\d+\.(residual|attn\.out|moe\.out|mhc_(attn|ffn)\.comb)"])
     session = model.session(rec)
     t0 = time.perf_counter()
+    if progress:
+        progress(f"prefill ({len(prompt)} tokens)", 0, 1, "oracle")
     logits = session.prefill(prompt)
+    if progress:
+        progress(f"prefill ({len(prompt)} tokens)", 1, 1, "oracle")
     t1 = time.perf_counter()
     rows = layer_rows(rec, checkpoint.config.layer_kinds)
     session.rec = None
@@ -74,15 +85,19 @@ def run_oracle(checkpoint, prompt: torch.Tensor, decode_steps: int, dtype: torch
         generated.append(int(steps[-1].argmax()))
         steps.append(session.step(generated[-1]))
         if progress:
-            progress(k + 1, decode_steps)
+            progress("decode", k + 1, decode_steps)
     t2 = time.perf_counter()
     tokens = torch.cat([prompt, torch.tensor(generated, dtype=torch.long)])
+    if progress:
+        progress(f"full-sequence check ({len(tokens)} tokens)", 0, 1, "oracle")
     full = model.logits(tokens)[len(prompt) - 1 :]
+    if progress:
+        progress(f"full-sequence check ({len(tokens)} tokens)", 1, 1, "oracle")
     t3 = time.perf_counter()
     inc = torch.stack(steps)
     err = float(((inc - full).abs().amax(-1) / full.abs().amax(-1)).max())
     return OracleSummary(
-        prompt_len=len(prompt), decode_steps=decode_steps, dtype=str(dtype).removeprefix("torch."),
+        prompt_len=len(prompt), decode_steps=decode_steps, dtype=dtype_name(dtype),
         seconds_prefill=t1 - t0, seconds_decode=t2 - t1, seconds_full=t3 - t2, generated=generated,
         decode_vs_full_rel_err=err, layers=rows, logits_std=float(logits.std()),
     )
@@ -91,7 +106,8 @@ def run_oracle(checkpoint, prompt: torch.Tensor, decode_steps: int, dtype: torch
 def format_summary(s: OracleSummary, title: str) -> str:
     lines = [
         title,
-        f"prompt {s.prompt_len} tokens, {s.decode_steps} greedy decode steps, {s.dtype}",
+        f"prompt {s.prompt_len} tokens, {s.decode_steps} greedy decode step{'' if s.decode_steps == 1 else 's'}, "
+        f"{s.dtype}",
         f"time: prefill {s.seconds_prefill:.2f} s, decode {s.seconds_decode:.2f} s "
         f"({1000 * s.seconds_decode / max(s.decode_steps, 1):.0f} ms/token), "
         f"full-sequence re-run {s.seconds_full:.2f} s",

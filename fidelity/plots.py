@@ -43,7 +43,7 @@ def _modes(df: pd.DataFrame) -> list[str]:
 
 
 def _figure(ncols: int = 1) -> tuple[Figure, list]:
-    fig = Figure(figsize=(min(5.0 * ncols, 15.0), 3.6), layout="constrained")
+    fig = Figure(figsize=(min(5.0 * ncols, 15.0) + 2.0, 3.6), layout="constrained")
     FigureCanvasAgg(fig)
     axes = list(fig.subplots(1, ncols, squeeze=False, sharey=True)[0])
     for ax in axes:
@@ -61,9 +61,23 @@ def _layer_lines(fig: Figure, axes: list, frames: list[pd.DataFrame], x: str) ->
             g = g.sort_values(x)
             ax.plot(g[x], g["value"], marker="o", ms=3, lw=1, color=cmap(norm(layer)), label=f"L{layer}")
     if len(layers) <= LEGEND_MAX:
-        axes[-1].legend(fontsize=7, title="layer", title_fontsize=7)
+        _legend(fig, axes[-1], "layer")
     else:
         fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=axes, label="layer")
+
+
+def _legend(fig: Figure, ax, title: str) -> None:
+    """The legend of ``ax`` outside the axes, right of the figure's panels (it never covers data)."""
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=7, title=title, title_fontsize=7)
+
+
+def _one_mode(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """Rows of one mode for plots of production's own values (the same in every mode up to the rows compared):
+    free, else layer, else op."""
+    present = set(df["mode"])
+    mode = next((m for m in ("free", "layer", "op") if m in present), sorted(present)[0] if present else "")
+    return df[df["mode"] == mode], mode
 
 
 def plot_cos_over_steps(df: pd.DataFrame) -> Figure | None:
@@ -108,9 +122,9 @@ def _ticks(setter: Callable, labels: list) -> None:
 
 
 def plot_residual_norms(df: pd.DataFrame) -> Figure | None:
-    """RMS of each mHC stream leaving each layer (max over steps and positions), log scale."""
+    """RMS of each of production's mHC streams leaving each layer (max over steps and positions), log scale."""
     sel = df[df["site"].str.fullmatch(r"L\d+\.residual") & df["metric"].str.fullmatch(r"rms_stream\d+|rms_max")]
-    sel = _finite(sel[sel["layer"] >= 0])
+    sel, mode = _one_mode(_finite(sel[sel["layer"] >= 0]))
     if sel.empty:
         return None
     fig, (ax,) = _figure()
@@ -118,25 +132,32 @@ def plot_residual_norms(df: pd.DataFrame) -> Figure | None:
         worst = g.groupby("layer")["value"].max()
         style = {"lw": 2.5, "color": "black"} if metric == "rms_max" else {"lw": 1}
         ax.plot(worst.index, worst.to_numpy(), marker="o", ms=3, label=str(metric), **style)
-    ax.set(yscale="log", xlabel="layer", ylabel="RMS (max over steps)", title="residual stream norms")
-    ax.legend(fontsize=7)
+    ax.set(yscale="log", xlabel="layer", ylabel="RMS (max over steps)")
+    ax.set_title(f"production's residual stream norms ({mode} mode rows)", fontsize=10)
+    _legend(fig, ax, "stream")
     return fig
 
 
 def plot_sinkhorn(df: pd.DataFrame) -> Figure | None:
-    """Worst Sinkhorn row/column deviation from 1 per layer for both mHC mixers, with the threshold line."""
+    """Worst Sinkhorn row/column deviation from 1 of production's comb per layer, both mHC mixers (attention
+    solid, FFN dashed, so that neither hides the other), with the threshold line."""
     sel = df[df["site"].str.fullmatch(r"L\d+\.mhc_(attn|ffn)\.comb") & df["metric"].isin(["row_dev", "col_dev"])]
-    sel = _finite(sel[sel["layer"] >= 0])
+    sel, mode = _one_mode(_finite(sel[sel["layer"] >= 0]))
     if sel.empty:
         return None
     fig, (ax,) = _figure()
     family = sel["site"].str.replace(r"^L\d+\.", "", regex=True)
+    styles = {"mhc_attn.comb": {"ls": "-", "marker": "o", "ms": 5},
+              "mhc_ffn.comb": {"ls": "--", "marker": "s", "ms": 3}}
+    colours = {"row_dev": "tab:orange", "col_dev": "tab:blue"}
     for (fam, metric), g in sel.assign(family=family).groupby(["family", "metric"]):
         worst = g.groupby("layer")["value"].max().clip(lower=FLOOR)
-        ax.plot(worst.index, worst.to_numpy(), marker="o", ms=3, lw=1, label=f"{fam} {metric}")
-    ax.axhline(SINKHORN_DEV, color="red", ls="--", lw=1, label="threshold")
-    ax.set(yscale="log", xlabel="layer", ylabel="max |sum - 1|", title="Sinkhorn deviation")
-    ax.legend(fontsize=7)
+        ax.plot(worst.index, worst.to_numpy(), lw=1, color=colours.get(metric), label=f"{fam} {metric}",
+                **styles.get(fam, {}))
+    ax.axhline(SINKHORN_DEV, color="red", ls=":", lw=1, label="threshold")
+    ax.set(yscale="log", xlabel="layer", ylabel="max |sum - 1|")
+    ax.set_title(f"Sinkhorn deviation of production's comb ({mode} mode rows)", fontsize=10)
+    _legend(fig, ax, "mixer, sums")
     return fig
 
 

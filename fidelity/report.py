@@ -20,22 +20,23 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from fidelity.atomic_write import write_text_atomic
+from fidelity.judgement import Judgement, judge, run_rules
 from fidelity.plots import make_plots
 from fidelity.thresholds import (
-    COLUMNS,
+    EXPECTED_NONFINITE,
     MODES,
     TOKEN_FLIP_MARGIN,
     Threshold,
-    apply_thresholds,
-    default_thresholds,
-    first_divergence,
     fmt_num,
+    profile_fields,
+    profile_label,
     site_order_key,
     sort_divergence,
     token_flip_rows,
+    wide,
 )
 
-EXPECTED_NONFINITE = r"L\d+\.indexer\.scores"  # -inf marks causally invisible entries in both models
 FAILURE_ROWS = 25
 PLOT_CAPTIONS = {
     "cos_over_steps.png": "Per-layer worst 1 - cos over steps",
@@ -148,11 +149,10 @@ def first_location(df: pd.DataFrame, site_regex: str, trigger: Sequence[str], wh
     """Per site (and mode), 'step s, query q, ...' of the earliest row whose ``trigger`` metrics sum above 0."""
     sub = _sites(df, site_regex)
     sub = sub[sub["metric"].isin([*trigger, *where])]
-    keys = [c for c in COLUMNS if c not in ("metric", "value")]
     if sub.empty or not set(trigger) & set(sub["metric"]):
         return pd.Series(dtype=object)
-    wide = sub.pivot_table(index=keys, columns="metric", values="value", aggfunc="first").reset_index()
-    bad = wide[wide[[t for t in trigger if t in wide]].sum(axis=1) > 0].sort_values(["step", "position"])
+    table = wide(sub)
+    bad = table[table[[t for t in trigger if t in table]].sum(axis=1) > 0].sort_values(["step", "position"])
     group = ["site"] + (["mode"] if sub["mode"].nunique() > 1 else [])
     if bad.empty:
         return pd.Series(dtype=object)
@@ -166,28 +166,52 @@ def first_location(df: pd.DataFrame, site_regex: str, trigger: Sequence[str], wh
 
 # ---- sections --------------------------------------------------------------------------------------------------
 
+def describe_checkpoint(info: dict | None) -> str:
+    """One line naming what was tested: preset and seed or path, layout, content hash."""
+    if not info:
+        return "not recorded"
+    if info.get("preset"):
+        what = f"preset '{info['preset']}' (synthetic, seed {info.get('seed')})"
+    elif info.get("path"):
+        what = f"{info['path']} ({info.get('layout', '?')} layout)"
+    else:
+        what = f"in memory ({info.get('layout', '?')} layout" + (f", seed {info['seed']})" if "seed" in info else ")")
+    digest = info.get("hash")
+    scope = info.get("hash_scope", "")
+    return what + (f", sha256 {digest}" + (f" ({scope})" if scope else "") if digest else "")
+
+
 def header_section(df: pd.DataFrame, manifest: dict) -> Section:
-    """Run identity: data extent plus the manifest's scalar entries."""
+    """Run identity: what was tested, the data extent, then the manifest's scalar entries."""
     steps = sorted(df["step"].unique())
     layers = sorted(v for v in df["layer"].unique() if v >= 0)
+    profile = manifest.get("profile")
     facts = {
+        "checkpoint": describe_checkpoint(manifest.get("checkpoint")),
         "run_id": ", ".join(map(str, df["run_id"].unique())) or manifest.get("run_id", ""),
         "modes": ", ".join(m for m in MODES if m in set(df["mode"])),
-        "profile": ", ".join(map(str, df["profile"].unique())),
+        "profile": profile_label(profile) if profile else ", ".join(map(str, df["profile"].unique())),
         "steps": f"{len(steps)} (prefill + {max(len(steps) - 1, 0)} decode)" if steps else "none",
         "layers": f"{len(layers)} (L{layers[0]}..L{layers[-1]})" if layers else "none",
         "metric rows": len(df),
     }
     facts.update(_kernel_facts(manifest))
+    parts = manifest.get("seconds_by_part") or {}
+    if parts:
+        facts["time by part"] = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
     for key, v in manifest.items():
         if isinstance(v, list | tuple) and all(isinstance(x, str | int | float) for x in v):
             v = " ".join(map(str, v))  # e.g. the command line
         if isinstance(v, str | int | float | bool) and key not in facts:
             facts[key] = v
+    if isinstance(profile, dict):
+        reference = profile_fields("reference") or {}
+        changed = {k: v for k, v in (profile_fields(profile) or {}).items() if reference.get(k) != v}
+        facts["profile fields"] = ", ".join(f"{k}={v}" for k, v in changed.items()) or "as reference"
     table = pd.DataFrame({"field": list(facts), "value": [fmt_value(v) for v in facts.values()]})
     manifest_json = json.dumps(manifest, indent=2, sort_keys=True, default=str)
-    return Section("Run", ["The full manifest is in manifest.json."], table, details=manifest_json,
-                   details_title="manifest.json")
+    text = [f"Tested: {facts['profile']} on {facts['checkpoint']}.", "The full manifest is in manifest.json."]
+    return Section("Run", text, table, details=manifest_json, details_title="manifest.json")
 
 
 def _kernel_facts(manifest: dict) -> dict[str, str]:
@@ -208,8 +232,9 @@ def _kernel_facts(manifest: dict) -> dict[str, str]:
     return facts
 
 
-def verdict_section(judged: pd.DataFrame) -> Section:
+def verdict_section(judgement: Judgement) -> Section:
     """PASS/FAIL with counts, the first divergence, and the failing rules in divergence order."""
+    judged = judgement.judged
     failures = sort_divergence(judged[~judged["passed"]])
     n, bad = len(judged), len(failures)
     if n == 0:
@@ -218,7 +243,7 @@ def verdict_section(judged: pd.DataFrame) -> Section:
         return Section("Verdict", [f"PASS: all {n} checked values are within their thresholds."], css="pass")
     pairs = failures[["site", "metric"]].drop_duplicates()
     text = [f"FAIL: {bad} of {n} checked values fail ({len(pairs)} site/metric pairs at "
-            f"{pairs['site'].nunique()} sites).", f"first divergence: {first_divergence(failures)}"]
+            f"{pairs['site'].nunique()} sites).", f"first divergence: {judgement.first_divergence}"]
     keys = ["site", "metric", "threshold"]
     groups = failures.groupby(keys, sort=False)
     sign = groups["op"].first().map({">=": -1.0, "<=": 1.0})
@@ -311,33 +336,46 @@ SIMILARITY_VALUES = ("cos", "calc_diff", "rel_l2", "sqnr_db", "max_abs")
 
 
 def anomaly_section(df: pd.DataFrame) -> Section:
-    """Non-finite values: NaN/Inf position mismatches, unexpected production NaN/Inf, NaN similarity metrics."""
+    """Non-finite values: where NaN/Inf first appear in the decoder or differ from the oracle's, per site and
+    mode, with the oracle's own non-finite count (both non-finite: the weights or inputs, not a kernel)."""
     pos = df["value"] > 0
+    expected = df["site"].str.fullmatch(EXPECTED_NONFINITE)
     mismatch = df[(df["metric"] == "nonfinite_mismatch") & pos]
-    unexpected = df[(df["metric"] == "test_nonfinite") & pos & ~df["site"].str.fullmatch(EXPECTED_NONFINITE)]
+    unexpected = df[(df["metric"] == "test_nonfinite") & pos & ~expected]
     nan_metric = df[df["metric"].isin(SIMILARITY_VALUES) & df["value"].isna()]
     rows = pd.concat([mismatch, unexpected, nan_metric], ignore_index=True)
     if rows.empty:
         return Section("Anomalies", ["No non-finite values: NaN/Inf positions match everywhere, production emits no "
                                      "unexpected NaN/Inf and every similarity metric is finite."])
     r = sort_divergence(rows).iloc[0]
-    text = [f"first non-finite: step {int(r['step'])} ({r['phase']}), {r['site']} {r['metric']} "
-            f"{fmt_value(r['value'])} ({r['mode']} mode)",
+    at = (df["step"] == r["step"]) & (df["site"] == r["site"]) & (df["mode"] == r["mode"]) & (df["position"] == -1)
+    counts = df[at].set_index("metric")["value"]
+    oracle, test = counts.get("ref_nonfinite", 0.0), counts.get("test_nonfinite", 0.0)
+    if oracle > 0:
+        whose = ("the oracle has non-finite values there too: the weights or inputs, not a kernel" if test > 0 else
+                 "production is finite there and the oracle is not: these weights or inputs overflow the oracle's "
+                 "arithmetic")
+    else:
+        whose = "the oracle's values are finite there: the decoder made them"
+    text = [f"first non-finite: step {int(r['step'])} ({r['phase']}), {r['site']} ({r['mode']} mode): "
+            f"{fmt_value(counts.get('test_nonfinite', float('nan')))} non-finite values in production, "
+            f"{fmt_value(counts.get('nonfinite_mismatch', float('nan')))} positions differing from the oracle; "
+            f"{whose}.",
             f"Non-finite values in production are expected only at {EXPECTED_NONFINITE} (-inf = invisible)."]
     keys = ["site", "mode"]
-    g = rows.assign(nan=rows["value"].isna()).groupby(keys)
+    sites = rows[keys].drop_duplicates()
+    scope = df.merge(sites, on=keys)
     table = pd.DataFrame({
-        "first step": g["step"].min(),
-        "mismatched positions (max)": rows[rows["metric"] == "nonfinite_mismatch"].groupby(keys)["value"].max(),
+        "first step": rows.groupby(keys)["step"].min(),
         "production non-finite (max)": unexpected.groupby(keys)["value"].max(),
-        "NaN metric values": g["nan"].sum(),
-    }).rename_axis(keys).reset_index()
-    return Section("Anomalies", text, _sort_sites(table))
-
-
-def _wide(rows: pd.DataFrame) -> pd.DataFrame:
-    keys = [c for c in COLUMNS if c not in ("metric", "value")]
-    return rows.pivot_table(index=keys, columns="metric", values="value", aggfunc="first").reset_index()
+        "oracle non-finite (max)": scope[scope["metric"] == "ref_nonfinite"].groupby(keys)["value"].max(),
+        "mismatched positions (max)": mismatch.groupby(keys)["value"].max(),
+        "NaN metric values": rows.assign(nan=rows["value"].isna()).groupby(keys)["nan"].sum(),
+    }).rename_axis(keys).fillna(0).reset_index()
+    table = _sort_sites(table)
+    if len(table) > FAILURE_ROWS:
+        text.append(f"Showing the first {FAILURE_ROWS} of {len(table)} sites (in data-flow order).")
+    return Section("Anomalies", text, table.head(FAILURE_ROWS))
 
 
 def token_section(df: pd.DataFrame, margin: float = TOKEN_FLIP_MARGIN) -> Section:
@@ -345,12 +383,12 @@ def token_section(df: pd.DataFrame, margin: float = TOKEN_FLIP_MARGIN) -> Sectio
     tok = df[(df["site"] == "tokens") & df["metric"].isin(["agree", "ref_margin"])]
     if not (tok["metric"] == "agree").any():
         return Section("Token agreement", ["No token rows in this run."])
-    wide = _wide(tok)
-    if "ref_margin" not in wide:
-        wide["ref_margin"] = np.nan
+    table = wide(tok)
+    if "ref_margin" not in table:
+        table["ref_margin"] = np.nan
     flips = token_flip_rows(df, margin)
     rows = []
-    for mode, g in wide.groupby("mode"):
+    for mode, g in table.groupby("mode"):
         off = g[g["agree"] == 0]
         rows.append({"mode": mode, "tokens": len(g), "agree": int((g["agree"] != 0).sum()),
                      "rate": float((g["agree"] != 0).mean()),
@@ -371,44 +409,71 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.3f} MiB"
 
 
+MEMORY_METRICS = {"allocated_bytes": "allocated", "reserved_bytes": "reserved", "cache_bytes": "cache"}
+
+
 def memory_section(df: pd.DataFrame) -> Section:
-    """Allocated / reserved bytes over decode steps: max - min should be 0 (no allocator churn)."""
-    mem = df[(df["site"] == "memory") & (df["phase"] == "decode") & df["metric"].isin(["allocated", "reserved"])]
+    """Allocated / reserved bytes and the production caches' bytes over decode steps: flat = no growth."""
+    mem = df[(df["site"] == "memory") & (df["phase"] == "decode") & df["metric"].isin(list(MEMORY_METRICS))]
     if mem.empty:
         return Section("Memory flatness", ["No decode-step memory rows in this run."])
     rows = []
-    for metric, g in mem.groupby("metric"):
+    for metric in MEMORY_METRICS:
+        g = mem[mem["metric"] == metric]
+        if g.empty:
+            continue
         per_step = g.groupby("step")["value"].max()
         spread = float(per_step.max() - per_step.min())
-        rows.append({"metric": metric, "decode steps": len(per_step), "min bytes": per_step.min(),
-                     "max bytes": per_step.max(), "max - min": _mib(spread), "flat": spread == 0})
+        rows.append({"metric": metric, "decode steps": len(per_step), "min": _mib(per_step.min()),
+                     "max": _mib(per_step.max()), "max - min": _mib(spread), "flat": spread == 0})
+    rss = df[(df["site"] == "memory") & (df["metric"] == "memory_is_rss")]["value"]
     text = ["Preallocated caches keep memory flat across decode; growth means allocations inside the step."]
+    if len(rss) and rss.max() > 0:
+        text.append("On the CPU, allocated and reserved are the process's resident set (oracle and harness "
+                    "included), not allocator counters: read their spread as an upper bound. cache_bytes is the "
+                    "production caches' own size.")
     if mem["step"].nunique() < 2:
         text.append("Only one decode step: flatness cannot be judged.")
     return Section("Memory flatness", text, pd.DataFrame(rows))
 
 
-def threshold_section(df: pd.DataFrame, thresholds: Sequence[Threshold] | None) -> Section:
-    """The rules that judged this run; for each (site, metric) the last matching rule applies."""
-    if thresholds is None:
-        rules = [(p, t) for p in df["profile"].unique() for t in default_thresholds(str(p))]
-    else:
-        rules = [("", t) for t in thresholds]
-    table = pd.DataFrame({"site regex": [t.site_regex for _, t in rules], "metric": [t.metric for _, t in rules],
-                          "threshold": [t.text for _, t in rules], "source": [t.source for _, t in rules]})
-    if thresholds is None:
-        table.insert(0, "profile", [p for p, _ in rules])
-    return Section("Thresholds", ["For each site and metric the last matching rule applies; NaN never passes."],
-                   table)
+CLASS_TEXT = {
+    "exact": "exact (no quantization or bf16 rounding: agreement up to float rounding)",
+    "bf16": "bf16 (no FP8/FP4 format in any field)",
+    "quantized": "quantized (FP8/FP4 formats: the official QAT numerics or a variant)",
+}
 
 
-def build_sections(df: pd.DataFrame, manifest: dict, thresholds: Sequence[Threshold] | None,
+def threshold_section(judgement: Judgement) -> Section:
+    """The rules that judged this run, with how many values each checked; rules that checked none are named."""
+    rules, counts = judgement.rules, judgement.rule_counts()
+    table = pd.DataFrame({
+        "rule": range(1, len(rules) + 1),
+        "site regex": [t.site_regex for t in rules],
+        "metric": [t.metric for t in rules],
+        "modes": [", ".join(t.modes) if t.modes else "all" for t in rules],
+        "threshold": [t.text for t in rules],
+        "source": [t.source for t in rules],
+        "checked": [int(counts.loc[k, "checked"]) if rules[k].op != "off" else "-" for k in range(len(rules))],
+        "failed": [int(counts.loc[k, "failed"]) if rules[k].op != "off" else "-" for k in range(len(rules))],
+    })
+    text = [f"Default rules for the profile class {CLASS_TEXT.get(judgement.profile_class, judgement.profile_class)}, "
+            "then the rules of a threshold file. For each site, metric and mode the last matching rule applies; "
+            "NaN never passes; 'checked' counts the values a rule judged."]
+    unmatched = judgement.unmatched()
+    if unmatched:
+        names = "; ".join(f"rule {rules.index(t) + 1} ({t.site_regex} {t.metric}, {t.source})" for t in unmatched)
+        text.append(f"{len(unmatched)} rule(s) checked nothing in this run (no row of that site, metric and mode, or "
+                    f"a later rule takes every such row): {names}.")
+    return Section("Thresholds", text, table)
+
+
+def build_sections(df: pd.DataFrame, manifest: dict, judgement: Judgement,
                    token_margin: float = TOKEN_FLIP_MARGIN) -> list[Section]:
     """All report sections in reading order, plots excluded."""
-    judged = apply_thresholds(df, thresholds, token_margin)
-    return [header_section(df, manifest), verdict_section(judged), layer_error_section(df), sinkhorn_section(df),
+    return [header_section(df, manifest), verdict_section(judgement), layer_error_section(df), sinkhorn_section(df),
             indexer_section(df), visible_section(df), anomaly_section(df), token_section(df, token_margin),
-            memory_section(df), threshold_section(df, thresholds)]
+            memory_section(df), threshold_section(judgement)]
 
 
 # ---- rendering -------------------------------------------------------------------------------------------------
@@ -468,17 +533,23 @@ def render_html(title: str, sections: Sequence[Section]) -> str:
             f"<style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def write_report(run_dir: str | Path, df: pd.DataFrame, manifest: dict, thresholds: Sequence[Threshold] | None = None,
-                 plots: Sequence[Path] | None = None, token_margin: float = TOKEN_FLIP_MARGIN) -> tuple[Path, Path]:
-    """Write ``report.md`` and ``report.html`` into ``run_dir``; plots are made under ``run_dir/plots`` if None."""
+def write_report(run_dir: str | Path, df: pd.DataFrame, manifest: dict,
+                 judgement: Judgement | Sequence[Threshold] | None = None, plots: Sequence[Path] | None = None,
+                 token_margin: float = TOKEN_FLIP_MARGIN) -> tuple[Path, Path]:
+    """Write ``report.md`` and ``report.html`` into ``run_dir`` (each atomically); plots are made under
+    ``run_dir/plots`` if None. ``judgement``: the run's judgement, rules to judge with, or None for the rules in
+    ``manifest`` (or the defaults of its profile)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not isinstance(judgement, Judgement):
+        rules, klass = run_rules(manifest, df)
+        judgement = judge(df, rules if judgement is None else judgement, klass, token_margin)
     plots = make_plots(df, run_dir / "plots") if plots is None else [Path(p) for p in plots]
-    sections = build_sections(df, manifest, thresholds, token_margin)
+    sections = build_sections(df, manifest, judgement, token_margin)
     sections.insert(len(sections) - 1, Section("Plots", [] if plots else ["No plot had data."], images=list(plots)))
     run_ids = [str(r) for r in df["run_id"].unique()]
     title = f"dsv4-fidelity report: {', '.join(run_ids) or manifest.get('run_id', run_dir.name)}"
     md_path, html_path = run_dir / "report.md", run_dir / "report.html"
-    md_path.write_text(render_markdown(title, sections, run_dir), encoding="utf-8")
-    html_path.write_text(render_html(title, sections), encoding="utf-8")
+    write_text_atomic(md_path, render_markdown(title, sections, run_dir))
+    write_text_atomic(html_path, render_html(title, sections))
     return md_path, html_path

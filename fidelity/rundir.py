@@ -9,17 +9,17 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import shutil
-import tempfile
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
 
+from fidelity.atomic_write import OutputError, check_new_dir, write_dir_atomic, write_text_atomic
+from fidelity.judgement import Judgement, judge, run_rules
 from fidelity.plots import make_plots
 from fidelity.report import write_report
-from fidelity.thresholds import COLUMNS, Threshold, default_thresholds
+from fidelity.thresholds import COLUMNS, Threshold
 
 METRICS_FILE, MANIFEST_FILE = "metrics.parquet", "manifest.json"
 INT_COLUMNS, STR_COLUMNS = ("step", "position", "layer"), ("run_id", "mode", "profile", "phase", "site", "metric")
@@ -56,60 +56,51 @@ def check_metrics(df: pd.DataFrame, where: str = "metrics") -> pd.DataFrame:
     return out
 
 
-def _manifest_json(manifest: dict, df: pd.DataFrame, thresholds: Sequence[Threshold] | None) -> str:
-    """The manifest plus the rules that judged the run (unless it already records them)."""
-    data = dict(manifest)
-    profiles = df["profile"].unique()
-    if thresholds is None and len(profiles) == 1:
-        thresholds = default_thresholds(str(profiles[0]))
-    if thresholds is not None and "thresholds" not in data:
-        data["thresholds"] = [t.to_dict() for t in thresholds]
-    return json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
+def _manifest_json(manifest: dict) -> str:
+    return json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n"
 
 
-def _fill(tmp: Path, df: pd.DataFrame, manifest: dict, thresholds: Sequence[Threshold] | None) -> None:
+def check_output(out_root: str | Path, run_id: str, overwrite: bool = False) -> Path:
+    """The run directory ``out_root/run_id``, checked before any work: a valid id, a parent that is (or can be
+    made) a writable folder, and no existing run unless ``overwrite``. Raises OutputError saying what is wrong."""
+    if not _RUN_ID.fullmatch(run_id):
+        raise OutputError(f"--run-id: expected letters, digits, '.', '_', '+', '-' (not leading), found {run_id!r}")
+    if Path(out_root).exists() and not Path(out_root).is_dir():
+        raise OutputError(f"--out {out_root}: is a file, expected a folder")
+    return check_new_dir(Path(out_root) / run_id, overwrite, "--run-id")
+
+
+def _fill(tmp: Path, df: pd.DataFrame, manifest: dict, judgement: Judgement) -> None:
     df.to_parquet(tmp / METRICS_FILE, index=False)
-    (tmp / MANIFEST_FILE).write_text(_manifest_json(manifest, df, thresholds), encoding="utf-8")
+    (tmp / MANIFEST_FILE).write_text(_manifest_json(manifest), encoding="utf-8")
     plots = make_plots(df, tmp / "plots")
-    write_report(tmp, df, manifest, thresholds, plots=plots)
+    write_report(tmp, df, manifest, judgement, plots=plots)
 
 
 def write_run(out_root: str | Path, run_id: str, df: pd.DataFrame, manifest: dict,
-              thresholds: Sequence[Threshold] | None = None, overwrite: bool = False) -> Path:
-    """Write ``out_root/run_id/`` atomically and return it. ``thresholds=None``: defaults of the run's profile."""
-    if not _RUN_ID.fullmatch(run_id):
-        raise RunDirError(f"run id: expected letters, digits, '.', '_', '+', '-' (not leading), found {run_id!r}")
-    out_root, df = Path(out_root), check_metrics(df, f"run {run_id}")
-    target = out_root / run_id
-    if target.exists() and not overwrite:
-        raise RunDirError(f"{target}: run directory exists; pass overwrite=True to replace it")
-    out_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{run_id}.partial-", dir=out_root))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; a run directory is an ordinary folder
-        _fill(tmp, df, manifest, thresholds)
-        _swap_in(tmp, target, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+              judgement: Judgement | Sequence[Threshold] | None = None, overwrite: bool = False) -> Path:
+    """Write ``out_root/run_id/`` atomically and return it. ``judgement``: the run's judgement, or rules to judge it
+    with; None: the rules in ``manifest`` or the defaults of its profile. The manifest stores the rules and the
+    verdict."""
+    target = check_output(out_root, run_id, overwrite)
+    df = check_metrics(df, f"run {run_id}")
+    judgement = as_judgement(df, manifest, judgement)
+    # the report reads the manifest as a re-render will: from its JSON (sorted keys, lists for tuples)
+    manifest = json.loads(_manifest_json({**manifest, **judgement.manifest_entries()}))
+    return write_dir_atomic(target, lambda tmp: _fill(tmp, df, manifest, judgement), overwrite)
 
 
-def _swap_in(tmp: Path, target: Path, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``target``; an existing target is moved aside first and removed after success."""
-    if not target.exists():
-        tmp.rename(target)
-        return
-    if not overwrite:
-        raise RunDirError(f"{target}: run directory appeared while writing; not replaced")
-    old = target.with_name(f".{target.name}.old-{secrets.token_hex(3)}")
-    target.rename(old)
-    try:
-        tmp.rename(target)
-    except BaseException:
-        old.rename(target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+def as_judgement(df: pd.DataFrame, manifest: dict, judgement: Judgement | Sequence[Threshold] | None) -> Judgement:
+    """A judgement of ``df``: ``judgement`` itself, ``df`` judged with the given rules, or with the run's rules."""
+    if isinstance(judgement, Judgement):
+        return judgement
+    rules, klass = run_rules(manifest, df)
+    return judge(df, rules if judgement is None else judgement, klass)
+
+
+def update_manifest(run_dir: str | Path, manifest: dict) -> None:
+    """Replace a run's manifest.json (atomically)."""
+    write_text_atomic(Path(run_dir) / MANIFEST_FILE, _manifest_json(manifest))
 
 
 def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:

@@ -16,7 +16,8 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,13 +25,15 @@ import pandas as pd
 import torch
 
 from fidelity import __version__
+from fidelity.checkpoint import expected_tensors
 from fidelity.compare_sites import compare_recordings
 from fidelity.opmode import OpMode
+from fidelity.oracle_run import dtype_name
 from fidelity.production import ProductionModel, routes
 from fidelity.production.faults import on
 from fidelity.production.kernels import fallbacks as kernel_fallbacks
-from fidelity.production.profiles import profile_dict
-from fidelity.production.registry import implementations_used
+from fidelity.production.profiles import Profile, profile_dict
+from fidelity.production.registry import implementations_used, reset_used
 from fidelity.sampling import Sampler, SamplerConfig, StopSet
 from fidelity.sites import Recorder
 from oracles import OracleModel
@@ -48,7 +51,7 @@ class RunSpec:
 
     prompt: torch.Tensor
     decode_steps: int = 64
-    profile: str = "reference"
+    profile: str | Profile = "reference"  # a name, a spec string, a .toml/.json path, or a Profile
     modes: tuple[str, ...] = MODES
     stream: str = "oracle"
     continuation: torch.Tensor | None = None
@@ -99,7 +102,9 @@ def sampled_rows(n: int, k: int | None, seed: int = 0) -> torch.Tensor | None:
 class Runner:
     """Holds the models and sessions of one run; ``run()`` returns the metric table and the manifest."""
 
-    def __init__(self, checkpoint, spec: RunSpec, progress: Callable[[int, int], None] | None = None):
+    def __init__(self, checkpoint, spec: RunSpec, progress: Callable[..., None] | None = None):
+        """``progress(phase, done, total, note)`` is told of each prefill pass and decode step
+        (``fidelity.progress.Progress`` draws it)."""
         cfg = checkpoint.config
         problems = spec.problems(cfg.vocab_size)
         if problems:
@@ -121,11 +126,13 @@ class Runner:
         self.rows: list[dict] = []
         self.tokens: list[int] = []
         self.cache_bytes0: int | None = None
+        self.seconds: dict[str, float] = {}
 
     def run(self) -> tuple[pd.DataFrame, dict]:
         t0 = time.perf_counter()
         kernel_fallbacks.reset()
         routes.reset()
+        reset_used()
         ids, history = self.spec.prompt.long(), self.spec.prompt.long().tolist()
         stop_reason = "length"
         for step in range(self.spec.decode_steps + 1):
@@ -135,8 +142,7 @@ class Runner:
             nxt = self.next_token(step, logits, history)
             self.tokens.append(nxt)
             history.append(nxt)
-            if self.progress:
-                self.progress(step + 1, self.spec.decode_steps)
+            self._tell("decode", step + 1, self.spec.decode_steps)
             self.record_stop(step, nxt)
             if nxt in self.prod_stops:
                 stop_reason = "stop"
@@ -145,33 +151,64 @@ class Runner:
         df = pd.DataFrame(self.rows)
         return df, self.manifest(time.perf_counter() - t0, stop_reason)
 
+    @contextmanager
+    def _timed(self, phase: str, part: str) -> Iterator[None]:
+        """Adds the wall time of the block to ``seconds["<phase> <part>"]`` (reported in the manifest)."""
+        t0 = time.perf_counter()
+        yield
+        key = f"{phase} {part}"
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
+
+    def _tell(self, phase: str, done: int, total: int, note: str = "") -> None:
+        if self.progress is not None:
+            self.progress(phase, done, total, note)
+
     def step(self, step: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """One model call in every mode; appends this step's metric rows. Returns last-position logits."""
         prefill = step == 0
+        passes = 1 + sum(m is not None for m in (self.free, self.layer, self.op))
+
+        def tell(done: int, note: str) -> None:
+            if prefill:
+                self._tell(f"prefill ({len(ids)} tokens)", done, passes, note)
+
+        phase = "prefill" if prefill else "decode"
         positions = torch.arange(self.p_sess.pos, self.p_sess.pos + len(ids))
         prod_rec = Recorder()
         self.p_sess.rec = prod_rec
-        test_logits = self.p_sess.prefill(ids) if prefill else self.p_sess.step(ids[0])[None]
+        tell(0, "decoder under test")
+        with self._timed(phase, "decoder"):
+            test_logits = self.p_sess.prefill(ids) if prefill else self.p_sess.step(ids[0])[None]
         rows = sampled_rows(len(ids), self.spec.sample_queries) if prefill else None
         out = {"production": test_logits[-1]}
         pending: dict[str, list[dict]] = {}
         if self.free is not None:
+            tell(len(pending) + 1, "oracle, free mode")
             rec = Recorder()
             self.free.rec = rec
-            out["oracle"] = self.free.forward(ids)[-1]
-            pending["free"] = compare_recordings(rec, prod_rec, positions, self.cfg, None, prefill)
+            with self._timed(phase, "oracle free"):
+                out["oracle"] = self.free.forward(ids)[-1]
+            with self._timed(phase, "probes"):
+                pending["free"] = compare_recordings(rec, prod_rec, positions, self.cfg, None, prefill)
         if self.layer is not None:
+            tell(len(pending) + 1, "oracle, layer mode")
             rec = Recorder()
             self.layer.rec = rec
-            self.layer.forward_layers(ids, lambda i: _layer_input(prod_rec, i, self.cfg.hc_mult), rows)
-            pending["layer"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill)
+            with self._timed(phase, "oracle layer"):
+                self.layer.forward_layers(ids, lambda i: _layer_input(prod_rec, i, self.cfg.hc_mult), rows)
+            with self._timed(phase, "probes"):
+                pending["layer"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill)
         if self.op is not None:
+            tell(len(pending) + 1, "oracle, op mode")
             rec = Recorder()
-            self.op.step(prod_rec, positions, ids, rec, rows)
-            pending["op"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill)
-        phase = "prefill" if prefill else "decode"
-        for mode, rows_ in pending.items():
-            self.rows += collect(rows_, step=step, phase=phase, mode=mode)
+            with self._timed(phase, "oracle op"):
+                self.op.step(prod_rec, positions, ids, rec, rows)
+            with self._timed(phase, "probes"):
+                pending["op"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill)
+        tell(passes, "compared")
+        with self._timed(phase, "probes"):
+            for mode, rows_ in pending.items():
+                self.rows += collect(rows_, step=step, phase=phase, mode=mode)
         self.record_memory(step, phase)
         return out
 
@@ -221,8 +258,7 @@ class Runner:
         return {
             "package": f"dsv4-fidelity {__version__}",
             "config": self.cfg.to_official_dict(),
-            "checkpoint": {"layout": self.ckpt.layout, "path": str(self.ckpt.path or ""),
-                           "hash": checkpoint_hash(self.ckpt)},
+            "checkpoint": checkpoint_info(self.ckpt),
             "profile": profile_dict(self.prod.profile),
             "modes": list(s.modes),
             "stream": s.stream,
@@ -231,7 +267,7 @@ class Runner:
             "decode_steps": len(self.tokens),
             "stop_reason": stop_reason,
             "generated": self.tokens,
-            "oracle_dtype": str(s.oracle_dtype).removeprefix("torch."),
+            "oracle_dtype": dtype_name(s.oracle_dtype),
             "max_context": self.prod.max_context,
             "sample_queries": s.sample_queries,
             "cache_bytes": self.p_sess.cache_bytes(),
@@ -245,6 +281,8 @@ class Runner:
             "device": _device_name(s.device),
             "git_revision": _git_revision(),
             "seconds": round(seconds, 3),
+            "seconds_by_part": {k: round(v, 3) for k, v in self.seconds.items()},
+            "threads": torch.get_num_threads(),
         }
 
 
@@ -255,16 +293,27 @@ def _layer_input(rec: Recorder, i: int, hc: int) -> torch.Tensor:
     return rec.get(f"L{i - 1}.residual")
 
 
-def checkpoint_hash(ckpt) -> str:
-    """sha256 over the config and every tensor's name, format and shape, plus the stored bytes of small
-    tensors (norms, biases, hc, sinks): identifies a checkpoint without reading a 160 GB model."""
+FULL_HASH_BYTES = 2 << 30  # checkpoints up to this size are hashed over every stored byte
+_FMT_BYTES = {"fp4": 0.5, "fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "int64": 8, "fp64": 8}
+
+
+def checkpoint_info(ckpt) -> dict:
+    """What the manifest says of the checkpoint: layout, path or synthetic origin (seed, preset), and a content
+    hash: sha256 over the config and every stored tensor's name, format, shape and bytes (codes and scales), or,
+    above FULL_HASH_BYTES, over the bytes of the tensors up to 65536 elements only (``hash_scope`` says which)."""
+    info = {"layout": ckpt.layout, "path": str(ckpt.path or ""), **ckpt.origin}
+    specs = expected_tensors(ckpt.config)
+    size = sum(_FMT_BYTES.get(specs[n].fmt, 4) * torch.Size(specs[n].shape).numel() for n in ckpt.names() if n in specs)
+    full = size <= FULL_HASH_BYTES
     h = hashlib.sha256(json.dumps(ckpt.config.to_official_dict(), sort_keys=True).encode())
     for name in ckpt.names():
         st = ckpt.stored(name)
         h.update(f"{name}{st.fmt}{tuple(st.data.shape)}".encode())
-        if st.data.numel() <= 65536:
-            h.update(st.data.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+        for t in (st.data, st.scale):
+            if t is not None and (full or t.numel() <= 65536):
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    scope = "every tensor's bytes" if full else "names, shapes, bytes of tensors <= 65536 elements"
+    return {**info, "hash": h.hexdigest()[:16], "hash_scope": scope}
 
 
 def _device_name(device: str) -> str:

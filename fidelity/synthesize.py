@@ -56,9 +56,11 @@ def synthesize(config: ModelConfig, seed: int = 0, *, lazy: bool = False) -> Che
     """
     specs = expected_tensors(config)
     if lazy:
-        return Checkpoint(config, lambda n: synth_tensor(specs[n], config, seed), list(specs), layout="synthetic")
-    tensors = {name: synth_tensor(spec, config, seed) for name, spec in specs.items()}
-    return Checkpoint.from_tensors(config, tensors)
+        ckpt = Checkpoint(config, lambda n: synth_tensor(specs[n], config, seed), list(specs), layout="synthetic")
+    else:
+        ckpt = Checkpoint.from_tensors(config, {name: synth_tensor(spec, config, seed) for name, spec in specs.items()})
+    ckpt.origin["seed"] = seed
+    return ckpt
 
 
 def synth_tensor(spec: TensorSpec, config: ModelConfig, seed: int = 0) -> StoredTensor:

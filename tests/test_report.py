@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from fidelity import rundir
+from fidelity.atomic_write import OutputError
 from fidelity.compare import compare_runs
 from fidelity.plots import make_plots
 from fidelity.report import md_table, write_report
@@ -256,11 +257,11 @@ def test_write_run_is_atomic(clean, tmp_path, monkeypatch):
 def test_write_run_refuses_to_clobber(clean, tmp_path):
     small = clean[clean["site"] == "tokens"]
     first = write_run(tmp_path, "r1", small, {"n": 1})
-    with pytest.raises(RunDirError, match="exists"):
+    with pytest.raises(OutputError, match="exists; pass --overwrite to replace it"):
         write_run(tmp_path, "r1", small, {"n": 2})
     write_run(tmp_path, "r1", small, {"n": 3}, overwrite=True)
     assert read_run(first)[1]["n"] == 3 and [p.name for p in tmp_path.iterdir()] == ["r1"]
-    with pytest.raises(RunDirError, match="run id"):
+    with pytest.raises(OutputError, match="--run-id: expected letters"):
         write_run(tmp_path, "../x", small, {})
 
 
@@ -283,8 +284,8 @@ def test_new_run_id_is_unique_and_sortable():
 
 def test_compare_runs(written, tmp_path):
     bf16 = make_df("bf16-run", "bf16")
-    table, plot = compare_runs(written[0], (bf16, {"profile": "bf16", "run_id": "bf16-run"}), tmp_path)
-    assert "| layer | family | cos A | cos B | calc_diff A | calc_diff B |" in table
+    table, plot = compare_runs([written[0], (bf16, {"profile": "bf16", "run_id": "bf16-run"})], tmp_path / "c")
+    assert "| layer | family | cos reference | cos bf16 | calc_diff reference | calc_diff bf16 |" in table
     assert "| L2 | attn |" in table and "| - | logits |" in table and "free mode" in table
     assert plot.read_bytes().startswith(PNG)
 

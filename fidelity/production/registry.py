@@ -12,7 +12,7 @@ from oracles.moe import gate as gate_fp32
 
 REGISTRY: dict[str, dict[str, Callable]] = {}
 _selected: dict[str, str] = {}
-_used: dict[str, str] = {}
+_used: dict[str, set[str]] = {}  # since the last reset_used(): op -> implementations that ran
 
 
 def register(name: str, impl: str, fn: Callable) -> None:
@@ -44,13 +44,19 @@ def implementation(name: str, device: torch.device | str | None = None) -> Calla
     impls = REGISTRY[name]
     on_gpu = device is not None and torch.device(device).type != "cpu"
     impl = _selected.get(name) or (next((k for k in impls if k != "cpu"), "cpu") if on_gpu else "cpu")
-    _used[name] = impl
+    _used.setdefault(name, set()).add(impl)
     return impls[impl]
 
 
 def implementations_used() -> dict[str, str]:
-    """Which implementation each op last resolved to (recorded in run manifests)."""
-    return dict(_used)
+    """Which implementation each op resolved to since ``reset_used`` (a run resets it at its start; recorded in its
+    manifest); several, comma-separated, when a ``select`` changed it in between."""
+    return {op: ", ".join(sorted(impls)) for op, impls in _used.items()}
+
+
+def reset_used() -> None:
+    """Forget which implementations ran (``implementations_used`` then counts from here)."""
+    _used.clear()
 
 
 for _name, _fn in {

@@ -12,7 +12,7 @@ from fidelity.oracle_run import default_prompt  # noqa: E402
 from fidelity.production import ProductionModel  # noqa: E402
 from fidelity.production.faults import inject  # noqa: E402
 from fidelity.production.kernels import fallbacks  # noqa: E402
-from fidelity.production.registry import deselect, implementations_used, select  # noqa: E402
+from fidelity.production.registry import deselect, implementations_used, reset_used, select  # noqa: E402
 from fidelity.runner import Runner, RunSpec  # noqa: E402
 from fidelity.synthesize import synthesize  # noqa: E402
 
@@ -52,6 +52,7 @@ def test_fp8_fmha_profile_runs_the_attention_kernel_on_cuda():
         for impl in ("triton", "cpu"):
             select("sparse_attention", impl)
             fallbacks.reset()
+            reset_used()
             s = ProductionModel(ckpt, "fp8-fmha", max_context=320, device="cuda").session()
             runs[impl] = torch.cat([s.prefill(ids)[-1:], *(s.step(t)[None] for t in ids[:8])]).cpu()
             assert implementations_used()["sparse_attention"] == impl

@@ -1,0 +1,92 @@
+"""Every metric name a run's table can hold, with the probe that writes it: the one list that threshold files
+are checked against and that ``runs/README.md`` describes. ``tests/test_report.py`` pins it to a real run."""
+
+from __future__ import annotations
+
+import re
+
+METRICS: dict[str, str] = {
+    # similarity (every float site)
+    "cos": "similarity: cosine over coordinates finite in both",
+    "calc_diff": "similarity: 1 - 2<x,y>/(|x|^2+|y|^2) in float64",
+    "rel_l2": "similarity: |x - y| / |x|",
+    "max_abs": "similarity: largest |x - y|",
+    "max_abs_index": "similarity: flat index of max_abs",
+    "sqnr_db": "similarity: 10 log10(|x|^2 / |x - y|^2)",
+    "nonfinite_mismatch": "similarity: coordinates whose NaN/+inf/-inf pattern differs",
+    "nonfinite_first": "similarity: flat index of the first mismatched coordinate (-1 none)",
+    "test_nonfinite": "similarity: non-finite coordinates in production",
+    "ref_nonfinite": "similarity: non-finite coordinates in the oracle",
+    "compared": "similarity: coordinates finite in both",
+    # sinkhorn (mHC comb)
+    "row_dev": "sinkhorn: max |row sum - 1|",
+    "col_dev": "sinkhorn: max |column sum - 1|",
+    "min_value": "sinkhorn: smallest entry",
+    "negative_count": "sinkhorn: negative entries",
+    "nonfinite": "sinkhorn: non-finite entries",
+    "orientation_err": "sinkhorn: max |C - C_oracle|",
+    "transposed_err": "sinkhorn: max |C - C_oracle^T|",
+    "orientation_flip": "sinkhorn: 1 when C is closer to the oracle's transpose",
+    # residual
+    "rms_max": "residual: largest RMS over the mHC streams",
+    # indexer
+    "recall": "indexer: recall@k of production's top-k against the oracle's",
+    "recall_queries": "indexer: queries with at least one visible entry",
+    "hits": "indexer: picks in both top-k sets",
+    "near_tie_miss": "indexer: misses within the tie margin of the k-th oracle score",
+    "true_miss": "indexer: the other misses",
+    "first_true_miss_query": "indexer: row of the first true miss (-1 none)",
+    "near_tie_extra": "indexer: extra picks within the tie margin",
+    "true_extra": "indexer: the other extra picks",
+    "test_invisible": "indexer: production picks the oracle scores -inf or NaN",
+    "rank_disp_mean": "indexer: mean oracle-rank displacement of production's picks",
+    "rank_disp_max": "indexer: largest oracle-rank displacement",
+    "ranked": "indexer: picks ranked",
+    # visible range
+    "missing": "visible: positions the oracle may see and production does not",
+    "extra": "visible: positions production sees and the oracle may not",
+    "missing_window": "visible: missing window positions",
+    "missing_compressed": "visible: missing compressed entries",
+    "extra_window": "visible: extra window positions",
+    "extra_compressed": "visible: extra compressed entries",
+    "bad_queries": "visible: queries with any difference",
+    "first_row": "visible: row of the first difference (-1 none)",
+    "first_query": "visible: token position of the first difference",
+    "first_kind": "visible: 0 missing window, 1 missing compressed, 2 extra window, 3 extra compressed",
+    "first_kv": "visible: the KV position or entry of the first difference",
+    # routing
+    "routing_agree": "routing: share of tokens routed to the same experts",
+    "routing_flips": "routing: tokens routed differently",
+    "weight_max_err": "routing: max |w_test - w_oracle| on tokens routed alike",
+    # tokens (free mode, logits)
+    "agree": "tokens: 1 when the greedy tokens agree",
+    "ref_token": "tokens: the oracle's greedy token",
+    "test_token": "tokens: production's greedy token",
+    "ref_margin": "tokens: oracle top-1 minus top-2 logit",
+    "test_margin": "tokens: production top-1 minus top-2 logit",
+    "test_rank_of_ref_token": "tokens: production logits above the oracle's token",
+    "token_flip_with_margin": "tokens (derived when judged): a disagreement where ref_margin > the flip margin",
+    # sampler
+    "same_pick": "sampler: 1 when both samplers pick the same token",
+    "pick_margin": "sampler: the oracle draw's winner minus runner-up",
+    "pick_flip_with_margin": "sampler: a differing pick beyond the margin",
+    "sampler_impl_mismatch": "sampler: the reference sampler on production's logits picks differently",
+    # stops
+    "stop_mismatch": "stops: the decoder's stop set and the reference's disagree on this token",
+    # memory
+    "allocated_bytes": "memory: CUDA allocator's allocated bytes (CPU: process RSS)",
+    "reserved_bytes": "memory: CUDA allocator's reserved bytes (CPU: process RSS)",
+    "memory_supported": "memory: 1 when the counters exist on this platform",
+    "memory_is_rss": "memory: 1 when the bytes are the process RSS (CPU)",
+    "cache_bytes": "memory: production cache bytes",
+    "cache_growth": "memory: cache bytes minus those after the prefill",
+}
+METRIC_PATTERNS: dict[str, str] = {
+    r"rms_stream\d+": "residual: RMS of mHC stream k",
+    r"growth_.+": "residual: RMS ratio to the previous layer",
+}
+
+
+def is_metric(name: str) -> bool:
+    """True for a name in ``METRICS`` or matching one of ``METRIC_PATTERNS``."""
+    return name in METRICS or any(re.fullmatch(p, name) for p in METRIC_PATTERNS)

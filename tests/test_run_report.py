@@ -1,0 +1,213 @@
+"""Reports and thresholds on real (small) runs of the tiny checkpoint: the memory section, the metric names a
+threshold file may use, rules that match nothing, a re-rendered report equal to the run's, the thresholds table,
+the checkpoint's identity, defaults that follow a profile's fields, and per-run implementation records."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from fidelity import cli
+from fidelity.config import ModelConfig
+from fidelity.job import run_job
+from fidelity.oracle_run import default_prompt
+from fidelity.production.profiles import get_profile
+from fidelity.rundir import read_run
+from fidelity.runner import RunSpec
+from fidelity.synthesize import synthesize
+from fidelity.thresholds import CORE_GAP, CORE_GAP_FP8, ThresholdError, default_thresholds, load_thresholds
+from fidelity.thresholds import profile_class as klass
+from probes.metrics import METRICS, is_metric
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    ckpt = synthesize(ModelConfig.preset("tiny"), seed=0)
+    ckpt.origin["preset"] = "tiny"
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def run(tiny, tmp_path_factory):
+    """200-token prompt (past index_topk * 4, so the indexer selects), 3 decode steps, every mode."""
+    spec = RunSpec(prompt=default_prompt(4096, 200), decode_steps=3)
+    return run_job(tiny, spec, tmp_path_factory.mktemp("runs"), run_id="small")
+
+
+def _report(run) -> str:
+    return (run.run_dir / "report.md").read_text()
+
+
+def _section(md: str, title: str) -> str:
+    return md.split(f"## {title}")[1].split("\n## ")[0]
+
+
+def test_memory_section_shows_the_bytes_the_memory_probe_writes(run):
+    memory = _section(_report(run), "Memory flatness")
+    assert "No decode-step memory rows" not in memory
+    for metric in ("allocated_bytes", "reserved_bytes", "cache_bytes"):
+        assert f"| {metric} | 3 |" in memory
+    assert "process's resident set" in memory  # on the CPU the allocator counters are the RSS
+    mib = f"{run.manifest['cache_bytes'] / 2**20:.3f} MiB"
+    assert f"| cache_bytes | 3 | {mib} | {mib} | 0.000 MiB | yes |" in memory
+
+
+def test_every_metric_a_run_writes_is_a_known_metric(run):
+    df, _ = read_run(run.run_dir)
+    written = set(df["metric"])
+    assert {m for m in written if not is_metric(m)} == set()
+    assert {"allocated_bytes", "reserved_bytes", "test_nonfinite", "recall"} <= written
+    # the list names nothing a run cannot write (derived token flips and indices excepted)
+    assert set(METRICS) - written <= {"token_flip_with_margin", "max_abs_index", "nonfinite_first", "nonfinite",
+                                      "pick_flip_with_margin", "routing_agree", "routing_flips", "test_invisible",
+                                      "first_row"} | written
+
+
+def test_threshold_files_take_the_memory_probes_names_and_refuse_the_old_ones(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text("[memory]\nreserved_bytes = \"<=1e12\"\nallocated_bytes = \"<=1e12\"\n")
+    assert [r.metric for r in load_thresholds(good)] == ["reserved_bytes", "allocated_bytes"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[memory]\nreserved = \"<=1e12\"\n")
+    with pytest.raises(ThresholdError, match=r"bad.toml: key 'memory'.reserved: unknown metric; expected one of"):
+        load_thresholds(bad)
+
+
+def test_a_rule_that_checks_nothing_is_named_in_the_report_and_on_the_command_line(run, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(run.run_dir, copy)
+    th = tmp_path / "th.toml"
+    th.write_text("['L9\\.attn\\.out']\ncos = \">=0.5\"\n[memory]\nreserved_bytes = \"<=1e15\"\n")
+    assert cli.main(["report", str(copy), "--thresholds", str(th)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: threshold rule 'L9\\\\.attn\\\\.out' cos >= 0.5 (th.toml) checked no value of this run" in err
+    assert "reserved_bytes" not in err  # that rule checked the memory rows
+    md = _report_of(copy)
+    assert "rule(s) checked nothing in this run" in md and "L9\\\\.attn\\\\.out cos, th.toml" in md
+
+
+def _report_of(path) -> str:
+    return (path / "report.md").read_text()
+
+
+def test_rerendering_a_run_reproduces_its_report_and_verdict(run, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(run.run_dir, copy)
+    before = _report_of(copy), (copy / "report.html").read_text()
+    assert cli.main(["report", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert (_report_of(copy), (copy / "report.html").read_text()) == before
+    verdict = "verdict: PASS" if run.passed else "verdict: FAIL"
+    assert verdict in out and f"first divergence: {run.first_divergence or 'none'}" in out
+    checked = json.loads((copy / "manifest.json").read_text())["verdict"]["checked"]
+    assert f"all {checked} checked values" in before[0] or f"of {checked} checked values" in before[0]
+
+
+def test_the_csa_rule_names_the_configs_csa_layers(run):
+    rules = json.loads((run.run_dir / "manifest.json").read_text())["thresholds"]
+    csa = [r for r in rules if "attn\\.(core|out)" in r["site_regex"] and r["modes"] == ["layer"]
+           and r["metric"] == "cos" and r["op"] == ">="]
+    assert [r["site_regex"] for r in csa] == ["L(2|4)\\.(attn\\.(core|out)|residual)"]
+    assert csa[0]["value"] == 0.5
+
+
+def test_the_thresholds_table_shows_modes_class_and_what_each_rule_checked(run):
+    table = _section(_report(run), "Thresholds")
+    assert "class quantized (FP8/FP4 formats" in table
+    assert "| rule | site regex | metric | modes | threshold | source | checked | failed |" in table
+    rows = [ln.split(" | ") for ln in table.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
+    by_rule = {(r[2], r[3], r[4]): (r[6], r[7].rstrip(" |")) for r in rows}  # (metric, modes, threshold)
+    assert by_rule[("true_miss", "op", "<= 0")] == ("8", "0")  # 2 CSA layers x 4 steps, op mode only
+    assert by_rule[("recall", "layer", ">= 0.4")] == ("8", "0")
+    assert by_rule[("cos", "layer", ">= 0.5")] == ("24", "0")  # CSA attention: 2 layers x 3 sites x 4 steps
+    assert by_rule[("calc_diff", "layer", "off")] == ("-", "-")
+    assert by_rule[("nonfinite_mismatch", "all", "<= 0")][0] != "0"
+
+
+def test_the_manifest_and_the_report_name_the_checkpoint(run, tiny):
+    info = json.loads((run.run_dir / "manifest.json").read_text())["checkpoint"]
+    assert info["preset"] == "tiny" and info["seed"] == 0 and info["layout"] == "synthetic"
+    assert len(info["hash"]) == 16 and info["hash_scope"] == "every tensor's bytes"
+    first = _section(_report(run), "Run").strip().splitlines()[0]
+    assert first == f"Tested: reference on preset 'tiny' (synthetic, seed 0), sha256 {info['hash']} (every tensor's " \
+                    "bytes)."
+    other = synthesize(ModelConfig.preset("tiny"), seed=1)
+    spec = RunSpec(prompt=default_prompt(4096, 20), decode_steps=0, modes=("op",))
+    from fidelity.runner import Runner
+    assert Runner(other, spec).run()[1]["checkpoint"]["hash"] != info["hash"]
+
+
+def test_defaults_follow_the_profiles_fields_not_its_name(tmp_path):
+    my = tmp_path / "my.toml"
+    my.write_text('fmha = "fp8"\n')
+    core = {p: next(t.value for t in default_thresholds(get_profile(p)) if t.site_regex.endswith("attn\\.core")
+                    and t.metric == "calc_diff") for p in (str(my), "fp8-fmha", "reference")}
+    assert core == {str(my): CORE_GAP_FP8, "fp8-fmha": CORE_GAP_FP8, "reference": CORE_GAP}
+    assert klass(get_profile("bf16:residual=fp32")) == "bf16" and klass(get_profile("bf16")) == "bf16"
+    assert klass(get_profile("reference:residual=fp32")) == "quantized" and klass("fp64") == "exact"
+    assert klass(get_profile("bf16:indexer_qk=fp4")) == "quantized"
+
+
+def test_a_profile_file_with_fp8_attention_passes_its_own_run(tiny, tmp_path):
+    """Before the defaults followed the fields, this profile got the bf16 attention core's gap and failed."""
+    my = tmp_path / "my.toml"
+    my.write_text('fmha = "fp8"\n')
+    spec = RunSpec(prompt=default_prompt(4096, 140), decode_steps=2, modes=("op",), profile=str(my))
+    res = run_job(tiny, spec, tmp_path, run_id="my")
+    assert res.passed, str(res.first_divergence)
+    assert json.loads((res.run_dir / "manifest.json").read_text())["profile_class"] == "quantized"
+
+
+def test_the_manifest_lists_only_the_implementations_that_ran_in_this_run(tiny, tmp_path):
+    spec = RunSpec(prompt=default_prompt(4096, 40), decode_steps=1, modes=("op",))
+    packed = RunSpec(prompt=default_prompt(4096, 40), decode_steps=1, modes=("op",), profile="fp4-indexer-packed")
+    first = run_job(tiny, packed, tmp_path, run_id="packed").manifest["implementations"]
+    second = run_job(tiny, spec, tmp_path, run_id="plain").manifest["implementations"]
+    assert first["index_scores_fp4"] == "cpu" and "index_scores_fp4" not in second
+    assert second["sparse_attention"] == "cpu"
+
+
+def _text_outside(fig) -> list[str]:
+    """What reaches outside the figure once drawn: an axes with its title, labels and tick labels, or a legend."""
+    fig.canvas.draw()
+    renderer, box = fig.canvas.get_renderer(), fig.bbox
+    parts = [(ax.get_title() or ax.get_ylabel(), ax.get_tightbbox(renderer)) for ax in fig.axes]
+    parts += [("legend", leg.get_window_extent(renderer)) for leg in fig.legends]
+    return [name for name, b in parts
+            if b.x0 < box.x0 - 1 or b.y0 < box.y0 - 1 or b.x1 > box.x1 + 1 or b.y1 > box.y1 + 1]
+
+
+def test_run_plots_keep_their_text_inside_and_say_which_mode_they_show(run):
+    import warnings
+
+    from fidelity.plots import PLOTS
+
+    df, _ = read_run(run.run_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. constrained_layout giving up
+        figures = {name: build(df) for name, build in PLOTS.items()}
+        for name, fig in figures.items():
+            assert _text_outside(fig) == [], name
+    assert all(fig.legends for name, fig in figures.items() if name != "heatmap_1mcos.png")  # outside the axes
+    assert not any(ax.get_legend() for fig in figures.values() for ax in fig.axes)  # none over the data
+    for name in ("sinkhorn.png", "residual_norms.png"):
+        assert "(free mode rows)" in figures[name].axes[0].get_title()
+    lines = {ln.get_label(): ln for ln in figures["sinkhorn.png"].axes[0].get_lines()}
+    attn, ffn = lines["mhc_attn.comb col_dev"], lines["mhc_ffn.comb col_dev"]
+    assert (attn.get_linestyle(), attn.get_marker()) != (ffn.get_linestyle(), ffn.get_marker())
+
+
+def test_the_comparison_plot_labels_runs_by_what_differs_and_keeps_its_text_inside(run, tiny, tmp_path):
+    from fidelity.compare import comparison_figure, family_table, short_labels
+
+    spec = RunSpec(prompt=default_prompt(4096, 200), decode_steps=3, profile="reference:kv_storage=fp8")
+    other = run_job(tiny, spec, tmp_path, run_id="fp8kv")
+    loaded = [read_run(run.run_dir), read_run(other.run_dir)]
+    assert short_labels(loaded) == ["reference", "reference:kv_storage=fp8"]
+    same_name = [(df, {**m, "profile": {**m["profile"], "name": "mine"}}) for df, m in loaded]
+    assert short_labels(same_name) == ["kv_storage=bf16", "kv_storage=fp8"]
+    fig = comparison_figure({label: family_table(df[df["mode"] == "free"]) for label, (df, _) in
+                             zip(short_labels(loaded), loaded, strict=True)}, "free")
+    assert _text_outside(fig) == [] and [t.get_text() for t in fig.legends[0].get_texts()] == short_labels(loaded)

@@ -10,7 +10,17 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "load_checkpoint",
+    "run",
     "save_checkpoint",
     "synthesize",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``fidelity.run`` (``fidelity.api.run``), imported on first use: it pulls in the models and pandas."""
+    if name == "run":
+        from fidelity.api import run
+
+        return run
+    raise AttributeError(f"module 'fidelity' has no attribute {name!r}")

@@ -31,6 +31,7 @@ EXAMPLES = """examples:
 """
 
 SYNTH_LIMIT_BYTES = 4 << 30
+DEFAULT_PROMPT_LEN = 1024
 SMALL_MODEL_DIM = 1024  # --threads auto: one intra-op thread on the CPU up to this hidden size
 
 
@@ -40,31 +41,46 @@ class UsageError(Exception):
 
 def _config(args) -> ModelConfig:
     """The config of ``--preset`` (cheap: nothing synthesized yet); checked for size."""
-    cfg = ModelConfig.preset(args.preset)
-    _check_synth_size(cfg, args.preset)
+    cfg = ModelConfig.preset(_preset(args))
+    _check_synth_size(cfg, _preset(args))
     return cfg
 
 
-def _open(args) -> tuple[ModelConfig, object | None]:
-    """(config, checkpoint or None): ``--checkpoint`` is opened (headers only, cheap); for ``--preset`` only the
-    config is made, so that every argument is checked before the weights are synthesized (``_ready``)."""
+def _open(args, replay=None) -> tuple[ModelConfig, object | None]:
+    """(config, checkpoint or None): ``--checkpoint`` (or a replayed trace's recorded checkpoint path) is opened
+    (headers only, cheap); for a preset only the config is made, so that every argument is checked before the
+    weights are synthesized (``_ready``)."""
     from fidelity.checkpoint import load_checkpoint
 
-    if args.checkpoint:
-        ckpt = load_checkpoint(args.checkpoint)
+    recorded = replay.manifest.get("checkpoint", {}) if replay is not None and not args.preset else {}
+    path = args.checkpoint or recorded.get("path")
+    if path:
+        ckpt = load_checkpoint(path)
         return ckpt.config, ckpt
+    if recorded.get("preset"):
+        args.preset, args.seed = recorded["preset"], int(recorded.get("seed", 0))
     return _config(args), None
 
 
-def _ready(args, ckpt) -> tuple[object, str]:
-    """(checkpoint, what it is in words): the opened one, or the preset synthesized now."""
+def _ready(args, ckpt, replay=None) -> tuple[object, str]:
+    """(checkpoint, what it is in words): the opened one, or the preset synthesized now; a replayed trace must
+    have been recorded on it."""
+    from fidelity.api import check_trace_checkpoint
     from fidelity.synthesize import synthesize
 
     if ckpt is not None:
-        return ckpt, f"checkpoint {args.checkpoint}"
-    ckpt = synthesize(_config(args), seed=args.seed)
-    ckpt.origin["preset"] = args.preset
-    return ckpt, f"preset '{args.preset}' (synthetic, seed {args.seed})"
+        what = f"checkpoint {ckpt.path}"
+    else:
+        ckpt = synthesize(_config(args), seed=args.seed)
+        ckpt.origin["preset"] = _preset(args)
+        what = f"preset '{_preset(args)}' (synthetic, seed {args.seed})"
+    if replay is not None:
+        check_trace_checkpoint(replay, ckpt)
+    return ckpt, what
+
+
+def _preset(args) -> str:
+    return args.preset or "tiny"
 
 
 def _check_synth_size(cfg: ModelConfig, name: str) -> None:
@@ -81,9 +97,10 @@ def _prompt(args, vocab: int) -> torch.Tensor:
 
     if args.prompt_file:
         return _read_ids(args.prompt_file, vocab, "--prompt-file")
-    if args.prompt_len < 1:
-        raise UsageError(f"--prompt-len: expected >= 1, found {args.prompt_len}")
-    return default_prompt(vocab, args.prompt_len, args.seed)
+    length = DEFAULT_PROMPT_LEN if args.prompt_len is None else args.prompt_len
+    if length < 1:
+        raise UsageError(f"--prompt-len: expected >= 1, found {length}")
+    return default_prompt(vocab, length, args.seed)
 
 
 def _threads(args, cfg: ModelConfig, device: str = "cpu") -> int:
@@ -109,12 +126,10 @@ def _plural(n: int, word: str) -> str:
 
 
 def cmd_run(args) -> int:
-    from fidelity.job import run_job
-    from fidelity.oracle_run import ORACLE_DTYPES
+    from fidelity.api import run
     from fidelity.production import get_profile
     from fidelity.progress import Progress
     from fidelity.rundir import check_output, new_run_id
-    from fidelity.runner import RunSpec
     from fidelity.sampling import SamplerConfig
     from fidelity.thresholds import load_thresholds
 
@@ -129,31 +144,59 @@ def cmd_run(args) -> int:
     check_output(args.out, run_id, args.overwrite)
     if args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
-    cfg, ckpt = _open(args)
-    prompt = _prompt(args, cfg.vocab_size)
+    replay = _trace(args)
+    cfg, ckpt = _open(args, replay)
+    prompt = _run_prompt(args, cfg.vocab_size, replay)
+    decode = len(replay.generated) if replay is not None else args.decode
     continuation = _read_ids(args.continuation_file, cfg.vocab_size, "--continuation-file") \
         if args.continuation_file else None
-    max_context = args.max_context or len(prompt) + args.decode
-    if len(prompt) + args.decode > max_context:
-        raise UsageError(f"prompt: {len(prompt)} tokens + {args.decode} decode steps exceeds --max-context "
-                         f"{max_context}")
-    stops = _stops(args, cfg)
+    max_context = args.max_context or len(prompt) + decode
+    if len(prompt) + decode > max_context:
+        raise UsageError(f"prompt: {len(prompt)} tokens + {decode} decode steps exceeds --max-context {max_context}")
     threads = _threads(args, cfg, args.device)
-    ckpt, what = _ready(args, ckpt)
-    spec = RunSpec(prompt=prompt, decode_steps=args.decode, profile=profile, modes=tuple(args.mode or ("free", "layer",
-        "op")), stream=args.stream, continuation=continuation, sampler=sampler, stop_ids=stops, max_context=max_context,
-        oracle_dtype=ORACLE_DTYPES[args.oracle_dtype], sample_queries=args.sample_queries, device=args.device)
+    ckpt, what = _ready(args, ckpt, replay)
+    extra = {} if replay is not None else {"stream": args.stream, "continuation": continuation}
     t0 = time.perf_counter()
     progress = Progress()
-    res = run_job(ckpt, spec, args.out, run_id, args.thresholds, args.overwrite, progress)
+    res = run(replay or args.decoder, ckpt, prompt, decode, tuple(args.mode or ("free", "layer", "op")), args.out,
+              run_id=run_id, profile=profile, decoder_dtype=args.decoder_dtype, device=args.device,
+              oracle_dtype=args.oracle_dtype, thresholds=args.thresholds, trace=args.write_trace,
+              overwrite=args.overwrite, progress=progress, sampler=sampler, stop_ids=_stops(args, cfg),
+              max_context=max_context, sample_queries=args.sample_queries, **extra)
     progress.close()  # a run that stopped on a stop token ends its decode bar here
-    steps = res.manifest["decode_steps"]
-    print(f"dsv4-fidelity {__version__}: {profile.name} vs oracle on {what}, modes {'+'.join(spec.modes)}")
+    steps, modes = res.manifest["decode_steps"], res.manifest["modes"]
+    print(f"dsv4-fidelity {__version__}: {res.manifest['decoder']} vs oracle on {what}, modes {'+'.join(modes)}")
+    for mode, why in res.manifest["modes_skipped"].items():
+        print(f"skipped {mode} mode: {why}")
     print(f"prompt {_plural(len(prompt), 'token')}, {_plural(steps, 'decode step')} ({res.manifest['stop_reason']}), "
           f"{time.perf_counter() - t0:.1f} s, {_plural(threads, 'thread')}")
     _print_verdict(res.judgement)
     print(f"report: {res.run_dir / 'report.md'} (and report.html, metrics.parquet, plots/)")
+    if args.write_trace:
+        print(f"trace: {args.write_trace}")
     return 1 if args.gate and not res.passed else 0
+
+
+def _trace(args):
+    """The TraceDecoder of ``--decoder trace:DIR`` (its manifest checked now), else None."""
+    from fidelity.decoders.trace import TraceDecoder
+
+    if args.decoder in ("production", "transformers"):
+        return None
+    if not args.decoder.startswith("trace:"):
+        raise UsageError(f"--decoder: expected production, transformers or trace:DIR, found {args.decoder!r}")
+    if args.write_trace:
+        raise UsageError("--write-trace: a replayed trace is not recorded again")
+    return TraceDecoder(args.decoder.removeprefix("trace:"))
+
+
+def _run_prompt(args, vocab: int, replay) -> torch.Tensor:
+    """The prompt of a run: a replayed trace's own (a prompt option then is an error), else ``_prompt``."""
+    if replay is None:
+        return _prompt(args, vocab)
+    if args.prompt_file or args.prompt_len is not None:
+        raise UsageError("--prompt-file/--prompt-len: a trace replays its own prompt; leave them out")
+    return replay.prompt
 
 
 def _stops(args, cfg) -> tuple[int, ...] | None:
@@ -224,6 +267,8 @@ def cmd_memory(args) -> int:
 
 
 def cmd_mutants(args) -> int:
+    from fidelity.decoders.transformers import FAULTS as HF_FAULTS
+    from fidelity.decoders.transformers import TransformersDecoder
     from fidelity.mutants import (
         MutantSettings,
         check_names,
@@ -235,8 +280,11 @@ def cmd_mutants(args) -> int:
     from fidelity.report import md_table
     from fidelity.rundir import check_output, new_run_id
 
+    if args.decoder not in ("production", "transformers"):
+        raise UsageError(f"--decoder: expected production or transformers, found {args.decoder!r}")
+    known = HF_FAULTS if args.decoder == "transformers" else None
     try:
-        check_names(args.only)
+        check_names(args.only, known)
     except ValueError as err:
         raise UsageError(str(err)) from None
     run_id = args.run_id or f"mutants-{new_run_id()}"
@@ -245,13 +293,18 @@ def cmd_mutants(args) -> int:
     threads = _threads(args, cfg)
     ckpt, what = _ready(args, ckpt)
     settings = MutantSettings(args.prompt_len, args.decode, tuple(args.mode or ("layer", "op")), args.seed)
+    factory = None
+    if args.decoder == "transformers":
+        def factory():
+            return TransformersDecoder.from_checkpoint(ckpt, args.decoder_dtype)
 
     def progress(k: int, n: int, name: str) -> None:
         print(f"[{k + 1}/{n}] {name}", file=sys.stderr, flush=True)
 
-    matrix = run_mutants(ckpt, args.only, settings, progress)
+    matrix = run_mutants(ckpt, args.only, settings, progress, factory, known)
     out = write_matrix(matrix, args.out, run_id, args.overwrite)
-    print(f"dsv4-fidelity {__version__}: mutants on {what}, {_plural(threads, 'thread')}")
+    decoder = "production" if factory is None else f"transformers ({args.decoder_dtype})"
+    print(f"dsv4-fidelity {__version__}: mutants of the {decoder} decoder on {what}, {_plural(threads, 'thread')}")
     print(md_table(matrix_table(matrix)))
     failures = gate_failures(matrix)
     print("gate: PASS" if not failures else "gate: FAIL\n" + "\n".join(f"  - {f}" for f in failures))
@@ -336,9 +389,9 @@ def cmd_config(args) -> int:
 def _source_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="checkpoint directory (config.json + *.safetensors)")
-    src.add_argument("--preset", default="tiny", help="synthesize this preset instead (default: tiny)")
+    src.add_argument("--preset", help="synthesize this preset instead (default: tiny)")
     p.add_argument("--seed", type=int, default=0, help="synthetic weights and default prompt seed")
-    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--prompt-len", type=int, help=f"length of the default prompt (default {DEFAULT_PROMPT_LEN})")
     p.add_argument("--prompt-file", help="token ids (whitespace/comma separated) instead of a random prompt")
     _threads_arg(p)
 
@@ -358,10 +411,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"dsv4-fidelity {__version__}")
     sub = p.add_subparsers(dest="command")
 
-    r = sub.add_parser("run", help="production vs oracle side by side; writes runs/<run-id>/",
+    r = sub.add_parser("run", help="a decoder (default: production) vs the oracle side by side; writes runs/<run-id>/",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _source_args(r)
     r.add_argument("--decode", type=int, default=64, help="decode steps after the prompt (default 64)")
+    r.add_argument("--decoder", default="production",
+                   help="the decoder under test: production (default), transformers (DeepseekV4ForCausalLM), or "
+                        "trace:DIR (a recorded trace, replayed with its own prompt and tokens)")
+    r.add_argument("--decoder-dtype", choices=("bf16", "fp16", "fp32", "fp64"), default="bf16",
+                   help="dtype of --decoder transformers (default bf16)")
+    r.add_argument("--write-trace", metavar="DIR", help="also record the decoder's calls as a trace in DIR")
     r.add_argument("--profile", default="reference",
                    help="built-in profile, base:field=value,..., or a .toml/.json profile file")
     r.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="repeatable (default: all)")
@@ -393,6 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
     mu.add_argument("--prompt-len", type=int, default=300)
     mu.add_argument("--decode", type=int, default=8)
     mu.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="default: layer and op")
+    mu.add_argument("--decoder", default="production",
+                    help="production (default: the whole catalogue) or transformers (DeepseekV4ForCausalLM with the "
+                         "faults it can carry planted at run time)")
+    mu.add_argument("--decoder-dtype", choices=("bf16", "fp16", "fp32", "fp64"), default="fp32",
+                    help="dtype of --decoder transformers (default fp32: the exact thresholds)")
     mu.add_argument("--out", default="runs", help="parent folder of the matrix's directory (default runs/)")
     mu.add_argument("--run-id", help="the directory's name (default mutants-<UTC time>-<random>)")
     mu.add_argument("--overwrite", action="store_true")
@@ -459,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     from fidelity.runner import RunError
     from fidelity.sampling import TokenizerFileError
     from fidelity.thresholds import ThresholdError
+    from fidelity.trace import TraceError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -467,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (UsageError, ConfigError, CheckpointError, RunDirError, ThresholdError, RunError, ContextError,
-            TokenizerFileError, OutputError, CompareError) as err:
+            TokenizerFileError, OutputError, CompareError, TraceError) as err:
         print(f"fidelity: error: {err}", file=sys.stderr)
         return 2
 

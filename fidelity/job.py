@@ -7,15 +7,19 @@ from pathlib import Path
 
 import pandas as pd
 
+from fidelity.decoders.base import Decoder
 from fidelity.judgement import Judgement, csa_layers, judge, run_rules
-from fidelity.production.profiles import get_profile
+from fidelity.production.profiles import get_profile, profile_dict
 from fidelity.rundir import check_output, new_run_id, read_run, write_run
 from fidelity.runner import Runner, RunSpec
 from fidelity.thresholds import COLUMNS, Divergence, profile_class, thresholds_for
+from fidelity.trace import TraceWriter
 
 
 @dataclass
-class JobResult:
+class RunResult:
+    """A judged run: ``verdict`` ('PASS' / 'FAIL'), ``first_divergence``, ``run_dir``, the judgement and manifest."""
+
     run_dir: Path
     judgement: Judgement
     manifest: dict
@@ -32,6 +36,10 @@ class JobResult:
     def passed(self) -> bool:
         return self.judgement.passed
 
+    @property
+    def verdict(self) -> str:
+        return "PASS" if self.passed else "FAIL"
+
 
 def tidy(df: pd.DataFrame, run_id: str, profile: str) -> pd.DataFrame:
     """The runner's rows in the long format of ``thresholds.COLUMNS``."""
@@ -44,23 +52,34 @@ def tidy(df: pd.DataFrame, run_id: str, profile: str) -> pd.DataFrame:
 
 
 def run_job(checkpoint, spec: RunSpec, out_root: str | Path = "runs", run_id: str | None = None,
-            thresholds_path: str | Path | None = None, overwrite: bool = False, progress=None) -> JobResult:
-    """Run ``spec``, judge it once and write the run directory. Thresholds, the profile and the output place are
-    checked before the long work."""
-    profile = get_profile(spec.profile)
+            thresholds_path: str | Path | None = None, overwrite: bool = False, progress=None,
+            decoder: Decoder | None = None, trace: str | Path | None = None) -> RunResult:
+    """Run ``spec`` on ``decoder`` (default: the production decoder with ``spec.profile``), judge it once and
+    write the run directory; ``trace``: also record the decoder's calls as a trace directory there. Thresholds,
+    the profile and the output places are checked before the long work."""
+    profile = decoder.profile if decoder is not None else profile_dict(get_profile(spec.profile))
     rules = thresholds_for(profile, thresholds_path, csa_layers(checkpoint.config))
     run_id = run_id or new_run_id()
     check_output(out_root, run_id, overwrite)
-    df, manifest = Runner(checkpoint, spec, progress).run()
+    writer = None
+    if trace is not None:
+        label = decoder.label if decoder is not None else f"production ({profile['name']})"
+        writer = TraceWriter(trace, checkpoint.config, spec.prompt, label, profile, overwrite=overwrite)
+    try:
+        df, manifest = Runner(checkpoint, spec, progress, decoder, writer).run()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
     manifest["run_id"] = run_id
-    df = tidy(df, run_id, profile.name)
+    df = tidy(df, run_id, str(manifest["profile"]["name"]))
     judgement = judge(df, rules, profile_class(profile))
     run_dir = write_run(out_root, run_id, df, manifest, judgement, overwrite=overwrite)
-    return JobResult(run_dir, judgement, manifest)
+    return RunResult(run_dir, judgement, manifest)
 
 
-def judge_run(run_dir: str | Path, thresholds_path: str | Path | None = None) -> JobResult:
+def judge_run(run_dir: str | Path, thresholds_path: str | Path | None = None) -> RunResult:
     """Judge an existing run with the rules it was judged with (plus those of ``thresholds_path``)."""
     df, manifest = read_run(run_dir)
     rules, klass = run_rules(manifest, df, thresholds_path)
-    return JobResult(Path(run_dir), judge(df, rules, klass), manifest)
+    return RunResult(Path(run_dir), judge(df, rules, klass), manifest)

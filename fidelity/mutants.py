@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
@@ -27,6 +28,9 @@ from fidelity.report import html_table, md_table
 from fidelity.rundir import check_output, new_run_id
 from fidelity.runner import Runner, RunSpec
 from fidelity.sampling import SamplerConfig
+
+if TYPE_CHECKING:
+    from fidelity.decoders.base import Decoder
 from fidelity.thresholds import apply_thresholds, first_divergence, sort_divergence, thresholds_for
 
 PROBE_OF_METRIC = {
@@ -120,16 +124,21 @@ def _spec(cfg: ModelConfig, s: MutantSettings, options: dict) -> RunSpec:
     return spec
 
 
-def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings) -> pd.DataFrame:
-    """Judged metric rows of one run (the clean decoder when ``mutant`` is None)."""
+DecoderFactory = Callable[[], "Decoder"]
+
+
+def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings,
+            decoder: DecoderFactory | None = None) -> pd.DataFrame:
+    """Judged metric rows of one run (the clean decoder when ``mutant`` is None) on a fresh decoder from
+    ``decoder()`` (default: the production decoder)."""
     cfg = checkpoint.config
     spec = _spec(cfg, s, mutant.options if mutant else {})
     names = (mutant.name,) if mutant else ()
     with inject(*names):
-        df, _ = Runner(checkpoint, spec).run()
+        df, manifest = Runner(checkpoint, spec, decoder=decoder() if decoder else None).run()
     csa = [i for i, k in enumerate(cfg.layer_kinds) if k == "csa"]
-    df = tidy(df, mutant.name if mutant else "clean", spec.profile)
-    return apply_thresholds(df, thresholds_for(spec.profile, None, csa))
+    df = tidy(df, mutant.name if mutant else "clean", str(manifest["profile"]["name"]))
+    return apply_thresholds(df, thresholds_for(manifest["profile"], None, csa))
 
 
 def _split_site(site: str) -> tuple[int, str]:
@@ -164,26 +173,31 @@ def detection_rows(name: str, judged: pd.DataFrame, mutant: Mutant | None, cfg: 
     return [summary] + rows
 
 
-def check_names(names: list[str] | None) -> None:
-    """Raise ValueError naming any mutant that is not in the catalogue."""
-    unknown = sorted(set(names or ()) - set(BY_NAME))
+def check_names(names: list[str] | None, known: tuple[str, ...] | None = None) -> None:
+    """Raise ValueError naming any mutant that is not in the catalogue (or not in ``known``, the faults a
+    decoder can carry)."""
+    known = tuple(BY_NAME) if known is None else known
+    unknown = sorted(set(names or ()) - set(known))
     if unknown:
-        raise ValueError(f"mutants: unknown name(s) {unknown}; expected some of {sorted(BY_NAME)}")
+        raise ValueError(f"mutants: unknown name(s) {unknown} for this decoder; expected some of {sorted(known)}")
 
 
 def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSettings | None = None,
-                progress: Callable[[int, int, str], None] | None = None) -> pd.DataFrame:
-    """The detection matrix: the clean decoder first, then each mutant (``names`` = all by default)."""
+                progress: Callable[[int, int, str], None] | None = None, decoder: DecoderFactory | None = None,
+                known: tuple[str, ...] | None = None) -> pd.DataFrame:
+    """The detection matrix: the clean decoder first, then each mutant (``names`` = all of ``known`` by default:
+    the faults the decoder can carry, the whole catalogue for the production decoder). ``decoder()`` makes a
+    fresh decoder under test for each run."""
     s = settings or MutantSettings()
-    check_names(names)
-    chosen = [BY_NAME[n] for n in names] if names else list(CATALOGUE)
+    check_names(names, known)
+    chosen = [BY_NAME[n] for n in names] if names else [m for m in CATALOGUE if known is None or m.name in known]
     rows = []
     for k, mutant in enumerate([None, *chosen]):
         name = mutant.name if mutant else "clean"
         if progress:
             progress(k, len(chosen) + 1, name)
         t0 = time.perf_counter()
-        judged = run_one(checkpoint, mutant, s)
+        judged = run_one(checkpoint, mutant, s, decoder)
         for r in detection_rows(name, judged, mutant, checkpoint.config):
             rows.append({**r, "seconds": round(time.perf_counter() - t0, 2)})
     return pd.DataFrame(rows)

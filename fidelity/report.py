@@ -210,7 +210,8 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
         facts["profile fields"] = ", ".join(f"{k}={v}" for k, v in changed.items()) or "as reference"
     table = pd.DataFrame({"field": list(facts), "value": [fmt_value(v) for v in facts.values()]})
     manifest_json = json.dumps(manifest, indent=2, sort_keys=True, default=str)
-    text = [f"Tested: {facts['profile']} on {facts['checkpoint']}.", "The full manifest is in manifest.json."]
+    tested = manifest.get("decoder", facts["profile"])
+    text = [f"Tested: {tested} on {facts['checkpoint']}.", "The full manifest is in manifest.json."]
     return Section("Run", text, table, details=manifest_json, details_title="manifest.json")
 
 
@@ -258,6 +259,27 @@ def verdict_section(judgement: Judgement) -> Section:
     if len(table) > FAILURE_ROWS:
         text.append(f"Showing the first {FAILURE_ROWS} of {len(table)} failing site/metric pairs.")
     return Section("Verdict", text, table.head(FAILURE_ROWS), css="fail")
+
+
+MODE_TEXT = {"free": "the oracle runs its own model on the same tokens", "layer": "each oracle layer on the "
+             "decoder's input to that layer", "op": "each oracle op on the decoder's exact op inputs"}
+
+
+def modes_section(df: pd.DataFrame, manifest: dict) -> Section:
+    """Which comparison modes ran, on how many sites, and why a requested mode was skipped."""
+    skipped = manifest.get("modes_skipped") or {}
+    rows = []
+    for mode in (*MODES[::-1], *(m for m in skipped if m not in MODES)):
+        sub = df[df["mode"] == mode]
+        if not sub.empty:
+            sites = sorted(sub["site"].unique(), key=site_order_key)
+            rows.append({"mode": mode, "status": "ran", "sites compared": len(sites),
+                         "what it compares": MODE_TEXT.get(mode, "")})
+        elif mode in skipped:
+            rows.append({"mode": mode, "status": f"skipped: {skipped[mode]}", "sites compared": 0,
+                         "what it compares": MODE_TEXT.get(mode, "")})
+    text = [f"Decoder under test: {manifest.get('decoder', 'production')}."]
+    return Section("Modes", text, pd.DataFrame(rows))
 
 
 LAYER_ERROR_SITES = r"L\d+\.(attn\.out|moe\.out|residual)"
@@ -471,7 +493,8 @@ def threshold_section(judgement: Judgement) -> Section:
 def build_sections(df: pd.DataFrame, manifest: dict, judgement: Judgement,
                    token_margin: float = TOKEN_FLIP_MARGIN) -> list[Section]:
     """All report sections in reading order, plots excluded."""
-    return [header_section(df, manifest), verdict_section(judgement), layer_error_section(df), sinkhorn_section(df),
+    return [header_section(df, manifest), modes_section(df, manifest), verdict_section(judgement),
+            layer_error_section(df), sinkhorn_section(df),
             indexer_section(df), visible_section(df), anomaly_section(df), token_section(df, token_margin),
             memory_section(df), threshold_section(judgement)]
 

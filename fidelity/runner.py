@@ -27,15 +27,16 @@ import torch
 from fidelity import __version__
 from fidelity.checkpoint import expected_tensors
 from fidelity.compare_sites import compare_recordings
+from fidelity.config import ModelConfig
+from fidelity.decoders.base import Decoder, mode_support
+from fidelity.decoders.production import ProductionDecoder
 from fidelity.opmode import OpMode
 from fidelity.oracle_run import dtype_name
-from fidelity.production import ProductionModel, routes
 from fidelity.production.faults import on
-from fidelity.production.kernels import fallbacks as kernel_fallbacks
-from fidelity.production.profiles import Profile, profile_dict
-from fidelity.production.registry import implementations_used, reset_used
+from fidelity.production.profiles import Profile
 from fidelity.sampling import Sampler, SamplerConfig, StopSet
 from fidelity.sites import Recorder
+from fidelity.trace import TraceWriter
 from oracles import OracleModel
 from probes import collect, memory_stats
 from probes.sampler import sampler_agreement
@@ -100,29 +101,37 @@ def sampled_rows(n: int, k: int | None, seed: int = 0) -> torch.Tensor | None:
 
 
 class Runner:
-    """Holds the models and sessions of one run; ``run()`` returns the metric table and the manifest."""
+    """Holds the decoder under test and the oracle sessions of one run; ``run()`` returns the metric table and
+    the manifest."""
 
-    def __init__(self, checkpoint, spec: RunSpec, progress: Callable[..., None] | None = None):
-        """``progress(phase, done, total, note)`` is told of each prefill pass and decode step
-        (``fidelity.progress.Progress`` draws it)."""
+    def __init__(self, checkpoint, spec: RunSpec, progress: Callable[..., None] | None = None,
+                 decoder: Decoder | None = None, trace: TraceWriter | None = None):
+        """``decoder``: the decoder under test (default: the production decoder with ``spec``'s profile, device
+        and max_context). ``progress(phase, done, total, note)`` is told of each prefill pass and decode step
+        (``fidelity.progress.Progress`` draws it); ``trace`` records every decoder call (``fidelity.trace``)."""
         cfg = checkpoint.config
         problems = spec.problems(cfg.vocab_size)
+        if decoder is not None and (diff := config_difference(decoder.config, cfg)):
+            problems.append(f"{decoder.label}: its config differs from the checkpoint's ({diff})")
         if problems:
             raise RunError("run: " + "; ".join(problems))
-        self.ckpt, self.cfg, self.spec, self.progress = checkpoint, cfg, spec, progress
+        self.ckpt, self.cfg, self.spec, self.progress, self.trace = checkpoint, cfg, spec, progress, trace
         max_context = spec.max_context or len(spec.prompt) + spec.decode_steps
-        self.prod = ProductionModel(checkpoint, spec.profile, max_context, spec.device)
+        self.dec = decoder or ProductionDecoder(checkpoint, spec.profile, max_context, spec.device)
+        self.modes, self.skipped = mode_support(self.dec, spec.modes)
+        if not self.modes:
+            raise RunError("run: no requested mode can run: " + "; ".join(f"{m}: {why}" for m, why in
+                                                                          self.skipped.items()))
         self.oracle = OracleModel(checkpoint, spec.oracle_dtype)
-        self.p_sess = self.prod.session()
-        self.free = self.oracle.session() if "free" in spec.modes else None
-        self.layer = self.oracle.session() if "layer" in spec.modes else None
-        self.op = OpMode(self.oracle) if "op" in spec.modes else None
+        self.free = self.oracle.session() if "free" in self.modes else None
+        self.layer = self.oracle.session() if "layer" in self.modes else None
+        self.op = OpMode(self.oracle) if "op" in self.modes else None
         self.sampler = Sampler(spec.sampler)  # the oracle side's sampler
         self.prod_sampler = Sampler(spec.sampler)  # the decoder under test's sampler (fault patch points)
         self.stops = StopSet.of(spec.stop_ids) if spec.stop_ids is not None else StopSet.from_config(cfg)
         eot = set(cfg.stop_token_ids)
         self.prod_stops = StopSet.of(set(self.stops) - eot) if on("stop-missing-eot") else self.stops
-        self.run_mode = "free" if "free" in spec.modes else spec.modes[0]  # label of whole-run rows
+        self.run_mode = "free" if "free" in self.modes else self.modes[0]  # label of whole-run rows
         self.rows: list[dict] = []
         self.tokens: list[int] = []
         self.cache_bytes0: int | None = None
@@ -130,9 +139,6 @@ class Runner:
 
     def run(self) -> tuple[pd.DataFrame, dict]:
         t0 = time.perf_counter()
-        kernel_fallbacks.reset()
-        routes.reset()
-        reset_used()
         ids, history = self.spec.prompt.long(), self.spec.prompt.long().tolist()
         stop_reason = "length"
         for step in range(self.spec.decode_steps + 1):
@@ -149,7 +155,10 @@ class Runner:
                 break
             ids = torch.tensor([nxt])
         df = pd.DataFrame(self.rows)
-        return df, self.manifest(time.perf_counter() - t0, stop_reason)
+        manifest = self.manifest(time.perf_counter() - t0, stop_reason)
+        if self.trace is not None:
+            self.trace.finish(self.tokens, manifest["checkpoint"])
+        return df, manifest
 
     @contextmanager
     def _timed(self, phase: str, part: str) -> Iterator[None]:
@@ -173,12 +182,14 @@ class Runner:
                 self._tell(f"prefill ({len(ids)} tokens)", done, passes, note)
 
         phase = "prefill" if prefill else "decode"
-        positions = torch.arange(self.p_sess.pos, self.p_sess.pos + len(ids))
+        positions = torch.arange(self.dec.pos, self.dec.pos + len(ids))
         prod_rec = Recorder()
-        self.p_sess.rec = prod_rec
+        self.dec.rec = prod_rec
         tell(0, "decoder under test")
         with self._timed(phase, "decoder"):
-            test_logits = self.p_sess.prefill(ids) if prefill else self.p_sess.step(ids[0])[None]
+            test_logits = self.dec.prefill(ids) if prefill else self.dec.step(int(ids[0]))[None]
+        if self.trace is not None:
+            self.trace.add_step(ids, positions, test_logits, prod_rec)
         rows = sampled_rows(len(ids), self.spec.sample_queries) if prefill else None
         out = {"production": test_logits[-1]}
         pending: dict[str, list[dict]] = {}
@@ -217,13 +228,15 @@ class Runner:
         self.rows += collect(pending, step=step, phase="prefill" if step == 0 else "decode", mode=self.run_mode)
 
     def record_memory(self, step: int, phase: str) -> None:
-        """Allocator / RSS bytes and the production caches' bytes; cache_growth > 0 = per-step growth."""
-        cache = self.p_sess.cache_bytes()
-        if self.cache_bytes0 is None:
-            self.cache_bytes0 = cache
+        """Allocator / RSS bytes and the decoder's cache bytes (when it reports them); cache_growth > 0 = per-step
+        growth."""
         metrics = dict(memory_stats(self.spec.device))
-        growth = float(cache - self.cache_bytes0)
-        metrics.update(cache_bytes=torch.tensor(float(cache)), cache_growth=torch.tensor(growth))
+        cache = self.dec.cache_bytes()
+        if cache is not None:
+            if self.cache_bytes0 is None:
+                self.cache_bytes0 = cache
+            metrics.update(cache_bytes=torch.tensor(float(cache)), cache_growth=torch.tensor(float(cache -
+                                                                                              self.cache_bytes0)))
         self._run_rows("memory", metrics, step)
 
     def record_stop(self, step: int, token: int) -> None:
@@ -259,8 +272,10 @@ class Runner:
             "package": f"dsv4-fidelity {__version__}",
             "config": self.cfg.to_official_dict(),
             "checkpoint": checkpoint_info(self.ckpt),
-            "profile": profile_dict(self.prod.profile),
-            "modes": list(s.modes),
+            "decoder": self.dec.label,
+            "profile": self.dec.profile,
+            "modes": list(self.modes),
+            "modes_skipped": self.skipped,
             "stream": s.stream,
             "sampler": vars(s.sampler),
             "prompt_len": len(s.prompt),
@@ -268,14 +283,9 @@ class Runner:
             "stop_reason": stop_reason,
             "generated": self.tokens,
             "oracle_dtype": dtype_name(s.oracle_dtype),
-            "max_context": self.prod.max_context,
             "sample_queries": s.sample_queries,
-            "cache_bytes": self.p_sess.cache_bytes(),
-            "implementations": implementations_used(),
-            "kernel_fallbacks": kernel_fallbacks.counts(),
-            "topk_routes": routes.counts("topk"),
-            "index_routes": routes.counts("index_scores_fp4"),
-            "attention_routes": routes.counts("sparse_attention"),
+            "cache_bytes": self.dec.cache_bytes(),
+            **self.dec.info(),
             "command": " ".join(sys.argv),
             "versions": {"python": platform.python_version(), "torch": torch.__version__},
             "device": _device_name(s.device),
@@ -284,6 +294,17 @@ class Runner:
             "seconds_by_part": {k: round(v, 3) for k, v in self.seconds.items()},
             "threads": torch.get_num_threads(),
         }
+
+
+# config fields that do not change what a decoder computes (storage formats, generation limits, token ids)
+NOT_ARCHITECTURE = frozenset({"max_seq_len", "max_batch_size", "dtype", "scale_fmt", "scale_dtype", "expert_dtype",
+                              "n_mtp_layers", "stop_token_ids", "bos_token_id", "eos_token_id"})
+
+
+def config_difference(a: ModelConfig, b: ModelConfig) -> str:
+    """The architecture fields where two configs differ, 'name: a vs b' ('' when none)."""
+    da, db = a.to_official_dict(), b.to_official_dict()
+    return ", ".join(f"{k}: {da[k]!r} vs {db.get(k)!r}" for k in da if k not in NOT_ARCHITECTURE and da[k] != db.get(k))
 
 
 def _layer_input(rec: Recorder, i: int, hc: int) -> torch.Tensor:

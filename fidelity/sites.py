@@ -42,6 +42,24 @@ SITES: dict[str, str] = {
 }
 
 
+def trailing_shape(template: str, cfg) -> tuple[int, ...] | None:
+    """The shape of a record of site ``template`` after its first (token or entry) dim, from ``cfg``
+    (a ``ModelConfig``); None where it varies from call to call (index scores, visible sets)."""
+    hd, ihd, hc, dim = cfg.head_dim, cfg.index_head_dim, cfg.hc_mult, cfg.dim
+    shapes = {
+        "attn.q": (cfg.n_heads, hd), "attn.core": (cfg.n_heads, hd), "attn.kv": (hd,), "attn.compressed_kv": (hd,),
+        "indexer.q": (cfg.index_n_heads, ihd), "indexer.keys": (ihd,), "indexer.weights": (cfg.index_n_heads,),
+        "indexer.topk": (cfg.index_topk,), "moe.experts": (cfg.n_activated_experts,),
+        "moe.weights": (cfg.n_activated_experts,), "residual": (hc, dim), "mhc_attn.pre": (hc,),
+        "mhc_attn.post": (hc,), "mhc_attn.comb": (hc, hc), "mhc_ffn.pre": (hc,), "mhc_ffn.post": (hc,),
+        "mhc_ffn.comb": (hc, hc), "logits": (cfg.vocab_size,),
+    }
+    key = template.removeprefix("L{i}.")
+    if key in shapes:
+        return shapes[key]
+    return (dim,) if key in ("embed", "final", "attn.in", "attn.out", "moe.in", "moe.out") else None
+
+
 def site_name(template: str, layer: int | None = None) -> str:
     return template.replace("{i}", str(layer)) if layer is not None else template
 

@@ -135,8 +135,11 @@ def profile_fields(profile: object) -> dict[str, str] | None:
 
 
 def profile_class(profile: object) -> str:
-    """'exact', 'bf16' or 'quantized', from the profile's fields (see the module docstring). A string that
-    names no profile is 'exact' for the exact names and 'quantized' otherwise."""
+    """'exact', 'bf16' or 'quantized', from the profile's fields (see the module docstring), or its ``precision``
+    entry where a decoder states it. A string that names no profile is 'exact' for the exact names and
+    'quantized' otherwise."""
+    if isinstance(profile, Mapping) and profile.get("precision") in COS_GAP:
+        return str(profile["precision"])  # a decoder that states its class (foreign decoders, traces)
     fields = profile_fields(profile)
     if fields is None:
         name = str(profile.get("name", "")) if isinstance(profile, Mapping) else str(profile)
@@ -174,7 +177,7 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None)
     gap, layer_gap = COS_GAP[kind], LAYER_GAP[kind]
     fields = profile_fields(profile) or {}
     core_gap = CORE_GAP_FP8 if fields.get("fmha") == "fp8" else CORE_GAP
-    csa = csa_layers_regex(csa_layers) + r"\.(attn\.(core|out)|residual)"
+    csa = csa_layers_regex(csa_layers) + r"\.(attn\.(core|out)|moe\.out|residual)"  # downstream of the top-k
     rules = [
         Threshold(".*", "nonfinite_mismatch", "<=", 0),
         # a NaN/Inf in the decoder is a failure where it first appears, even where the oracle has it too (a bad

@@ -21,10 +21,11 @@ EXPECTED_PROBE = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=[0, 1], ids=["seed0", "seed1"])
+@pytest.fixture(scope="class")
 def matrix(request):
-    ckpt = synthesize(ModelConfig.preset("tiny"), seed=request.param)
-    return run_mutants(ckpt, None, MutantSettings(seed=request.param))
+    """The detection matrix of the class's seed (one class per seed: xdist's loadscope runs them in parallel)."""
+    ckpt = synthesize(ModelConfig.preset("tiny"), seed=request.cls.seed)
+    return run_mutants(ckpt, None, MutantSettings(seed=request.cls.seed))
 
 
 def test_catalogue_covers_every_fault_once():
@@ -42,35 +43,43 @@ def test_faults_are_off_unless_injected():
             pass
 
 
-def test_clean_decoder_raises_no_alarm(matrix):
-    clean = matrix[(matrix["mutant"] == "clean") & (matrix["probe"] == "first")].iloc[0]
-    assert not clean["detected"], f"clean alarm: {clean['site']} {clean['metric']} {clean['value']}"
+class GateOnOneSeed:
+    seed = 0
+
+    def test_clean_decoder_raises_no_alarm(self, matrix):
+        clean = matrix[(matrix["mutant"] == "clean") & (matrix["probe"] == "first")].iloc[0]
+        assert not clean["detected"], f"clean alarm: {clean['site']} {clean['metric']} {clean['value']}"
+
+    @pytest.mark.parametrize("name", [m.name for m in CATALOGUE])
+    def test_mutant_is_detected_where_it_was_planted(self, matrix, name):
+        first = matrix[(matrix["mutant"] == name) & (matrix["probe"] == "first")].iloc[0]
+        assert first["detected"], f"{name} went undetected"
+        assert first["located"], f"{name}: first detected at {first['site']}, expected {first['expected']}"
+        probe = matrix[(matrix["mutant"] == name) & (matrix["probe"] == EXPECTED_PROBE[name])].iloc[0]
+        assert probe["detected"], f"{name}: probe {EXPECTED_PROBE[name]} stayed silent"
+
+    def test_gate_passes_and_matrix_is_written(self, matrix, tmp_path):
+        assert gate_failures(matrix) == []
+        out = write_matrix(matrix, tmp_path, "m")
+        assert {p.name for p in out.iterdir()} == {"detection.parquet", "detection.md", "detection.html"}
+        table = matrix_table(matrix)
+        assert list(table["mutant"])[0] == "clean" and len(table) == len(CATALOGUE) + 1
+        assert "gate: PASS" in (out / "detection.md").read_text()
+
+    def test_gate_reports_an_undetected_mutant_and_a_misplaced_one(self, matrix):
+        broken = matrix.copy()
+        row = (broken["mutant"] == "window-127") & (broken["probe"] == "first")
+        broken.loc[row, "detected"] = False
+        row = (broken["mutant"] == "yarn-on-swa") & (broken["probe"] == "first")
+        broken.loc[row, "located"] = False
+        failures = gate_failures(broken)
+        assert any("window-127: not detected" in f for f in failures)
+        assert any(f.startswith("yarn-on-swa: first detected at") for f in failures)
 
 
-@pytest.mark.parametrize("name", [m.name for m in CATALOGUE])
-def test_mutant_is_detected_where_it_was_planted(matrix, name):
-    first = matrix[(matrix["mutant"] == name) & (matrix["probe"] == "first")].iloc[0]
-    assert first["detected"], f"{name} went undetected"
-    assert first["located"], f"{name}: first detected at {first['site']}, expected {first['expected']}"
-    probe = matrix[(matrix["mutant"] == name) & (matrix["probe"] == EXPECTED_PROBE[name])].iloc[0]
-    assert probe["detected"], f"{name}: probe {EXPECTED_PROBE[name]} stayed silent"
+class TestSeed0(GateOnOneSeed):
+    seed = 0
 
 
-def test_gate_passes_and_matrix_is_written(matrix, tmp_path):
-    assert gate_failures(matrix) == []
-    out = write_matrix(matrix, tmp_path, "m")
-    assert {p.name for p in out.iterdir()} == {"detection.parquet", "detection.md", "detection.html"}
-    table = matrix_table(matrix)
-    assert list(table["mutant"])[0] == "clean" and len(table) == len(CATALOGUE) + 1
-    assert "gate: PASS" in (out / "detection.md").read_text()
-
-
-def test_gate_reports_an_undetected_mutant_and_a_misplaced_one(matrix):
-    broken = matrix.copy()
-    row = (broken["mutant"] == "window-127") & (broken["probe"] == "first")
-    broken.loc[row, "detected"] = False
-    row = (broken["mutant"] == "yarn-on-swa") & (broken["probe"] == "first")
-    broken.loc[row, "located"] = False
-    failures = gate_failures(broken)
-    assert any("window-127: not detected" in f for f in failures)
-    assert any(f.startswith("yarn-on-swa: first detected at") for f in failures)
+class TestSeed1(GateOnOneSeed):
+    seed = 1

@@ -109,7 +109,7 @@ def test_the_csa_rule_names_the_configs_csa_layers(run):
     rules = json.loads((run.run_dir / "manifest.json").read_text())["thresholds"]
     csa = [r for r in rules if "attn\\.(core|out)" in r["site_regex"] and r["modes"] == ["layer"]
            and r["metric"] == "cos" and r["op"] == ">="]
-    assert [r["site_regex"] for r in csa] == ["L(2|4)\\.(attn\\.(core|out)|residual)"]
+    assert [r["site_regex"] for r in csa] == ["L(2|4)\\.(attn\\.(core|out)|moe\\.out|residual)"]
     assert csa[0]["value"] == 0.5
 
 
@@ -121,7 +121,7 @@ def test_the_thresholds_table_shows_modes_class_and_what_each_rule_checked(run):
     by_rule = {(r[2], r[3], r[4]): (r[6], r[7].rstrip(" |")) for r in rows}  # (metric, modes, threshold)
     assert by_rule[("true_miss", "op", "<= 0")] == ("8", "0")  # 2 CSA layers x 4 steps, op mode only
     assert by_rule[("recall", "layer", ">= 0.4")] == ("8", "0")
-    assert by_rule[("cos", "layer", ">= 0.5")] == ("24", "0")  # CSA attention: 2 layers x 3 sites x 4 steps
+    assert by_rule[("cos", "layer", ">= 0.5")] == ("32", "0")  # CSA attention on: 2 layers x 4 sites x 4 steps
     assert by_rule[("calc_diff", "layer", "off")] == ("-", "-")
     assert by_rule[("nonfinite_mismatch", "all", "<= 0")][0] != "0"
 
@@ -131,8 +131,8 @@ def test_the_manifest_and_the_report_name_the_checkpoint(run, tiny):
     assert info["preset"] == "tiny" and info["seed"] == 0 and info["layout"] == "synthetic"
     assert len(info["hash"]) == 16 and info["hash_scope"] == "every tensor's bytes"
     first = _section(_report(run), "Run").strip().splitlines()[0]
-    assert first == f"Tested: reference on preset 'tiny' (synthetic, seed 0), sha256 {info['hash']} (every tensor's " \
-                    "bytes)."
+    assert first == f"Tested: production (reference) on preset 'tiny' (synthetic, seed 0), sha256 {info['hash']} " \
+                    "(every tensor's bytes)."
     other = synthesize(ModelConfig.preset("tiny"), seed=1)
     spec = RunSpec(prompt=default_prompt(4096, 20), decode_steps=0, modes=("op",))
     from fidelity.runner import Runner

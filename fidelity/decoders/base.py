@@ -1,0 +1,95 @@
+"""What the runner needs from a decoder under test, and which comparison modes its reported sites allow.
+
+A decoder prefills a prompt and steps one token at a time, returning fp32 logits, and hands tensors to the
+``Recorder`` the runner sets on ``rec`` under the harness's site names (``fidelity/sites.py``). Free mode needs
+the logits only; layer mode needs each layer's input streams (``embed`` and ``L{i}.residual``); op mode needs
+every op's inputs (``OP_INPUTS``). The runner runs the modes a decoder's sites allow and records why it skipped
+the others.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+
+import torch
+
+from fidelity.config import ModelConfig
+from fidelity.sites import Recorder
+
+LAYER_INPUTS = ("embed", "L{i}.residual")
+# op mode: the exact inputs of the oracle's ops (opmode.OpMode reads these from the decoder's records)
+OP_INPUTS = ("embed", "L{i}.attn.in", "L{i}.attn.q", "L{i}.attn.kv", "L{i}.attn.visible", "L{i}.moe.in",
+             "L{i}.residual")
+OP_INPUTS_COMPRESSED = ("L{i}.attn.compressed_kv",)  # HCA and CSA layers
+OP_INPUTS_INDEXER = ("L{i}.indexer.q", "L{i}.indexer.weights", "L{i}.indexer.keys")  # CSA layers
+
+
+class Decoder(ABC):
+    """A decoder under test: ``prefill(ids) -> logits [T, V]``, ``step(id) -> logits [V]``, sites into ``rec``.
+
+    ``label`` names it in reports; ``profile`` is what the manifest records as the profile (format fields where
+    known; ``precision`` = exact / bf16 / quantized picks the default thresholds otherwise); ``pos`` counts the
+    tokens consumed.
+    """
+
+    label: str
+    config: ModelConfig
+    profile: dict
+    rec: Recorder | None = None
+    pos: int = 0
+
+    @abstractmethod
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Prompt ids [T] at positions 0..T-1 -> fp32 logits [T, vocab]."""
+
+    @abstractmethod
+    def step(self, token: int) -> torch.Tensor:
+        """One token at position ``pos`` -> fp32 logits [vocab]."""
+
+    @abstractmethod
+    def sites(self) -> frozenset[str]:
+        """Site templates (``L{i}.attn.q``, ``logits``, ...) this decoder reports."""
+
+    def cache_bytes(self) -> int | None:
+        """Bytes the decoder's caches hold (None when it cannot say): the memory probe's cache_growth."""
+        return None
+
+    def info(self) -> dict:
+        """Entries for the run's manifest (implementations, routes, dtype, ...)."""
+        return {}
+
+
+def required_sites(mode: str, cfg: ModelConfig) -> list[str]:
+    """The site templates ``mode`` needs from the decoder for ``cfg`` (free: logits only)."""
+    if mode == "free":
+        return ["logits"]
+    if mode == "layer":
+        return list(LAYER_INPUTS)
+    need = list(OP_INPUTS)
+    if any(cfg.compress_ratios[i] for i in range(cfg.n_layers)):
+        need += OP_INPUTS_COMPRESSED
+    if any(cfg.compress_ratios[i] == 4 for i in range(cfg.n_layers)):
+        need += OP_INPUTS_INDEXER
+    return need
+
+
+def mode_support(decoder: Decoder, modes: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(modes that can run, {skipped mode: why}) from the sites ``decoder`` reports."""
+    have = decoder.sites()
+    ran, skipped = [], {}
+    for mode in modes:
+        missing = [s for s in required_sites(mode, decoder.config) if s not in have]
+        if missing:
+            skipped[mode] = f"the decoder does not report {', '.join(missing)}"
+        else:
+            ran.append(mode)
+    return tuple(ran), skipped
+
+
+_LAYER_SITE = re.compile(r"^L\d+\.")
+
+
+def site_template(site: str) -> str:
+    """``L3.attn.q`` -> ``L{i}.attn.q``; names outside the layers unchanged."""
+    return _LAYER_SITE.sub("L{i}.", site)

@@ -1,0 +1,363 @@
+"""transformers' ``DeepseekV4ForCausalLM`` as a decoder under test, in any dtype and on any device.
+
+The model keeps its own ``DynamicCache`` for decode. Forward hooks map its modules to the harness's sites, and a
+registered attention function (transformers' ``AttentionInterface``, running its own eager attention) reports what
+the attention saw: the queries after RoPE, the window and compressed rows, the visible set read from the mask it
+was given, and its output before the inverse RoPE. Every site of ``fidelity/sites.py`` is reported except the mHC
+``pre`` weights (consumed inside the hyper-connection module), so free, layer and op modes all run.
+
+The injected faults of ``fidelity.production.faults`` that this decoder knows (``FAULTS``) are planted in the
+model at call time while ``faults.inject`` holds them: through the attention function (sink dropped, window of
+127 or without self, no inverse RoPE), hooks (comb transposed, routing bias in the weights, top-k capped at half,
+compressed-entry causality off by one on HCA layers) and module attributes (3 Sinkhorn iterations, shared-expert
+clamp missing, YaRN on SWA layers).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+
+from fidelity.checkpoint import Checkpoint, load_checkpoint
+from fidelity.config import ModelConfig
+from fidelity.decoders.base import Decoder
+from fidelity.layouts import hf_module_source
+from fidelity.production.faults import on
+from fidelity.sites import SITES
+
+ATTENTION = "dsv4-fidelity"  # the name the reporting attention function is registered under
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
+FAULTS = ("sink-dropped", "window-127", "window-no-self", "no-inverse-rope", "comb-transposed",
+          "routing-bias-in-weights", "topk-cap-half", "causal-off-by-one", "sinkhorn-3-iters",
+          "shared-clamp-missing", "yarn-on-swa")
+NOT_REPORTED = ("L{i}.mhc_attn.pre", "L{i}.mhc_ffn.pre")
+
+
+def hf_config(cfg: ModelConfig):
+    """transformers' ``DeepseekV4Config`` for ``cfg``."""
+    from transformers import DeepseekV4Config
+
+    d = cfg.to_hf_dict()
+    for key in ("quantization_config", "model_type", "architectures"):
+        d.pop(key, None)
+    return DeepseekV4Config(**d)
+
+
+def hf_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """A ``DeepseekV4ForCausalLM`` holding ``ckpt``'s weights, built in memory (any layout the loader reads;
+    FP8/FP4 weights dequantized exactly), in ``dtype`` as ``from_pretrained(dtype=...)`` leaves it: the modules
+    transformers keeps in fp32 and the RoPE frequencies stay fp32."""
+    from transformers import DeepseekV4ForCausalLM
+
+    cfg = ckpt.config
+    model = DeepseekV4ForCausalLM(hf_config(cfg)).eval()
+    state = model.state_dict()
+    written: set[str] = set()
+    with torch.no_grad():
+        for name in ckpt.names():
+            src = hf_module_source(name, cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim)
+            if src.key not in state:
+                raise ValueError(f"{name}: no transformers parameter {src.key!r} to hold it")
+            target = state[src.key] if src.index is None else state[src.key][src.index[0], src.index[1]:src.index[2]]
+            target.copy_(ckpt[name].to(target.dtype))
+            written.add(src.key)
+    unset = sorted(k for k in state if k not in written and not k.endswith("inv_freq"))
+    if unset:
+        raise ValueError(f"transformers parameters the checkpoint does not set: {unset[:5]}")
+    keep = re.compile("|".join(rf"((^|\.){m}($|\.))" for m in model._keep_in_fp32_modules_strict))
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        # what from_pretrained casts: the state dict's float tensors; the RoPE frequencies (not in the state dict)
+        # stay fp32, and so do the modules transformers keeps in fp32
+        if name in state and t.is_floating_point() and not keep.search(name):
+            t.data = t.data.to(dtype)
+    return model.to(device)
+
+
+class TransformersDecoder(Decoder):
+    """``DeepseekV4ForCausalLM`` under test. ``TransformersDecoder(model)`` for a model in memory;
+    ``from_pretrained(dir, dtype, device)`` for a checkpoint directory in any layout the loader reads."""
+
+    def __init__(self, model, config: ModelConfig | None = None):
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        self.model = model.eval()
+        self.config = config or ModelConfig.from_dict(model.config.to_dict(), source="transformers config")
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        name = {v: k for k, v in DTYPES.items()}.get(self.dtype, str(self.dtype))
+        exact = self.dtype in (torch.float32, torch.float64)
+        self.label = f"transformers DeepseekV4ForCausalLM ({name})"
+        self.profile = {"name": f"transformers-{name}", "precision": "exact" if exact else "bf16"}
+        AttentionInterface.register(ATTENTION, _reporting_attention)
+        AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+        self.model.set_attn_implementation(ATTENTION)
+        self.rec = None
+        self.pos = 0
+        self.calls = 0
+        self.cache = None
+        self._entries: dict[str, int] = {}  # compressed entries / indexer keys emitted so far, per layer
+        self._layer_entries: dict[int, int] = {}  # compressed entries the attention of a layer sees this call
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hook_handles = self._instrument()
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | str = torch.bfloat16,
+                        device: str | torch.device = "cpu") -> TransformersDecoder:
+        ckpt = load_checkpoint(directory)
+        return cls.from_checkpoint(ckpt, dtype, device)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype | str = torch.bfloat16,
+                        device: str | torch.device = "cpu") -> TransformersDecoder:
+        dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        return cls(hf_model(ckpt, dtype, device), ckpt.config)
+
+    # ---- decoding ---------------------------------------------------------------------------------------------
+    def sites(self) -> frozenset[str]:
+        return frozenset(SITES) - set(NOT_REPORTED)
+
+    def info(self) -> dict:
+        import transformers
+
+        return {"decoder_dtype": str(self.dtype).removeprefix("torch."), "transformers": transformers.__version__}
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        if self.calls:
+            raise ValueError("prefill: this decoder has already run; make a new one for a new sequence")
+        self.cache = DynamicCache(config=self.model.config)
+        return self._call(torch.as_tensor(ids).long().flatten())
+
+    @torch.no_grad()
+    def step(self, token: int) -> torch.Tensor:
+        return self._call(torch.tensor([int(token)]))[0]
+
+    def _call(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.rec is not None:
+            self.rec.step = self.calls
+        self._positions = torch.arange(self.pos, self.pos + len(ids))
+        with self._faults():
+            out = self.model(input_ids=ids[None].to(self.device), cache=self.cache, use_cache=True)
+        self.cache = out.cache
+        self.pos += len(ids)
+        self.calls += 1
+        return out.logits[0].float().cpu()
+
+    def emit(self, site: str, tensor: torch.Tensor) -> None:
+        if self.rec is not None and self.rec.wants(site):
+            self.rec(site, tensor)
+
+    # ---- hooks ------------------------------------------------------------------------------------------------
+    def _instrument(self) -> list:
+        """Forward hooks on every module a site comes from; the attention modules know their decoder."""
+        inner, handles = self.model.model, []
+
+        def simple(module, site: str, pick=lambda out: out[0]):
+            handles.append(module.register_forward_hook(lambda m, args, out: self.emit(site, pick(out))))
+
+        simple(inner.embed_tokens, "embed")
+        simple(inner.norm, "final")
+        simple(self.model.lm_head, "logits", lambda out: out[0].float())
+        for i, layer in enumerate(inner.layers):
+            self._instrument_layer(i, layer, simple, handles)
+        return handles
+
+    def _instrument_layer(self, i: int, layer, simple, handles: list) -> None:
+        attn = layer.self_attn
+        attn._fidelity = (self, i)
+        simple(layer.input_layernorm, f"L{i}.attn.in")
+        simple(layer.post_attention_layernorm, f"L{i}.moe.in")
+        simple(layer.mlp, f"L{i}.moe.out")
+        simple(layer, f"L{i}.residual")
+        simple(attn, f"L{i}.attn.out", lambda out: out[0][0])
+        handles.append(attn.register_forward_pre_hook(self._rope_hook(i), with_kwargs=True))
+        for which, hc in (("attn", layer.attn_hc), ("ffn", layer.ffn_hc)):
+            handles.append(hc.register_forward_hook(self._hc_hook(i, which)))
+        handles.append(layer.mlp.gate.register_forward_hook(self._gate_hook(i)))
+        comp = attn.compressor
+        if comp is not None:
+            handles.append(comp.register_forward_hook(self._compressor_hook(i)))
+            indexer = getattr(comp, "indexer", None)
+            if indexer is not None:
+                handles.append(indexer.register_forward_hook(self._topk_hook(i)))
+                handles.append(indexer.scorer.register_forward_hook(self._scorer_hook(i)))
+
+    def _rope_hook(self, i: int):
+        def pre(module, args, kwargs):
+            cos, sin = kwargs["position_embeddings"][module.rope_layer_type]
+            self._rope[i] = (cos, sin)
+            self._layer_entries[i] = 0
+
+        return pre
+
+    def _hc_hook(self, i: int, which: str):
+        def fn(module, args, out):
+            post, comb, collapsed = out
+            if which == "attn" and on("comb-transposed"):
+                comb = comb.transpose(-1, -2)
+            self.emit(f"L{i}.mhc_{which}.post", post[0])
+            self.emit(f"L{i}.mhc_{which}.comb", comb[0])
+            return post, comb, collapsed
+
+        return fn
+
+    def _gate_hook(self, i: int):
+        def fn(module, args, out):
+            logits, weights, indices = out
+            if on("routing-bias-in-weights") and hasattr(module, "e_score_correction_bias"):
+                biased = (module.score_fn(logits) + module.e_score_correction_bias).gather(1, indices)
+                weights = biased / (biased.sum(dim=-1, keepdim=True) + 1e-20) * module.routed_scaling_factor
+            self.emit(f"L{i}.moe.experts", indices)
+            self.emit(f"L{i}.moe.weights", weights)
+            return logits, weights, indices
+
+        return fn
+
+    def _new_rows(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        """The rows of ``rows`` [T, d] (all entries so far) emitted by this call."""
+        old = self._entries.get(key, 0)
+        self._entries[key] = rows.shape[0]
+        return rows[old:]
+
+    def _compressor_hook(self, i: int):
+        def fn(module, args, out):
+            compressed, block_bias = out
+            self._layer_entries[i] = compressed.shape[2]
+            self.emit(f"L{i}.attn.compressed_kv", self._new_rows(f"{i}.kv", compressed[0, 0]))
+            if on("causal-off-by-one") and block_bias is not None and not hasattr(module, "indexer"):
+                block_bias = _one_more_entry(block_bias, self._positions, module.compress_rate)
+            return compressed, block_bias
+
+        return fn
+
+    def _topk_hook(self, i: int):
+        def fn(module, args, out):
+            picks = out
+            if on("topk-cap-half"):
+                picks = picks.clone()
+                picks[..., (self.config.index_topk + 1) // 2:] = -1
+            pad = self.config.index_topk - picks.shape[-1]
+            self.emit(f"L{i}.indexer.topk", torch.nn.functional.pad(picks[0], (0, pad), value=-1))
+            return picks
+
+        return fn
+
+    def _scorer_hook(self, i: int):
+        def fn(module, args, out):
+            q, keys, hidden = args
+            ratio = self.config.compress_ratios[i]
+            self.emit(f"L{i}.indexer.q", q[0])
+            self.emit(f"L{i}.indexer.keys", self._new_rows(f"{i}.keys", keys[0]))
+            weights = module.weights_proj(hidden)[0].float() * module.weights_scaling * module.softmax_scale
+            self.emit(f"L{i}.indexer.weights", weights)
+            future = torch.arange(out.shape[-1], device=out.device)[None] >= \
+                ((self._positions.to(out.device) + 1) // ratio)[:, None]
+            self.emit(f"L{i}.indexer.scores", out[0].masked_fill(future, -math.inf))
+
+        return fn
+
+    @contextmanager
+    def _faults(self):
+        """Module attributes of the injected faults, set for one call and restored after."""
+        with ExitStack() as stack:
+            for i, layer in enumerate(self.model.model.layers):
+                if on("sinkhorn-3-iters"):
+                    stack.enter_context(_attribute(layer.attn_hc, "hc_sinkhorn_iters", 3))
+                if on("shared-clamp-missing"):
+                    stack.enter_context(_attribute(layer.mlp.shared_experts, "limit", math.inf))
+                if on("yarn-on-swa") and self.config.compress_ratios[i] == 0:
+                    stack.enter_context(_attribute(layer.self_attn, "rope_layer_type", "compress"))
+            yield
+
+    # ---- the attention's view ---------------------------------------------------------------------------------
+    def attention_seen(self, i: int, query, key, mask, output) -> None:
+        """Sites from one attention call of layer i: q [1, H, S, D], key [1, 1, L, D] (window rows, then
+        compressed entries), the additive mask [1, 1, S, L] (None: every row), output [1, S, H, D]."""
+        s, length = query.shape[2], key.shape[2]
+        entries = self._layer_entries.get(i, 0)
+        window_len = length - entries
+        self.emit(f"L{i}.attn.q", query[0].transpose(0, 1))
+        self.emit(f"L{i}.attn.kv", key[0, 0, window_len - s:window_len])
+        self.emit(f"L{i}.attn.core", output[0])
+        if self.rec is not None and self.rec.wants(f"L{i}.attn.visible"):
+            self.emit(f"L{i}.attn.visible", self._visible(mask, s, window_len, length))
+
+    def _visible(self, mask, s: int, window_len: int, length: int) -> torch.Tensor:
+        """[S, window + K]: the window positions, then the compressed entry ids, each query may see."""
+        seen = torch.ones((s, length), dtype=torch.bool) if mask is None else (mask[0, 0] == 0).cpu()
+        last = int(self._positions[-1])
+        col_pos = torch.arange(window_len) + (last - window_len + 1)
+        w = self.config.window_size
+        win = torch.where(seen[:, :window_len], col_pos, -1).sort(dim=1, descending=True).values[:, :w]
+        win = torch.nn.functional.pad(win, (0, max(0, w - win.shape[1])), value=-1).flip(1)
+        comp = torch.where(seen[:, window_len:], torch.arange(length - window_len), -1)
+        return torch.cat((win, comp.sort(dim=1, descending=True).values.flip(1)), dim=1)
+
+    def fault_mask(self, mask, s: int, window_len: int):
+        """The mask with the window faults applied: the oldest window position hidden (window-127) or self."""
+        if not (on("window-127") or on("window-no-self")) or mask is None:
+            return mask
+        mask = mask.clone()
+        last = int(self._positions[-1])
+        col_pos = torch.arange(window_len, device=mask.device) + (last - window_len + 1)
+        q_pos = self._positions.to(mask.device)
+        hide = col_pos[None] == (q_pos[:, None] if on("window-no-self") else q_pos[:, None] - (
+            self.config.window_size - 1))
+        mask[0, 0, :, :window_len] = mask[0, 0, :, :window_len].masked_fill(hide, -math.inf)
+        return mask
+
+
+def _one_more_entry(block_bias: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """An HCA block bias that also shows entry (t+1)//ratio to query t (the causality rule off by one)."""
+    limit = ((positions + 1) // ratio).to(block_bias.device)
+    cols = torch.arange(block_bias.shape[-1], device=block_bias.device)
+    return block_bias.masked_fill((cols[None] <= limit[:, None])[None, None], 0.0)
+
+
+@contextmanager
+def _attribute(obj, name: str, value):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
+def _reporting_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' eager attention, reporting what it saw to the TransformersDecoder that owns ``module``, with
+    the decoder's injected attention faults applied."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    owner = getattr(module, "_fidelity", None)
+    if owner is None:
+        return hf.eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    decoder, i = owner
+    window_len = key.shape[2] - decoder._layer_entries.get(i, 0)
+    mask = decoder.fault_mask(attention_mask, query.shape[2], window_len)
+    with ExitStack() as stack:
+        if on("sink-dropped"):
+            stack.enter_context(_sinks(module, -math.inf))
+        out, weights = hf.eager_attention_forward(module, query, key, value, mask, scaling, dropout, **kwargs)
+    decoder.attention_seen(i, query, key, mask, out)
+    if on("no-inverse-rope"):  # rotate forward here so that the module's inverse rotation cancels
+        cos, sin = decoder._rope[i]
+        out = hf.apply_rotary_pos_emb(out.transpose(1, 2), cos, sin).transpose(1, 2)
+    return out, weights
+
+
+@contextmanager
+def _sinks(module, value: float):
+    saved = module.sinks.data.clone()
+    module.sinks.data.fill_(value)
+    try:
+        yield
+    finally:
+        module.sinks.data.copy_(saved)

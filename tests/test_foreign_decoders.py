@@ -1,0 +1,197 @@
+"""Decoders the harness did not write: transformers' DeepseekV4ForCausalLM through hooks (all modes, fp32 and bf16),
+recorded traces (a round trip equal metric for metric, bad traces refused in one line), and catalogue bugs planted
+in transformers' model caught where they were planted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import fidelity
+from fidelity import cli
+from fidelity.config import ModelConfig
+from fidelity.decoders import TransformersDecoder
+from fidelity.decoders.transformers import FAULTS, hf_model
+from fidelity.mutants import BY_NAME, MutantSettings, gate_failures, run_mutants
+from fidelity.rundir import read_run
+from fidelity.trace import TraceError, TraceWriter
+from tests.hf_reference import random_hf_model
+
+ALL_ENTRIES = ModelConfig.preset("tiny").replace(index_topk=1024)  # the indexer selects every visible entry
+KEYS = ["mode", "step", "phase", "position", "layer", "site", "metric"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A random tiny transformers model (every parameter randomised) written with save_pretrained."""
+    path = tmp_path_factory.mktemp("hf") / "model"
+    random_hf_model(ALL_ENTRIES, seed=3).save_pretrained(path)
+    return path
+
+
+def test_transformers_in_fp32_agrees_with_the_oracle_in_every_mode(hf_dir, tmp_path):
+    res = fidelity.run("transformers", hf_dir, prompt=160, decode_steps=3, out=tmp_path, decoder_dtype="fp32")
+    assert res.verdict == "PASS", str(res.first_divergence)
+    assert res.manifest["modes"] == ["free", "layer", "op"] and res.manifest["modes_skipped"] == {}
+    df, _ = read_run(res.run_dir)
+    cos = df[(df["metric"] == "cos") & (df["position"] == -1)]
+    assert set(cos["mode"]) == {"free", "layer", "op"}
+    assert cos.groupby("mode")["site"].nunique().min() > 30
+    assert cos["value"].min() >= 0.99999, cos.sort_values("value").head(3).to_string()
+    assert res.manifest["profile"] == {"name": "transformers-fp32", "precision": "exact"}
+
+
+def test_transformers_in_bf16_gets_a_per_layer_table_of_where_error_enters(hf_dir, tmp_path):
+    res = fidelity.run("transformers", hf_dir, prompt=160, decode_steps=2, out=tmp_path, decoder_dtype="bf16")
+    md = (res.run_dir / "report.md").read_text()
+    table = md.split("## Per-layer error: local vs inherited")[1].split("\n## ")[0]
+    assert "| site | cos local | cos inherited | calc_diff local | calc_diff inherited |" in table
+    assert all(f"| L{i}.attn.out |" in table for i in range(6))
+    # the router runs in bf16 (the official gate in fp32): op mode on its own inputs finds the routing weights
+    first = res.first_divergence
+    assert first is not None and first.site.endswith("moe.weights") and first.mode == "op", str(first)
+
+
+def test_the_decoders_config_must_match_the_checkpoints(hf_dir, tmp_path):
+    other = ALL_ENTRIES.replace(swiglu_limit=7.0)
+    decoder = TransformersDecoder(random_hf_model(other, seed=1), other)
+    with pytest.raises(fidelity.runner.RunError, match=r"its config differs from the checkpoint's \(swiglu_limit: "
+                                                      r"7.0 vs 10.0\)"):
+        fidelity.run(decoder, hf_dir, prompt=20, decode_steps=0, out=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def round_trip(tmp_path_factory):
+    """A live bf16 transformers run on its own greedy tokens, recorded as a trace, and the trace replayed."""
+    root = tmp_path_factory.mktemp("trace")
+    ckpt = fidelity.synthesize(ModelConfig.preset("tiny"), seed=0)
+    ckpt.origin["preset"] = "tiny"
+    live = fidelity.run("transformers", ckpt, prompt=140, decode_steps=3, out=root, run_id="live",
+                        stream="production", trace=root / "trace")
+    replay = fidelity.run(f"trace:{root / 'trace'}", out=root, run_id="replay")
+    return root, live, replay
+
+
+def test_a_replayed_trace_gives_the_live_runs_metrics(round_trip):
+    root, live, replay = round_trip
+    a, b = (read_run(r.run_dir)[0] for r in (live, replay))
+    a, b = a[a["site"] != "memory"], b[b["site"] != "memory"]  # process memory differs between two runs
+    both = a.merge(b, on=KEYS, how="outer", suffixes=("_live", "_replay"), indicator=True)
+    assert set(both["_merge"]) == {"both"} and len(both) > 5000
+    same = (both["value_live"] == both["value_replay"]) | (both["value_live"].isna() & both["value_replay"].isna())
+    assert same.all(), both[~same].head().to_string()
+    assert (live.verdict, str(live.first_divergence)) == (replay.verdict, str(replay.first_divergence))
+    assert replay.manifest["decoder"].startswith("trace (transformers DeepseekV4ForCausalLM (bf16))")
+
+
+def _bad(tmp_path, round_trip, edit) -> str:
+    trace = tmp_path / "t"
+    shutil.copytree(round_trip[0] / "trace", trace)
+    edit(trace)
+    with pytest.raises(TraceError) as err:
+        fidelity.run(f"trace:{trace}", out=tmp_path, run_id="bad")
+    assert not (tmp_path / "bad").exists()
+    return str(err.value)
+
+
+def _json(trace, change) -> None:
+    m = json.loads((trace / "trace.json").read_text())
+    change(m)
+    (trace / "trace.json").write_text(json.dumps(m))
+
+
+def _tensor(trace, key, change) -> None:
+    f = trace / "step-00001.safetensors"
+    t = load_file(f)
+    t[key] = change(t[key])
+    save_file(t, f)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: _json(t, lambda m: m.update(format="other")), "format: expected 'dsv4-fidelity-trace'"),
+    (lambda t: _json(t, lambda m: m["generated"].pop()), "steps: expected 3 (the prefill and one per generated"),
+    (lambda t: _json(t, lambda m: m["checkpoint"].update(hash="0" * 16)), "recorded on a checkpoint with hash 0000"),
+    (lambda t: _json(t, lambda m: m["config"].update(rope_theta=5000.0)),
+     "its config differs from the checkpoint's (rope_theta: 5000.0 vs 10000.0)"),
+    (lambda t: _json(t, lambda m: m["config"].update(dim=384)),
+     "L0.attn.in: expected shape [140, 384], found [140, 256]"),
+    (lambda t: _tensor(t, "L2.attn.q", lambda x: x[:, :2]), "L2.attn.q: expected shape [1, 4, 128], found [1, 2, "),
+    (lambda t: _tensor(t, "L1.attn.out", lambda x: torch.cat((x, x))), "L1.attn.out: expected 1 rows"),
+    (lambda t: _tensor(t, "logits", lambda x: x[:, :100]), "logits: expected shape [1, 4096], found [1, 100]"),
+    (lambda t: _tensor(t, "positions", lambda x: x + 1), "positions: expected 140..140, found [141]"),
+])
+def test_a_bad_trace_is_refused_naming_what_differs(tmp_path, round_trip, edit, message):
+    try:
+        text = _bad(tmp_path, round_trip, edit)
+    except fidelity.runner.RunError as err:  # a config mismatch is the runner's check
+        text = str(err)
+    assert message in text, text
+
+
+def test_a_bad_trace_ends_the_command_in_one_line(tmp_path, round_trip, capsys):
+    trace = tmp_path / "t"
+    shutil.copytree(round_trip[0] / "trace", trace)
+    _json(trace, lambda m: m["generated"].__setitem__(0, 7))
+    assert cli.main(["run", "--decoder", f"trace:{trace}", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fidelity: error: ") and "differ from the tokens fed [7]" in err[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]  # no run directory
+
+
+def test_a_plain_decode_loop_writes_a_trace_with_the_writer(tmp_path):
+    """The README's loop: logits and the residual streams of a transformers model, no harness decoder; the trace
+    replays in free and layer mode, and op mode is skipped, saying which sites it lacks."""
+    from transformers import DynamicCache
+
+    ckpt = fidelity.synthesize(ModelConfig.preset("tiny"), seed=0)
+    ckpt.origin["preset"] = "tiny"
+    model = hf_model(ckpt, torch.bfloat16)
+    prompt = torch.arange(10, 150)
+    writer = TraceWriter(tmp_path / "trace", ckpt.config, prompt, decoder="my loop", checkpoint={"preset": "tiny"})
+    hooks = [model.model.embed_tokens.register_forward_hook(lambda m, a, out: writer("embed", out[0]))]
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_hook(lambda m, a, out, i=i: writer(f"L{i}.residual", out[0])))
+    cache, ids = DynamicCache(config=model.config), prompt
+    with torch.no_grad():
+        for _ in range(3):
+            logits = model(input_ids=ids[None], cache=cache, use_cache=True).logits[0]
+            writer.end_step(ids, logits)
+            ids = logits[-1:].argmax(-1)
+    writer.finish()
+    for h in hooks:
+        h.remove()
+    res = fidelity.run(f"trace:{tmp_path / 'trace'}", out=tmp_path, run_id="mine")
+    assert res.manifest["modes"] == ["free", "layer"]
+    assert res.manifest["modes_skipped"]["op"].startswith("the decoder does not report L{i}.attn.in, L{i}.attn.q")
+    assert "skipped: the decoder does not report" in (res.run_dir / "report.md").read_text()
+
+
+def test_bugs_planted_in_transformers_are_caught_where_they_were_planted():
+    ckpt = fidelity.synthesize(ModelConfig.preset("tiny"), seed=0)
+    assert len(FAULTS) >= 6 and set(FAULTS) <= set(BY_NAME)
+    matrix = run_mutants(ckpt, None, MutantSettings(decode_steps=1),
+                         decoder=lambda: TransformersDecoder.from_checkpoint(ckpt, "fp32"), known=FAULTS)
+    assert gate_failures(matrix) == []
+    first = matrix[matrix["probe"] == "first"].set_index("mutant")
+    assert not first.loc["clean", "detected"]
+    assert set(first.index) == {"clean", *FAULTS} and first.drop("clean")["located"].all()
+    assert pd.Series(first.drop("clean")["step"]).eq(0).all()
+
+
+def test_the_command_line_runs_transformers_records_a_trace_and_replays_it(hf_dir, tmp_path, capsys):
+    base = ["--prompt-len", "60", "--decode", "2", "--mode", "layer", "--mode", "op", "--out", str(tmp_path)]
+    assert cli.main(["run", "--checkpoint", str(hf_dir), "--decoder", "transformers", "--decoder-dtype", "fp32",
+                     "--stream", "production", "--write-trace", str(tmp_path / "trace"), "--run-id", "live",
+                     *base]) == 0
+    out = capsys.readouterr().out
+    assert "transformers DeepseekV4ForCausalLM (fp32) vs oracle on checkpoint" in out and "verdict: PASS" in out
+    assert cli.main(["run", "--decoder", f"trace:{tmp_path / 'trace'}", "--run-id", "replay", "--checkpoint",
+                     str(hf_dir), "--mode", "layer", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "trace (transformers DeepseekV4ForCausalLM (fp32)) vs oracle" in out and "verdict: PASS" in out
+    assert "2 decode steps" in out

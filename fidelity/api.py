@@ -87,7 +87,8 @@ def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | str | Pa
         if prompt is not None and list(torch.as_tensor(prompt).flatten().tolist()) != replay.prompt.tolist():
             raise TraceError(f"trace {replay.dir}: the prompt given differs from the trace's; leave it out to replay")
         prompt, decode_steps = replay.prompt, len(replay.generated)
-        spec_fields.update(stream="given", continuation=torch.tensor(replay.generated, dtype=torch.long))
+        spec_fields.update(stream="given", continuation=torch.tensor(replay.generated, dtype=torch.long),
+                           prefill_chunk=replay.chunks)
     if prompt is None or isinstance(prompt, int):
         prompt = default_prompt(vocab, 1024 if prompt is None else prompt)
     prompt = torch.as_tensor(prompt).long().flatten()

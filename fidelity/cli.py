@@ -155,14 +155,15 @@ def cmd_run(args) -> int:
         raise UsageError(f"prompt: {len(prompt)} tokens + {decode} decode steps exceeds --max-context {max_context}")
     threads = _threads(args, cfg, args.device)
     ckpt, what = _ready(args, ckpt, replay)
-    extra = {} if replay is not None else {"stream": args.stream, "continuation": continuation}
+    extra = {} if replay is not None else {"stream": args.stream, "continuation": continuation,
+                                           "prefill_chunk": args.prefill_chunk}
     t0 = time.perf_counter()
     progress = Progress()
     res = run(replay or args.decoder, ckpt, prompt, decode, tuple(args.mode or ("free", "layer", "op")), args.out,
               run_id=run_id, profile=profile, decoder_dtype=args.decoder_dtype, device=args.device,
               oracle_dtype=args.oracle_dtype, thresholds=args.thresholds, trace=args.write_trace,
               overwrite=args.overwrite, progress=progress, sampler=sampler, stop_ids=_stops(args, cfg),
-              max_context=max_context, sample_queries=args.sample_queries, **extra)
+              max_context=max_context, sample_queries=args.sample_queries, oracle_device=args.oracle_device, **extra)
     progress.close()  # a run that stopped on a stop token ends its decode bar here
     steps, modes = res.manifest["decode_steps"], res.manifest["modes"]
     print(f"dsv4-fidelity {__version__}: {res.manifest['decoder']} vs oracle on {what}, modes {'+'.join(modes)}")
@@ -436,7 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     _oracle_dtype_arg(r)
     r.add_argument("--max-context", type=int, help="production cache size (default: prompt + decode)")
     r.add_argument("--sample-queries", type=int, help="layer/op modes: oracle on this many prefill queries")
-    r.add_argument("--device", default="cpu")
+    r.add_argument("--prefill-chunk", type=int,
+                   help="prompt tokens per prefill call (default: the whole prompt up to 8192 tokens, else 4096)")
+    r.add_argument("--device", default="cpu", help="the decoder's device (default cpu)")
+    r.add_argument("--oracle-device", help="the oracle's device (default: the decoder's); its fp32 runs without TF32")
     r.add_argument("--out", default="runs", help="parent folder of run directories (default runs/)")
     r.add_argument("--run-id")
     r.add_argument("--thresholds", help="TOML: site regex -> {metric = '>=0.99'} overriding the defaults")

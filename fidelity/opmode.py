@@ -1,8 +1,8 @@
 """Op mode: each oracle op gets the production op's exact inputs and production's cache contents
 (dequantized), so the error it reports is the kernel's alone, at this step (design.md "modes").
 
-Per layer it keeps what later steps need: production's window KV rows by position, its compressed
-entries and indexer keys (as the production caches hold them), and oracle compressor states fed with
+Per layer it keeps what later steps need: production's window KV rows of the last window positions, its
+compressed entries and indexer keys (as the production caches hold them), and oracle compressor states fed with
 production's attention inputs.
 """
 
@@ -21,7 +21,8 @@ from oracles.compressor import CompressorState, compress, compressor_weights
 
 @dataclass
 class _LayerHistory:
-    kv: list[torch.Tensor] = field(default_factory=list)  # production window KV rows, in position order
+    kv: torch.Tensor | None = None  # production window KV rows of positions kv_start.., the window's worth kept
+    kv_start: int = 0
     entries: list[torch.Tensor] = field(default_factory=list)  # production compressed entries
     keys: list[torch.Tensor] = field(default_factory=list)  # production indexer keys
     comp: CompressorState = field(default_factory=CompressorState)  # oracle, fed production inputs
@@ -43,11 +44,12 @@ class OpMode:
              rows: torch.Tensor | None = None) -> None:
         """Evaluate every layer's ops for the tokens at ``positions`` from one production call's records;
         ``rows`` restricts the per-query ops (queries, index scores, attention, MoE) to sampled rows."""
-        dt = self.o.dtype
-        sel = slice(None) if rows is None else rows
+        dt, dev = self.o.dtype, self.o.device
+        positions, ids = positions.to(dev), ids.to(dev)
+        sel = slice(None) if rows is None else rows.to(dev)
 
         def get(site: str) -> torch.Tensor:
-            t = prod.get(site)
+            t = prod.get(site).to(dev)
             return t.to(dt) if t.is_floating_point() else t
 
         def get_q(site: str) -> torch.Tensor:
@@ -79,7 +81,8 @@ class OpMode:
         rec(f"L{i}.attn.q", q)
         rec(f"L{i}.attn.kv", attention.window_kv(x, w(p + "wkv.weight"), w(p + "kv_norm.weight"), positions, freqs,
                                                  cfg.norm_eps))
-        h.kv.append(get(f"L{i}.attn.kv"))
+        new = get(f"L{i}.attn.kv")
+        h.kv = new if h.kv is None else torch.cat((h.kv, new))
         if ratio:
             weights = compressor_weights(w, p + "compressor.")
             rec(f"L{i}.attn.compressed_kv", compress(x, positions, h.comp, weights, freqs, cfg.norm_eps))
@@ -87,6 +90,8 @@ class OpMode:
         if ratio == 4:
             self._indexer(i, get, get_q, x, positions, qpos, rec)
         self._core(i, get, get_q, rec)
+        keep = max(h.kv_start, int(positions[-1]) + 1 - (cfg.window_size - 1))  # what later queries can see
+        h.kv, h.kv_start = h.kv[keep - h.kv_start :], keep
 
     def _indexer(self, i: int, get, get_q, x: torch.Tensor, positions: torch.Tensor, qpos: torch.Tensor,
                  rec: Recorder) -> None:
@@ -103,13 +108,13 @@ class OpMode:
         """Oracle sparse attention over production's q, KV rows and visible set."""
         cfg, h = self.cfg, self.hist[i]
         win = cfg.window_size
-        kv_all = torch.cat(h.kv)  # rows for positions 0 .. current
-        entries = _cat(h.entries, cfg.head_dim, kv_all)
+        entries = _cat(h.entries, cfg.head_dim, h.kv)
         visible = get_q(f"L{i}.attn.visible")
         # an entry production saw but never emitted (a causality bug) reads what its cache held: zeros
-        table = torch.cat((kv_all, entries, kv_all.new_zeros((1, cfg.head_dim))))
-        rows = torch.cat((visible[:, :win], visible[:, win:] + len(kv_all)), dim=1).clamp(max=len(table) - 1)
-        valid = visible >= 0
+        table = torch.cat((h.kv, entries, h.kv.new_zeros((1, cfg.head_dim))))
+        window = visible[:, :win] - h.kv_start  # token positions -> rows of the kept window
+        rows = torch.cat((window, visible[:, win:] + len(h.kv)), dim=1).clamp(max=len(table) - 1)
+        valid = (visible >= 0) & torch.cat((window >= 0, visible[:, win:] >= 0), dim=1)
         gathered = table[torch.where(valid, rows, 0)]
         sink = self.o.w(f"layers.{i}.attn.attn_sink")
         rec(f"L{i}.attn.core", attention.sparse_attention(get_q(f"L{i}.attn.q"), gathered, valid, sink,

@@ -16,7 +16,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +38,11 @@ from fidelity.sampling import Sampler, SamplerConfig, StopSet
 from fidelity.sites import Recorder
 from fidelity.trace import TraceWriter
 from oracles import OracleModel
-from probes import collect, memory_stats
+from probes import PeakMemory, collect, memory_stats
 from probes.sampler import sampler_agreement
 
 MODES = ("free", "layer", "op")
+AUTO_WHOLE, AUTO_CHUNK = 8192, 4096  # prompts longer than AUTO_WHOLE are prefilled AUTO_CHUNK tokens at a time
 PICK_FLIP_MARGIN = 1.0  # log-space gap of the oracle's winning draw; below it a differing pick is a near tie
 STREAMS = ("oracle", "production", "given")
 
@@ -62,6 +63,17 @@ class RunSpec:
     max_context: int | None = None
     sample_queries: int | None = None
     device: str = "cpu"
+    oracle_device: str | None = None  # None: the decoder's device
+    prefill_chunk: int | Sequence[int] | None = None  # tokens per prefill call; None: AUTO_CHUNK past AUTO_WHOLE
+
+    def chunk_sizes(self) -> list[int]:
+        """The prompt's prefill calls: the whole prompt, chunks of ``prefill_chunk`` (the last one shorter), or the
+        sizes given; None: the whole prompt up to AUTO_WHOLE tokens, else chunks of AUTO_CHUNK."""
+        n, chunk = len(self.prompt), self.prefill_chunk
+        if chunk is not None and not isinstance(chunk, int):
+            return [int(c) for c in chunk]
+        size = chunk or (n if n <= AUTO_WHOLE else AUTO_CHUNK)
+        return [size] * (n // size) + ([n % size] if n % size else [])
 
     def problems(self, vocab: int) -> list[str]:
         p = []
@@ -80,6 +92,12 @@ class RunSpec:
                      f"{int(self.prompt.max())}]")
         if self.sample_queries is not None and "free" in self.modes:
             p.append("sample_queries: applies to layer and op modes only (free mode needs every position)")
+        chunk = self.prefill_chunk
+        if isinstance(chunk, int) and chunk < 1:
+            p.append(f"prefill_chunk: expected >= 1 token, found {chunk}")
+        elif chunk is not None and not isinstance(chunk, int) and (sum(chunk) != len(self.prompt) or min(chunk) < 1):
+            p.append(f"prefill_chunk: expected sizes >= 1 adding up to the prompt's {len(self.prompt)} tokens, "
+                     f"found {list(chunk)[:8]} (sum {sum(chunk)})")
         need = len(self.prompt) + self.decode_steps
         if self.max_context is not None and need > self.max_context:
             p.append(f"max_context: prompt {len(self.prompt)} + {self.decode_steps} decode steps = {need} tokens "
@@ -122,7 +140,8 @@ class Runner:
         if not self.modes:
             raise RunError("run: no requested mode can run: " + "; ".join(f"{m}: {why}" for m, why in
                                                                           self.skipped.items()))
-        self.oracle = OracleModel(checkpoint, spec.oracle_dtype)
+        self.oracle_numerics = exact_float32()
+        self.oracle = OracleModel(checkpoint, spec.oracle_dtype, device=spec.oracle_device or spec.device)
         self.free = self.oracle.session() if "free" in self.modes else None
         self.layer = self.oracle.session() if "layer" in self.modes else None
         self.op = OpMode(self.oracle) if "op" in self.modes else None
@@ -132,30 +151,38 @@ class Runner:
         eot = set(cfg.stop_token_ids)
         self.prod_stops = StopSet.of(set(self.stops) - eot) if on("stop-missing-eot") else self.stops
         self.run_mode = "free" if "free" in self.modes else self.modes[0]  # label of whole-run rows
-        self.rows: list[dict] = []
+        self.frames: list[pd.DataFrame] = []  # one small table per call: compact, unlike a list of row dicts
+        self.n_prefill = 1  # prefill calls (chunks), set by run()
         self.tokens: list[int] = []
         self.cache_bytes0: int | None = None
         self.seconds: dict[str, float] = {}
 
     def run(self) -> tuple[pd.DataFrame, dict]:
         t0 = time.perf_counter()
-        ids, history = self.spec.prompt.long(), self.spec.prompt.long().tolist()
+        prompt = self.spec.prompt.long()
+        history, chunks = prompt.tolist(), prompt.split(self.spec.chunk_sizes())
+        self.n_prefill = len(chunks)
+        peaks = PeakMemory(self.spec.device)
+        logits = {}
+        for call, chunk in enumerate(chunks):
+            logits = self.step(call, chunk)
+        memory = {"prefill": peaks.read()}
         stop_reason = "length"
-        for step in range(self.spec.decode_steps + 1):
-            logits = self.step(step, ids)
-            if step == self.spec.decode_steps:
-                break
-            nxt = self.next_token(step, logits, history)
+        for k in range(self.spec.decode_steps):
+            call = self.n_prefill - 1 + k  # the call whose logits pick decode token k
+            nxt = self.next_token(call, k, logits, history)
             self.tokens.append(nxt)
             history.append(nxt)
-            self._tell("decode", step + 1, self.spec.decode_steps)
-            self.record_stop(step, nxt)
+            self._tell("decode", k + 1, self.spec.decode_steps)
+            self.record_stop(call, nxt)
             if nxt in self.prod_stops:
                 stop_reason = "stop"
                 break
-            ids = torch.tensor([nxt])
-        df = pd.DataFrame(self.rows)
+            logits = self.step(call + 1, torch.tensor([nxt]))
+        memory["decode"] = peaks.read()
+        df = pd.concat(self.frames, ignore_index=True)
         manifest = self.manifest(time.perf_counter() - t0, stop_reason)
+        manifest["memory_peaks"] = memory
         if self.trace is not None:
             self.trace.finish(self.tokens, manifest["checkpoint"])
         return df, manifest
@@ -173,29 +200,35 @@ class Runner:
             self.progress(phase, done, total, note)
 
     def step(self, step: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One model call in every mode; appends this step's metric rows. Returns last-position logits."""
-        prefill = step == 0
+        """One model call (a prefill chunk or a decode token) in every mode; appends its metric rows. Returns the
+        last position's logits per model."""
+        prefill = step < self.n_prefill
         passes = 1 + sum(m is not None for m in (self.free, self.layer, self.op))
 
         def tell(done: int, note: str) -> None:
-            if prefill:
+            if not prefill:
+                return
+            if self.n_prefill == 1:
                 self._tell(f"prefill ({len(ids)} tokens)", done, passes, note)
+            elif done == passes:
+                self._tell(f"prefill ({len(self.spec.prompt)} tokens in {self.n_prefill} chunks)", step + 1,
+                           self.n_prefill)
 
         phase = "prefill" if prefill else "decode"
         positions = torch.arange(self.dec.pos, self.dec.pos + len(ids))
-        prod_rec = Recorder()
+        prod_rec = Recorder(device=None)  # records stay where the decoder made them (a GPU's memory)
         self.dec.rec = prod_rec
         tell(0, "decoder under test")
         with self._timed(phase, "decoder"):
             test_logits = self.dec.prefill(ids) if prefill else self.dec.step(int(ids[0]))[None]
+        rows = self.rows_of(positions) if prefill else None
         if self.trace is not None:
             self.trace.add_step(ids, positions, test_logits, prod_rec)
-        rows = sampled_rows(len(ids), self.spec.sample_queries) if prefill else None
         out = {"production": test_logits[-1]}
         pending: dict[str, list[dict]] = {}
         if self.free is not None:
             tell(len(pending) + 1, "oracle, free mode")
-            rec = Recorder()
+            rec = Recorder(device=None)
             self.free.rec = rec
             with self._timed(phase, "oracle free"):
                 out["oracle"] = self.free.forward(ids)[-1]
@@ -203,7 +236,7 @@ class Runner:
                 pending["free"] = compare_recordings(rec, prod_rec, positions, self.cfg, None, prefill)
         if self.layer is not None:
             tell(len(pending) + 1, "oracle, layer mode")
-            rec = Recorder()
+            rec = Recorder(device=None)
             self.layer.rec = rec
             with self._timed(phase, "oracle layer"):
                 self.layer.forward_layers(ids, lambda i: _layer_input(prod_rec, i, self.cfg.hc_mult), rows)
@@ -211,7 +244,7 @@ class Runner:
                 pending["layer"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill)
         if self.op is not None:
             tell(len(pending) + 1, "oracle, op mode")
-            rec = Recorder()
+            rec = Recorder(device=None)
             with self._timed(phase, "oracle op"):
                 self.op.step(prod_rec, positions, ids, rec, rows)
             with self._timed(phase, "probes"):
@@ -219,13 +252,14 @@ class Runner:
         tell(passes, "compared")
         with self._timed(phase, "probes"):
             for mode, rows_ in pending.items():
-                self.rows += collect(rows_, step=step, phase=phase, mode=mode)
+                self.frames.append(pd.DataFrame(collect(rows_, step=step, phase=phase, mode=mode)))
         self.record_memory(step, phase)
         return out
 
     def _run_rows(self, site: str, metrics: dict, step: int) -> None:
         pending = [{"site": site, "layer": -1, "position": None, "metric": k, "value": v} for k, v in metrics.items()]
-        self.rows += collect(pending, step=step, phase="prefill" if step == 0 else "decode", mode=self.run_mode)
+        phase = "prefill" if step < self.n_prefill else "decode"
+        self.frames.append(pd.DataFrame(collect(pending, step=step, phase=phase, mode=self.run_mode)))
 
     def record_memory(self, step: int, phase: str) -> None:
         """Allocator / RSS bytes and the decoder's cache bytes (when it reports them); cache_growth > 0 = per-step
@@ -244,22 +278,34 @@ class Runner:
         mismatch = (token in self.stops) != (token in self.prod_stops)
         self._run_rows("stops", {"stop_mismatch": torch.tensor(float(mismatch))}, step)
 
-    def next_token(self, step: int, logits: dict[str, torch.Tensor], history: list[int]) -> int:
-        """The stream's next token; records whether the oracle's and the decoder's samplers agree."""
+    def rows_of(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The sampled query rows of a prefill chunk at ``positions`` (None: every row): the prompt's sampled
+        positions (``sample_queries``, always including the last) that fall in the chunk."""
+        picked = sampled_rows(len(self.spec.prompt), self.spec.sample_queries)
+        if picked is None:
+            return None
+        start = int(positions[0])
+        inside = picked[(picked >= start) & (picked < start + len(positions))] - start
+        last = torch.tensor([len(positions) - 1])  # every chunk keeps a query: its last
+        return torch.cat((inside, last)).unique()
+
+    def next_token(self, step: int, k: int, logits: dict[str, torch.Tensor], history: list[int]) -> int:
+        """Decode token k, picked from the logits of call ``step``; records whether the oracle's and the decoder's
+        samplers agree."""
         hist = torch.tensor(history)
         prod_hist = hist[len(self.spec.prompt) :] if on("rep-penalty-no-prompt") else hist
-        prod_pick = self.prod_sampler.pick(logits["production"].float(), prod_hist, step)
-        ref_pick = self.sampler.pick(logits["oracle"].float(), hist, step) if "oracle" in logits else None
+        prod_pick = self.prod_sampler.pick(logits["production"].float(), prod_hist, k)
+        ref_pick = self.sampler.pick(logits["oracle"].float(), hist, k) if "oracle" in logits else None
         if self.spec.stream == "given":
-            nxt = int(self.spec.continuation[step])
+            nxt = int(self.spec.continuation[k])
         else:
             nxt = ref_pick if self.spec.stream == "oracle" and ref_pick is not None else prod_pick
         # the reference sampler on the decoder's own logits: any difference is the decoder's sampler
-        impl = torch.tensor(float(self.sampler.pick(logits["production"].float(), hist, step) != prod_pick))
+        impl = torch.tensor(float(self.sampler.pick(logits["production"].float(), hist, k) != prod_pick))
         metrics = {"sampler_impl_mismatch": impl}
         if ref_pick is not None:
             margin = sampler_agreement(logits["oracle"].float(), logits["production"].float(), hist,
-                                       self.spec.sampler, step)["pick_margin"]
+                                       self.spec.sampler, k)["pick_margin"]
             differ = torch.tensor(float(ref_pick != prod_pick))
             metrics.update(same_pick=1 - differ, pick_margin=margin,
                            pick_flip_with_margin=differ * (margin > PICK_FLIP_MARGIN))
@@ -283,6 +329,8 @@ class Runner:
             "stop_reason": stop_reason,
             "generated": self.tokens,
             "oracle_dtype": dtype_name(s.oracle_dtype),
+            "oracle_device": str(self.oracle.device),
+            "oracle_numerics": self.oracle_numerics,
             "sample_queries": s.sample_queries,
             "cache_bytes": self.dec.cache_bytes(),
             **self.dec.info(),
@@ -294,6 +342,20 @@ class Runner:
             "seconds_by_part": {k: round(v, 3) for k, v in self.seconds.items()},
             "threads": torch.get_num_threads(),
         }
+
+
+def exact_float32() -> dict[str, bool]:
+    """Switch off TF32 and the reduced-precision reductions of fp16/bf16 GEMMs (process-wide, for the oracle's
+    fp32 on a GPU); returns the settings as checked afterwards, for the manifest."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    return {"matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "fp16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+            "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
 
 # config fields that do not change what a decoder computes (storage formats, generation limits, token ids)

@@ -80,12 +80,13 @@ class Recorder:
     """Collects tensors at the sites whose names match any of ``patterns`` (regexes; default: all).
 
     Each call appends ``(step, tensor)``; ``step`` is the index of the model call (prefill = 0).
-    Tensors are detached copies on the CPU.
+    Tensors are detached copies on ``device`` (None: on the device they come from, e.g. a GPU's memory).
     """
 
     patterns: Iterable[str] = (".*",)
     records: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     step: int = 0
+    device: str | None = "cpu"
 
     def __post_init__(self) -> None:
         self._compiled = [re.compile(p) for p in self.patterns]
@@ -97,7 +98,8 @@ class Recorder:
         if not is_site(site):
             raise KeyError(f"unknown site {site!r}; sites are listed in fidelity.sites.SITES")
         if self.wants(site):
-            self.records.setdefault(site, []).append((self.step, tensor.detach().to("cpu", copy=True)))
+            copy = tensor.detach().clone() if self.device is None else tensor.detach().to(self.device, copy=True)
+            self.records.setdefault(site, []).append((self.step, copy))
 
     def get(self, site: str) -> torch.Tensor:
         """All records of ``site`` concatenated along dim 0 (tokens); ragged last dims are -1/-inf padded."""

@@ -40,20 +40,22 @@ class LayerState:
 class OracleModel:
     """Exact DSv4 reference over a checkpoint. ``ckpt[name]`` gives canonical (dequantized) weights."""
 
-    def __init__(self, checkpoint, dtype: torch.dtype = torch.float32, cache_weights: bool = True):
+    def __init__(self, checkpoint, dtype: torch.dtype = torch.float32, cache_weights: bool = True,
+                 device: str | torch.device = "cpu"):
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"oracle dtype: expected torch.float32 or torch.float64, found {dtype}")
         self.ckpt = checkpoint
         self.cfg: ModelConfig = checkpoint.config
         self.dtype = dtype
+        self.device = torch.device(device)
         self._cache: dict[str, torch.Tensor] | None = {} if cache_weights else None
-        self.freqs = {r: inv_freq(self.cfg, r, dtype) for r in {0, *self.cfg.compress_ratios}}
+        self.freqs = {r: inv_freq(self.cfg, r, dtype).to(self.device) for r in {0, *self.cfg.compress_ratios}}
 
     def w(self, name: str) -> torch.Tensor:
-        """Weight ``name`` in the oracle dtype (int tensors unchanged)."""
+        """Weight ``name`` in the oracle dtype on its device (int tensors keep their dtype)."""
         if self._cache is not None and name in self._cache:
             return self._cache[name]
-        t = self.ckpt[name]
+        t = self.ckpt[name].to(self.device)
         t = t.to(self.dtype) if t.is_floating_point() else t
         if self._cache is not None:
             self._cache[name] = t
@@ -107,11 +109,13 @@ class OracleSession:
                              f"[{int(ids.min())}, {int(ids.max())}]")
         if self.rec is not None:
             self.rec.step = self.calls
-        positions = torch.arange(self.pos, self.pos + ids.numel())
+        ids = ids.to(self.m.device)
+        positions = torch.arange(self.pos, self.pos + ids.numel(), device=self.m.device)
         x = self.m.w("embed.weight")[ids]  # [n, dim]
         self.emit("embed", x)
         x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [n, hc, dim]
         last = self.cfg.n_layers - 1
+        last_rows = last_rows.to(self.m.device) if last_rows is not None else None
         for i in range(self.cfg.n_layers):
             x = self.block(i, x, positions, ids, last_rows if i == last else None)
         logits = self.head(x)
@@ -123,12 +127,13 @@ class OracleSession:
     def forward_layers(self, input_ids: torch.Tensor, layer_input, rows: torch.Tensor | None = None) -> None:
         """Layer mode: layer i runs on ``layer_input(i)`` [n, hc, dim] (another model's input to that layer)
         and keeps its own exact caches; ``rows`` restricts attention/MoE to sampled query rows."""
-        ids = torch.as_tensor(input_ids).long().flatten()
+        ids = torch.as_tensor(input_ids).long().flatten().to(self.m.device)
         if self.rec is not None:
             self.rec.step = self.calls
-        positions = torch.arange(self.pos, self.pos + ids.numel())
+        positions = torch.arange(self.pos, self.pos + ids.numel(), device=self.m.device)
+        rows = rows.to(self.m.device) if rows is not None else None
         for i in range(self.cfg.n_layers):
-            self.block(i, layer_input(i).to(self.m.dtype), positions, ids, rows)
+            self.block(i, layer_input(i).to(self.m.device, self.m.dtype), positions, ids, rows)
         self.pos += ids.numel()
         self.calls += 1
 

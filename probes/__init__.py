@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from probes.indexer import indexer_recall
-from probes.memory import memory_stats
+from probes.memory import PeakMemory, memory_stats
 from probes.mhc import sinkhorn
 from probes.residual import residual_norms, rms_growth
 from probes.rows import collect, to_rows
@@ -31,6 +31,7 @@ PROBES: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
 
 __all__ = [
     "PROBES",
+    "PeakMemory",
     "collect",
     "expected_visible",
     "indexer_recall",

@@ -114,7 +114,7 @@ def _tensor(trace, key, change) -> None:
 
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda t: _json(t, lambda m: m.update(format="other")), "format: expected 'dsv4-fidelity-trace'"),
-    (lambda t: _json(t, lambda m: m["generated"].pop()), "steps: expected 3 (the prefill and one per generated"),
+    (lambda t: _json(t, lambda m: m["generated"].pop()), "the prefill steps cover 141 positions, the prompt has 140"),
     (lambda t: _json(t, lambda m: m["checkpoint"].update(hash="0" * 16)), "recorded on a checkpoint with hash 0000"),
     (lambda t: _json(t, lambda m: m["config"].update(rope_theta=5000.0)),
      "its config differs from the checkpoint's (rope_theta: 5000.0 vs 10000.0)"),

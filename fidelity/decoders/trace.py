@@ -29,9 +29,10 @@ class TraceDecoder(Decoder):
         self.prompt = torch.tensor(self.manifest["prompt"], dtype=torch.long)
         self.generated = [int(t) for t in self.manifest["generated"]]
         self.steps = self.manifest["steps"]
-        if len(self.steps) != len(self.generated) + 1:
-            raise TraceError(f"{self.dir}/trace.json: steps: expected {len(self.generated) + 1} (the prefill and one "
-                             f"per generated token), found {len(self.steps)}")
+        self.n_prefill = len(self.steps) - len(self.generated)  # the prompt's calls (chunks), then one per token
+        if self.n_prefill < 1:
+            raise TraceError(f"{self.dir}/trace.json: steps: expected at least {len(self.generated) + 1} (the "
+                             f"prefill and one per generated token), found {len(self.steps)}")
         self.label = f"trace ({self.manifest.get('decoder', 'unnamed')})"
         self.profile = dict(self.manifest.get("profile") or {"name": self.dir.name, "precision": "bf16"})
         self.rec = None
@@ -43,27 +44,35 @@ class TraceDecoder(Decoder):
             raise TraceError(f"{self.dir}/trace.json: unknown site names {unknown[:5]}; sites are listed in "
                              "fidelity.sites.SITES")
         self._sites = frozenset(site_template(n) for n in names) | {"logits"}
-        fed = [self.prompt, *(torch.tensor([t]) for t in self.generated)]
+        sizes = [s["positions"][1] - s["positions"][0] for s in self.steps[: self.n_prefill]]
+        if sum(sizes) != len(self.prompt):
+            raise TraceError(f"{self.dir}/trace.json: the prefill steps cover {sum(sizes)} positions, the prompt has "
+                             f"{len(self.prompt)} tokens")
+        self.chunks = sizes  # the prompt's chunks, as the trace's engine fed them
+        fed = [*self.prompt.split(sizes), *(torch.tensor([t]) for t in self.generated)]
         pos = 0
         for step, ids in zip(self.steps, fed, strict=True):  # every step checked before a run starts
             self._check(self.dir / step["file"], ids, pos)
             pos += len(ids)
+        self.fed = fed
 
     def sites(self) -> frozenset[str]:
         return self._sites
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(ids).long().flatten()
-        if self.calls != 0:
-            raise TraceError(f"trace {self.dir}: prefill after {self.calls} calls; a trace replays once")
-        if not torch.equal(ids, self.prompt):
-            first = _first_difference(ids.tolist(), self.prompt.tolist())
-            raise TraceError(f"trace {self.dir}: prompt differs from the trace's at token {first} (run: {len(ids)} "
-                             f"tokens, trace: {len(self.prompt)}); replay with the trace's prompt")
+        if self.calls >= self.n_prefill:
+            raise TraceError(f"trace {self.dir}: prefill call {self.calls + 1}; the trace has {self.n_prefill}")
+        want = self.fed[self.calls]
+        if not torch.equal(ids, want):
+            first = _first_difference(ids.tolist(), want.tolist())
+            raise TraceError(f"trace {self.dir}: prefill call {self.calls + 1} differs from the trace's at token "
+                             f"{first} (run: {len(ids)} tokens, trace: {len(want)}); replay with the trace's prompt "
+                             "and chunks")
         return self._replay(ids)
 
     def step(self, token: int) -> torch.Tensor:
-        k = self.calls - 1
+        k = self.calls - self.n_prefill
         if k >= len(self.generated):
             raise TraceError(f"trace {self.dir}: decode step {k + 1} requested, the trace has {len(self.generated)}")
         if int(token) != self.generated[k]:

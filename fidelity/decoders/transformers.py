@@ -128,11 +128,11 @@ class TransformersDecoder(Decoder):
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Prompt tokens at positions pos..: the first call makes the cache, later ones continue it (chunks)."""
         from transformers import DynamicCache
 
-        if self.calls:
-            raise ValueError("prefill: this decoder has already run; make a new one for a new sequence")
-        self.cache = DynamicCache(config=self.model.config)
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
         return self._call(torch.as_tensor(ids).long().flatten())
 
     @torch.no_grad()

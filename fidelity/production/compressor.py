@@ -32,31 +32,43 @@ def _finish(pooled: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor, posit
 
 
 def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor | None, int]:
-    """Prefill of x [T, dim] at positions 0..T-1 -> (entries [T // ratio, d] bf16 or None, first entry id 0).
+                     eps: float, start: int = 0) -> tuple[torch.Tensor | None, int]:
+    """A prefill chunk x [T, dim] at positions start..start+T-1 -> (the entries its tokens complete [k, d] bf16 or
+    None, the first one's id).
 
-    Leaves the last complete block (overlap) and the remainder tokens in ``carry`` for decode."""
+    A chunk continues the carry: the unfinished block's tokens (positions start - start % ratio .. start - 1) are
+    pooled with the chunk's, and with overlap (ratio 4) the previous complete block fills the first half of the
+    first new entry. The carry is left as decode expects it: the last complete block (overlap) and the tokens of
+    the unfinished block. ``start = 0`` is the official prefill."""
     wkv, wgate, ape, norm = weights
     d, overlap, t = norm.numel(), ratio == 4, x.shape[0]
-    kv, score = _project(x, wkv, wgate)
-    remainder = t % ratio
-    cutoff = t - remainder
     offset = ratio if overlap else 0
+    kv, score = _project(x, wkv, wgate)
+    score = score + ape[(torch.arange(start, start + t, device=x.device) % ratio)]
+    carried = start % ratio  # tokens of the unfinished block already in the carry
+    kv = torch.cat((carry.kv[offset : offset + carried], kv))
+    score = torch.cat((carry.score[offset : offset + carried], score))
+    first, total = start // ratio, carried + t
+    remainder = total % ratio
+    cutoff = total - remainder
+    previous = (carry.kv[:ratio].clone(), carry.score[:ratio].clone()) if overlap else None
     if overlap and cutoff >= ratio:
         carry.kv[:ratio] = kv[cutoff - ratio : cutoff]
-        carry.score[:ratio] = score[cutoff - ratio : cutoff] + ape
+        carry.score[:ratio] = score[cutoff - ratio : cutoff]
     if remainder:
         carry.kv[offset : offset + remainder] = kv[cutoff:]
-        carry.score[offset : offset + remainder] = score[cutoff:] + ape[:remainder]
+        carry.score[offset : offset + remainder] = score[cutoff:]
     if cutoff == 0:
-        return None, 0
-    kv = kv[:cutoff].unflatten(0, (-1, ratio))
-    score = score[:cutoff].unflatten(0, (-1, ratio)) + ape
+        return None, first
+    kv, score = kv[:cutoff].unflatten(0, (-1, ratio)), score[:cutoff].unflatten(0, (-1, ratio))
     if overlap:
         kv, score = _overlap(kv, ratio, d, 0.0), _overlap(score, ratio, d, float("-inf"))
+        if first > 0:  # the block before this chunk's first: kept in the carry
+            kv[0, :ratio], score[0, :ratio] = previous[0][:, :d], previous[1][:, :d]
     pooled = (kv * score.softmax(dim=1)).sum(dim=1)
-    starts = torch.arange(kv.shape[0], device=x.device) * ratio + (ratio - 1 if on("compressed-rope-last") else 0)
-    return _finish(pooled, norm, freqs, starts, eps), 0
+    starts = (torch.arange(kv.shape[0], device=x.device) + first) * ratio
+    starts = starts + (ratio - 1 if on("compressed-rope-last") else 0)
+    return _finish(pooled, norm, freqs, starts, eps), first
 
 
 def _pool_carry(carry: CompressorCarry, ratio: int, d: int) -> torch.Tensor:

@@ -98,7 +98,7 @@ class GraphDecodeSession(ProductionSession):
         return torch.where(j < limit, j, -1)[None]
 
     def compress(self, i: int, x: torch.Tensor, positions: torch.Tensor, index: bool) -> torch.Tensor | None:
-        if len(positions) > 1:
+        if self.in_prefill:
             return super().compress(i, x, positions, index)
         cache = self.layers[i]
         weights, carry, ratio, freqs = self.compressor(i, index)

@@ -1,8 +1,9 @@
 """ProductionModel: the decoder under test, with the official numerics selected by a precision profile.
 
-Mirrors the official ``model.py`` control flow (spec §4-§5): prefill only at position 0 (no chunked
-prefill), then one token per decode step; the window is a ring buffer written before attention; compressors
-carry fp32 state; caches are allocated once from ``max_context``. Emits the same sites as the oracle.
+Mirrors the official ``model.py`` control flow (spec §4-§5): a prefill, then one token per decode step (the
+prefill may also come in chunks, an extension the official model lacks, computed as the whole prefill); the
+window is a ring buffer written before attention; compressors carry fp32 state; caches are allocated once from
+``max_context``. Emits the same sites as the oracle.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class ProductionSession:
                        for i in range(self.cfg.n_layers)]
         self.pos = 0
         self.calls = 0
+        self.in_prefill = False  # a prefill (chunk) takes the prefill paths, even for one token
         self.res_dtype = torch.float32 if self.p.residual == "fp32" else BF16
 
     def emit(self, site: str, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
@@ -104,8 +106,15 @@ class ProductionSession:
     # ---- public ----------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Prompt tokens at positions pos.. -> logits [n, vocab]. The official model prefills once at position 0;
+        here a prompt may also come in chunks (each continues at ``pos``), computed as the whole prefill computes
+        them (up to the rounding of GEMMs over a different number of rows)."""
         ids = self._check(input_ids, prefill=True)
-        return self._run(ids, torch.arange(len(ids), device=self.m.device))
+        self.in_prefill = True
+        try:
+            return self._run(ids, torch.arange(self.pos, self.pos + len(ids), device=self.m.device))
+        finally:
+            self.in_prefill = False
 
     @torch.no_grad()
     def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
@@ -114,11 +123,10 @@ class ProductionSession:
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Prefill at position 0, else one decode token (the official model has no chunked prefill)."""
+        """One decode token after a prefill, else a prefill (chunk)."""
         ids = torch.as_tensor(input_ids).flatten()
-        if self.pos == 0:
+        if self.pos == 0 or len(ids) > 1:
             return self.prefill(ids)
-        self._check(ids, prefill=False)  # raises for more than one token
         return self.step(ids[0])[None]
 
     def _check(self, input_ids: torch.Tensor, prefill: bool) -> torch.Tensor:
@@ -126,8 +134,6 @@ class ProductionSession:
         n, vocab = ids.numel(), self.cfg.vocab_size
         if n == 0:
             raise ValueError("input_ids: expected at least one token, found 0")
-        if prefill and self.pos != 0:
-            raise ValueError(f"prefill: expected position 0 (no chunked prefill, spec §5), found position {self.pos}")
         if not prefill and (self.pos == 0 or n != 1):
             raise ValueError(f"decode: expected one token after a prefill, found {n} token(s) at position {self.pos}")
         if self.pos + n > self.m.max_context:
@@ -205,7 +211,7 @@ class ProductionSession:
         kv = self.op("kv_round")(rope(kv, positions, freqs), rd, prof.kv_nope)
         self.emit(f"L{i}.attn.q", q)
         self.emit(f"L{i}.attn.kv", kv)
-        if len(positions) > 1:
+        if self.in_prefill:
             o = self.attend_prefill(i, x, qr, q, kv, positions)
         else:
             o = self.attend_decode(i, x, qr, q, kv, positions)
@@ -240,8 +246,8 @@ class ProductionSession:
         """New compressed entries (main: FP8-rounded nope dims; indexer: Hadamard + FP4), written to the caches."""
         cache = self.layers[i]
         weights, carry, ratio, freqs = self.compressor(i, index)
-        if len(positions) > 1:
-            entries, first = compress_prefill(x, weights, carry, ratio, freqs, self.cfg.norm_eps)
+        if self.in_prefill:
+            entries, first = compress_prefill(x, weights, carry, ratio, freqs, self.cfg.norm_eps, self.pos)
         else:
             entries, first = compress_decode(x, self.pos, weights, carry, ratio, freqs, self.cfg.norm_eps)
         if entries is None:
@@ -254,20 +260,30 @@ class ProductionSession:
         return entries
 
     def attend_prefill(self, i, x, qr, q, kv, positions) -> torch.Tensor:
+        """A prefill chunk at positions start..start+t-1 (start = self.pos; 0 for the official prefill). The
+        attention table holds the earlier window rows still needed (from the ring buffer), the chunk's rows, then
+        every compressed entry so far; window indices point into it in position order."""
         cfg, cache = self.cfg, self.layers[i]
-        ratio, win, t = cfg.ratio(i), cfg.window_size, len(positions)
+        ratio, win, t, start = cfg.ratio(i), cfg.window_size, len(positions), self.pos
+        before = min(start, win - 1)  # earlier positions start-before .. start-1 that the chunk's window reaches
+        earlier = cache.kv.read((torch.arange(start - before, start) % win).to(kv.device))
         tail = kv[-win:]
-        cache.kv.write(slice(0, len(tail)) if t <= win else _ring_slots(t, win).to(kv.device), tail)
-        table, offset = kv, t
+        cache.kv.write((torch.arange(start + t - len(tail), start + t) % win).to(kv.device), tail)
+        table = torch.cat((earlier, kv)) if before else kv
+        offset = len(table)
         comp = None
         if ratio:
             new = self.compress(i, x, positions, index=False)
             self.emit(f"L{i}.attn.compressed_kv", new if new is not None else kv.new_zeros((0, cfg.head_dim)))
-            if new is not None:
-                table = torch.cat((kv, cache.kv.read(slice(win, win + len(new)))))
-            comp = self.index_prefill(i, x, qr, positions) if ratio == 4 else _hca_prefill_idx(t, ratio).to(x.device)
-        idx = _window_prefill_idx(t, win).to(x.device)
+            n_entries = (start + t) // ratio
+            if n_entries:
+                table = torch.cat((table, cache.kv.read(slice(win, win + n_entries))))
+            comp = self.index_prefill(i, x, qr, positions) if ratio == 4 else \
+                _hca_prefill_idx(t, ratio, start).to(x.device)
+        idx = _window_prefill_idx(t, win, start).to(x.device)
         self.emit(f"L{i}.attn.visible", lambda: _visible(idx, comp, positions, win, prefill=True))
+        rows = idx - (start - before)  # token positions -> table rows (a position before the table: none)
+        idx = torch.where((idx >= 0) & (rows >= 0), rows, -1)
         if comp is not None:
             idx = torch.cat((idx, torch.where(comp >= 0, comp + offset, -1)), dim=1)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
@@ -345,7 +361,7 @@ class ProductionSession:
         new = self.compress(i, x, positions, index=True)
         self.emit_keys(i, new)
         t = len(positions)
-        n = t // 4
+        n = (self.pos + t) // 4
         score = self._scorer(cache.keys, n)
         k = min(_topk_cap(cfg.index_topk), n)
         out = []
@@ -428,15 +444,11 @@ def _pad(picks: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(picks, (0, width - picks.shape[1]), value=-1)
 
 
-def _ring_slots(t: int, win: int) -> torch.Tensor:
-    """Ring slots of the last ``win`` prompt tokens, in token order: position p lives in slot p % win."""
-    return torch.arange(t - win, t) % win
-
-
-def _window_prefill_idx(t: int, win: int) -> torch.Tensor:
-    """Official prefill window indices [t, min(t, win)]: query i sees rows max(0, i-win+1) .. i, valid first."""
-    base = torch.arange(t)[:, None]
-    idx = (base - win + 1).clamp(min=0) + torch.arange(min(t, win))[None]
+def _window_prefill_idx(t: int, win: int, start: int = 0) -> torch.Tensor:
+    """Prefill window TOKEN POSITIONS [t, min(start + t, win)] of the chunk's queries start..start+t-1: query p
+    sees max(0, p-win+1) .. p, valid first (the official prefill: start 0)."""
+    base = torch.arange(start, start + t)[:, None]
+    idx = (base - win + 1).clamp(min=0) + torch.arange(min(start + t, win))[None]
     idx = torch.where(idx > base, -1, idx)
     if on("window-127"):
         idx = torch.where(idx == base - win + 1, -1, idx)
@@ -459,10 +471,10 @@ def _window_decode_idx(t: int, win: int, device: torch.device | str = "cpu") -> 
     return idx
 
 
-def _hca_prefill_idx(t: int, ratio: int) -> torch.Tensor:
-    """All entries j < (i+1)//ratio per query [t, t//ratio], -1 otherwise."""
-    j = torch.arange(t // ratio)[None]
-    limit = (torch.arange(1, t + 1) // ratio)[:, None] + (1 if on("causal-off-by-one") else 0)
+def _hca_prefill_idx(t: int, ratio: int, start: int = 0) -> torch.Tensor:
+    """All entries j < (p+1)//ratio per query p of the chunk [t, (start+t)//ratio], -1 otherwise."""
+    j = torch.arange((start + t) // ratio)[None]
+    limit = (torch.arange(start + 1, start + t + 1) // ratio)[:, None] + (1 if on("causal-off-by-one") else 0)
     return torch.where(j >= limit, -1, j)
 
 

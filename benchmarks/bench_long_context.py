@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--decode", type=int, default=8)
     ap.add_argument("--queries", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("extra", nargs="*", help="more `fidelity run` arguments (after --)")
     args = ap.parse_args()

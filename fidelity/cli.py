@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-context", type=int, help="production cache size (default: prompt + decode)")
     r.add_argument("--sample-queries", type=int, help="layer/op modes: oracle on this many prefill queries")
     r.add_argument("--prefill-chunk", type=int,
-                   help="prompt tokens per prefill call (default: the whole prompt up to 8192 tokens, else 4096)")
+                   help="prompt tokens per prefill call (default: the whole prompt up to 8192 tokens, else 8192)")
     r.add_argument("--device", default="cpu", help="the decoder's device (default cpu)")
     r.add_argument("--oracle-device", help="the oracle's device (default: the decoder's); its fp32 runs without TF32")
     r.add_argument("--out", default="runs", help="parent folder of run directories (default runs/)")

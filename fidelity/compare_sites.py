@@ -112,6 +112,8 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
                        rows: torch.Tensor | None = None, per_position: bool = False) -> list[dict]:
     """Every site recorded by both: pending probe rows (no host transfer yet)."""
     pending: list[dict] = []
+    device = next((recs[0][1].device for recs in test.records.values() if recs), positions.device)
+    positions, rows = positions.to(device), rows.to(device) if rows is not None else None  # the decoder's device
     sel = positions if rows is None else positions[rows]
     ctx = {"positions": sel, "window": cfg.window_size, "ref": ref, "test": test, "rows": rows,
            "ratios": cfg.compress_ratios}

@@ -196,6 +196,9 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
         "metric rows": len(df),
     }
     facts.update(_kernel_facts(manifest))
+    for phase, peaks in (manifest.get("memory_peaks") or {}).items():
+        facts[f"peak memory, {phase}"] = ", ".join(f"{k.removesuffix('_peak_bytes').replace('_', ' ')} "
+                                                  f"{_gib(v)}" for k, v in peaks.items())
     parts = manifest.get("seconds_by_part") or {}
     if parts:
         facts["time by part"] = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
@@ -425,6 +428,10 @@ def token_section(df: pd.DataFrame, margin: float = TOKEN_FLIP_MARGIN) -> Sectio
 def _sort_modes(table: pd.DataFrame) -> pd.DataFrame:
     key = table["mode"].map({m: i for i, m in enumerate(MODES)}).fillna(len(MODES))
     return table.assign(_k=key).sort_values("_k", kind="stable").drop(columns="_k").reset_index(drop=True)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _mib(n: float) -> str:

@@ -42,7 +42,7 @@ from probes import PeakMemory, collect, memory_stats
 from probes.sampler import sampler_agreement
 
 MODES = ("free", "layer", "op")
-AUTO_WHOLE, AUTO_CHUNK = 8192, 4096  # prompts longer than AUTO_WHOLE are prefilled AUTO_CHUNK tokens at a time
+AUTO_WHOLE, AUTO_CHUNK = 8192, 8192  # prompts longer than AUTO_WHOLE are prefilled AUTO_CHUNK tokens at a time
 PICK_FLIP_MARGIN = 1.0  # log-space gap of the oracle's winning draw; below it a differing pick is a near tie
 STREAMS = ("oracle", "production", "given")
 

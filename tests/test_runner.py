@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
+from fidelity import cli
 from fidelity.config import ModelConfig
 from fidelity.job import run_job
 from fidelity.oracle_run import default_prompt
@@ -91,17 +92,31 @@ def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def test_cli_gate_exit_codes(tmp_path):
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    """``fidelity ARGS`` in this process: (exit code, stdout, stderr); an uncaught exception fails the test."""
+    rc = cli.main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_gate_exit_codes(tmp_path, capsys):
     base = ["run", "--prompt-len", "150", "--decode", "2", "--mode", "op", "--out", str(tmp_path)]
-    ok = _cli(*base, "--run-id", "a", "--gate")
-    assert ok.returncode == 0, ok.stderr
-    assert "verdict: PASS" in ok.stdout and "report:" in ok.stdout
+    rc, out, err = _main(capsys, *base, "--run-id", "a", "--gate")
+    assert rc == 0, err
+    assert "verdict: PASS" in out and "report:" in out
     strict = tmp_path / "strict.toml"
     strict.write_text("['logits|L\\d+\\.attn\\.q']\ncos = \">=0.9999999\"\n")
-    bad = _cli(*base, "--run-id", "b", "--gate", "--thresholds", str(strict))
-    assert bad.returncode == 1 and "verdict: FAIL" in bad.stdout and "first divergence: step 0" in bad.stdout
-    rerun = _cli("report", str(tmp_path / "a"), "--thresholds", str(strict), "--gate")
-    assert rerun.returncode == 1 and "FAIL" in rerun.stdout
+    rc, out, _ = _main(capsys, *base, "--run-id", "b", "--gate", "--thresholds", str(strict))
+    assert rc == 1 and "verdict: FAIL" in out and "first divergence: step 0" in out
+    rc, out, _ = _main(capsys, "report", str(tmp_path / "a"), "--thresholds", str(strict), "--gate")
+    assert rc == 1 and "FAIL" in out
+
+
+def test_the_installed_command_ends_a_bad_input_in_one_line_without_a_traceback(tmp_path):
+    res = _cli("run", "--profile", "fp7", "--out", str(tmp_path))
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "fidelity: error: profile: expected one of ['bf16', 'fp32-residual', 'fp4-indexer-packed', 'fp8-fmha', "
+        "'fp8-indexer', 'fp8-kv-storage', 'no-hadamard', 'reference'] (or a .toml/.json file), found 'fp7'"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -114,12 +129,12 @@ def test_cli_gate_exit_codes(tmp_path):
     (["mutants", "--only", "no-such-bug"], "unknown name(s) ['no-such-bug']"),
     (["memory", "--context", "0"], "context"),
 ])
-def test_cli_bad_inputs_end_in_one_line_and_exit_2(args, message, tmp_path):
-    res = _cli(*args, "--out", str(tmp_path)) if args[0] in ("run", "mutants") else _cli(*args)
-    assert res.returncode == 2, res.stderr
-    lines = [ln for ln in res.stderr.strip().splitlines() if ln]
-    assert lines and lines[0].startswith("fidelity: error:") and message in res.stderr
-    assert "Traceback" not in res.stderr
+def test_cli_bad_inputs_end_in_one_line_and_exit_2(args, message, tmp_path, capsys):
+    rc, _, err = _main(capsys, *args, "--out", str(tmp_path)) if args[0] in ("run", "mutants") else \
+        _main(capsys, *args)
+    assert rc == 2, err
+    lines = [ln for ln in err.strip().splitlines() if ln]
+    assert lines and lines[0].startswith("fidelity: error:") and message in err  # a checkpoint lists its problems
 
 
 def test_compare_writes_its_table_and_plot_next_to_the_runs_not_into_the_working_directory(tiny, tmp_path):

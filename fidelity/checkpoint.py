@@ -14,6 +14,7 @@ disk and dequantized only when asked for; nothing materialises the whole model i
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import tempfile
@@ -89,6 +90,11 @@ class TensorSpec:
     @property
     def quantized(self) -> bool:
         return self.fmt in QUANTIZED
+
+
+def fp32_nbytes(config: ModelConfig) -> int:
+    """Bytes of every canonical tensor of ``config`` in fp32 (what a model that dequantized everything holds)."""
+    return 4 * sum(math.prod(spec.shape) for spec in expected_tensors(config).values())
 
 
 def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -40,10 +40,24 @@ class UsageError(Exception):
 
 
 def _config(args) -> ModelConfig:
-    """The config of ``--preset`` (cheap: nothing synthesized yet); checked for size."""
+    """The config of ``--preset`` (cut to ``--layers``; cheap: nothing synthesized yet); one too large for the
+    host is refused unless it can be generated on the GPU (``--device cuda``)."""
     cfg = ModelConfig.preset(_preset(args))
-    _check_synth_size(cfg, _preset(args))
+    if getattr(args, "layers", None):
+        cfg = cfg.first_layers(args.layers)
+    if not _on_gpu(args):
+        _check_synth_size(cfg, _preset(args))
     return cfg
+
+
+def _on_gpu(args) -> bool:
+    return torch.device(getattr(args, "device", "cpu") or "cpu").type == "cuda"
+
+
+def _synth_bytes(cfg: ModelConfig) -> int:
+    from fidelity.checkpoint import fp32_nbytes
+
+    return fp32_nbytes(cfg)
 
 
 def _open(args, replay=None) -> tuple[ModelConfig, object | None]:
@@ -71,9 +85,14 @@ def _ready(args, ckpt, replay=None) -> tuple[object, str]:
     if ckpt is not None:
         what = f"checkpoint {ckpt.path}"
     else:
-        ckpt = synthesize(_config(args), seed=args.seed)
-        ckpt.origin["preset"] = _preset(args)
-        what = f"preset '{_preset(args)}' (synthetic, seed {args.seed})"
+        cfg = _config(args)
+        # too large for the host: generated on the GPU, each tensor when first read and kept there in its stored
+        # format, so the slice never sits in host memory (GPU tensors differ from the CPU's of the same seed)
+        device = args.device if _on_gpu(args) and _synth_bytes(cfg) > SYNTH_LIMIT_BYTES else "cpu"
+        ckpt = synthesize(cfg, seed=args.seed, lazy=device != "cpu", device=device)
+        layers = f", first {args.layers} layers" if getattr(args, "layers", None) else ""
+        ckpt.origin.update(preset=_preset(args) + layers, device=str(device))
+        what = f"preset '{_preset(args)}{layers}' (synthetic on {device}, seed {args.seed})"
     if replay is not None:
         check_trace_checkpoint(replay, ckpt)
     return ckpt, what
@@ -84,12 +103,11 @@ def _preset(args) -> str:
 
 
 def _check_synth_size(cfg: ModelConfig, name: str) -> None:
-    from fidelity.checkpoint import expected_tensors
-
-    n = sum(int(torch.Size(spec.shape).numel()) for spec in expected_tensors(cfg).values())
-    if 4 * n > SYNTH_LIMIT_BYTES:
-        raise UsageError(f"preset '{name}' has {n / 1e9:.1f}e9 parameters ({4 * n / 2**30:.0f} GiB in fp32): "
-                         "synthesize only width-reduced configs (e.g. --preset tiny) on a CPU")
+    size = _synth_bytes(cfg)
+    if size > SYNTH_LIMIT_BYTES:
+        raise UsageError(f"preset '{name}' has {size / 4e9:.1f}e9 parameters ({size / 2**30:.0f} GiB in fp32): on "
+                         "a CPU synthesize only width-reduced configs (e.g. --preset tiny); release-sized slices "
+                         "(--preset flash --layers 4) are generated on a GPU with --device cuda")
 
 
 def _prompt(args, vocab: int) -> torch.Tensor:
@@ -390,7 +408,9 @@ def cmd_config(args) -> int:
 def _source_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="checkpoint directory (config.json + *.safetensors)")
-    src.add_argument("--preset", help="synthesize this preset instead (default: tiny)")
+    src.add_argument("--preset", help="synthesize this preset instead (default: tiny; on --device cuda it is "
+                                      "generated on the GPU)")
+    p.add_argument("--layers", type=int, help="keep the preset's first N layers (a slice: widths unchanged)")
     p.add_argument("--seed", type=int, default=0, help="synthetic weights and default prompt seed")
     p.add_argument("--prompt-len", type=int, help=f"length of the default prompt (default {DEFAULT_PROMPT_LEN})")
     p.add_argument("--prompt-file", help="token ids (whitespace/comma separated) instead of a random prompt")

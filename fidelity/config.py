@@ -190,6 +190,14 @@ class ModelConfig:
             raise ConfigError([f"preset: expected one of {sorted(PRESETS)}, found {name!r}"])
         return cls(**PRESETS[name])
 
+    def first_layers(self, n: int) -> ModelConfig:
+        """The model cut to its first ``n`` layers, widths kept (a slice of a release-sized model): the first n
+        compress ratios, at most n hash layers, no MTP layer."""
+        if not 1 <= n <= self.n_layers:
+            raise ConfigError([f"layers: expected 1..{self.n_layers}, found {n}"])
+        return self.replace(n_layers=n, compress_ratios=tuple(self.compress_ratios[:n]), n_mtp_layers=0,
+                            n_hash_layers=min(self.n_hash_layers, n))
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

@@ -171,7 +171,8 @@ def describe_checkpoint(info: dict | None) -> str:
     if not info:
         return "not recorded"
     if info.get("preset"):
-        what = f"preset '{info['preset']}' (synthetic, seed {info.get('seed')})"
+        where = f" on {info['device']}" if info.get("device", "cpu") != "cpu" else ""
+        what = f"preset '{info['preset']}' (synthetic{where}, seed {info.get('seed')})"
     elif info.get("path"):
         what = f"{info['path']} ({info.get('layout', '?')} layout)"
     else:

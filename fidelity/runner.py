@@ -394,7 +394,7 @@ def checkpoint_info(ckpt) -> dict:
         h.update(f"{name}{st.fmt}{tuple(st.data.shape)}".encode())
         for t in (st.data, st.scale):
             if t is not None and (full or t.numel() <= 65536):
-                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     scope = "every tensor's bytes" if full else "names, shapes, bytes of tensors <= 65536 elements"
     return {**info, "hash": h.hexdigest()[:16], "hash_scope": scope}
 

@@ -48,24 +48,42 @@ _IH_SCALE = math.sqrt(3.0) / 2**24  # 1 / std of a sum of 4 uniforms on [0, 2^24
 _HC_BASE = re.compile(r"(^|\.)hc_(attn|ffn)_base$")
 
 
-def synthesize(config: ModelConfig, seed: int = 0, *, lazy: bool = False) -> Checkpoint:
+def synthesize(config: ModelConfig, seed: int = 0, *, lazy: bool = False, device: str | torch.device = "cpu",
+               keep: bool | None = None) -> Checkpoint:
     """A random checkpoint (layout "synthetic") for ``config``; same ``seed`` -> bit-identical tensors.
 
     Eager by default (all tensors held quantized in memory). ``lazy=True`` generates each tensor when it is
-    read (no memory held; for release-sized configs).
+    first read, in its stored format; ``keep`` (default: on a GPU) holds what was generated so that a second read
+    costs nothing. ``device``: where tensors are generated and held. A GPU draws from its own generator, so its
+    tensors differ from the CPU's (the same on every run of the same GPU kind); the CPU's are the same everywhere.
     """
     specs = expected_tensors(config)
-    if lazy:
-        ckpt = Checkpoint(config, lambda n: synth_tensor(specs[n], config, seed), list(specs), layout="synthetic")
+    device = torch.device(device)
+    if lazy or device.type != "cpu":
+        held: dict[str, StoredTensor] = {}
+        keep = device.type != "cpu" if keep is None else keep
+
+        def fetch(name: str) -> StoredTensor:
+            st = held.get(name) or synth_tensor(specs[name], config, seed, device)
+            if keep:
+                held[name] = st
+            return st
+
+        ckpt = Checkpoint(config, fetch, list(specs), layout="synthetic")
+        if not lazy:
+            for name in specs:
+                fetch(name)
     else:
         ckpt = Checkpoint.from_tensors(config, {name: synth_tensor(spec, config, seed) for name, spec in specs.items()})
     ckpt.origin["seed"] = seed
     return ckpt
 
 
-def synth_tensor(spec: TensorSpec, config: ModelConfig, seed: int = 0) -> StoredTensor:
-    """Tensor ``spec.name`` of ``synthesize(config, seed)``, stored in its release format ``spec.fmt``."""
-    gen = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, spec.name))
+def synth_tensor(spec: TensorSpec, config: ModelConfig, seed: int = 0,
+                 device: str | torch.device = "cpu") -> StoredTensor:
+    """Tensor ``spec.name`` of ``synthesize(config, seed)``, stored in its release format ``spec.fmt``, made
+    on ``device``."""
+    gen = torch.Generator(device=device).manual_seed(_tensor_seed(seed, spec.name))
     if spec.fmt == "int64":
         return StoredTensor.plain(_tid2eid(spec.shape, config.n_routed_experts, gen))
     return _store(_values(spec, config, gen), spec.fmt)
@@ -79,9 +97,9 @@ def _tensor_seed(seed: int, name: str) -> int:
 def _normal(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """~N(0, 1) float32: Irwin-Hall sum of 4 integer uniforms in [0, 2^24) (exact in int32), centred and scaled
     to unit variance with IEEE float32 ops only, so the result is the same on every machine."""
-    acc = torch.zeros(shape, dtype=torch.int32)
+    acc = torch.zeros(shape, dtype=torch.int32, device=gen.device)
     for _ in range(4):
-        acc += torch.randint(0, 2**24, shape, generator=gen, dtype=torch.int32)
+        acc += torch.randint(0, 2**24, shape, generator=gen, dtype=torch.int32, device=gen.device)
     return (acc - 2**25).float() * _IH_SCALE
 
 
@@ -130,15 +148,15 @@ def _outlier_channels(x: torch.Tensor, name: str) -> torch.Tensor:
 def _hc_base(z: torch.Tensor, hc: int) -> torch.Tensor:
     """[(2+hc)*hc]: pre/post ``0.5 N``; comb ``0.5 N`` + 1 on the diagonal of the hc x hc block."""
     base = 0.5 * z
-    base[2 * hc :] += torch.eye(hc, dtype=base.dtype).flatten()
+    base[2 * hc :] += torch.eye(hc, dtype=base.dtype, device=base.device).flatten()
     return base
 
 
 def _tid2eid(shape: tuple[int, ...], n_experts: int, gen: torch.Generator) -> torch.Tensor:
     """[vocab, k] int64: k distinct experts per row, uniform (ties broken by expert id, so exact)."""
     vocab, k = shape
-    keys = torch.randint(0, 2**24, (vocab, n_experts), generator=gen, dtype=torch.int64) * n_experts
-    keys += torch.arange(n_experts, dtype=torch.int64)
+    keys = torch.randint(0, 2**24, (vocab, n_experts), generator=gen, dtype=torch.int64, device=gen.device)
+    keys = keys * n_experts + torch.arange(n_experts, dtype=torch.int64, device=gen.device)
     return keys.topk(k, dim=1).indices.to(torch.int64)
 
 

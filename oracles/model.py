@@ -10,6 +10,7 @@ compressor's unconsumed token projections, and the compressed entries).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from oracles.norms import rms_norm
 from oracles.rope import apply_rope, inv_freq
 
 CHUNK_ELEMENTS = 1 << 25  # bound on [queries x visible rows x head_dim] gathered at once
+KEEP_ALL_BYTES = 16 << 30  # models up to this size in fp32 keep every weight they read
 
 
 @dataclass
@@ -49,6 +51,8 @@ class OracleModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self._cache: dict[str, torch.Tensor] | None = {} if cache_weights else None
+        # routed experts of a release-sized model are dequantized at each use, the rest is kept
+        self.keep_experts = 4 * sum(math.prod(checkpoint.spec(n).shape) for n in checkpoint.names()) <= KEEP_ALL_BYTES
         self.freqs = {r: inv_freq(self.cfg, r, dtype).to(self.device) for r in {0, *self.cfg.compress_ratios}}
 
     def w(self, name: str) -> torch.Tensor:
@@ -57,7 +61,7 @@ class OracleModel:
             return self._cache[name]
         t = self.ckpt[name].to(self.device)
         t = t.to(self.dtype) if t.is_floating_point() else t
-        if self._cache is not None:
+        if self._cache is not None and (self.keep_experts or ".ffn.experts." not in name):
             self._cache[name] = t
         return t
 

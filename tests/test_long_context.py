@@ -65,8 +65,9 @@ def test_sampled_queries_are_spread_over_the_chunks_and_each_keeps_its_last(tiny
 
 def test_prefill_chunks_default_to_the_whole_prompt_up_to_the_limit_and_must_cover_it():
     assert RunSpec(prompt=torch.zeros(AUTO_WHOLE, dtype=torch.long)).chunk_sizes() == [AUTO_WHOLE]
-    assert RunSpec(prompt=torch.zeros(AUTO_WHOLE + 1, dtype=torch.long)).chunk_sizes() == \
-        [AUTO_CHUNK, AUTO_CHUNK, 1]
+    n = AUTO_WHOLE + 1
+    assert RunSpec(prompt=torch.zeros(n, dtype=torch.long)).chunk_sizes() == \
+        [AUTO_CHUNK] * (n // AUTO_CHUNK) + [n % AUTO_CHUNK]
     spec = RunSpec(prompt=torch.zeros(10, dtype=torch.long), prefill_chunk=[4, 4])
     with pytest.raises(RunError, match=r"prefill_chunk: expected sizes >= 1 adding up to the prompt's 10 tokens"):
         Runner(synthesize(ModelConfig.preset("tiny"), seed=0), spec)
@@ -79,3 +80,29 @@ def test_host_memory_grows_by_at_most_16_kib_per_prompt_token():
     peaks = {int(k): v for k, v in json.loads(out.stdout).items()}
     per_token = (peaks[6144] - peaks[2048]) / (6144 - 2048)
     assert per_token <= 16 * 1024, f"{per_token / 1024:.1f} KiB per prompt token"
+
+
+def test_a_release_sized_slice_keeps_the_widths_and_every_layer_kind():
+    flash = ModelConfig.preset("flash")
+    cut = flash.first_layers(4)
+    assert cut.layer_kinds == ("swa", "swa", "csa", "hca") and cut.n_hash_layers == 3 and cut.n_mtp_layers == 0
+    assert (cut.dim, cut.n_heads, cut.head_dim, cut.index_topk, cut.n_routed_experts) == (4096, 64, 512, 512, 256)
+    with pytest.raises(Exception, match=r"layers: expected 1\.\.43, found 0"):
+        flash.first_layers(0)
+
+
+def test_lazy_synthesis_draws_the_eager_tensors_and_keeps_them_when_asked():
+    cfg = ModelConfig.preset("tiny")
+    eager, lazy = synthesize(cfg, seed=0), synthesize(cfg, seed=0, lazy=True, keep=True)
+    for name in ("layers.2.attn.wq_a.weight", "layers.3.ffn.experts.5.w2.weight", "embed.weight"):
+        a, b = eager.stored(name), lazy.stored(name)
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), name
+        assert lazy.stored(name) is b  # kept: read once
+
+
+def test_a_release_sized_slice_is_refused_on_the_cpu_saying_where_it_can_run(tmp_path, capsys):
+    from fidelity import cli
+
+    assert cli.main(["run", "--preset", "flash", "--layers", "4", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "release-sized slices (--preset flash --layers 4) are generated on a GPU with --device cuda" in err

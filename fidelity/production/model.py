@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from fidelity.checkpoint import fp32_nbytes
 from fidelity.formats import hadamard
 from fidelity.production import ops
 from fidelity.production.cache import KeyStore, LayerCache
@@ -25,6 +26,7 @@ from oracles.rope import inv_freq
 
 BF16 = torch.bfloat16
 QUERY_CHUNK = 512  # prefill attention / indexer queries per pass (bounds temporaries, not results)
+KEEP_ALL_BYTES = 16 << 30  # models up to this size in fp32 keep every dequantized weight
 
 
 class ContextError(ValueError):
@@ -44,12 +46,16 @@ class ProductionModel:
         self.freqs = {r: inv_freq(self.cfg, r, torch.float32).to(self.device) for r in {0, *self.cfg.compress_ratios}}
         self._weights: dict[str, torch.Tensor] = {}
         self._expert_stacks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # a release-sized model's routed experts would not fit dequantized: they are dequantized at each use
+        self.keep_experts = fp32_nbytes(self.cfg) <= KEEP_ALL_BYTES
 
     def w(self, name: str) -> torch.Tensor:
         """Weight as the production path reads it: FP8/FP4 dequantized exactly to fp32, bf16/fp32 as stored."""
         t = self._weights.get(name)
         if t is None:
-            t = self._weights[name] = self.ckpt[name].to(self.device)
+            t = self.ckpt[name].to(self.device)
+            if self.keep_experts or ".ffn.experts." not in name:
+                self._weights[name] = t
         return t
 
     def session(self, recorder: Recorder | None = None) -> ProductionSession:

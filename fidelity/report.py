@@ -192,7 +192,7 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
         "run_id": ", ".join(map(str, df["run_id"].unique())) or manifest.get("run_id", ""),
         "modes": ", ".join(m for m in MODES if m in set(df["mode"])),
         "profile": profile_label(profile) if profile else ", ".join(map(str, df["profile"].unique())),
-        "steps": f"{len(steps)} (prefill + {max(len(steps) - 1, 0)} decode)" if steps else "none",
+        "steps": _steps_text(df) if steps else "none",
         "layers": f"{len(layers)} (L{layers[0]}..L{layers[-1]})" if layers else "none",
         "metric rows": len(df),
     }
@@ -217,6 +217,14 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
     tested = manifest.get("decoder", facts["profile"])
     text = [f"Tested: {tested} on {facts['checkpoint']}.", "The full manifest is in manifest.json."]
     return Section("Run", text, table, details=manifest_json, details_title="manifest.json")
+
+
+def _steps_text(df: pd.DataFrame) -> str:
+    """'65 (prefill + 64 decode)', or '20 (prefill in 16 chunks + 4 decode)'."""
+    pre = df.loc[df["phase"] == "prefill", "step"].nunique()
+    dec = df.loc[df["phase"] == "decode", "step"].nunique()
+    prefill = "prefill" if pre <= 1 else f"prefill in {pre} chunks"
+    return f"{pre + dec} ({prefill} + {dec} decode)"
 
 
 def _kernel_facts(manifest: dict) -> dict[str, str]:

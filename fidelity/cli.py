@@ -145,6 +145,7 @@ def _plural(n: int, word: str) -> str:
 
 def cmd_run(args) -> int:
     from fidelity.api import run
+    from fidelity.atomic_write import check_new_dir
     from fidelity.production import get_profile
     from fidelity.progress import Progress
     from fidelity.rundir import check_output, new_run_id
@@ -160,6 +161,8 @@ def cmd_run(args) -> int:
         load_thresholds(args.thresholds)
     run_id = args.run_id or new_run_id()
     check_output(args.out, run_id, args.overwrite)
+    if args.write_trace:
+        check_new_dir(args.write_trace, args.overwrite, "--write-trace")
     if args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
     replay = _trace(args)

@@ -149,3 +149,10 @@ def test_threads_auto_takes_one_thread_for_the_tiny_model_and_a_count_is_checked
         torch.set_num_threads(before)
     line = _error(capsys, ["run", "--threads", "0", "--out", str(tmp_path), *SMALL])
     assert "--threads: expected 'auto' or an integer >= 1, found '0'" in line
+
+
+def test_a_trace_folder_that_exists_is_refused_before_the_run(tmp_path, capsys, no_synthesis):
+    (tmp_path / "trace").mkdir()
+    (tmp_path / "trace" / "trace.json").write_text("{}")
+    line = _error(capsys, ["run", "--write-trace", str(tmp_path / "trace"), "--out", str(tmp_path)])
+    assert f"--write-trace {tmp_path / 'trace'}: exists; pass --overwrite to replace it" in line

@@ -425,6 +425,12 @@ def _threads_arg(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default auto: 1 for models up to 1024 wide, else torch's default)")
 
 
+def _decoder_args(p: argparse.ArgumentParser, what: str, dtype: str) -> None:
+    p.add_argument("--decoder", default="production", help=what)
+    p.add_argument("--decoder-dtype", choices=("bf16", "fp16", "fp32", "fp64"), default=dtype,
+                   help=f"dtype of --decoder transformers (default {dtype})")
+
+
 def _oracle_dtype_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle-dtype", choices=("fp32", "fp64"), default="fp32", help="the oracle's dtype")
 
@@ -439,11 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _source_args(r)
     r.add_argument("--decode", type=int, default=64, help="decode steps after the prompt (default 64)")
-    r.add_argument("--decoder", default="production",
-                   help="the decoder under test: production (default), transformers (DeepseekV4ForCausalLM), or "
-                        "trace:DIR (a recorded trace, replayed with its own prompt and tokens)")
-    r.add_argument("--decoder-dtype", choices=("bf16", "fp16", "fp32", "fp64"), default="bf16",
-                   help="dtype of --decoder transformers (default bf16)")
+    _decoder_args(r, "the decoder under test: production (default), transformers (DeepseekV4ForCausalLM), or "
+                     "trace:DIR (a recorded trace, replayed with its own prompt and tokens)", "bf16")
     r.add_argument("--write-trace", metavar="DIR", help="also record the decoder's calls as a trace in DIR")
     r.add_argument("--profile", default="reference",
                    help="built-in profile, base:field=value,..., or a .toml/.json profile file")
@@ -461,7 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-context", type=int, help="production cache size (default: prompt + decode)")
     r.add_argument("--sample-queries", type=int, help="layer/op modes: oracle on this many prefill queries")
     r.add_argument("--prefill-chunk", type=int,
-                   help="prompt tokens per prefill call (default: the whole prompt up to 8192 tokens, else 8192)")
+                   help="prompt tokens per prefill call (default: the whole prompt up to 8192 tokens, else 8192 at a "
+                        "time)")
     r.add_argument("--device", default="cpu", help="the decoder's device (default cpu)")
     r.add_argument("--oracle-device", help="the oracle's device (default: the decoder's); its fp32 runs without TF32")
     r.add_argument("--out", default="runs", help="parent folder of run directories (default runs/)")
@@ -479,11 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     mu.add_argument("--prompt-len", type=int, default=300)
     mu.add_argument("--decode", type=int, default=8)
     mu.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="default: layer and op")
-    mu.add_argument("--decoder", default="production",
-                    help="production (default: the whole catalogue) or transformers (DeepseekV4ForCausalLM with the "
-                         "faults it can carry planted at run time)")
-    mu.add_argument("--decoder-dtype", choices=("bf16", "fp16", "fp32", "fp64"), default="fp32",
-                    help="dtype of --decoder transformers (default fp32: the exact thresholds)")
+    _decoder_args(mu, "production (default: the whole catalogue) or transformers (DeepseekV4ForCausalLM with the "
+                      "faults it can carry planted at run time)", "fp32")
     mu.add_argument("--out", default="runs", help="parent folder of the matrix's directory (default runs/)")
     mu.add_argument("--run-id", help="the directory's name (default mutants-<UTC time>-<random>)")
     mu.add_argument("--overwrite", action="store_true")

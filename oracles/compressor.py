@@ -50,17 +50,27 @@ def project(x: torch.Tensor, positions: torch.Tensor, w: CompressorWeights) -> t
     return kv, score
 
 
-def pool_entry(kv: torch.Tensor, score: torch.Tensor, j: int, r: int, d: int, overlap: bool) -> torch.Tensor:
-    """Entry j from projections of tokens [max(0, (j-1)*r) .. (j+1)*r) given as rows from position
-    ``(j-1)*r`` (overlap, j > 0) or ``j*r``. Returns [d] before norm and RoPE."""
-    if overlap:
-        cur_kv, cur_score = kv[-r:, d:], score[-r:, d:]
-        if j > 0:
-            cur_kv = torch.cat((kv[:r, :d], cur_kv))
-            cur_score = torch.cat((score[:r, :d], cur_score))
-    else:
-        cur_kv, cur_score = kv[-r:], score[-r:]
-    return (cur_score.softmax(dim=0) * cur_kv).sum(dim=0)
+def pool_entries(kv: torch.Tensor, score: torch.Tensor, j0: int, m: int, r: int, d: int,
+                 overlap: bool) -> torch.Tensor:
+    """Entries j0 .. j0+m-1 -> [m, d] before norm and RoPE, from projections [p, coff*d] given as rows from
+    position ``(j0-1)*r`` (overlap, j0 > 0) or ``j0*r``. Entry j is the softmax-weighted sum (per channel,
+    over its slots) of its block's rows, and with overlap of the previous block's rows too: slots
+    ``[prev block, channels :d] + [block j, channels d:]``; entry 0 has no previous slots."""
+    first = r if overlap and j0 > 0 else 0  # row of block j0
+    cur_kv = kv[first : first + m * r].unflatten(0, (m, r))  # [m, r, coff*d]
+    cur_score = score[first : first + m * r].unflatten(0, (m, r))
+    if not overlap:
+        return (cur_score.softmax(dim=1) * cur_kv).sum(dim=1)
+    prev_kv, prev_score = cur_kv[:-1, :, :d], cur_score[:-1, :, :d]  # block j-1 for entries j0+1 ..
+    if j0 > 0:
+        prev_kv = torch.cat((kv[:r, :d].unsqueeze(0), prev_kv))
+        prev_score = torch.cat((score[:r, :d].unsqueeze(0), prev_score))
+    else:  # entry 0: empty previous slots (weight exactly 0)
+        prev_kv = torch.cat((prev_kv.new_zeros((1, r, d)), prev_kv))
+        prev_score = torch.cat((prev_score.new_full((1, r, d), float("-inf")), prev_score))
+    slots_kv = torch.cat((prev_kv, cur_kv[:, :, d:]), dim=1)  # [m, 2r, d]
+    slots_score = torch.cat((prev_score, cur_score[:, :, d:]), dim=1)
+    return (slots_score.softmax(dim=1) * slots_kv).sum(dim=1)
 
 
 def compress(x: torch.Tensor, positions: torch.Tensor, state: CompressorState, w: CompressorWeights,
@@ -75,20 +85,19 @@ def compress(x: torch.Tensor, positions: torch.Tensor, state: CompressorState, w
     else:
         state.kv, state.score = torch.cat((state.kv, kv)), torch.cat((state.score, score))
     end = int(positions[-1]) + 1  # tokens [0, end) have been seen
-    new = []
-    while (state.emitted + 1) * r <= end:
-        j = state.emitted
-        lo = (j - 1) * r if (overlap and j > 0) else j * r
-        rows = slice(lo - state.start, (j + 1) * r - state.start)
-        new.append(pool_entry(state.kv[rows], state.score[rows], j, r, d, overlap))
-        state.emitted += 1
+    j0, m = state.emitted, end // r - state.emitted  # entries completed by these tokens
+    new = None
+    if m > 0:
+        lo = (j0 - 1) * r if (overlap and j0 > 0) else j0 * r
+        new = pool_entries(state.kv[lo - state.start :], state.score[lo - state.start :], j0, m, r, d, overlap)
+        state.emitted += m
     keep_from = (state.emitted - 1) * r if (overlap and state.emitted > 0) else state.emitted * r
     state.kv, state.score = state.kv[keep_from - state.start :], state.score[keep_from - state.start :]
     state.start = keep_from
-    if not new:
+    if new is None:
         return x.new_zeros((0, d))
-    entries = rms_norm(torch.stack(new), w.norm, eps)
-    js = torch.arange(state.emitted - len(new), state.emitted, device=x.device)
+    entries = rms_norm(new, w.norm, eps)
+    js = torch.arange(j0, state.emitted, device=x.device)
     entries = apply_rope(entries, js * r, freqs)
     state.entries.append(entries)
     return entries

@@ -2,6 +2,7 @@
 
 from fidelity.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from fidelity.config import ConfigError, ModelConfig
+from fidelity.default_model import default_checkpoint
 from fidelity.synthesize import synthesize
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ModelConfig",
+    "default_checkpoint",
     "load_checkpoint",
     "run",
     "save_checkpoint",

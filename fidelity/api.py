@@ -12,13 +12,15 @@ from pathlib import Path
 
 import torch
 
+from fidelity import text
 from fidelity.checkpoint import Checkpoint, load_checkpoint
 from fidelity.decoders.base import Decoder
 from fidelity.decoders.production import ProductionDecoder
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.transformers import TransformersDecoder
+from fidelity.default_model import default_checkpoint, prompt_for
 from fidelity.job import RunResult, run_job
-from fidelity.oracle_run import ORACLE_DTYPES, default_prompt
+from fidelity.oracle_run import ORACLE_DTYPES
 from fidelity.runner import RunSpec, checkpoint_info
 from fidelity.synthesize import synthesize
 from fidelity.trace import TraceError
@@ -27,7 +29,7 @@ DECODERS = ("production", "transformers", "trace:DIR")
 
 
 def open_checkpoint(checkpoint: Checkpoint | str | Path | None, trace: TraceDecoder | None = None) -> Checkpoint:
-    """A checkpoint object, a directory, or None: the trace's recorded checkpoint, else the tiny preset (seed 0)."""
+    """A checkpoint object, a directory, or None: the trace's recorded checkpoint, else the trained default."""
     if isinstance(checkpoint, Checkpoint):
         return checkpoint
     if checkpoint is not None:
@@ -35,9 +37,11 @@ def open_checkpoint(checkpoint: Checkpoint | str | Path | None, trace: TraceDeco
     recorded = trace.manifest.get("checkpoint", {}) if trace is not None else {}
     if recorded.get("path"):
         return load_checkpoint(recorded["path"])
+    if not recorded.get("preset"):
+        return load_checkpoint(default_checkpoint())
     from fidelity.config import ModelConfig
 
-    preset = recorded.get("preset", "tiny")
+    preset = recorded["preset"]
     ckpt = synthesize(ModelConfig.preset(preset), seed=int(recorded.get("seed", 0)))
     ckpt.origin["preset"] = preset
     return ckpt
@@ -74,14 +78,14 @@ def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | str | Pa
 
     ``decoder``: ``production`` (the built-in decoder with ``profile``), ``transformers`` (DeepseekV4ForCausalLM in
     ``decoder_dtype``), ``trace:DIR`` (a recorded trace: its prompt and tokens are replayed), or any ``Decoder``.
-    ``prompt``: token ids, or a length for the deterministic default prompt (1024 when None). ``trace``: also
+    ``prompt``: token ids, or a length for the deterministic default prompt (the trained default's own text, else
+    1024 random ids, when None; the first ``prompt`` ids of that text or random ids for a length). ``trace``: also
     record the decoder's calls as a trace there. ``spec_fields``: further ``RunSpec`` fields (``stream``,
     ``continuation``, ``sampler``, ``stop_ids``, ``max_context``, ``sample_queries``).
     """
     replay = TraceDecoder(decoder.removeprefix("trace:")) if isinstance(decoder, str) and \
         decoder.startswith("trace:") else (decoder if isinstance(decoder, TraceDecoder) else None)
     ckpt = open_checkpoint(checkpoint, replay)
-    vocab = ckpt.config.vocab_size
     if replay is not None:
         check_trace_checkpoint(replay, ckpt)
         if prompt is not None and list(torch.as_tensor(prompt).flatten().tolist()) != replay.prompt.tolist():
@@ -90,7 +94,9 @@ def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | str | Pa
         spec_fields.update(stream="given", continuation=torch.tensor(replay.generated, dtype=torch.long),
                            prefill_chunk=replay.chunks)
     if prompt is None or isinstance(prompt, int):
-        prompt = default_prompt(vocab, 1024 if prompt is None else prompt)
+        prompt = prompt_for(ckpt, prompt)
+    if "tokenizer" not in spec_fields and (tok := text.tokenizer_path(ckpt.path)) is not None:
+        spec_fields["tokenizer"] = str(tok)
     prompt = torch.as_tensor(prompt).long().flatten()
     steps = 64 if decode_steps is None else decode_steps
     spec = RunSpec(prompt=prompt, decode_steps=steps, profile=profile, modes=tuple(modes), device=device,

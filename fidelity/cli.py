@@ -15,14 +15,18 @@ from fidelity import __version__
 from fidelity.config import ConfigError, ModelConfig
 
 EXAMPLES = """examples:
-  fidelity run                               the default: tiny checkpoint, 1024-token prompt, 64 decode steps,
-                                             profile reference, modes free+layer+op; prints where the report is
+  fidelity run                               the default: the trained default checkpoint (tiny shape), its own
+                                             1.2K-token Python prompt, 64 decode steps, profile reference, modes
+                                             free+layer+op; prints where the report is
+  fidelity run --prompt-text-file my.py      text in (the checkpoint's tokenizer.json), continuations out as text
+  fidelity run --preset tiny                 random weights of the tiny shape instead (synthesized, seed 0)
   fidelity run --profile fp8-fmha --decode 16 --mode layer --mode op --gate
   fidelity run --checkpoint ckpt/ --prompt-file ids.txt --profile my_profile.toml --thresholds th.toml
   fidelity report runs/<run-id>              re-render the report (optionally --thresholds)
   fidelity compare runs/<a> runs/<b> ...     profiles or versions side by side (runs/compare-<a>-vs-<b>/)
   fidelity memory --preset flash --context 1048576
-  fidelity oracle                            the oracle alone on the tiny checkpoint
+  fidelity oracle                            the oracle alone on the trained default
+  fidelity oracle --prompt-text-file f.py    mean NLL per token of a text, and the greedy continuation as text
   fidelity oracle --prompt-len 4096 --decode 32 --oracle-dtype fp64
   fidelity synth --preset tiny --seed 1 --out ckpt/ --layout deepseek
   fidelity oracle --checkpoint ckpt/         any checkpoint: deepseek, official or transformers layout
@@ -65,9 +69,12 @@ def _open(args, replay=None) -> tuple[ModelConfig, object | None]:
     (headers only, cheap); for a preset only the config is made, so that every argument is checked before the
     weights are synthesized (``_ready``)."""
     from fidelity.checkpoint import load_checkpoint
+    from fidelity.default_model import default_checkpoint
 
     recorded = replay.manifest.get("checkpoint", {}) if replay is not None and not args.preset else {}
     path = args.checkpoint or recorded.get("path")
+    if not (path or args.preset or recorded.get("preset") or getattr(args, "layers", None)):
+        path = default_checkpoint()  # no source named: the trained default
     if path:
         ckpt = load_checkpoint(path)
         return ckpt.config, ckpt
@@ -80,10 +87,11 @@ def _ready(args, ckpt, replay=None) -> tuple[object, str]:
     """(checkpoint, what it is in words): the opened one, or the preset synthesized now; a replayed trace must
     have been recorded on it."""
     from fidelity.api import check_trace_checkpoint
+    from fidelity.default_model import is_default
     from fidelity.synthesize import synthesize
 
     if ckpt is not None:
-        what = f"checkpoint {ckpt.path}"
+        what = f"{'the trained default checkpoint' if is_default(ckpt.path) else 'checkpoint'} {ckpt.path}"
     else:
         cfg = _config(args)
         # too large for the host: generated on the GPU, each tensor when first read and kept there in its stored
@@ -110,15 +118,47 @@ def _check_synth_size(cfg: ModelConfig, name: str) -> None:
                          "(--preset flash --layers 4) are generated on a GPU with --device cuda")
 
 
-def _prompt(args, vocab: int) -> torch.Tensor:
+def _prompt(args, cfg: ModelConfig, ckpt) -> torch.Tensor:
+    """Token ids (``--prompt-file``), text (``--prompt-text`` / ``--prompt-text-file``, BOS + its ids), or the
+    default prompt: the trained default's own text, else random ids; ``--prompt-len`` cuts any of them."""
+    from fidelity import text
+    from fidelity.default_model import prompt_for
     from fidelity.oracle_run import default_prompt
 
+    if args.prompt_len is not None and args.prompt_len < 1:
+        raise UsageError(f"--prompt-len: expected >= 1, found {args.prompt_len}")
     if args.prompt_file:
-        return _read_ids(args.prompt_file, vocab, "--prompt-file")
-    length = DEFAULT_PROMPT_LEN if args.prompt_len is None else args.prompt_len
-    if length < 1:
-        raise UsageError(f"--prompt-len: expected >= 1, found {length}")
-    return default_prompt(vocab, length, args.seed)
+        ids = _read_ids(args.prompt_file, cfg.vocab_size, "--prompt-file")
+    elif args.prompt_text is not None or args.prompt_text_file:
+        option = "--prompt-text" if args.prompt_text is not None else "--prompt-text-file"
+        body = args.prompt_text if args.prompt_text is not None else text.read_text(args.prompt_text_file, option)
+        tok = _text_tokenizer(args, ckpt)
+        if tok is None:
+            raise UsageError(f"{option}: needs a tokenizer: the checkpoint has no tokenizer.json beside its config "
+                             "(a synthesized preset never has one); pass --checkpoint DIR with one, or --tokenizer "
+                             "tokenizer.json")
+        ids = text.encode_prompt(text.load(tok), body, cfg.bos_token_id, cfg.vocab_size, option)
+    elif _is_default(ckpt):
+        return prompt_for(ckpt, args.prompt_len)
+    else:
+        return default_prompt(cfg.vocab_size, args.prompt_len or DEFAULT_PROMPT_LEN, args.seed)
+    return ids if args.prompt_len is None else ids[: args.prompt_len]
+
+
+def _is_default(ckpt) -> bool:
+    from fidelity.default_model import is_default
+
+    return ckpt is not None and is_default(ckpt.path)
+
+
+def _text_tokenizer(args, ckpt) -> Path | None:
+    """The tokenizer.json for text: ``--tokenizer`` when it is one, else the checkpoint's, else None."""
+    from fidelity import text
+
+    given = getattr(args, "tokenizer", None)
+    if given and Path(given).name == "tokenizer.json":
+        return Path(given)
+    return text.tokenizer_path(ckpt.path if ckpt is not None else None)
 
 
 def _threads(args, cfg: ModelConfig, device: str = "cpu") -> int:
@@ -167,7 +207,7 @@ def cmd_run(args) -> int:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
     replay = _trace(args)
     cfg, ckpt = _open(args, replay)
-    prompt = _run_prompt(args, cfg.vocab_size, replay)
+    prompt = _run_prompt(args, cfg, ckpt, replay)
     decode = len(replay.generated) if replay is not None else args.decode
     continuation = _read_ids(args.continuation_file, cfg.vocab_size, "--continuation-file") \
         if args.continuation_file else None
@@ -178,6 +218,8 @@ def cmd_run(args) -> int:
     ckpt, what = _ready(args, ckpt, replay)
     extra = {} if replay is not None else {"stream": args.stream, "continuation": continuation,
                                            "prefill_chunk": args.prefill_chunk}
+    if (tok := _text_tokenizer(args, ckpt)) is not None:
+        extra["tokenizer"] = str(tok)
     t0 = time.perf_counter()
     progress = Progress()
     res = run(replay or args.decoder, ckpt, prompt, decode, tuple(args.mode or ("free", "layer", "op")), args.out,
@@ -212,12 +254,13 @@ def _trace(args):
     return TraceDecoder(args.decoder.removeprefix("trace:"))
 
 
-def _run_prompt(args, vocab: int, replay) -> torch.Tensor:
+def _run_prompt(args, cfg: ModelConfig, ckpt, replay) -> torch.Tensor:
     """The prompt of a run: a replayed trace's own (a prompt option then is an error), else ``_prompt``."""
     if replay is None:
-        return _prompt(args, vocab)
-    if args.prompt_file or args.prompt_len is not None:
-        raise UsageError("--prompt-file/--prompt-len: a trace replays its own prompt; leave them out")
+        return _prompt(args, cfg, ckpt)
+    if args.prompt_file or args.prompt_len is not None or args.prompt_text is not None or args.prompt_text_file:
+        raise UsageError("--prompt-file/--prompt-text/--prompt-text-file/--prompt-len: a trace replays its own prompt; "
+                         "leave them out")
     return replay.prompt
 
 
@@ -335,17 +378,20 @@ def cmd_mutants(args) -> int:
 
 
 def cmd_oracle(args) -> int:
+    from fidelity import text
     from fidelity.oracle_run import ORACLE_DTYPES, format_summary, run_oracle
     from fidelity.progress import Progress
 
     if args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
     cfg, ckpt = _open(args)
-    prompt = _prompt(args, cfg.vocab_size)
+    prompt = _prompt(args, cfg, ckpt)
     _threads(args, cfg)
     ckpt, what = _ready(args, ckpt)
-    summary = run_oracle(ckpt, prompt, args.decode, ORACLE_DTYPES[args.oracle_dtype], Progress())
-    print(format_summary(summary, f"dsv4-fidelity {__version__}: oracle on {what}"))
+    tok = _text_tokenizer(args, ckpt)
+    summary = run_oracle(ckpt, prompt, args.decode, ORACLE_DTYPES[args.oracle_dtype], Progress(),
+                         text.load(tok) if tok is not None else None)
+    print(format_summary(summary, f"dsv4-fidelity {__version__}: oracle on {what}", cfg.vocab_size))
     return 0
 
 
@@ -382,6 +428,23 @@ def cmd_synth(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from fidelity.atomic_write import check_new_dir
+    from fidelity.train.loop import TrainSettings, train
+
+    for name in ("steps", "seq_len"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')}: expected >= 1, found {getattr(args, name)}")
+    check_new_dir(args.out, args.overwrite, "--out", allow_empty=True)
+    settings = TrainSettings(out=args.out, steps=args.steps, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+                             device=args.device, corpus=args.corpus, tokenizer=args.tokenizer,
+                             eval_every=args.eval_every, init=args.init, warmup=args.warmup)
+    log = train(settings)
+    print(f"wrote {Path(args.out) / 'checkpoint'} and {Path(args.out) / 'training.json'}; held-out NLL "
+          f"{log['final']['held_out_nll']:.3f} nats/token")
+    return 0
+
+
 def cmd_inspect(args) -> int:
     from fidelity.checkpoint import load_checkpoint
 
@@ -415,8 +478,12 @@ def _source_args(p: argparse.ArgumentParser) -> None:
                                       "generated on the GPU)")
     p.add_argument("--layers", type=int, help="keep the preset's first N layers (a slice: widths unchanged)")
     p.add_argument("--seed", type=int, default=0, help="synthetic weights and default prompt seed")
-    p.add_argument("--prompt-len", type=int, help=f"length of the default prompt (default {DEFAULT_PROMPT_LEN})")
-    p.add_argument("--prompt-file", help="token ids (whitespace/comma separated) instead of a random prompt")
+    p.add_argument("--prompt-len", type=int, help="cut the prompt to this many tokens (the default prompt: the trained "
+                   f"default's text, repeated when longer; random ids elsewhere, default {DEFAULT_PROMPT_LEN})")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--prompt-file", help="token ids (whitespace/comma separated) instead of the default prompt")
+    given.add_argument("--prompt-text", help="text, tokenized with the checkpoint's tokenizer.json (BOS first)")
+    given.add_argument("--prompt-text-file", help="a UTF-8 text file, tokenized like --prompt-text")
     _threads_arg(p)
 
 
@@ -459,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--repetition-penalty", type=float, default=1.0)
     r.add_argument("--sample-seed", type=int, default=0)
     r.add_argument("--stop-id", type=int, action="append", help="extra stop token id (repeatable)")
-    r.add_argument("--tokenizer", help="tokenizer.json / tokenizer_config.json / generation_config.json for stops")
+    r.add_argument("--tokenizer", help="tokenizer.json / tokenizer_config.json / generation_config.json for stops; a "
+                   "tokenizer.json also reads --prompt-text and shows the continuations as text")
     _oracle_dtype_arg(r)
     r.add_argument("--max-context", type=int, help="production cache size (default: prompt + decode)")
     r.add_argument("--sample-queries", type=int, help="layer/op modes: oracle on this many prefill queries")
@@ -476,8 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     mu = sub.add_parser("mutants", help="inject known DSv4 port bugs; which probe catches each, and where")
-    mu.add_argument("--checkpoint", help="checkpoint directory (default: synthesize --preset)")
-    mu.add_argument("--preset", default="tiny")
+    mu.add_argument("--checkpoint", help="checkpoint directory (default: the trained default)")
+    mu.add_argument("--preset", help="synthesize this preset instead (random weights, e.g. tiny)")
     mu.add_argument("--seed", type=int, default=0)
     mu.add_argument("--only", action="append", help="mutant name (repeatable; default: the whole catalogue)")
     mu.add_argument("--prompt-len", type=int, default=300)
@@ -530,6 +598,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true")
     s.set_defaults(func=cmd_synth)
 
+    t = sub.add_parser("train", help="train the default checkpoint's recipe (tiny shape, Python stdlib sources)")
+    t.add_argument("--out", required=True, help="folder for checkpoint/ (release layout + tokenizer.json), "
+                   "training.json")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--seq-len", type=int, default=4096, help="tokens per training window (one window a step)")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--corpus", help="folder of .py files (default: this Python's standard library)")
+    t.add_argument("--tokenizer", help="reuse this tokenizer.json (default: --init's, else train one on the corpus)")
+    t.add_argument("--init", help="continue from this checkpoint folder's weights (default: synthesize tiny)")
+    t.add_argument("--warmup", type=int, default=100, help="steps of linear learning-rate warm-up")
+    t.add_argument("--eval-every", type=int, default=250, help="steps between held-out measurements (0: at the end)")
+    t.add_argument("--overwrite", action="store_true")
+    t.set_defaults(func=cmd_train)
+
     i = sub.add_parser("inspect", help="validate a checkpoint and summarise it")
     i.add_argument("checkpoint")
     i.set_defaults(func=cmd_inspect)
@@ -550,8 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     from fidelity.rundir import RunDirError
     from fidelity.runner import RunError
     from fidelity.sampling import TokenizerFileError
+    from fidelity.text import TextError
     from fidelity.thresholds import ThresholdError
     from fidelity.trace import TraceError
+    from fidelity.train.corpus import CorpusError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -560,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (UsageError, ConfigError, CheckpointError, RunDirError, ThresholdError, RunError, ContextError,
-            TokenizerFileError, OutputError, CompareError, TraceError) as err:
+            TokenizerFileError, OutputError, CompareError, TraceError, CorpusError,
+            TextError) as err:
         print(f"fidelity: error: {err}", file=sys.stderr)
         return 2
 

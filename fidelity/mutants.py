@@ -21,6 +21,7 @@ import pandas as pd
 
 from fidelity.atomic_write import write_dir_atomic
 from fidelity.config import ModelConfig
+from fidelity.default_model import prompt_for
 from fidelity.job import tidy
 from fidelity.oracle_run import default_prompt
 from fidelity.production.faults import FAULTS, inject
@@ -35,8 +36,8 @@ from fidelity.thresholds import apply_thresholds, first_divergence, sort_diverge
 
 PROBE_OF_METRIC = {
     "cos": "similarity", "calc_diff": "similarity", "nonfinite_mismatch": "similarity",
-    "row_dev": "sinkhorn", "col_dev": "sinkhorn", "min_value": "sinkhorn", "negative_count": "sinkhorn",
-    "orientation_flip": "sinkhorn", "orientation_err": "sinkhorn",
+    "row_dev": "sinkhorn", "row_dev_excess": "sinkhorn", "col_dev": "sinkhorn", "min_value": "sinkhorn",
+    "negative_count": "sinkhorn", "orientation_flip": "sinkhorn", "orientation_err": "sinkhorn",
     "recall": "indexer", "true_miss": "indexer",
     "missing": "visible", "extra": "visible",
     "weight_max_err": "routing",
@@ -109,11 +110,12 @@ class MutantSettings:
     seed: int = 0
 
 
-def _spec(cfg: ModelConfig, s: MutantSettings, options: dict) -> RunSpec:
+def _spec(checkpoint, s: MutantSettings, options: dict) -> RunSpec:
+    cfg = checkpoint.config
     opts = dict(options)
     eot_at = opts.pop("eot_at", None)
     decode = opts.pop("decode_steps", s.decode_steps)
-    prompt = default_prompt(cfg.vocab_size, s.prompt_len, s.seed)
+    prompt = prompt_for(checkpoint, s.prompt_len, s.seed)
     spec = RunSpec(prompt=prompt, decode_steps=decode, modes=s.modes, **opts)
     if eot_at is not None:
         if not cfg.stop_token_ids:
@@ -132,7 +134,7 @@ def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings,
     """Judged metric rows of one run (the clean decoder when ``mutant`` is None) on a fresh decoder from
     ``decoder()`` (default: the production decoder)."""
     cfg = checkpoint.config
-    spec = _spec(cfg, s, mutant.options if mutant else {})
+    spec = _spec(checkpoint, s, mutant.options if mutant else {})
     names = (mutant.name,) if mutant else ()
     with inject(*names):
         df, manifest = Runner(checkpoint, spec, decoder=decoder() if decoder else None).run()

@@ -6,6 +6,7 @@ full-sequence forward over the same tokens (they must agree to rounding).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +41,8 @@ class OracleSummary:
     decode_vs_full_rel_err: float
     layers: list[dict[str, float | int | str]] = field(default_factory=list)
     logits_std: float = 0.0
+    prompt_nll: float = float("nan")  # mean next-token NLL (nats) of prompt[1:] under the prefill's logits
+    text: str | None = None  # the greedy continuation as text (with a tokenizer)
 
 
 def _rms(t: torch.Tensor) -> float:
@@ -66,8 +69,9 @@ def layer_rows(rec: Recorder, kinds: tuple[str, ...]) -> list[dict[str, float | 
 
 
 def run_oracle(checkpoint, prompt: torch.Tensor, decode_steps: int, dtype: torch.dtype = torch.float32,
-               progress=None) -> OracleSummary:
-    """Prefill ``prompt`` [T], greedily decode ``decode_steps`` tokens, then re-run the whole sequence."""
+               progress=None, tokenizer=None) -> OracleSummary:
+    """Prefill ``prompt`` [T], greedily decode ``decode_steps`` tokens, then re-run the whole sequence.
+    ``tokenizer``: also give the continuation as text."""
     model = OracleModel(checkpoint, dtype)
     rec = Recorder([r"L\d+\.(residual|attn\.out|moe\.out|mhc_(attn|ffn)\.comb)"])
     session = model.session(rec)
@@ -96,14 +100,16 @@ def run_oracle(checkpoint, prompt: torch.Tensor, decode_steps: int, dtype: torch
     t3 = time.perf_counter()
     inc = torch.stack(steps)
     err = float(((inc - full).abs().amax(-1) / full.abs().amax(-1)).max())
+    nll = float(torch.nn.functional.cross_entropy(logits[:-1].double(), prompt[1:])) if len(prompt) > 1 else math.nan
     return OracleSummary(
         prompt_len=len(prompt), decode_steps=decode_steps, dtype=dtype_name(dtype),
         seconds_prefill=t1 - t0, seconds_decode=t2 - t1, seconds_full=t3 - t2, generated=generated,
-        decode_vs_full_rel_err=err, layers=rows, logits_std=float(logits.std()),
+        decode_vs_full_rel_err=err, layers=rows, logits_std=float(logits.std()), prompt_nll=nll,
+        text=tokenizer.decode(generated) if tokenizer is not None else None,
     )
 
 
-def format_summary(s: OracleSummary, title: str) -> str:
+def format_summary(s: OracleSummary, title: str, vocab_size: int | None = None) -> str:
     lines = [
         title,
         f"prompt {s.prompt_len} tokens, {s.decode_steps} greedy decode step{'' if s.decode_steps == 1 else 's'}, "
@@ -123,7 +129,11 @@ def format_summary(s: OracleSummary, title: str) -> str:
     lines += [
         "",
         f"prompt logits std: {s.logits_std:.4g}",
+        f"prompt NLL: {s.prompt_nll:.4f} nats/token over {max(s.prompt_len - 1, 0)} predicted tokens "
+        f"(uniform: {math.log(vocab_size):.4f})" if vocab_size else f"prompt NLL: {s.prompt_nll:.4f} nats/token",
         f"greedy continuation (first 16): {s.generated[:16]}",
         f"incremental decode vs full-sequence logits: max rel err {s.decode_vs_full_rel_err:.2e}",
     ]
+    if s.text is not None:
+        lines += ["", "greedy continuation as text:", s.text]
     return "\n".join(lines)

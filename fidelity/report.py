@@ -58,6 +58,7 @@ class Section:
     images: list[Path] = field(default_factory=list)
     details: str = ""  # preformatted text shown collapsed in HTML only
     details_title: str = "details"
+    blocks: list[tuple[str, str]] = field(default_factory=list)  # (caption, preformatted text), side by side in HTML
 
 
 # ---- value formatting and tables -------------------------------------------------------------------------------
@@ -328,14 +329,16 @@ def _with_first(table: pd.DataFrame, loc: pd.Series, label: str) -> pd.DataFrame
 def sinkhorn_section(df: pd.DataFrame) -> Section:
     """mHC mixing matrices: doubly-stochastic deviation, non-negativity and orientation."""
     table = site_table(df, r"L\d+\.mhc_(attn|ffn)\.comb", [
-        ("row_dev", "max", "row_dev max"), ("col_dev", "max", "col_dev max"), ("min_value", "min", "min value"),
-        ("negative_count", "sum", "negatives"), ("orientation_err", "max", "orientation_err max"),
-        ("transposed_err", "max", "transposed_err max"), ("orientation_flip", "sum", "orientation flips")])
+        ("row_dev", "max", "row_dev max"), ("row_dev_excess", "max", "row excess max"),
+        ("col_dev", "max", "col_dev max"), ("min_value", "min", "min value"), ("negative_count", "sum", "negatives"),
+        ("orientation_err", "max", "orientation_err max"), ("transposed_err", "max", "transposed_err max"),
+        ("orientation_flip", "sum", "orientation flips")])
     if table is None:
         return Section("Sinkhorn (mHC comb)", ["No mHC comb rows in this run."])
-    text = ["Row and column sums should be 1 to within 1e-2: 20 Sinkhorn iterations end on a column normalisation, "
-            "and rows of peaky matrices are still ~1e-2 off. A flip means production's matrix is closer to the "
-            "oracle's transpose: still doubly stochastic, but mixing the streams the wrong way round."]
+    text = ["Column sums should be 1 to within 1e-2: 20 Sinkhorn iterations end on a column normalisation. Rows of "
+            "peaky matrices stay off in the oracle too (up to ~0.1 on a trained model), so a row may deviate at most "
+            "1e-2 beyond the oracle's own (row excess). A flip means production's matrix is closer to the oracle's "
+            "transpose: still doubly stochastic, but mixing the streams the wrong way round."]
     return Section("Sinkhorn (mHC comb)", text, table)
 
 
@@ -434,6 +437,31 @@ def token_section(df: pd.DataFrame, margin: float = TOKEN_FLIP_MARGIN) -> Sectio
     return Section("Token agreement", text, _sort_modes(pd.DataFrame(rows)))
 
 
+PART_MARK = ("⟦", "⟧")  # brackets the token where the decoder's pick parts from the oracle's
+
+
+def continuation_section(manifest: dict) -> Section | None:
+    """The prompt's end and both models' continuations as text (runs with a tokenizer), the parting token marked."""
+    t = manifest.get("texts")
+    if not t:
+        return None
+    a, b = PART_MARK
+    if t["parted_at"] is None:
+        text = [f"The decoder picked the oracle's token at every one of the {len(manifest['picks']['oracle'])} decode "
+                "steps."]
+        oracle, decoder = t["oracle"], t["decoder"]
+    else:
+        k = t["parted_at"]
+        text = [f"The picks part at decode step {k}: oracle {t['oracle_token']!r}, decoder {t['decoder_token']!r} "
+                f"(marked {a} {b}). The stream follows the {manifest.get('stream', 'oracle')}'s tokens, so the "
+                "decoder's later picks answer a history it did not choose; its text stops at the parting token."]
+        rest = t["oracle"][len(t["agreed_text"]) + len(t["oracle_token"]):]
+        oracle = f"{t['agreed_text']}{a}{t['oracle_token']}{b}{rest}"
+        decoder = f"{t['agreed_text']}{a}{t['decoder_token']}{b}"
+    blocks = [("end of the prompt", t["prompt_tail"]), ("oracle", oracle), ("decoder", decoder)]
+    return Section("Continuations", text, blocks=blocks)
+
+
 def _sort_modes(table: pd.DataFrame) -> pd.DataFrame:
     key = table["mode"].map({m: i for i, m in enumerate(MODES)}).fillna(len(MODES))
     return table.assign(_k=key).sort_values("_k", kind="stable").drop(columns="_k").reset_index(drop=True)
@@ -512,7 +540,7 @@ def build_sections(df: pd.DataFrame, manifest: dict, judgement: Judgement,
     return [header_section(df, manifest), modes_section(df, manifest), verdict_section(judgement),
             layer_error_section(df), sinkhorn_section(df),
             indexer_section(df), visible_section(df), anomaly_section(df), token_section(df, token_margin),
-            memory_section(df), threshold_section(judgement)]
+            *filter(None, [continuation_section(manifest)]), memory_section(df), threshold_section(judgement)]
 
 
 # ---- rendering -------------------------------------------------------------------------------------------------
@@ -527,6 +555,7 @@ section.pass>p:first-of-type{color:#060;font-weight:bold;font-size:1.15em}
 section.fail>p:first-of-type{color:#b00;font-weight:bold;font-size:1.15em}
 figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}figcaption{font-size:13px;color:#555}
 pre{background:#f7f7f7;padding:.6em;overflow:auto;font-size:12px}
+.blocks{display:flex;gap:1em}.blocks>div{flex:1;min-width:0}.blocks pre{white-space:pre-wrap}
 """
 
 
@@ -542,6 +571,9 @@ def render_markdown(title: str, sections: Sequence[Section], base: Path) -> str:
         out += [x for line in s.text for x in ("", md_escape(line))]
         if s.table is not None:
             out += ["", md_table(s.table)]
+        for caption, block in s.blocks:
+            fence = "~~~~" if "~~~" in block else "~~~"
+            out += ["", f"{md_escape(caption)}:", "", fence, block, fence]
         for img in s.images:
             rel = img.relative_to(base).as_posix() if img.is_relative_to(base) else img.as_posix()
             out += ["", f"![{md_escape(_caption(img))}]({rel.replace(' ', '%20')})"]
@@ -563,6 +595,9 @@ def render_html(title: str, sections: Sequence[Section]) -> str:
         body += [f"<p>{html.escape(line)}</p>" for line in s.text]
         if s.table is not None:
             body.append(html_table(s.table))
+        if s.blocks:
+            body.append('<div class="blocks">' + "".join(
+                f"<div><p>{html.escape(c)}</p><pre>{html.escape(b)}</pre></div>" for c, b in s.blocks) + "</div>")
         body += [_img_tag(img) for img in s.images]
         if s.details:
             body.append(f"<details><summary>{html.escape(s.details_title)}</summary>"

@@ -65,6 +65,7 @@ class RunSpec:
     device: str = "cpu"
     oracle_device: str | None = None  # None: the decoder's device
     prefill_chunk: int | Sequence[int] | None = None  # tokens per prefill call; None: AUTO_CHUNK past AUTO_WHOLE
+    tokenizer: str | None = None  # a tokenizer.json: the manifest then holds both continuations as text
 
     def chunk_sizes(self) -> list[int]:
         """The prompt's prefill calls: the whole prompt, chunks of ``prefill_chunk`` (the last one shorter), or the
@@ -154,6 +155,7 @@ class Runner:
         self.frames: list[pd.DataFrame] = []  # one small table per call: compact, unlike a list of row dicts
         self.n_prefill = 1  # prefill calls (chunks), set by run()
         self.tokens: list[int] = []
+        self.picks: dict[str, list[int]] = {"oracle": [], "decoder": []}  # each model's pick at each step
         self.cache_bytes0: int | None = None
         self.seconds: dict[str, float] = {}
 
@@ -183,6 +185,12 @@ class Runner:
         df = pd.concat(self.frames, ignore_index=True)
         manifest = self.manifest(time.perf_counter() - t0, stop_reason)
         manifest["memory_peaks"] = memory
+        manifest["picks"] = self.picks
+        if self.spec.tokenizer is not None and self.picks["oracle"]:
+            from fidelity import text
+
+            manifest["texts"] = text.continuations(text.load(self.spec.tokenizer), prompt.tolist(),
+                                                   self.picks["oracle"], self.picks["decoder"])
         if self.trace is not None:
             self.trace.finish(self.tokens, manifest["checkpoint"])
         return df, manifest
@@ -310,6 +318,9 @@ class Runner:
             metrics.update(same_pick=1 - differ, pick_margin=margin,
                            pick_flip_with_margin=differ * (margin > PICK_FLIP_MARGIN))
         self._run_rows("sampler", metrics, step)
+        self.picks["decoder"].append(int(prod_pick))
+        if ref_pick is not None:
+            self.picks["oracle"].append(int(ref_pick))
         return nxt
 
     def manifest(self, seconds: float, stop_reason: str) -> dict:

@@ -42,7 +42,7 @@ from fidelity import formats
 from fidelity.checkpoint import FP4_BLOCK, FP8_BLOCK, Checkpoint, StoredTensor, TensorSpec, expected_tensors
 from fidelity.config import ModelConfig
 
-__all__ = ["synthesize", "synth_tensor"]
+__all__ = ["store", "synthesize", "synth_tensor"]
 
 _IH_SCALE = math.sqrt(3.0) / 2**24  # 1 / std of a sum of 4 uniforms on [0, 2^24)
 _HC_BASE = re.compile(r"(^|\.)hc_(attn|ffn)_base$")
@@ -86,7 +86,7 @@ def synth_tensor(spec: TensorSpec, config: ModelConfig, seed: int = 0,
     gen = torch.Generator(device=device).manual_seed(_tensor_seed(seed, spec.name))
     if spec.fmt == "int64":
         return StoredTensor.plain(_tid2eid(spec.shape, config.n_routed_experts, gen))
-    return _store(_values(spec, config, gen), spec.fmt)
+    return store(_values(spec, config, gen), spec.fmt)
 
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -160,7 +160,7 @@ def _tid2eid(shape: tuple[int, ...], n_experts: int, gen: torch.Generator) -> to
     return keys.topk(k, dim=1).indices.to(torch.int64)
 
 
-def _store(x: torch.Tensor, fmt: str) -> StoredTensor:
+def store(x: torch.Tensor, fmt: str) -> StoredTensor:
     """Store float32 ``x`` in release format ``fmt`` (one quantization, as a release is made)."""
     if fmt == "bf16":
         return StoredTensor.plain(x.to(torch.bfloat16))

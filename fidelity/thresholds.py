@@ -59,12 +59,18 @@ CORE_GAP_FP8 = 5e-3  # ... and with e4m3 Q, K/V and P (profile fp8-fmha) cos >= 
 INDEXER_QK_COS = {"exact": 1 - 1e-6, "bf16": 0.999, "quantized": 0.985}  # FP4 q / keys: clean >= 0.989
 COMB_ERR = 1e-4  # op mode: fp32 Sinkhorn vs the oracle's on the same streams differ by ~1e-7
 ROUTING_WEIGHT_ERR = 1e-3  # op mode: the fp32 gate on production's own input leaves ~1e-6
-RECALL_FLOOR = {"bf16": 0.5, "quantized": 0.4}  # layer mode recall@k; op mode requires true_miss == 0
+# Layer mode recall@k per step (a decode step is one query), the oracle layer ranking on its own exact keys. Clean
+# worst on the trained default: reference (FP4 q/keys) 0.656 on its own prompt, 0.5625 on a 2.6K-token held-out
+# stdlib file (mean 0.76-0.84); bf16 0.9375-0.969; random tiny weights 0.656-0.75 and 0.906. Seed 001's 99.7% is
+# out of reach for an FP4 indexer choosing 32 of hundreds of entries on this model. Op mode requires true_miss == 0.
+RECALL_FLOOR = {"bf16": 0.85, "quantized": 0.5}
 # Layer mode, CSA attention: the oracle layer picks its own top-k, so whole entries can differ on a single-token
 # step (clean worst cos ~0.83 on the tiny default); a floor well below that still catches a broken layer.
 CSA_LAYER_COS = 0.5
-# hc_sinkhorn_iters = 20 ends on a column normalisation: columns sum to 1 to rounding, but rows of peaky
-# (near-permutation) matrices are still ~1e-2 off after 20 iterations. Tighter bounds flag the algorithm, not a bug.
+# hc_sinkhorn_iters = 20 ends on a column normalisation: columns sum to 1 to rounding (clean: ~1e-6), but rows of
+# peaky (near-permutation) matrices stay off: up to 0.075 in the oracle itself on the trained default. Rows are
+# therefore judged by their deviation beyond the oracle's own (row_dev_excess; clean worst 0.005 in layer mode),
+# columns absolutely. Free mode mixes different streams (inherited error), so its rows are not compared.
 SINKHORN_DEV = 1e-2
 # A greedy-token disagreement is only a failure when the oracle's top-1 beat its top-2 by more than this many
 # logits: below it the two candidates are a near tie that any rounding may flip (``agree`` stays informational).
@@ -183,7 +189,7 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None)
         # a NaN/Inf in the decoder is a failure where it first appears, even where the oracle has it too (a bad
         # weight): only the index scores hold -inf by design (causally invisible entries)
         Threshold(NONFINITE_SITES, "test_nonfinite", "<=", 0),
-        Threshold(COMB_SITES, "row_dev", "<=", SINKHORN_DEV),
+        Threshold(COMB_SITES, "row_dev_excess", "<=", SINKHORN_DEV, modes=("op", "layer")),
         Threshold(COMB_SITES, "col_dev", "<=", SINKHORN_DEV),
         Threshold(COMB_SITES, "min_value", ">=", 0),
         Threshold(COMB_SITES, "negative_count", "<=", 0),

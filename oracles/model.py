@@ -105,6 +105,10 @@ class OracleSession:
         ``last_rows`` (indices into the n rows): logits [len(last_rows), vocab] of those rows only; every layer
         but the last still runs every row (later tokens and layers read their KV and compressed entries), the
         last layer's attention and MoE run only these rows. The caches end as after a full call."""
+        return self.differentiable_forward(input_ids, last_rows)
+
+    def differentiable_forward(self, input_ids: torch.Tensor, last_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` under the caller's grad mode (training runs it with autograd on)."""
         ids = torch.as_tensor(input_ids).long().flatten()
         if ids.numel() == 0:
             raise ValueError("input_ids: expected at least one token, found 0")

@@ -20,6 +20,7 @@ METRICS: dict[str, str] = {
     "compared": "similarity: coordinates finite in both",
     # sinkhorn (mHC comb)
     "row_dev": "sinkhorn: max |row sum - 1|",
+    "row_dev_excess": "sinkhorn: max over rows of |row sum - 1| beyond the oracle's own",
     "col_dev": "sinkhorn: max |column sum - 1|",
     "min_value": "sinkhorn: smallest entry",
     "negative_count": "sinkhorn: negative entries",

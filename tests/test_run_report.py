@@ -120,7 +120,7 @@ def test_the_thresholds_table_shows_modes_class_and_what_each_rule_checked(run):
     rows = [ln.split(" | ") for ln in table.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
     by_rule = {(r[2], r[3], r[4]): (r[6], r[7].rstrip(" |")) for r in rows}  # (metric, modes, threshold)
     assert by_rule[("true_miss", "op", "<= 0")] == ("8", "0")  # 2 CSA layers x 4 steps, op mode only
-    assert by_rule[("recall", "layer", ">= 0.4")] == ("8", "0")
+    assert by_rule[("recall", "layer", ">= 0.5")] == ("8", "0")
     assert by_rule[("cos", "layer", ">= 0.5")] == ("32", "0")  # CSA attention on: 2 layers x 4 sites x 4 steps
     assert by_rule[("calc_diff", "layer", "off")] == ("-", "-")
     assert by_rule[("nonfinite_mismatch", "all", "<= 0")][0] != "0"

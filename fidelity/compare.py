@@ -1,5 +1,6 @@
-"""Runs side by side (profiles, versions, checkpoints): worst cos / calc_diff per layer and site family in one
-table, 1 - cos per layer in one plot, each run under a short label (its profile name, or the profile fields that
+"""Runs side by side (profiles, versions, checkpoints): one row per run (verdict, logits cosine, indexer recall,
+token agreement, repetition onset, memory), worst cos / calc_diff per layer and site family in one table,
+1 - cos per layer in one plot, each run under a short label (its profile name, or the profile fields that
 differ between the runs). ``fidelity compare A B ...`` writes ``compare.md`` and the plot to a folder of its own.
 """
 
@@ -93,6 +94,36 @@ def _side_by_side(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     return both
 
 
+def _value(df: pd.DataFrame, site: str, metric: str, how: str, mode: str | None = None) -> object:
+    rows = df[(df["site"].str.fullmatch(site)) & (df["metric"] == metric)]
+    if mode is not None:
+        rows = rows[rows["mode"] == mode]
+    rows = rows[rows["value"].notna()]
+    return getattr(rows["value"], how)() if len(rows) else "-"
+
+
+def summary_row(label: str, df: pd.DataFrame, manifest: dict) -> dict:
+    """One run in one row: verdict, worst logits cos (free mode), indexer recall (layer mode), token agreement,
+    repetition of the stream, peak memory and cache growth."""
+    verdict = manifest.get("verdict", {})
+    tokens = df[(df["site"] == "tokens") & (df["metric"] == "agree") & (df["mode"] == "free")]
+    loop = _value(df, "repetition", "loop_onset", "max")
+    peaks = manifest.get("memory_peaks", {}).get("decode", {})
+    peak = peaks.get("gpu_reserved_peak_bytes", peaks.get("host_rss_peak_bytes"))
+    return {
+        "run": label, "verdict": ("PASS" if verdict.get("passed") else "FAIL") if verdict else "-",
+        "free logits cos min": _value(df, "logits", "cos", "min", "free"),
+        "layer recall min": _value(df, r"L\d+\.indexer\.topk", "recall", "min", "layer"),
+        "layer recall mean": _value(df, r"L\d+\.indexer\.topk", "recall", "mean", "layer"),
+        "token agreement": float((tokens["value"] != 0).mean()) if len(tokens) else "-",
+        "decode steps": manifest.get("decode_steps", "-"),
+        "4-gram repeat rate": _value(df, "repetition", "repeat_rate", "max"),
+        "loop onset": ("none" if loop < 0 else int(loop)) if loop != "-" else "-",
+        "peak memory (decode)": f"{peak / 2**20:.0f} MiB" if peak else "-",
+        "cache growth": _value(df, "memory", "cache_growth", "max"),
+    }
+
+
 def comparison_figure(tables: dict[str, pd.DataFrame], mode: str) -> Figure:
     """1 - cos per layer (worst site, step, position), one line per run label, legend outside the axes."""
     fig = Figure(figsize=(7.5, 3.8), layout="constrained")
@@ -154,7 +185,9 @@ def compare_runs(runs: Sequence[RunLike], out_dir: str | Path | None = None, mod
     caption = [md_escape(f"{mode} mode; worst over steps and positions. Runs: {key}.")]
     if note := _steps_note(loaded, labels):
         caption.append(md_escape(note))
-    text = "\n\n".join(caption) + f"\n\n{md_table(_side_by_side(tables))}\n"
+    summary = pd.DataFrame([summary_row(label, df, m) for label, (df, m) in zip(labels, loaded, strict=True)])
+    summary = summary.loc[:, (summary != "-").any()]  # columns no run has
+    text = (f"{md_table(summary)}\n\n" + "\n\n".join(caption) + f"\n\n{md_table(_side_by_side(tables))}\n")
 
     def fill(tmp: Path) -> None:
         comparison_figure(tables, mode).savefig(tmp / PLOT_NAME, dpi=DPI)

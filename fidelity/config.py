@@ -468,6 +468,7 @@ def _flash() -> dict[str, Any]:
         hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6,
         dtype="fp8", scale_fmt="ue8m0", expert_dtype="fp4", scale_dtype="fp8",
         max_seq_len=4096, max_batch_size=4,
+        stop_token_ids=(128803,),  # <｜User｜>: a new user turn means the assistant's turn ended (V4 tokenizer ids)
     )  # fmt: skip
 
 

@@ -88,10 +88,22 @@ def plot_cos_over_steps(df: pd.DataFrame) -> Figure | None:
     modes = _modes(data)
     fig, axes = _figure(len(modes))
     _layer_lines(fig, axes, [data[data["mode"] == m] for m in modes], "step")
+    onset = loop_onset_step(df)
     for ax, mode in zip(axes, modes, strict=True):
         ax.set(yscale="log", xlabel="step (0 = prefill)", title=f"{mode} mode")
+        if onset is not None:
+            ax.axvline(onset, color="0.4", ls="--", lw=1, label="the stream's loop starts")
     axes[0].set_ylabel("1 - cos (worst site in layer)")
     return fig
+
+
+def loop_onset_step(df: pd.DataFrame) -> int | None:
+    """The call (step) that picked the first token of the stream's loop, None without a loop."""
+    rows = df[(df["site"] == "repetition") & (df["metric"] == "loop_onset")]
+    if rows.empty or rows["value"].iloc[-1] < 0:
+        return None
+    last_prefill = int(df.loc[df["phase"] == "prefill", "step"].max())  # its logits pick decode token 0
+    return last_prefill + int(rows["value"].iloc[-1])
 
 
 def plot_heatmap(df: pd.DataFrame) -> Figure | None:

@@ -22,7 +22,7 @@ import pandas as pd
 
 from fidelity.atomic_write import write_text_atomic
 from fidelity.judgement import Judgement, judge, run_rules
-from fidelity.plots import make_plots
+from fidelity.plots import loop_onset_step, make_plots
 from fidelity.thresholds import (
     EXPECTED_NONFINITE,
     MODES,
@@ -437,6 +437,29 @@ def token_section(df: pd.DataFrame, margin: float = TOKEN_FLIP_MARGIN) -> Sectio
     return Section("Token agreement", text, _sort_modes(pd.DataFrame(rows)))
 
 
+def repetition_section(df: pd.DataFrame, manifest: dict) -> Section | None:
+    """Whether the stream's decode tokens fall into a loop, and the free-mode logits cosine before and after it."""
+    rep = df[(df["site"] == "repetition") & (df["metric"] != "ngram_seen")]
+    if rep.empty:
+        return None
+    v = rep.groupby("metric")["value"].last()
+    onset, n = int(v["loop_onset"]), int(manifest.get("decode_steps", 0))
+    row = {"stream": manifest.get("stream", "oracle"), "decode tokens": n, "4-gram repeat rate": v["repeat_rate"],
+           "loop onset (decode step)": onset if onset >= 0 else "none",
+           "loop period": int(v["loop_period"]) if onset >= 0 else "-",
+           "longest repeated span": int(v["longest_repeat"])}
+    text = ["Informational. The loop onset is the first decode step from which the stream repeats with one period "
+            "(at most 64 tokens, at least 16 tokens and two periods) to its end."]
+    cos = df[(df["site"] == "logits") & (df["metric"] == "cos") & (df["mode"] == "free") & (df["position"] < 0)]
+    call = loop_onset_step(df)
+    if call is not None and not cos.empty:
+        before, after = cos[cos["step"] < call]["value"], cos[cos["step"] >= call]["value"]
+        row["free logits cos, worst before onset"] = before.min() if len(before) else "-"
+        row["from onset"] = after.min() if len(after) else "-"
+        text.append("Numerics drift that precedes a loop shows as a lower cosine before the onset than after it.")
+    return Section("Repetition", text, pd.DataFrame([row]))
+
+
 PART_MARK = ("⟦", "⟧")  # brackets the token where the decoder's pick parts from the oracle's
 
 
@@ -540,7 +563,8 @@ def build_sections(df: pd.DataFrame, manifest: dict, judgement: Judgement,
     return [header_section(df, manifest), modes_section(df, manifest), verdict_section(judgement),
             layer_error_section(df), sinkhorn_section(df),
             indexer_section(df), visible_section(df), anomaly_section(df), token_section(df, token_margin),
-            *filter(None, [continuation_section(manifest)]), memory_section(df), threshold_section(judgement)]
+            *filter(None, [repetition_section(df, manifest), continuation_section(manifest)]), memory_section(df),
+            threshold_section(judgement)]
 
 
 # ---- rendering -------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from fidelity.sites import Recorder
 from fidelity.trace import TraceWriter
 from oracles import OracleModel
 from probes import PeakMemory, collect, memory_stats
+from probes.repetition import repetition
 from probes.sampler import sampler_agreement
 
 MODES = ("free", "layer", "op")
@@ -182,6 +183,7 @@ class Runner:
                 break
             logits = self.step(call + 1, torch.tensor([nxt]))
         memory["decode"] = peaks.read()
+        self.record_repetition()
         df = pd.concat(self.frames, ignore_index=True)
         manifest = self.manifest(time.perf_counter() - t0, stop_reason)
         manifest["memory_peaks"] = memory
@@ -280,6 +282,17 @@ class Runner:
             metrics.update(cache_bytes=torch.tensor(float(cache)), cache_growth=torch.tensor(float(cache -
                                                                                               self.cache_bytes0)))
         self._run_rows("memory", metrics, step)
+
+    def record_repetition(self) -> None:
+        """The stream's decode tokens: ``ngram_seen`` at each decode step's call, and the run's repeat rate, loop
+        onset (decode step, -1 none), loop period and longest repeated span at the last call."""
+        if not self.tokens:
+            return
+        rep = repetition(self.tokens)
+        for k, seen in enumerate(rep.pop("ngram_seen").tolist()):
+            self._run_rows("repetition", {"ngram_seen": torch.tensor(float(seen))}, self.n_prefill - 1 + k)
+        self._run_rows("repetition", {k: torch.tensor(float(v)) for k, v in rep.items()},
+                       self.n_prefill - 1 + len(self.tokens) - 1)
 
     def record_stop(self, step: int, token: int) -> None:
         """stop_mismatch = 1 when the reference stop set and the decoder's disagree on this token."""

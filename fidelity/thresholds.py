@@ -43,7 +43,7 @@ LAYER_SITE_ORDER = (
     "residual",
 )  # fmt: skip
 SITES_BEFORE_LAYERS = ("embed",)
-SITES_AFTER_LAYERS = ("final", "logits", "tokens", "sampler", "stops", "memory")
+SITES_AFTER_LAYERS = ("final", "logits", "tokens", "sampler", "stops", "repetition", "memory")
 
 EXACT_PROFILES = frozenset({"exact", "fp32", "fp64", "oracle"})
 # Profile fields whose listed formats quantize (FP8 / FP4): any of them makes a profile "quantized".

@@ -72,6 +72,12 @@ METRICS: dict[str, str] = {
     "pick_margin": "sampler: the oracle draw's winner minus runner-up",
     "pick_flip_with_margin": "sampler: a differing pick beyond the margin",
     "sampler_impl_mismatch": "sampler: the reference sampler on production's logits picks differently",
+    # repetition (of the stream's decode tokens; informational)
+    "ngram_seen": "repetition: 1 when the 4-gram ending at this decode token occurred earlier in the stream",
+    "repeat_rate": "repetition: share of decode tokens whose 4-gram occurred earlier",
+    "loop_onset": "repetition: decode step from which the stream repeats with one period to its end (-1 none)",
+    "loop_period": "repetition: that period in tokens (0 none)",
+    "longest_repeat": "repetition: the longest span of decode tokens that occurs twice",
     # stops
     "stop_mismatch": "stops: the decoder's stop set and the reference's disagree on this token",
     # memory

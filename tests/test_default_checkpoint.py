@@ -76,16 +76,17 @@ def test_text_and_id_prompts_are_exclusive(capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def test_a_run_on_the_default_shows_both_continuations_as_text(tmp_path, capsys):
-    argv = ["run", "--prompt-len", "120", "--decode", "6", "--mode", "free", "--out", str(tmp_path)]
-    assert cli.main([*argv, "--run-id", "clean"]) == 0
-    assert "the trained default checkpoint" in capsys.readouterr().out
+def test_a_clean_run_on_the_default_passes_and_shows_both_continuations_as_text(tmp_path, capsys):
+    argv = ["run", "--prompt-len", "300", "--decode", "6", "--out", str(tmp_path), "--gate"]
+    assert cli.main([*argv, "--run-id", "clean"]) == 0  # the clean decoder passes the re-derived thresholds
+    out = capsys.readouterr().out
+    assert "the trained default checkpoint" in out and "verdict: PASS" in out
     manifest = json.loads((tmp_path / "clean" / "manifest.json").read_text())
     texts = manifest["texts"]
     assert texts["parted_at"] is None and texts["oracle"] == texts["decoder"] and texts["oracle"]
     assert manifest["picks"]["oracle"] == manifest["generated"]
     tok = fidelity.text.load(fidelity.default_checkpoint() / "tokenizer.json")
-    assert texts["prompt_tail"] == tok.decode(default_prompt_ids(4096)[:120].tolist())[-400:]
+    assert texts["prompt_tail"] == tok.decode(default_prompt_ids(4096)[:300].tolist())[-400:]
     report = (tmp_path / "clean" / "report.md").read_text()
     assert "## Continuations" in report and "every one of the 6 decode steps" in report
 

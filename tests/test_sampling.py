@@ -215,6 +215,14 @@ def test_stop_set_from_config_and_extra():
     assert list(stops) == [1, 7, USER] and 1 in stops and torch.tensor(7) in stops and 2 not in stops
 
 
+def test_the_release_presets_stop_on_eos_and_the_user_turn_marker():
+    for name in ("flash", "pro"):
+        cfg = ModelConfig.preset(name)
+        assert list(StopSet.from_config(cfg)) == [1, USER]
+        assert cfg.to_hf_dict()["eos_token_id"] == [1, USER]
+        assert ModelConfig.from_dict(cfg.to_hf_dict()).stop_token_ids == (USER,)
+
+
 def test_stop_set_from_each_tokenizer_file_kind(tmp_path: Path):
     tok = write(tmp_path / "tokenizer.json", {"added_tokens": dsv4_added_tokens(), "model": {"vocab": {"a": 2}}})
     decoder = {str(t["id"]): {"content": t["content"], "special": True} for t in dsv4_added_tokens()}

@@ -87,12 +87,12 @@ def plot_cos_over_steps(df: pd.DataFrame) -> Figure | None:
         return None
     modes = _modes(data)
     fig, axes = _figure(len(modes))
-    _layer_lines(fig, axes, [data[data["mode"] == m] for m in modes], "step")
     onset = loop_onset_step(df)
+    for ax in axes if onset is not None else []:  # drawn first, so that the legend lists it
+        ax.axvline(onset, color="0.4", ls="--", lw=1, label="loop starts")
+    _layer_lines(fig, axes, [data[data["mode"] == m] for m in modes], "step")
     for ax, mode in zip(axes, modes, strict=True):
         ax.set(yscale="log", xlabel="step (0 = prefill)", title=f"{mode} mode")
-        if onset is not None:
-            ax.axvline(onset, color="0.4", ls="--", lw=1, label="the stream's loop starts")
     axes[0].set_ylabel("1 - cos (worst site in layer)")
     return fig
 

@@ -193,7 +193,10 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None)
         Threshold(COMB_SITES, "col_dev", "<=", SINKHORN_DEV),
         Threshold(COMB_SITES, "min_value", ">=", 0),
         Threshold(COMB_SITES, "negative_count", "<=", 0),
-        Threshold(COMB_SITES, "orientation_flip", "<=", 0),
+        # op mode only: there both combs come from the same streams; in layer and free mode a near-permutation comb
+        # mixed from slightly different streams can land nearer the oracle's transpose (clean 512-step runs on the
+        # trained default: a few such steps)
+        Threshold(COMB_SITES, "orientation_flip", "<=", 0, modes=("op",)),
         Threshold(r"L\d+\.attn\.visible", "missing", "<=", 0),
         Threshold(r"L\d+\.attn\.visible", "extra", "<=", 0),
         Threshold("tokens", "token_flip_with_margin", "<=", 0, modes=("free",)),

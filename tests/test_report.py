@@ -116,6 +116,16 @@ def test_first_divergence_is_named_exactly(failing):
     assert flip["threshold"].tolist() == ["<= 0"]
 
 
+def test_an_orientation_flip_fails_in_op_mode_only(clean):
+    """In free mode a near-permutation comb mixed from drifted streams can land nearer the oracle's transpose (seen
+    on clean 512-step runs of the trained default): only op mode, where both combs come from the same streams,
+    judges the flip."""
+    free = plant(clean.assign(run_id="drift"), 5, "L1.mhc_ffn.comb", "orientation_flip", 1, mode="free")
+    assert evaluate(free).empty
+    op = plant(clean.assign(run_id="bug"), 5, "L1.mhc_ffn.comb", "orientation_flip", 1, mode="op")
+    assert evaluate(op)["metric"].tolist() == ["orientation_flip"]
+
+
 def test_nan_is_a_failure_and_an_anomaly(nan_df, tmp_path):
     div = first_divergence(evaluate(nan_df))
     assert (div.step, div.site, div.metric, div.mode) == (2, "L1.attn.q", "nonfinite_mismatch", "op")

@@ -397,6 +397,19 @@ def test_user_profiles_parse(tmp_path, flip_free):
     assert get_profile(str(tmp_path / "j.json")).changes()["index_scores"] == "fp32"
 
 
+def test_fp32_residual_for_chosen_layers_stores_those_streams_in_fp32(tiny, tmp_path):
+    from fidelity.sites import Recorder
+
+    ids = _ids(TINY, 40)
+    rec = Recorder([r"L\d+\.residual"], device=None)
+    ProductionModel(tiny, "reference:residual=fp32@0-1+4", max_context=40).session(rec).prefill(ids)
+    assert [rec.get(f"L{i}.residual").dtype for i in range(6)] == [torch.float32] * 2 + [torch.bfloat16] * 2 + \
+        [torch.float32, torch.bfloat16]
+    path = tmp_path / "some.toml"
+    path.write_text('residual = "fp32@0,2-3"\n')  # in a file a comma lists layers too
+    assert [get_profile(str(path)).residual_fp32(i) for i in range(5)] == [True, False, True, True, False]
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ("reference:kv_storage=fp16", r"kv_storage: expected one of \('bf16', 'fp8'\), found 'fp16'"),
     ("reference:colour=red", r"unknown profile field\(s\) \['colour'\]; fields are \['fmha', 'gemm_act'"),
@@ -404,6 +417,8 @@ def test_user_profiles_parse(tmp_path, flip_free):
     ("reference:kv_storage", r"expected field=value, found 'kv_storage'"),
     ("bf16:kv_storage=fp8", r"kv_storage: 'fp8' stores FP8 codes, so kv_nope must be 'fp8' too"),
     ("reference:indexer_qk=bf16,indexer_storage=packed", r"indexer_storage: 'packed' needs indexer_qk"),
+    ("reference:residual=fp16", r"residual: expected 'bf16', 'fp32' or 'fp32@LAYERS' .*found 'fp16'"),
+    ("reference:residual=fp32@3-1", r"residual: a layer range runs backwards in 'fp32@3-1'"),
 ])  # fmt: skip
 def test_bad_profiles_name_the_field(spec, message):
     with pytest.raises(ValueError, match=message):

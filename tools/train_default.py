@@ -16,7 +16,7 @@ import torch
 from fidelity.cli import main as cli_main
 from fidelity.config import ModelConfig
 from fidelity.synthesize import synthesize
-from fidelity.train.loop import TrainSettings, _optimizer
+from fidelity.train.loop import TrainSettings, optimizer
 from fidelity.train.objective import step_losses
 from fidelity.train.trainable import TrainableWeights
 from oracles.model import OracleModel
@@ -28,7 +28,7 @@ def seconds_per_step(seq_len: int, device: str, steps: int = 4) -> float:
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
     weights = TrainableWeights(synthesize(cfg, 0), device)
-    model, opt = OracleModel(weights, device=device), _optimizer(weights, TrainSettings(out=""))
+    model, opt = OracleModel(weights, device=device), optimizer(weights, TrainSettings(out=""))
     gen = torch.Generator().manual_seed(0)
     times = []
     for _ in range(steps + 1):

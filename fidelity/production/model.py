@@ -95,7 +95,7 @@ class ProductionSession:
         self.pos = 0
         self.calls = 0
         self.in_prefill = False  # a prefill (chunk) takes the prefill paths, even for one token
-        self.res_dtype = torch.float32 if self.p.residual == "fp32" else BF16
+        self.res_dtypes = [torch.float32 if self.p.residual_fp32(i) else BF16 for i in range(self.cfg.n_layers)]
 
     def emit(self, site: str, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         """Record ``tensor`` at ``site`` if the recorder wants it (a callable is evaluated only then)."""
@@ -161,7 +161,7 @@ class ProductionSession:
         """ids [n] at positions [n] (device tensors) -> fp32 logits [n, vocab]; updates the caches, not ``pos``."""
         x = self.m.w("embed.weight")[ids].to(BF16)
         self.emit("embed", x)
-        x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1).to(self.res_dtype)
+        x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1).to(self.res_dtypes[0])
         for i in range(self.cfg.n_layers):
             x = self.block(i, x, positions, ids)
         w, cfg = self.m.w, self.cfg
@@ -181,13 +181,13 @@ class ProductionSession:
         self.emit(f"L{i}.attn.in", h)
         f = self.attention(i, h, positions)
         self.emit(f"L{i}.attn.out", f)
-        x = self.op("hc_post")(f, x, post, comb, self.res_dtype)
+        x = self.op("hc_post")(f, x, post, comb, self.res_dtypes[i])
         y, post, comb = self.mhc_pre(i, "ffn", x)
         h = self.op("rms_norm")(y, w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps)
         self.emit(f"L{i}.moe.in", h)
         f = self.moe(i, h, ids)
         self.emit(f"L{i}.moe.out", f)
-        x = self.op("hc_post")(f, x, post, comb, self.res_dtype)
+        x = self.op("hc_post")(f, x, post, comb, self.res_dtypes[i])
         self.emit(f"L{i}.residual", x)
         return x
 

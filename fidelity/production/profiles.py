@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "indexer_storage": ("bf16", "packed"),  # indexer key cache: bf16 rows, or packed codes + ue8m0 scales
     "hadamard": ("on", "off"),  # Walsh-Hadamard rotation of indexer q and keys before quantization
     "index_scores": ("bf16", "fp32"),  # index score einsum / ReLU / weighted sum dtype
-    "residual": ("bf16", "fp32"),  # mHC streams stored between sublayers
+    "residual": ("bf16", "fp32"),  # mHC streams stored between sublayers; also fp32@LAYERS (``residual_fp32``)
 }
+_LAYER_SET = re.compile(r"fp32@(\d+(-\d+)?)([+,;]\d+(-\d+)?)*")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,13 @@ class Profile:
 
     def __post_init__(self) -> None:
         bad = [f"{k}: expected one of {v}, found {getattr(self, k)!r}" for k, v in CHOICES.items()
-               if getattr(self, k) not in v]
+               if k != "residual" and getattr(self, k) not in v]
+        if self.residual not in CHOICES["residual"]:
+            if not _LAYER_SET.fullmatch(self.residual):
+                bad.append("residual: expected 'bf16', 'fp32' or 'fp32@LAYERS' (e.g. fp32@0-3+7: layers 0 to 3 and 7), "
+                           f"found {self.residual!r}")
+            elif any(a > b for a, b in _ranges(self.residual)):
+                bad.append(f"residual: a layer range runs backwards in {self.residual!r}")
         if self.kv_storage == "fp8" and self.kv_nope != "fp8":
             bad.append("kv_storage: 'fp8' stores FP8 codes, so kv_nope must be 'fp8' too")
         if self.indexer_storage == "packed" and self.indexer_qk == "bf16":
@@ -51,10 +59,23 @@ class Profile:
         if bad:
             raise ValueError(f"profile {self.name!r}: " + "; ".join(bad))
 
+    def residual_fp32(self, layer: int) -> bool:
+        """Whether layer ``layer``'s sublayers store the mHC streams in fp32 (``residual``: bf16 none, fp32 every
+        layer, fp32@0-3+7 the layers listed; the embedding's streams follow layer 0)."""
+        if self.residual in CHOICES["residual"]:
+            return self.residual == "fp32"
+        return any(a <= layer <= b for a, b in _ranges(self.residual))
+
     def changes(self) -> dict[str, str]:
         """The fields that differ from ``reference``."""
         ref = Profile()
         return {k: getattr(self, k) for k in CHOICES if getattr(self, k) != getattr(ref, k)}
+
+
+def _ranges(value: str) -> list[tuple[int, int]]:
+    """'fp32@0-3+7' -> [(0, 3), (7, 7)]."""
+    parts = re.split(r"[+,;]", value.removeprefix("fp32@"))
+    return [(int(a), int(b or a)) for a, _, b in (p.partition("-") for p in parts)]
 
 
 BUILTIN: dict[str, dict[str, str]] = {

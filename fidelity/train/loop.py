@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from fidelity.atomic_write import write_text_atomic
 from fidelity.checkpoint import load_checkpoint, save_checkpoint
 from fidelity.config import ModelConfig
 from fidelity.synthesize import synthesize
@@ -76,7 +76,8 @@ def heldout_nll(model: OracleModel, docs: list[list[int]], max_len: int) -> tupl
     return total / max(1, count), count
 
 
-def _optimizer(weights: TrainableWeights, s: TrainSettings) -> torch.optim.Optimizer:
+def optimizer(weights: TrainableWeights, s: TrainSettings) -> torch.optim.Optimizer:
+    """AdamW (0.9, 0.95): weight decay on the matrices (not the embedding), none on norms, biases and mHC."""
     decay = [p for n, p in weights.params.items() if p.ndim == 2 and n.endswith(".weight") and "embed" not in n]
     rest = [p for p in weights.params.values() if not any(p is d for d in decay)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay}, {"params": rest, "weight_decay": 0.0}],
@@ -104,7 +105,7 @@ def train(s: TrainSettings, progress=print) -> dict:
     torch.manual_seed(s.seed)
     weights = TrainableWeights(init, device)
     model = OracleModel(weights, device=device)
-    opt = _optimizer(weights, s)
+    opt = optimizer(weights, s)
     gen = torch.Generator().manual_seed(s.seed)
     log = {"settings": asdict(s), "command": " ".join(sys.argv), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -158,10 +159,5 @@ def _finish(s: TrainSettings, out: Path, weights: TrainableWeights, tok, held: l
                     "held_out_docs": len(held), "uniform_nll": math.log(weights.config.vocab_size)}
     progress(f"held-out NLL {nll:.3f} nats/token over {count} tokens of {len(held)} documents "
              f"(fp32 weights before storing: {fp32_nll:.3f})")
-    (out / "training.json").write_text(json.dumps(log, indent=1) + "\n")
+    write_text_atomic(out / "training.json", json.dumps(log, indent=1) + "\n")
     return log
-
-
-def copy_to(src: str | Path, dst: str | Path) -> None:
-    """Copy a trained checkpoint folder (``out/checkpoint``) to ``dst``."""
-    shutil.copytree(src, dst, dirs_exist_ok=True)

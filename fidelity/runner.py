@@ -151,7 +151,11 @@ class Runner:
         self.prod_sampler = Sampler(spec.sampler)  # the decoder under test's sampler (fault patch points)
         self.stops = StopSet.of(spec.stop_ids) if spec.stop_ids is not None else StopSet.from_config(cfg)
         eot = set(cfg.stop_token_ids)
-        self.prod_stops = StopSet.of(set(self.stops) - eot) if on("stop-missing-eot") else self.stops
+        own = self.dec.stop_ids()  # a foreign engine's own stop ids; else the harness's stop set (faults aside)
+        if own is not None:
+            self.prod_stops = StopSet.of(own)
+        else:
+            self.prod_stops = StopSet.of(set(self.stops) - eot) if on("stop-missing-eot") else self.stops
         self.run_mode = "free" if "free" in self.modes else self.modes[0]  # label of whole-run rows
         self.frames: list[pd.DataFrame] = []  # one small table per call: compact, unlike a list of row dicts
         self.n_prefill = 1  # prefill calls (chunks), set by run()

@@ -59,6 +59,12 @@ class Decoder(ABC):
         """Entries for the run's manifest (implementations, routes, dtype, ...)."""
         return {}
 
+    def stop_ids(self) -> tuple[int, ...] | None:
+        """The token ids this decoder's own generation stops on (an engine's generation config), or None when it
+        stops where the harness's stop set says (the built-in decoder). The stops probe compares them with the
+        reference stop set at every decode token."""
+        return None
+
 
 def required_sites(mode: str, cfg: ModelConfig) -> list[str]:
     """The site templates ``mode`` needs from the decoder for ``cfg`` (free: logits only)."""

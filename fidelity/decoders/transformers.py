@@ -124,7 +124,15 @@ class TransformersDecoder(Decoder):
     def info(self) -> dict:
         import transformers
 
-        return {"decoder_dtype": str(self.dtype).removeprefix("torch."), "transformers": transformers.__version__}
+        return {"decoder_dtype": str(self.dtype).removeprefix("torch."), "transformers": transformers.__version__,
+                "decoder_stop_ids": list(self.stop_ids() or ())}
+
+    def stop_ids(self) -> tuple[int, ...] | None:
+        """``generation_config.eos_token_id`` (an id or a list), as ``generate()`` would stop; None without one."""
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            return None
+        return tuple(int(t) for t in (eos if isinstance(eos, list | tuple) else [eos]))
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:

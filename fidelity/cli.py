@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -385,6 +386,8 @@ def cmd_oracle(args) -> int:
     if args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
     cfg, ckpt = _open(args)
+    if args.held_out:
+        return _held_out(args, cfg, ckpt)
     prompt = _prompt(args, cfg, ckpt)
     _threads(args, cfg)
     ckpt, what = _ready(args, ckpt)
@@ -392,6 +395,30 @@ def cmd_oracle(args) -> int:
     summary = run_oracle(ckpt, prompt, args.decode, ORACLE_DTYPES[args.oracle_dtype], Progress(),
                          text.load(tok) if tok is not None else None)
     print(format_summary(summary, f"dsv4-fidelity {__version__}: oracle on {what}", cfg.vocab_size))
+    return 0
+
+
+def _held_out(args, cfg: ModelConfig, ckpt) -> int:
+    """``fidelity oracle --held-out``: the oracle's mean NLL per token over the corpus's held-out files."""
+    from fidelity import text
+    from fidelity.train import corpus
+    from fidelity.train.loop import EVAL_MAX_LEN, heldout_nll, tokenize
+    from oracles import OracleModel
+
+    tok = _text_tokenizer(args, ckpt)
+    if tok is None:
+        raise UsageError("--held-out: needs a tokenizer: the checkpoint has no tokenizer.json beside its config")
+    files = corpus.split(corpus.corpus_files(args.corpus))[1]
+    if not files:
+        raise UsageError(f"--held-out: no file of {args.corpus or corpus.stdlib_root()} is held out (one path in "
+                         f"{corpus.HELD_OUT_OF} is)")
+    _threads(args, cfg)
+    ckpt, what = _ready(args, ckpt)
+    nll, count = heldout_nll(OracleModel(ckpt), tokenize(text.load(tok), files), EVAL_MAX_LEN)
+    print(f"dsv4-fidelity {__version__}: oracle on {what}")
+    print(f"held-out NLL: {nll:.4f} nats/token over {count} tokens of {len(files)} files (the first {EVAL_MAX_LEN} "
+          f"tokens of each, from BOS) under {args.corpus or corpus.stdlib_root()}; "
+          f"uniform: {math.log(cfg.vocab_size):.4f}")
     return 0
 
 
@@ -588,6 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
     _oracle_dtype_arg(o)
     o.add_argument("--dtype", dest="oracle_dtype", choices=("fp32", "fp64"), default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the older spelling
+    o.add_argument("--held-out", action="store_true", help="instead: the mean NLL per token over the training "
+                   "corpus's held-out files (fidelity train's rule), with the checkpoint's tokenizer")
+    o.add_argument("--corpus", help="with --held-out: the corpus folder (default: this Python's standard library)")
     o.set_defaults(func=cmd_oracle)
 
     s = sub.add_parser("synth", help="write a deterministic synthetic checkpoint")

@@ -101,3 +101,20 @@ def test_where_the_picks_part_the_report_marks_the_token(tmp_path):
     a, b = PART_MARK
     assert f"The picks part at decode step {k}" in report
     assert f"{a}{t['decoder_token']}{b}" in report and f"{a}{t['oracle_token']}{b}" in report
+
+
+def test_oracle_measures_the_held_out_nll_of_a_corpus(tmp_path, capsys):
+    from fidelity.train import corpus
+
+    for i in range(64):
+        (tmp_path / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n")
+    held = [f.rel for f in corpus.split(corpus.corpus_files(tmp_path))[1]]
+    assert held  # the hash rule holds out about one name in 32
+    assert cli.main(["oracle", "--held-out", "--corpus", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("held-out NLL: ") and f"tokens of {len(held)} files" in line
+    assert float(line.split()[2]) < 8.3  # below uniform: the model predicts short Python functions
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "a.py").write_text("x = 1\n")
+    assert cli.main(["oracle", "--held-out", "--corpus", str(tmp_path / "only")]) == 2
+    assert "--held-out: no file of" in capsys.readouterr().err

@@ -27,6 +27,8 @@ from fidelity.train.tokenizer import encode_document, load_tokenizer, train_toke
 from fidelity.train.trainable import TrainableWeights
 from oracles.model import OracleModel
 
+EVAL_MAX_LEN = 4096  # held-out documents are scored on their first 4096 tokens (from BOS)
+
 
 @dataclass
 class TrainSettings:
@@ -47,7 +49,7 @@ class TrainSettings:
     init: str | None = None  # continue from this checkpoint's weights (default: synthesize(tiny, seed))
     eval_every: int = 250
     eval_docs: int = 8  # held-out documents measured during training (all of them at the end)
-    eval_max_len: int = 4096
+    eval_max_len: int = EVAL_MAX_LEN
     log_every: int = 10
 
 

@@ -14,6 +14,7 @@ import torch
 
 from fidelity import __version__
 from fidelity.config import ConfigError, ModelConfig
+from fidelity.default_model import RANDOM_PROMPT_LEN
 
 EXAMPLES = """examples:
   fidelity run                               the default: the trained default checkpoint (tiny shape), its own
@@ -36,7 +37,7 @@ EXAMPLES = """examples:
 """
 
 SYNTH_LIMIT_BYTES = 4 << 30
-DEFAULT_PROMPT_LEN = 1024
+DEFAULT_PROMPT_LEN = RANDOM_PROMPT_LEN
 SMALL_MODEL_DIM = 1024  # --threads auto: one intra-op thread on the CPU up to this hidden size
 
 
@@ -139,17 +140,11 @@ def _prompt(args, cfg: ModelConfig, ckpt) -> torch.Tensor:
                              "(a synthesized preset never has one); pass --checkpoint DIR with one, or --tokenizer "
                              "tokenizer.json")
         ids = text.encode_prompt(text.load(tok), body, cfg.bos_token_id, cfg.vocab_size, option)
-    elif _is_default(ckpt):
-        return prompt_for(ckpt, args.prompt_len)
-    else:
+    elif ckpt is not None:
+        return prompt_for(ckpt, args.prompt_len, args.seed)
+    else:  # a preset, not synthesized yet: random ids
         return default_prompt(cfg.vocab_size, args.prompt_len or DEFAULT_PROMPT_LEN, args.seed)
     return ids if args.prompt_len is None else ids[: args.prompt_len]
-
-
-def _is_default(ckpt) -> bool:
-    from fidelity.default_model import is_default
-
-    return ckpt is not None and is_default(ckpt.path)
 
 
 def _text_tokenizer(args, ckpt) -> Path | None:

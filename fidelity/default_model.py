@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_DIR = Path(__file__).parent / "data" / "default"
+RANDOM_PROMPT_LEN = 1024  # the default prompt's length on other checkpoints (random ids)
 PROMPT_FILE = "prompt.txt"  # the default run's prompt: Python source written for this package (not in the corpus)
 
 
@@ -40,9 +41,9 @@ def default_prompt_ids(vocab_size: int, bos_id: int = 0, length: int | None = No
 
 def prompt_for(ckpt, length: int | None = None, seed: int = 0) -> torch.Tensor:
     """The default prompt on ``ckpt``: the default's text (its first ``length`` ids) on the trained default,
-    else ``length`` (default 1024) deterministic random ids (``fidelity.oracle_run.default_prompt``)."""
+    else ``length`` (default RANDOM_PROMPT_LEN) deterministic random ids (``fidelity.oracle_run.default_prompt``)."""
     from fidelity.oracle_run import default_prompt
 
     if is_default(ckpt.path):
         return default_prompt_ids(ckpt.config.vocab_size, ckpt.config.bos_token_id, length)
-    return default_prompt(ckpt.config.vocab_size, 1024 if length is None else length, seed)
+    return default_prompt(ckpt.config.vocab_size, RANDOM_PROMPT_LEN if length is None else length, seed)

@@ -40,6 +40,7 @@ from fidelity.trace import TraceWriter
 from oracles import OracleModel
 from probes import PeakMemory, collect, memory_stats
 from probes.repetition import repetition
+from probes.rows import AGGREGATE
 from probes.sampler import sampler_agreement
 
 MODES = ("free", "layer", "op")
@@ -272,8 +273,10 @@ class Runner:
 
     def _run_rows(self, site: str, metrics: dict, step: int) -> None:
         pending = [{"site": site, "layer": -1, "position": None, "metric": k, "value": v} for k, v in metrics.items()]
-        phase = "prefill" if step < self.n_prefill else "decode"
-        self.frames.append(pd.DataFrame(collect(pending, step=step, phase=phase, mode=self.run_mode)))
+        self.frames.append(pd.DataFrame(collect(pending, step=step, phase=self._phase(step), mode=self.run_mode)))
+
+    def _phase(self, step: int) -> str:
+        return "prefill" if step < self.n_prefill else "decode"
 
     def record_memory(self, step: int, phase: str) -> None:
         """Allocator / RSS bytes and the decoder's cache bytes (when it reports them); cache_growth > 0 = per-step
@@ -293,8 +296,11 @@ class Runner:
         if not self.tokens:
             return
         rep = repetition(self.tokens)
-        for k, seen in enumerate(rep.pop("ngram_seen").tolist()):
-            self._run_rows("repetition", {"ngram_seen": torch.tensor(float(seen))}, self.n_prefill - 1 + k)
+        steps = [self.n_prefill - 1 + k for k in range(len(self.tokens))]  # the call that picked decode token k
+        self.frames.append(pd.DataFrame({
+            "site": "repetition", "layer": -1, "metric": "ngram_seen", "step": steps,
+            "phase": [self._phase(s) for s in steps], "mode": self.run_mode, "position": AGGREGATE,
+            "value": rep.pop("ngram_seen").astype(float)}))
         self._run_rows("repetition", {k: torch.tensor(float(v)) for k, v in rep.items()},
                        self.n_prefill - 1 + len(self.tokens) - 1)
 

@@ -11,6 +11,19 @@ from __future__ import annotations
 
 import torch
 
+from oracles.rope import apply_rope
+
+
+def index_queries(qr: torch.Tensor, wq_b: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+                  n_heads: int) -> torch.Tensor:
+    """qr [n, q_lora_rank] (the attention's normed query latent) -> q [n, h, d] after RoPE."""
+    return apply_rope((qr @ wq_b.T).unflatten(-1, (n_heads, -1)), positions, freqs)
+
+
+def head_weights(x: torch.Tensor, weights_proj: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """x [n, dim] -> w [n, h] = (x W_w^T) * head_dim^-0.5 * n_heads^-0.5."""
+    return (x @ weights_proj.T) * (head_dim**-0.5 * n_heads**-0.5)
+
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
                  ratio: int) -> torch.Tensor:

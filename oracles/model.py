@@ -21,9 +21,9 @@ from oracles import attention as attn
 from oracles import mhc
 from oracles import moe as moe_ops
 from oracles.compressor import CompressorState, all_entries, compress, compressor_weights
-from oracles.indexer import index_scores, select_topk
+from oracles.indexer import head_weights, index_queries, index_scores, select_topk
 from oracles.norms import rms_norm
-from oracles.rope import apply_rope, inv_freq
+from oracles.rope import inv_freq
 
 CHUNK_ELEMENTS = 1 << 25  # bound on [queries x visible rows x head_dim] gathered at once
 KEEP_ALL_BYTES = 16 << 30  # models up to this size in fp32 keep every weight they read
@@ -256,13 +256,12 @@ class OracleSession:
         p = f"layers.{i}.attn.indexer."
         freqs = self.m.freqs[4]
         qx, qpos = (x, positions) if rows is None else (x[rows], positions[rows])
-        q = (qr @ w(p + "wq_b.weight").T).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-        q = apply_rope(q, qpos, freqs)
+        q = index_queries(qr, w(p + "wq_b.weight"), qpos, freqs, cfg.index_n_heads)  # [nq, h, d]
         self.emit(f"L{i}.indexer.q", q)
         new = compress(x, positions, st.index, compressor_weights(self.m.w, p + "compressor."), freqs, cfg.norm_eps)
         self.emit(f"L{i}.indexer.keys", new)
         keys = all_entries(st.index, cfg.index_head_dim, x)
-        weights = (qx @ w(p + "weights_proj.weight").T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        weights = head_weights(qx, w(p + "weights_proj.weight"), cfg.index_n_heads, cfg.index_head_dim)
         self.emit(f"L{i}.indexer.weights", weights)
         picks = []
         step = max(1, CHUNK_ELEMENTS // max(1, keys.shape[0] * cfg.index_n_heads))

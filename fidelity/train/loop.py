@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
+from fidelity import text
 from fidelity.atomic_write import write_text_atomic
 from fidelity.checkpoint import load_checkpoint, save_checkpoint
 from fidelity.config import ModelConfig
 from fidelity.synthesize import synthesize
 from fidelity.train import corpus as corpus_mod
 from fidelity.train.objective import step_losses
-from fidelity.train.tokenizer import encode_document, load_tokenizer, train_tokenizer
+from fidelity.train.tokenizer import encode_document, train_tokenizer
 from fidelity.train.trainable import TrainableWeights
 from oracles.model import OracleModel
 
@@ -94,7 +95,7 @@ def train(s: TrainSettings, progress=print) -> dict:
     init = load_checkpoint(s.init) if s.init else synthesize(ModelConfig.preset("tiny"), s.seed)
     cfg = init.config
     tok_file = s.tokenizer or (str(Path(s.init) / "tokenizer.json") if s.init else None)
-    tok = load_tokenizer(tok_file) if tok_file else train_tokenizer(
+    tok = text.load(tok_file) if tok_file else train_tokenizer(
         (f.path.read_text(encoding="utf-8") for f in train_files), cfg.vocab_size)
     stream = torch.tensor([t for doc in tokenize(tok, train_files) for t in doc], dtype=torch.int64)
     held = tokenize(tok, held_files)

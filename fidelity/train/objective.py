@@ -18,9 +18,8 @@ import torch.nn.functional as F
 from fidelity.train.trainable import TrainableWeights
 from oracles import attention as attn
 from oracles.compressor import CompressorState, compress, compressor_weights
-from oracles.indexer import index_scores
+from oracles.indexer import head_weights, index_queries, index_scores
 from oracles.model import OracleModel
-from oracles.rope import apply_rope
 
 _CAPTURED = re.compile(r"L\d+\.(attn\.(in|q|compressed_kv)|moe\.experts)")
 
@@ -86,10 +85,9 @@ def indexer_kl(model: OracleModel, weights: TrainableWeights, captured: dict[str
     _, qr = attn.query(h[rows], w(p + "wq_a.weight").detach(), w(p + "q_norm.weight").detach(),
                        w(p + "wq_b.weight").detach(), qpos, freqs, cfg.n_heads, cfg.norm_eps)
     ip = p + "indexer."
-    iq = (qr @ own(ip + "wq_b.weight").T).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-    iq = apply_rope(iq, qpos, freqs)
+    iq = index_queries(qr, own(ip + "wq_b.weight"), qpos, freqs, cfg.index_n_heads)
     keys = compress(h, positions, CompressorState(), compressor_weights(own, ip + "compressor."), freqs, cfg.norm_eps)
-    iw = (h[rows] @ own(ip + "weights_proj.weight").T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+    iw = head_weights(h[rows], own(ip + "weights_proj.weight"), cfg.index_n_heads, cfg.index_head_dim)
     log_q = index_scores(iq, keys, iw, qpos, 4).log_softmax(dim=-1)
     terms = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_q), 0.0)
     return terms.sum(dim=-1).mean()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 # ids 0, 1, 2 = ModelConfig's BOS, EOS and stop_token_ids, spelled as DSv4's tokenizer spells them, so that
 # ``StopSet.from_tokenizer_file`` finds EOS and the end-of-turn marker (``<｜User｜>``) by name
@@ -25,17 +24,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
         if tok.token_to_id(name) != i:
             raise RuntimeError(f"tokenizer: special token {name} got id {tok.token_to_id(name)}, expected {i}")
     return tok
-
-
-def load_tokenizer(path: str | Path):
-    """The ``tokenizer.json`` at ``path`` (a file, or a checkpoint folder holding one)."""
-    from tokenizers import Tokenizer
-
-    p = Path(path)
-    p = p / "tokenizer.json" if p.is_dir() else p
-    if not p.is_file():
-        raise FileNotFoundError(f"tokenizer: expected {p}, found no such file")
-    return Tokenizer.from_file(str(p))
 
 
 def encode_document(tok, text: str) -> list[int]:

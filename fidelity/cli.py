@@ -353,11 +353,12 @@ def cmd_mutants(args) -> int:
     cfg, ckpt = _open(args)
     threads = _threads(args, cfg)
     ckpt, what = _ready(args, ckpt)
-    settings = MutantSettings(args.prompt_len, args.decode, tuple(args.mode or ("layer", "op")), args.seed)
+    settings = MutantSettings(args.prompt_len, args.decode, tuple(args.mode or ("layer", "op")), args.seed,
+                              args.device)
     factory = None
     if args.decoder == "transformers":
         def factory():
-            return TransformersDecoder.from_checkpoint(ckpt, args.decoder_dtype)
+            return TransformersDecoder.from_checkpoint(ckpt, args.decoder_dtype, args.device)
 
     def progress(k: int, n: int, name: str) -> None:
         print(f"[{k + 1}/{n}] {name}", file=sys.stderr, flush=True)
@@ -390,6 +391,29 @@ def cmd_oracle(args) -> int:
     summary = run_oracle(ckpt, prompt, args.decode, ORACLE_DTYPES[args.oracle_dtype], Progress(),
                          text.load(tok) if tok is not None else None)
     print(format_summary(summary, f"dsv4-fidelity {__version__}: oracle on {what}", cfg.vocab_size))
+    return 0
+
+
+def cmd_dtype_flow(args) -> int:
+    import pandas as pd
+
+    from fidelity.dtype_flow import dtype_flow, flow_table
+    from fidelity.production import ProductionModel, get_profile
+    from fidelity.report import md_table
+
+    try:
+        profile = get_profile(args.profile)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    cfg, ckpt = _open(args)
+    prompt = _prompt(args, cfg, ckpt)
+    _threads(args, cfg)
+    ckpt, what = _ready(args, ckpt)
+    rows = flow_table(dtype_flow(ProductionModel(ckpt, profile, len(prompt) + 1), prompt))
+    print(f"dsv4-fidelity {__version__}: dtype flow of production ({profile.name}) on {what}, a {len(prompt)}-token "
+          "prefill and one decode step: values narrowed, then widened by their next use")
+    print(md_table(pd.DataFrame(rows)) if rows else "no round trips")
+    print(f"round trips: prefill {sum(r['prefill'] for r in rows)}, decode step {sum(r['decode step'] for r in rows)}")
     return 0
 
 
@@ -575,6 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     mu.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="default: layer and op")
     _decoder_args(mu, "production (default: the whole catalogue) or transformers (DeepseekV4ForCausalLM with the "
                       "faults it can carry planted at run time)", "fp32")
+    mu.add_argument("--device", default="cpu", help="the decoder's and the oracle's device (default cpu)")
     mu.add_argument("--out", default="runs", help="parent folder of the matrix's directory (default runs/)")
     mu.add_argument("--run-id", help="the directory's name (default mutants-<UTC time>-<random>)")
     mu.add_argument("--overwrite", action="store_true")
@@ -614,6 +639,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "corpus's held-out files (fidelity train's rule), with the checkpoint's tokenizer")
     o.add_argument("--corpus", help="with --held-out: the corpus folder (default: this Python's standard library)")
     o.set_defaults(func=cmd_oracle)
+
+    df_ = sub.add_parser("dtype-flow", help="where the production decoder narrows a value and its next use widens it "
+                         "again, per site (a prefill and one decode step)")
+    _source_args(df_)
+    df_.add_argument("--profile", default="reference",
+                     help="built-in profile, base:field=value,..., or a .toml/.json profile file")
+    df_.set_defaults(func=cmd_dtype_flow)
 
     s = sub.add_parser("synth", help="write a deterministic synthetic checkpoint")
     s.add_argument("--preset", default="tiny")

@@ -3,7 +3,7 @@
 Per main layer (the MTP layer is not run): the window ring (``window_size`` KV rows), the compressed KV
 (``ceil(ctx / ratio)`` rows, CSA and HCA), the indexer keys (``ceil(ctx / 4)`` rows, CSA only), the
 compressors' fp32 carry state (``kv_state`` + ``score_state`` of ``[coff * ratio, coff * d]``, main and
-indexer), and the bf16 decode gather buffer (window + selected rows). Row sizes come from
+indexer), and the decode gather buffers (window + selected rows: bf16 rows and their int64 slots). Row sizes come from
 :func:`fidelity.production.cache.kv_row_bytes` / :func:`key_row_bytes` (one source of truth).
 
 *Bytes per token* is the cache's context-proportional part (compressed KV + indexer keys) divided by the
@@ -110,7 +110,7 @@ def cache_bytes(config: ModelConfig, max_context: int, kv_fmt: str = "bf16", ind
     cfg, w = config, config.window_size
     kv_row = kv_row_bytes(cfg, kv_fmt)
     key_row = key_row_bytes(cfg, index_fmt, index_fmt != "bf16")
-    gather_row = BF16 * cfg.head_dim
+    gather_row = BF16 * cfg.head_dim + 8  # a bf16 row and its int64 cache slot
     layers: dict[str, LayerMemory] = {}
     counts = {k: cfg.layer_kinds.count(k) for k in KINDS}
     for kind, ratio in (("swa", 0), ("csa", 4), ("hca", 128)):

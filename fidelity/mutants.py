@@ -44,6 +44,10 @@ PROBE_OF_METRIC = {
     "token_flip_with_margin": "tokens", "pick_flip_with_margin": "sampler", "sampler_impl_mismatch": "sampler",
     "stop_mismatch": "stops",
     "cache_growth": "memory",
+    "reserved_growth": "memory",
+    "retained_growth": "memory",
+    "held_growth": "memory",
+    "new_device_mallocs": "memory",
 }  # fmt: skip
 PROBES = ("similarity", "sinkhorn", "indexer", "visible", "routing", "tokens", "sampler", "stops", "memory")
 
@@ -91,12 +95,18 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("fp4-scale-floor", r"indexer\.(q|keys)", _kind("csa")),
     Mutant("compressed-rope-last", r"attn\.compressed_kv", _kind("csa", "hca")),
     Mutant("yarn-on-swa", r"attn\.q", _kind("swa")),
-    Mutant("shared-clamp-missing", r"moe\.out", _every_layer),
+    # The trained default's shared experts pass the clamp (10) by at most ~1.5x, so the fault moves one token's
+    # moe.out by at most ~1.4% (cos 0.9857): decode through the default text past position 747, where layer 0 is
+    # moved most (cos 0.9876), one token per step.
+    Mutant("shared-clamp-missing", r"moe\.out", _every_layer, {"prompt_len": 740, "decode_steps": 12,
+                                                               "text_stream": True}),
     Mutant("routing-bias-in-weights", r"moe\.weights", _routed),
     Mutant("rep-penalty-no-prompt", r"sampler", _run_level,
            {"sampler": SamplerConfig(repetition_penalty=2.0), "decode_steps": 24}),
     Mutant("stop-missing-eot", r"stops", _run_level, {"stream": "given", "eot_at": 3}),
     Mutant("cache-concat-growth", r"memory", _run_level),
+    # a capacity-sized buffer shows in the allocator / RSS counters within a few steps
+    Mutant("decode-buffer-kept", r"memory", _run_level, {"max_context": 65536, "decode_steps": 16}),
     Mutant("topk-cap-half", r"indexer\.topk", _kind("csa")),
 )
 BY_NAME = {m.name: m for m in CATALOGUE}
@@ -108,6 +118,7 @@ class MutantSettings:
     decode_steps: int = 8
     modes: tuple[str, ...] = ("layer", "op")
     seed: int = 0
+    device: str = "cpu"  # the production decoder's and the oracle's device
 
 
 def _spec(checkpoint, s: MutantSettings, options: dict) -> RunSpec:
@@ -115,8 +126,12 @@ def _spec(checkpoint, s: MutantSettings, options: dict) -> RunSpec:
     opts = dict(options)
     eot_at = opts.pop("eot_at", None)
     decode = opts.pop("decode_steps", s.decode_steps)
-    prompt = prompt_for(checkpoint, s.prompt_len, s.seed)
-    spec = RunSpec(prompt=prompt, decode_steps=decode, modes=s.modes, **opts)
+    prompt_len = opts.pop("prompt_len", s.prompt_len)
+    text_stream = opts.pop("text_stream", False)
+    prompt = prompt_for(checkpoint, prompt_len, s.seed)
+    spec = RunSpec(prompt=prompt, decode_steps=decode, modes=s.modes, device=s.device, **opts)
+    if text_stream:  # decode through the prompt's own continuation (the default text), one token per step
+        spec.stream, spec.continuation = "given", prompt_for(checkpoint, prompt_len + decode + 1, s.seed)[prompt_len:]
     if eot_at is not None:
         if not cfg.stop_token_ids:
             raise ValueError("stop-missing-eot: the config names no end-of-turn id (stop_token_ids)")

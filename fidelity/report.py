@@ -36,6 +36,7 @@ from fidelity.thresholds import (
     token_flip_rows,
     wide,
 )
+from probes.memory import WARMUP_DECODE_CALLS
 
 FAILURE_ROWS = 25
 PLOT_CAPTIONS = {
@@ -498,12 +499,18 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.3f} MiB"
 
 
-MEMORY_METRICS = {"allocated_bytes": "allocated", "reserved_bytes": "reserved", "cache_bytes": "cache"}
+MEMORY_METRICS = {"allocated_bytes": "allocated", "reserved_bytes": "reserved", "cache_bytes": "cache",
+                  "held_bytes": "held by the decoder"}
+# per decode call after the warm-up: the allocator probe's sums (probes.memory)
+GROWTH_METRICS = ("held_growth", "retained_growth", "reserved_growth", "host_retained_growth")
+CALL_METRICS = ("alloc_calls", "free_calls", "device_mallocs")
 
 
 def memory_section(df: pd.DataFrame) -> Section:
-    """Allocated / reserved bytes and the production caches' bytes over decode steps: flat = no growth."""
-    mem = df[(df["site"] == "memory") & (df["phase"] == "decode") & df["metric"].isin(list(MEMORY_METRICS))]
+    """Allocated / reserved bytes, the bytes the decoder holds and its caches over decode steps (flat = no growth),
+    then what the decoder's own calls did to the allocator after the warm-up."""
+    decode = df[(df["site"] == "memory") & (df["phase"] == "decode")]
+    mem = decode[decode["metric"].isin(list(MEMORY_METRICS))]
     if mem.empty:
         return Section("Memory flatness", ["No decode-step memory rows in this run."])
     rows = []
@@ -515,8 +522,23 @@ def memory_section(df: pd.DataFrame) -> Section:
         spread = float(per_step.max() - per_step.min())
         rows.append({"metric": metric, "decode steps": len(per_step), "min": _mib(per_step.min()),
                      "max": _mib(per_step.max()), "max - min": _mib(spread), "flat": spread == 0})
+    for metric in GROWTH_METRICS:
+        g = decode[decode["metric"] == metric].groupby("step")["value"].max()
+        if len(g):
+            rows.append({"metric": metric, "decode steps": len(g), "min": _mib(g.min()), "max": _mib(g.max()),
+                         "max - min": _mib(g.max() - g.min()), "flat": bool(g.max() == 0)})
+    calls = decode[decode["metric"].isin(CALL_METRICS)]
     rss = df[(df["site"] == "memory") & (df["metric"] == "memory_is_rss")]["value"]
-    text = ["Preallocated caches keep memory flat across decode; growth means allocations inside the step."]
+    text = ["Preallocated caches keep memory flat across decode; growth means allocations inside the step. The "
+            f"growth rows sum each decode call after the first {WARMUP_DECODE_CALLS} (the warm-up): held = tensor "
+            "bytes reachable from the decoder object; retained / reserved = CUDA bytes the decoder's calls kept "
+            "beyond their outputs / reserved; host_retained = the same from malloc on the CPU, which also counts "
+            "the CPU kernels' caches (oneDNN keeps ~0.5 MiB per new bf16 matmul shape), so it is not judged."]
+    if not calls.empty:
+        per_call = calls.groupby("metric")["value"].agg(["min", "max", "mean"])
+        text.append("CUDA allocator calls per decode call (min / mean / max): " + "; ".join(
+            f"{m} {per_call.loc[m, 'min']:.0f} / {per_call.loc[m, 'mean']:.1f} / {per_call.loc[m, 'max']:.0f}"
+            for m in CALL_METRICS if m in per_call.index) + ". A device malloc after the warm-up fails the run.")
     if len(rss) and rss.max() > 0:
         text.append("On the CPU, allocated and reserved are the process's resident set (oracle and harness "
                     "included), not allocator counters: read their spread as an upper bound. cache_bytes is the "

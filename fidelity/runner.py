@@ -39,6 +39,7 @@ from fidelity.sites import Recorder
 from fidelity.trace import TraceWriter
 from oracles import OracleModel
 from probes import PeakMemory, collect, memory_stats
+from probes.memory import WARMUP_DECODE_CALLS, allocator_counts, allocator_delta, handed_bytes, held_bytes
 from probes.repetition import repetition
 from probes.rows import AGGREGATE
 from probes.sampler import sampler_agreement
@@ -163,6 +164,9 @@ class Runner:
         self.tokens: list[int] = []
         self.picks: dict[str, list[int]] = {"oracle": [], "decoder": []}  # each model's pick at each step
         self.cache_bytes0: int | None = None
+        self.decoder_memory: dict[str, int] = {}  # allocator activity during the last decoder call
+        self.growth = {"reserved": 0, "retained": 0, "host_retained": 0}  # decode calls since the warm-up
+        self.held0: int | None = None  # bytes the decoder held after its last warm-up call
         self.seconds: dict[str, float] = {}
 
     def run(self) -> tuple[pd.DataFrame, dict]:
@@ -235,7 +239,13 @@ class Runner:
         self.dec.rec = prod_rec
         tell(0, "decoder under test")
         with self._timed(phase, "decoder"):
+            before = allocator_counts(self.spec.device)
             test_logits = self.dec.prefill(ids) if prefill else self.dec.step(int(ids[0]))[None]
+            after = allocator_counts(self.spec.device)
+        with self._timed(phase, "probes"):
+            handed = handed_bytes([test_logits, *(t for r in prod_rec.records.values() for _, t in r)])
+            self.decoder_memory = allocator_delta(before, after, handed)
+            self.decoder_memory["held_bytes"] = held_bytes(self.dec, exclude=(prod_rec,))  # not what it handed
         rows = self.rows_of(positions) if prefill else None
         if self.trace is not None:
             self.trace.add_step(ids, positions, test_logits, prod_rec)
@@ -279,9 +289,25 @@ class Runner:
         return "prefill" if step < self.n_prefill else "decode"
 
     def record_memory(self, step: int, phase: str) -> None:
-        """Allocator / RSS bytes and the decoder's cache bytes (when it reports them); cache_growth > 0 = per-step
-        growth."""
+        """Allocator / RSS bytes, what the decoder's own call did to the allocator and what it holds
+        (``probes.memory``), and the decoder's cache bytes (when it reports them). Decode calls after the first
+        ``WARMUP_DECODE_CALLS`` add the gated ``held_growth`` (tensor bytes the decoder holds beyond those after
+        the warm-up), on CUDA the sums ``retained_growth`` / ``reserved_growth`` and each call's
+        ``new_device_mallocs``; on the CPU the informational ``host_retained_growth``. cache_growth > 0 = the
+        caches grew."""
         metrics = dict(memory_stats(self.spec.device))
+        metrics.update({k: torch.tensor(float(v)) for k, v in self.decoder_memory.items()})
+        decode_call = step - self.n_prefill
+        if decode_call == WARMUP_DECODE_CALLS - 1:
+            self.held0 = self.decoder_memory["held_bytes"]
+        if decode_call >= WARMUP_DECODE_CALLS:
+            metrics["held_growth"] = torch.tensor(float(self.decoder_memory["held_bytes"] - self.held0))
+            for kind in self.growth:
+                if f"{kind}_delta" in self.decoder_memory:
+                    self.growth[kind] += self.decoder_memory[f"{kind}_delta"]
+                    metrics[f"{kind}_growth"] = torch.tensor(float(self.growth[kind]))
+            if "device_mallocs" in self.decoder_memory:
+                metrics["new_device_mallocs"] = torch.tensor(float(self.decoder_memory["device_mallocs"]))
         cache = self.dec.cache_bytes()
         if cache is not None:
             if self.cache_bytes0 is None:

@@ -47,7 +47,7 @@ SITES_AFTER_LAYERS = ("final", "logits", "tokens", "sampler", "stops", "repetiti
 
 EXACT_PROFILES = frozenset({"exact", "fp32", "fp64", "oracle"})
 # Profile fields whose listed formats quantize (FP8 / FP4): any of them makes a profile "quantized".
-QUANTIZING_FIELDS = {"gemm_act": ("fp8",), "kv_nope": ("fp8",), "kv_storage": ("fp8",), "fmha": ("fp8",),
+QUANTIZING_FIELDS = {"gemm_act": ("fp8",), "kv_nope": ("fp8",), "kv_storage": ("fp8",), "fmha": ("fp8", "fp8-nope"),
                      "indexer_qk": ("fp4", "fp8")}
 # Calibrated on the tiny default (seeds 0 and 1, 1024-token prompt, 64 decode steps; measured worst values in
 # BENCHMARKS-style notes of the closing report): op-mode cos >= 1 - gap, layer-mode >= 1 - layer_gap.
@@ -60,10 +60,12 @@ INDEXER_QK_COS = {"exact": 1 - 1e-6, "bf16": 0.999, "quantized": 0.985}  # FP4 q
 COMB_ERR = 1e-4  # op mode: fp32 Sinkhorn vs the oracle's on the same streams differ by ~1e-7
 ROUTING_WEIGHT_ERR = 1e-3  # op mode: the fp32 gate on production's own input leaves ~1e-6
 # Layer mode recall@k per step (a decode step is one query), the oracle layer ranking on its own exact keys. Clean
-# worst on the trained default: reference (FP4 q/keys) 0.656 on its own prompt, 0.5625 on a 2.6K-token held-out
-# stdlib file (mean 0.76-0.84); bf16 0.9375-0.969; random tiny weights 0.656-0.75 and 0.906. Seed 001's 99.7% is
-# out of reach for an FP4 indexer choosing 32 of hundreds of entries on this model. Op mode requires true_miss == 0.
-RECALL_FLOOR = {"bf16": 0.85, "quantized": 0.5}
+# worst on the trained default (64 decode steps): reference (FP4 q/keys) 0.6875 on its own prompt, 0.5 to 0.656 on
+# four held-out stdlib files of 2.3K-2.9K tokens (0.5 on copy.py; means 0.75-0.82); bf16 0.9375; FP8 q/keys 0.875;
+# random tiny weights 0.656-0.75 and 0.906. The quantized floor sits one entry of 32 below that worst. Seed 001's
+# 99.7% is out of reach for an FP4 indexer choosing 32 of hundreds of entries on this model. Op mode requires
+# true_miss == 0.
+RECALL_FLOOR = {"bf16": 0.85, "quantized": 0.46875}
 # Layer mode, CSA attention: the oracle layer picks its own top-k, so whole entries can differ on a single-token
 # step (clean worst cos ~0.83 on the tiny default); a floor well below that still catches a broken layer.
 CSA_LAYER_COS = 0.5
@@ -75,6 +77,9 @@ SINKHORN_DEV = 1e-2
 # A greedy-token disagreement is only a failure when the oracle's top-1 beat its top-2 by more than this many
 # logits: below it the two candidates are a near tie that any rounding may flip (``agree`` stays informational).
 TOKEN_FLIP_MARGIN = 1.0
+# Bytes a decoder may add after the warm-up to what it holds (tensors reachable from it), to the CUDA allocator's
+# reserved bytes, or to the CUDA bytes its calls keep beyond their outputs: seed 000's +-50 MB over 1000 steps.
+MEMORY_GROWTH_BAND = 50 * 2**20
 
 MAIN_SITES = r"L\d+\.(attn\.(q|kv|compressed_kv|core|out)|moe\.out|residual)|final|logits"
 EXPECTED_NONFINITE = r"L\d+\.indexer\.scores"  # -inf marks causally invisible entries in both models
@@ -182,7 +187,7 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None)
     kind = profile_class(profile)
     gap, layer_gap = COS_GAP[kind], LAYER_GAP[kind]
     fields = profile_fields(profile) or {}
-    core_gap = CORE_GAP_FP8 if fields.get("fmha") == "fp8" else CORE_GAP
+    core_gap = CORE_GAP_FP8 if fields.get("fmha") in ("fp8", "fp8-nope") else CORE_GAP
     csa = csa_layers_regex(csa_layers) + r"\.(attn\.(core|out)|moe\.out|residual)"  # downstream of the top-k
     rules = [
         Threshold(".*", "nonfinite_mismatch", "<=", 0),
@@ -204,6 +209,10 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None)
         Threshold("sampler", "sampler_impl_mismatch", "<=", 0),
         Threshold("stops", "stop_mismatch", "<=", 0),
         Threshold("memory", "cache_growth", "<=", 0),
+        Threshold("memory", "reserved_growth", "<=", MEMORY_GROWTH_BAND),
+        Threshold("memory", "retained_growth", "<=", MEMORY_GROWTH_BAND),
+        Threshold("memory", "held_growth", "<=", MEMORY_GROWTH_BAND),
+        Threshold("memory", "new_device_mallocs", "<=", 0),
         Threshold(MAIN_SITES, "cos", ">=", 1 - gap, modes=("op",)),
         Threshold(MAIN_SITES, "calc_diff", "<=", gap, modes=("op",)),
         Threshold(r"L\d+\.attn\.core", "cos", ">=", 1 - core_gap, modes=("op",)),

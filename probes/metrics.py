@@ -87,6 +87,19 @@ METRICS: dict[str, str] = {
     "memory_is_rss": "memory: 1 when the bytes are the process RSS (CPU)",
     "cache_bytes": "memory: production cache bytes",
     "cache_growth": "memory: cache bytes minus those after the prefill",
+    "reserved_delta": "memory: bytes the CUDA allocator reserved during the decoder's call",
+    "retained_delta": "memory: CUDA bytes the decoder's call allocated and still holds beyond its outputs",
+    "retained_growth": "memory: retained_delta summed over the decode calls after the warm-up",
+    "host_retained_delta": "memory: malloc bytes the decoder's call left in use beyond its outputs (CPU kernels' "
+                           "caches included)",
+    "host_retained_growth": "memory: host_retained_delta summed over the decode calls after the warm-up",
+    "held_bytes": "memory: tensor bytes reachable from the decoder object (caches, weights, anything kept)",
+    "held_growth": "memory: held_bytes minus those after the warm-up",
+    "alloc_calls": "memory: CUDA allocator block requests during the decoder's call",
+    "free_calls": "memory: CUDA allocator block releases during the decoder's call",
+    "device_mallocs": "memory: cudaMalloc (or segment map) calls during the decoder's call",
+    "reserved_growth": "memory: reserved_delta summed over the decode calls after the warm-up",
+    "new_device_mallocs": "memory: device_mallocs of a decode call after the warm-up",
 }
 METRIC_PATTERNS: dict[str, str] = {
     r"rms_stream\d+": "residual: RMS of mHC stream k",

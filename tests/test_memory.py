@@ -61,8 +61,8 @@ def test_flash_at_1m_context_pinned():
     bf16: CSA 1024/4 + 256/4 = 320 B/token/layer, HCA 1024/128 = 8 -> 21*320 + 20*8 = 6880 B/token.
     FP8 KV + FP4 keys: CSA 583/4 + 68/4 = 162.75, HCA 583/128 -> 3417.75 + 91.09375 = 3508.84375 B/token;
     padded (584 B rows): 21*163 + 20*4.5625 = 3514.25. FP8 keys (129 B, padded 132): 3829.09375 / 3850.25.
-    Totals add the window (128 rows), the fp32 carry (CSA 65536 + 16384, HCA 524288 B) and the bf16 gather
-    (CSA (128+512)*1024, HCA (128+8192)*1024, SWA 128*1024 B) per layer.
+    Totals add the window (128 rows), the fp32 carry (CSA 65536 + 16384, HCA 524288 B) and the gather buffers
+    (a 1024 B bf16 row and an 8 B slot per visible row: CSA 128+512, HCA 128+8192, SWA 128 rows) per layer.
     """
     cfg, n = ModelConfig.preset("flash"), 1 << 20
     bf16, fp8 = cache_bytes(cfg, n, "bf16", "bf16"), cache_bytes(cfg, n, "fp8", "fp4")
@@ -71,10 +71,11 @@ def test_flash_at_1m_context_pinned():
     assert fp8.per_token(padded=True) == 3514.25
     assert cache_bytes(cfg, n, "fp8", "fp8").per_token() == 3829.09375
     assert cache_bytes(cfg, n, "fp8", "fp8").per_token(padded=True) == 3850.25
-    # per layer: SWA 128*1024 + 128*1024; CSA 131072 + 2^28 + 2^26 + 81920 + 655360; HCA 131072 + 2^23 + 2^19 + 8519680
-    assert bf16.total() == 2 * 262144 + 21 * 336412672 + 20 * 17563648 == 7416463360  # 6.91 GiB
-    # FP8: SWA 74624 + 131072; CSA 74624 + 262144*583 + 262144*68 + 81920 + 655360; HCA 74624 + 8192*583 + ...
-    assert fp8.total() == 2 * 205696 + 21 * 171467648 + 20 * 13894528 == 3879122560  # 3.61 GiB
+    # per layer: SWA 128*1024 + 128*1032; CSA 131072 + 2^28 + 2^26 + 81920 + 640*1032; HCA 131072 + 2^23 + 2^19 +
+    # 8320*1032
+    assert bf16.total() == 2 * 263168 + 21 * 336417792 + 20 * 17630208 == 7417904128  # 6.91 GiB
+    # FP8: SWA 74624 + 132096; CSA 74624 + 262144*583 + 262144*68 + 81920 + 660480; HCA 74624 + 8192*583 + ...
+    assert fp8.total() == 2 * 206720 + 21 * 171472768 + 20 * 13961088 == 3880563328  # 3.61 GiB
     assert fp8.total(padded=True) - fp8.total() == 128 * 43 + 262144 * 21 + 8192 * 20  # one byte per KV row
 
 
@@ -85,8 +86,8 @@ def test_pro_at_1m_context_pinned():
     bf16, fp8 = cache_bytes(cfg, n, "bf16", "bf16"), cache_bytes(cfg, n, "fp8", "fp4")
     assert "swa" not in bf16.layers and bf16.layers["hca"].layers == 31 and bf16.layers["csa"].layers == 30
     assert (bf16.per_token(), fp8.per_token(), fp8.per_token(padded=True)) == (9848.0, 5023.6953125, 5031.4375)
-    assert bf16.total() == 30 * 336936960 + 31 * 17563648 == 10652581888  # 9.92 GiB
-    assert fp8.total() == 30 * 171991936 + 31 * 13894528 == 5590488448  # 5.21 GiB
+    assert bf16.total() == 30 * 336946176 + 31 * 17630208 == 10654921728  # 9.92 GiB
+    assert fp8.total() == 30 * 172001152 + 31 * 13961088 == 5592828288  # 5.21 GiB
 
 
 def test_format_and_main():

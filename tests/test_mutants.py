@@ -17,6 +17,7 @@ EXPECTED_PROBE = {
     "hadamard-q-only": "similarity", "fp4-scale-floor": "similarity", "compressed-rope-last": "similarity",
     "yarn-on-swa": "similarity", "shared-clamp-missing": "similarity", "routing-bias-in-weights": "routing",
     "rep-penalty-no-prompt": "sampler", "stop-missing-eot": "stops", "cache-concat-growth": "memory",
+    "decode-buffer-kept": "memory",
     "topk-cap-half": "indexer",
 }  # fmt: skip
 

@@ -428,7 +428,7 @@ def test_bad_profiles_name_the_field(spec, message):
 def test_bad_profile_file_names_the_field(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('base = "reference"\nfmha = "fp16"\n')
-    with pytest.raises(ValueError, match=r"fmha: expected one of \('bf16', 'fp8'\), found 'fp16'"):
+    with pytest.raises(ValueError, match=r"fmha: expected one of \('bf16', 'fp8', 'fp8-nope'\), found 'fp16'"):
         get_profile(str(path))
     with pytest.raises(ValueError, match="profile file not found"):
         get_profile(str(tmp_path / "missing.toml"))
@@ -467,3 +467,27 @@ def test_a_prefill_in_any_chunks_sees_what_the_whole_prefill_sees(tiny):
             assert torch.equal(a[:, :TINY.window_size], b[:, :TINY.window_size]), site
             if TINY.ratio(int(site[1])) != 4:
                 assert torch.equal(a, b), site
+
+
+def test_split_fp8_fmha_rounds_only_the_nope_dims_of_q_and_kv():
+    """fmha "fp8-nope": e4m3 Q and K/V on the nope dims, the 64 rope dims bf16, P e4m3. With zero rope dims it is
+    "fp8" bit for bit; with zero nope dims it differs from "fp8" (whose rope dims are rounded) and equals the core
+    on the bf16 rope dims with e4m3 P."""
+    from fidelity.formats import fake_quant_fp8
+
+    g = torch.Generator().manual_seed(3)
+    n, h, d, m = 3, 4, 128, 40
+    q, kv = torch.randn(n, h, d, generator=g).to(BF16), torch.randn(m, d, generator=g).to(BF16)
+    idx, sink = torch.randint(0, m, (n, 70), generator=g), torch.randn(h, generator=g)
+    no_rope = (q.clone(), kv.clone())
+    no_rope[0][..., -64:], no_rope[1][..., -64:] = 0, 0
+    a = ops.sparse_attention(*no_rope, idx, sink, d**-0.5, "fp8-nope")
+    assert torch.equal(a, ops.sparse_attention(*no_rope, idx, sink, d**-0.5, "fp8"))
+    rope_only = (q.clone(), kv.clone())
+    rope_only[0][..., :-64], rope_only[1][..., :-64] = 0, 0
+    split = ops.sparse_attention(*rope_only, idx, sink, d**-0.5, "fp8-nope")
+    assert not torch.equal(split, ops.sparse_attention(*rope_only, idx, sink, d**-0.5, "fp8"))
+    assert torch.equal(ops.fmha_round(rope_only[1], "fp8-nope"), rope_only[1])
+    assert torch.equal(ops.fmha_round(kv, "fp8-nope")[:, :64], fake_quant_fp8(kv[:, :64], 64))
+    with pytest.raises(ValueError, match="fmha: expected"):
+        ops.fmha_round(kv, "fp7")

@@ -31,7 +31,7 @@ def test_overlapping_occurrences_count_as_a_repeat():
 
 
 def test_a_run_reports_where_its_stream_loops_beside_the_cosine(tmp_path):
-    res = fidelity.run("production", None, 300, 80, ("free",), tmp_path, run_id="long")
+    res = fidelity.run("production", None, 600, 80, ("free",), tmp_path, run_id="long")
     expected = repetition(res.manifest["generated"])
     df, _ = read_run(res.run_dir)
     rows = df[df["site"] == "repetition"]
@@ -41,6 +41,7 @@ def test_a_run_reports_where_its_stream_loops_beside_the_cosine(tmp_path):
     report = (res.run_dir / "report.md").read_text()
     assert "## Repetition" in report and "4-gram repeat rate" in report
     assert expected["loop_onset"] >= 0  # the trained default's greedy stream loops within 80 tokens of this prompt
+    # (from decode step 24, period 2, after the default text's first 600 tokens)
     assert loop_onset_step(df) == expected["loop_onset"]  # the prefill (call 0) picks decode token 0
     assert "free logits cos, worst before onset" in report
 

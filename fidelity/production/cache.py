@@ -66,6 +66,16 @@ class KVStore(_RowStore):
             return torch.cat((nope, self.rope[slots]), dim=-1)
         return self.rows[slots]
 
+    def read_into(self, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The bf16 rows of ``slots`` [k] written into ``out`` [k, hd] (a preallocated workspace): what
+        ``read`` returns, without its concatenated copy."""
+        if self.fmt != "fp8":
+            return torch.index_select(self.rows, 0, slots, out=out)
+        nope = self.hd - self.rd
+        out[:, :nope] = dequantize_fp8(self.codes[slots], self.scales[slots], 64)  # fp32 -> bf16 on the copy
+        out[:, nope:] = self.rope[slots]
+        return out
+
     def nbytes(self) -> int:
         parts = (self.codes, self.scales, self.rope) if self.fmt == "fp8" else (self.rows,)
         return sum(t.numel() * t.element_size() for t in parts)
@@ -144,10 +154,11 @@ class LayerCache:
             self.index_carry = CompressorCarry.empty(4, cfg.index_head_dim, device)
         visible = w + (min(cfg.index_topk, self.n_compressed) if ratio == 4 else self.n_compressed)
         self.gather = torch.zeros(visible, cfg.head_dim, dtype=BF16, device=device)
+        self.slots = torch.zeros(1, visible, dtype=torch.long, device=device)  # decode: cache slot per gathered row
         self.spill: list[torch.Tensor] = []  # only the ``cache-concat-growth`` fault ever appends here
 
     def nbytes(self) -> dict[str, int]:
-        out = {"kv": self.kv.nbytes(), "gather": self.gather.numel() * 2}
+        out = {"kv": self.kv.nbytes(), "gather": self.gather.numel() * 2 + self.slots.numel() * 8}
         if self.spill:
             out["spill"] = sum(t.numel() * t.element_size() for t in self.spill)
         if self.carry is not None:

@@ -26,6 +26,7 @@ FAULTS: dict[str, str] = {
     "rep-penalty-no-prompt": "repetition penalty ignores prompt tokens",
     "stop-missing-eot": "stop set missing the end-of-turn token",
     "cache-concat-growth": "KV cache grows by concatenation every decode step",
+    "decode-buffer-kept": "each decode step gathers into a fresh full-capacity buffer that stays referenced",
     "topk-cap-half": "indexer top-k capped at half of index_topk (only shows past topk/2 * ratio tokens)",
 }
 

@@ -51,10 +51,11 @@ class GraphDecodeSession(ProductionSession):
 
     @torch.no_grad()
     def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
-        ids = self._check(torch.as_tensor([int(token_id)]), prefill=False)
-        if on("cache-concat-growth"):
-            raise ValueError("fault cache-concat-growth: a growing cache cannot run in a graph decode step; "
-                             "use ProductionSession")
+        ids = self._check(torch.as_tensor([int(token_id)]), prefill=False, to_device=False)  # copied in place
+        for fault in ("cache-concat-growth", "decode-buffer-kept"):
+            if on(fault):
+                raise ValueError(f"fault {fault}: a step that allocates what it keeps cannot run in a graph decode "
+                                 "step; use ProductionSession")
         self.ids_dev.copy_(ids)
         self.pos_dev.fill_(self.pos)
         logits = self._graph_step() if self.graphs else self._forward(self.ids_dev, self.pos_dev)

@@ -20,9 +20,9 @@ from fidelity.production.compressor import compress_decode, compress_prefill
 from fidelity.production.faults import on
 from fidelity.production.profiles import Profile, get_profile
 from fidelity.production.registry import implementation
+from fidelity.production.rope_freqs import rope_inv_freq
 from fidelity.production.topk import stable_topk
 from fidelity.sites import Recorder
-from oracles.rope import inv_freq
 
 BF16 = torch.bfloat16
 QUERY_CHUNK = 512  # prefill attention / indexer queries per pass (bounds temporaries, not results)
@@ -43,7 +43,7 @@ class ProductionModel:
         if max_context < 1:
             raise ValueError(f"max_context: expected >= 1, found {max_context}")
         self.max_context, self.device = max_context, torch.device(device)
-        self.freqs = {r: inv_freq(self.cfg, r, torch.float32).to(self.device) for r in {0, *self.cfg.compress_ratios}}
+        self.freqs = {r: rope_inv_freq(self.cfg, r).to(self.device) for r in {0, *self.cfg.compress_ratios}}
         self._weights: dict[str, torch.Tensor] = {}
         self._expert_stacks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # a release-sized model's routed experts would not fit dequantized: they are dequantized at each use
@@ -94,6 +94,7 @@ class ProductionSession:
                        for i in range(self.cfg.n_layers)]
         self.pos = 0
         self.calls = 0
+        self.kept: list[torch.Tensor] = []  # only the ``decode-buffer-kept`` fault ever appends here
         self.in_prefill = False  # a prefill (chunk) takes the prefill paths, even for one token
         self.res_dtypes = [torch.float32 if self.p.residual_fp32(i) else BF16 for i in range(self.cfg.n_layers)]
 
@@ -135,7 +136,9 @@ class ProductionSession:
             return self.prefill(ids)
         return self.step(ids[0])[None]
 
-    def _check(self, input_ids: torch.Tensor, prefill: bool) -> torch.Tensor:
+    def _check(self, input_ids: torch.Tensor, prefill: bool, to_device: bool = True) -> torch.Tensor:
+        """The ids [n] checked (count, position, context, vocabulary), on the model's device unless not
+        ``to_device``."""
         ids = torch.as_tensor(input_ids).long().flatten()
         n, vocab = ids.numel(), self.cfg.vocab_size
         if n == 0:
@@ -147,7 +150,7 @@ class ProductionSession:
                                "build the model with a larger max_context")
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"input_ids: expected ids in [0, {vocab}), found [{int(ids.min())}, {int(ids.max())}]")
-        return ids.to(self.m.device)
+        return ids.to(self.m.device) if to_device else ids
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.rec is not None:
@@ -206,7 +209,7 @@ class ProductionSession:
         ratio, pre, act = cfg.ratio(i), f"layers.{i}.attn.", self.p.gemm_act
         freqs, rd = self.m.freqs[ratio], cfg.rope_head_dim
         if ratio == 0 and on("yarn-on-swa"):
-            freqs = inv_freq(cfg, 4, torch.float32).to(x.device)
+            freqs = rope_inv_freq(cfg, 4).to(x.device)
         rope = self.op("apply_rope")
         qr = self.op("rms_norm")(self.op("act_linear")(x, w(pre + "wq_a.weight"), act), w(pre + "q_norm.weight"),
                                  cfg.norm_eps)
@@ -299,7 +302,9 @@ class ProductionSession:
 
     def attend_decode(self, i, x, qr, q, kv, positions) -> torch.Tensor:
         """One decode token at ``t = self.pos``. Every slot is gathered in place, a -1 slot as row 0, which the
-        attention never reads, so no host sync sizes the gather."""
+        attention never reads, so no host sync sizes the gather. The slots and the gathered rows go into the
+        layer's preallocated ``slots`` / ``gather`` buffers; what still allocates here is eager mode's small
+        temporaries (masks, the FP8 dequantization), which graph decode replays without allocating."""
         cfg, cache = self.cfg, self.layers[i]
         cache.kv.write(self.window_slot(cache.window), kv)
         if on("cache-concat-growth"):
@@ -307,10 +312,18 @@ class ProductionSession:
         comp = self.decode_compressed(i, x, qr, positions) if cfg.ratio(i) else None
         idx = self.decode_window_idx(cache.window, x.device)
         self.emit(f"L{i}.attn.visible", lambda: _visible(idx, comp, positions, cache.window, prefill=False))
-        slots = idx if comp is None else torch.cat((idx, torch.where(comp >= 0, comp + cache.window, -1)), dim=1)
-        buf = cache.gather[: slots.shape[1]]
-        buf[:] = cache.kv.read(slots[0].clamp(min=0))  # window + selected rows into the preallocated buffer
-        local = torch.where(slots >= 0, torch.arange(slots.shape[1], device=x.device), -1)
+        win, k = idx.shape[1], idx.shape[1] + (0 if comp is None else comp.shape[1])
+        slots = cache.slots[:, :k]
+        slots[:, :win] = idx
+        if comp is not None:
+            torch.add(comp, cache.window, out=slots[:, win:])
+            slots[:, win:].masked_fill_(comp < 0, -1)
+        buf = cache.gather[:k]
+        if on("decode-buffer-kept"):
+            buf = torch.zeros(cache.kv.capacity, cfg.head_dim, dtype=torch.bfloat16, device=x.device)[:k]
+            self.kept.append(buf)
+        cache.kv.read_into(slots[0].clamp(min=0), buf)  # window + selected rows
+        local = torch.where(slots >= 0, torch.arange(k, device=x.device), -1)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
         return self.op("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
 

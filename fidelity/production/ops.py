@@ -114,17 +114,33 @@ def index_scores_fp4(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return index_scores(q, dequantize_fp4(codes, scales, 32).to(BF16), weights, dtype)
 
 
+FMHA_ROPE_DIMS = 64  # the rope dims close every q / KV row (qk_rope_head_dim; the cache's bf16 tail)
+
+
+def fmha_round(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """An FMHA operand [..., d] as the attention core reads it: bf16 as is; ``fp8``: e4m3 in 1x64 ue8m0 blocks;
+    ``fp8-nope``: the nope dims so, the last ``FMHA_ROPE_DIMS`` (rope) dims bf16."""
+    if fmt == "fp8":
+        return fake_quant_fp8(x, 64)
+    if fmt == "fp8-nope":
+        nope = x.shape[-1] - FMHA_ROPE_DIMS
+        return torch.cat((fake_quant_fp8(x[..., :nope], 64), x[..., nope:]), dim=-1)
+    if fmt != "bf16":
+        raise ValueError(f"fmha: expected 'bf16', 'fp8' or 'fp8-nope', found {fmt!r}")
+    return x
+
+
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float,
                      fmt: str = "bf16") -> torch.Tensor:
     """``sparse_attn``: q [n, H, d] bf16, kv [m, d] bf16 (K = V), idx [n, K] int (-1 = masked), sink [H] fp32.
 
     Online softmax over blocks of 64 indices in idx order: fp32 logits x scale, running max and sum in fp32,
-    P rounded to bf16 (``fmt == "fp8"``: Q, K/V and P rounded to e4m3) before P.V with fp32 accumulation;
-    after the loop the sink adds ``exp(sink - m)`` to the denominator only. Output bf16 [n, H, d].
+    P rounded to bf16 (``fmt == "fp8"``: Q, K/V and P rounded to e4m3; ``"fp8-nope"``: the same with the last
+    ``FMHA_ROPE_DIMS`` dims of Q and K/V, the rope dims, left bf16) before P.V with fp32 accumulation; after the
+    loop the sink adds ``exp(sink - m)`` to the denominator only. Output bf16 [n, H, d].
     """
     n, h, d = q.shape
-    qf = (fake_quant_fp8(q, 64) if fmt == "fp8" else q).float()
-    kvf = (fake_quant_fp8(kv, 64) if fmt == "fp8" else kv).float()
+    qf, kvf = fmha_round(q, fmt).float(), fmha_round(kv, fmt).float()
     m = torch.full((n, h), float("-inf"), device=q.device)
     total = torch.zeros(n, h, device=q.device)
     acc = torch.zeros(n, h, d, device=q.device)
@@ -138,7 +154,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
         alpha = torch.exp(m - m_new).nan_to_num(0.0)  # m = -inf on a query's first block
         p = torch.exp(logits - m_new.unsqueeze(-1)).nan_to_num(0.0)
         total = total * alpha + p.sum(dim=-1)
-        p_mma = round_fp8_e4m3(p) if fmt == "fp8" else p.to(BF16).float()
+        p_mma = round_fp8_e4m3(p) if fmt != "bf16" else p.to(BF16).float()
         acc = acc * alpha.unsqueeze(-1) + torch.einsum("nhb,nbd->nhd", p_mma, rows)
         m = m_new
     share = torch.exp(sink.float().unsqueeze(0) - m)  # [n, H]
@@ -147,6 +163,32 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     if not on("sink-dropped"):
         total = total + share
     return (acc / total.unsqueeze(-1)).to(BF16)
+
+
+def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+         ids: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE gate in fp32 (spec §4 ``Gate``): x [n, dim] -> (routing weights [n, k], expert ids [n, k]).
+
+    Scores: softmax, sigmoid or sqrt(softplus) of ``x W^T``. Experts: ``tid2eid[token]`` on hash layers, else the
+    top-k of ``scores + bias`` (the bias only chooses). Weights: the chosen experts' unbiased scores, divided by
+    their sum unless the scores are a softmax, times ``route_scale``.
+    """
+    logits = x @ weight.to(x.dtype).T
+    if cfg.score_func == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif cfg.score_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.sqrt(F.softplus(logits))
+    if tid2eid is None:
+        choice = scores if bias is None else scores + bias.to(x.dtype)
+        experts = torch.topk(choice, cfg.n_activated_experts, dim=-1).indices
+    else:
+        experts = tid2eid[ids].long()
+    picked = torch.gather(scores, 1, experts)
+    if cfg.score_func != "softmax":
+        picked = picked / picked.sum(dim=-1, keepdim=True)
+    return picked * cfg.route_scale, experts
 
 
 def grouped_out(o: torch.Tensor, wo_a: torch.Tensor, n_groups: int) -> torch.Tensor:

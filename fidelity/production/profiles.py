@@ -18,7 +18,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "gemm_act": ("fp8", "bf16"),  # activations entering the FP8/FP4 GEMMs: e4m3 1x128 ue8m0, or bf16
     "kv_nope": ("fp8", "bf16"),  # 448 nope dims of window and compressed KV: FP8-rounded 1x64, or plain bf16
     "kv_storage": ("bf16", "fp8"),  # KV cache storage: bf16 rows, or e4m3 codes + ue8m0 scales + bf16 rope
-    "fmha": ("bf16", "fp8"),  # attention core: bf16 QK/PV (P rounded to bf16), or e4m3 Q, K, V and P
+    # attention core: bf16 QK/PV (P rounded to bf16); e4m3 Q, K, V and P; or e4m3 with the rope dims of Q, K/V bf16
+    "fmha": ("bf16", "fp8", "fp8-nope"),
     "indexer_qk": ("fp4", "fp8", "bf16"),  # indexer q and keys: FP4 1x32 sim, FP8 e4m3, or bf16
     "indexer_storage": ("bf16", "packed"),  # indexer key cache: bf16 rows, or packed codes + ue8m0 scales
     "hadamard": ("on", "off"),  # Walsh-Hadamard rotation of indexer q and keys before quantization
@@ -82,6 +83,7 @@ BUILTIN: dict[str, dict[str, str]] = {
     "reference": {},
     "bf16": {"gemm_act": "bf16", "kv_nope": "bf16", "indexer_qk": "bf16"},
     "fp8-fmha": {"fmha": "fp8"},
+    "fp8-fmha-nope": {"fmha": "fp8-nope"},
     "fp8-kv-storage": {"kv_storage": "fp8"},
     "fp4-indexer-packed": {"indexer_storage": "packed"},
     "fp8-indexer": {"indexer_qk": "fp8"},

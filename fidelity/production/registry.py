@@ -8,7 +8,6 @@ from collections.abc import Callable
 import torch
 
 from fidelity.production import ops
-from oracles.moe import gate as gate_fp32
 
 REGISTRY: dict[str, dict[str, Callable]] = {}
 _selected: dict[str, str] = {}
@@ -72,7 +71,7 @@ for _name, _fn in {
     "hc_post": ops.hc_post,
     "hc_head": ops.hc_head,
     "sinkhorn_split": ops.sinkhorn_split,
-    "gate": gate_fp32,
+    "gate": ops.gate,
     "expert": ops.expert,
 }.items():
     register(_name, "cpu", _fn)

@@ -1,4 +1,4 @@
-"""DSv4 checkpoints: canonical tensors over lazy safetensors access (spec §2; design.md "Scale from the start").
+"""DSv4 checkpoints: canonical tensors over lazy safetensors access (spec §2; docs/design.md "Scale from the start").
 
 A :class:`Checkpoint` maps canonical names (official inference names, e.g. ``layers.3.attn.wq_a.weight``) to
 tensors.  Weights stay in their stored format (FP8/FP4 codes + ue8m0 scales, bf16, fp32) and are read from

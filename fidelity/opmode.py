@@ -1,5 +1,5 @@
 """Op mode: each oracle op gets the production op's exact inputs and production's cache contents
-(dequantized), so the error it reports is the kernel's alone, at this step (design.md "modes").
+(dequantized), so the error it reports is the kernel's alone, at this step (docs/design.md "Three comparison modes").
 
 Per layer it keeps what later steps need: production's window KV rows of the last window positions, its
 compressed entries and indexer keys (as the production caches hold them), and oracle compressor states fed with

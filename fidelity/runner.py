@@ -1,6 +1,6 @@
 """Side-by-side runner: the production decoder next to the oracle over a prompt and N decode steps.
 
-One production pass per step feeds three comparisons (design.md "Three comparison modes"):
+One production pass per step feeds three comparisons (docs/design.md "Three comparison modes"):
 ``free`` (the oracle runs its own model on the same tokens: inherited + local error), ``layer`` (each
 oracle layer gets production's input to that layer and keeps its own exact caches: what the layer adds),
 ``op`` (oracle ops on production's exact op inputs and cache contents: the kernel alone).

@@ -1,4 +1,4 @@
-"""Sites: the stable names of the tensors both models emit (design.md "Sites"). One table, one source of truth.
+"""Sites: the stable names of the tensors both models emit (docs/design.md "Sites"). One table, one source of truth.
 
 ``{i}`` is the layer index. Shapes are per call: ``n`` new tokens, ``H`` heads, ``hc`` mHC streams,
 ``W`` window size, ``K`` index_topk (or the number of visible HCA entries), ``m`` new compressed entries.

@@ -1,4 +1,4 @@
-"""Probes: small functions from site tensors to metrics (design.md "Probes").
+"""Probes: small functions from site tensors to metrics (docs/design.md "Probes").
 
 Every probe takes torch tensors (reference = oracle, test = production), computes on their device without
 reading values back, and returns ``dict[str, torch.Tensor]`` of 0-d (or [n] per position) metrics.

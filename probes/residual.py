@@ -1,4 +1,4 @@
-"""residual norms: RMS of each mHC stream leaving a layer (design.md "Probes"), to see growth across layers."""
+"""residual norms: RMS of each mHC stream leaving a layer (docs/design.md "Probes"), to see growth across layers."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """similarity: how close a production tensor is to the oracle's, after checking that their non-finite
-patterns agree (design.md "Probes").
+patterns agree (docs/design.md "Probes").
 
 Numeric metrics are float64 and computed only over coordinates that are finite in both tensors, so a
 planted NaN is reported by ``nonfinite_*`` without turning every other metric into NaN. Conventions for

@@ -1,5 +1,5 @@
 """visible range: the exact set of KV each query may attend to, and its set difference against the
-production's ``L{i}.attn.visible`` (design.md "Probes").
+production's ``L{i}.attn.visible`` (docs/design.md "Probes").
 
 Layout of the site, per query row: the first ``window`` columns hold window TOKEN POSITIONS
 (t-window+1 .. t, self included), the remaining columns hold COMPRESSED ENTRY IDS (HCA: every

@@ -21,8 +21,8 @@ E8M0 = ml_dtypes.float8_e8m0fnu
 BF16 = ml_dtypes.bfloat16
 EPS32 = float(np.finfo(np.float32).eps)
 
-FAST = settings(deadline=None, max_examples=40)
-MEDIUM = settings(deadline=None, max_examples=100)
+FAST = settings(max_examples=40)
+MEDIUM = settings(max_examples=100)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -435,7 +435,7 @@ def test_fp8_fp64_input_equals_fp32_path_when_values_are_fp32(x):
 # ------------------------------------------------------------------------------------------------------------------
 
 
-@settings(deadline=None, max_examples=15)
+@settings(max_examples=15)
 @given(
     st.sampled_from([1, 5, 128, 129, 200]),
     st.sampled_from([1, 7, 128, 130, 300]),

@@ -1,4 +1,4 @@
-"""Known-answer tests of the probes (design.md "Probes") on hand-built inputs."""
+"""Known-answer tests of the probes (docs/design.md "Probes") on hand-built inputs."""
 
 import math
 

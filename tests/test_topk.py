@@ -19,7 +19,7 @@ def _sorted_picks(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.float().cpu().sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(st.lists(st.one_of(st.sampled_from(SPECIALS), st.integers(-6, 6).map(lambda v: v / 4),
                           st.floats(width=32, allow_nan=True, allow_infinity=True)), min_size=1, max_size=200),
        st.integers(1, 3), st.sampled_from(TORCH_ROUTES), st.sampled_from(DTYPES), st.data())

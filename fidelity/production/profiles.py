@@ -1,4 +1,4 @@
-"""Precision profiles: the number format at each production site, as data (design.md "Precision profiles").
+"""Precision profiles: the number format at each production site, as data (docs/design.md "Precision profiles").
 
 ``reference`` reproduces the official QAT numerics (spec §3-§4). Every other built-in profile changes one
 field. Users write their own as a TOML/JSON file (``base = "reference"`` plus fields to change) or on the

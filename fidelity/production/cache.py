@@ -61,18 +61,18 @@ class KVStore(_RowStore):
 
     def read(self, slots: torch.Tensor | slice) -> torch.Tensor:
         """bf16 rows [k, hd]."""
-        if self.fmt == "fp8":
-            nope = dequantize_fp8(self.codes[slots], self.scales[slots], 64).to(BF16)
-            return torch.cat((nope, self.rope[slots]), dim=-1)
-        return self.rows[slots]
+        if self.fmt != "fp8":
+            return self.rows[slots]
+        rope = self.rope[slots]
+        return self.read_into(slots, rope.new_empty((rope.shape[0], self.hd)))
 
-    def read_into(self, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The bf16 rows of ``slots`` [k] written into ``out`` [k, hd] (a preallocated workspace): what
-        ``read`` returns, without its concatenated copy."""
+    def read_into(self, slots: torch.Tensor | slice, out: torch.Tensor) -> torch.Tensor:
+        """The bf16 rows of ``slots`` written into ``out`` [k, hd] (a preallocated workspace): the FP8 nope dims
+        dequantized (rounded to bf16 on the copy), the bf16 rope dims as stored."""
         if self.fmt != "fp8":
             return torch.index_select(self.rows, 0, slots, out=out)
         nope = self.hd - self.rd
-        out[:, :nope] = dequantize_fp8(self.codes[slots], self.scales[slots], 64)  # fp32 -> bf16 on the copy
+        out[:, :nope] = dequantize_fp8(self.codes[slots], self.scales[slots], 64)
         out[:, nope:] = self.rope[slots]
         return out
 

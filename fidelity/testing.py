@@ -31,6 +31,8 @@ hc_pre.pre/post/comb
 expert                 r = 2 x 2^-4 + 4u (two e4m3 activation roundings): calc_diff <= 9.9e-3, cos >= 0.990
 kv_round               bit-exact vs fake_quant_fp8(nope, 1x64) + unchanged rope dims
 rms_norm_fp8           codes: |code*s - y| <= half an e4m3 step + 1.25u|y|; scale bytes of the exact amax
+rms_norm_act_quant     y: as rms_norm; xq: rms_norm_fp8's bound on code * scale
+kv_norm_rope_fp8       nope: half an e4m3 step (1x64) + 1.25u|y|; rope: 2 x 1.25u (|y_2i| + |y_2i+1|) elementwise
 =====================  ==========================================================================
 
 Usage (in your pytest suite)::
@@ -373,6 +375,31 @@ def kv_round_inputs(max_rows: int = 16) -> st.SearchStrategy[Case]:
     return build()
 
 
+def kv_norm_rope_fp8_inputs(dims: Sequence[int] = (512, 512, 128), max_rows: int = 8,
+                            max_position: int = 2**20) -> st.SearchStrategy[Case]:
+    """``kv_norm_rope_fp8(x bf16 [n, hd], weight fp32 [hd], eps, positions int64 [n], freqs fp32 [32], fmt)``:
+    the wkv GEMM output of rows from 2^-10 to 2^10, a large outlier in each 64-block half the time (subnormal
+    codes), freqs of a ratio 0 / 4 / 128 layer of V4-Flash, positions up to ``max_position``, fmt "fp8" (the
+    reference) or "bf16" (the ``bf16`` profile). No NaN is planted (the CUDA amax may drop NaN)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, d = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        ratio = draw(st.sampled_from((0, 4, 128)))
+        g = _gen(draw)
+        x = _randn(g, n, d) * _row_scales(draw, g, n)
+        if draw(st.booleans()):
+            x[:, ::64] *= 300.0
+        weight = _randn(g, d) if draw(st.booleans()) else 1 + 0.25 * _randn(g, d)
+        positions = torch.randint(0, max_position, (n,), generator=g)
+        fmt = draw(st.sampled_from(("fp8", "fp8", "bf16")))
+        args = {"x": x.to(BF16), "weight": weight, "eps": EPS, "positions": positions,
+                "freqs": rope_oracle.inv_freq(_FLASH, ratio, FP32), "fmt": fmt}
+        return Case(args, note=f"ratio {ratio}")
+
+    return build()
+
+
 _KEY_COUNTS = (0, 1, 2, 3, 4, 5, 31, 32, 33, 127, 128, 129)
 
 
@@ -638,6 +665,7 @@ strategies = SimpleNamespace(
     rms_norm_weightless_inputs=rms_norm_weightless_inputs,
     apply_rope_inputs=apply_rope_inputs,
     kv_round_inputs=kv_round_inputs,
+    kv_norm_rope_fp8_inputs=kv_norm_rope_fp8_inputs,
     index_scores_inputs=index_scores_inputs,
     index_scores_fp4_inputs=index_scores_fp4_inputs,
     sparse_attention_inputs=sparse_attention_inputs,
@@ -719,11 +747,15 @@ def _expected_apply_rope(c: Case) -> tuple[torch.Tensor, ...]:
     """The oracle rotation in fp64, at the reference's fp32 angles ``fp32(position) * fp32(freq)``
     (``precompute_freqs_cis``): at position 2^20 an fp32 angle is off the exact product by up to 2^-4 rad, and
     that rounding is part of the model's definition, not error (one oracle call per row, position 1)."""
-    x, inverse = c["x"], c.get("inverse", False)
-    angles = c["positions"].to(FP32)[:, None] * c["freqs"].to(FP32)[None, :]
+    return (_rope_at_fp32_angles(_d(c["x"]), c["positions"], c["freqs"], c.get("inverse", False)),)
+
+
+def _rope_at_fp32_angles(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+                         inverse: bool = False) -> torch.Tensor:
+    """The oracle rotation of fp64 x [n, ...] at the angles ``fp32(position) * fp32(freq)``."""
+    angles = positions.to(FP32)[:, None] * freqs.to(FP32)[None, :]
     one = torch.ones(1, dtype=torch.int64)
-    rows = [rope_oracle.apply_rope(_d(x[i : i + 1]), one, _d(angles[i]), inverse) for i in range(x.shape[0])]
-    return (torch.cat(rows),)
+    return torch.cat([rope_oracle.apply_rope(x[i : i + 1], one, _d(angles[i]), inverse) for i in range(x.shape[0])])
 
 
 def _rope_bound(c: Case) -> torch.Tensor:
@@ -743,6 +775,30 @@ def kv_round_reference(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tens
 
 def _expected_kv_round(c: Case) -> tuple[torch.Tensor, ...]:
     return (kv_round_reference(c["kv"], c["rope_dims"], c["fmt"]),)
+
+
+def _expected_kv_norm_rope_fp8(c: Case) -> tuple[torch.Tensor, ...]:
+    """The exact kv_norm then RoPE (fp64, reference angles); exact math has no FP8 rounding."""
+    y = norms_oracle.rms_norm(_d(c["x"]), _d(c["weight"]), c["eps"])
+    return (_rope_at_fp32_angles(y, c["positions"], c["freqs"]),)
+
+
+def _kv_norm_rope_fp8_bound(c: Case) -> torch.Tensor:
+    """Elementwise: the bf16 rounding of the norm (1.25u |y|); on the nope dims under "fp8" the e4m3 step
+    (half an ulp: 2^-4 |y|, or 2^-10 s on the subnormal codes of a 1x64 block whose ue8m0 scale s may come
+    from an amax 1.25u high); on the rope dims the norm's rounding carried through the rotation plus the
+    output's rounding: 2 x 1.25u (|y_2i| + |y_2i+1|) for both elements of a pair."""
+    y = norms_oracle.rms_norm(_d(c["x"]), _d(c["weight"]), c["eps"])
+    rd = 2 * c["freqs"].numel()
+    bound = _ONE * y.abs()
+    nope = y[:, :-rd]
+    if c["fmt"] == "fp8":
+        amax = nope.unflatten(-1, (-1, 64)).abs().amax(-1)
+        hi = ue8m0_scale(amax * (1 + _ONE), FP8_MAX, FP8_AMAX_FLOOR).to(FP64).repeat_interleave(64, -1)
+        bound[:, :-rd] += torch.maximum(U_FP8 * nope.abs(), 2.0**-10 * hi)
+    pairs = y[:, -rd:].abs().unflatten(-1, (-1, 2)).sum(-1, keepdim=True)
+    bound[:, -rd:] = (2 * _ONE * pairs).expand(-1, -1, 2).flatten(1)
+    return bound
 
 
 def _expected_index_scores(c: Case) -> tuple[torch.Tensor, ...]:
@@ -839,6 +895,13 @@ CONTRACTS: dict[str, OpContract] = {
         "RMSNorm (as rms_norm) then the 1x128 e4m3 activation quantization of every FP8 GEMM input "
         "(spec §3 act_quant, ue8m0 scales). Exact math has no FP8 rounding, so the codes are judged by the "
         "rounding step they may take from the exact y.", canonical=_dequantize_codes),
+    "rms_norm_act_quant": OpContract(
+        "rms_norm_act_quant", "tolerance", rms_norm_fp8_inputs, lambda c: (_rms_norm_fp8_exact(c)[0],) * 2,
+        (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),
+         Output("xq", BF16, Tolerance(bound=_rms_norm_fp8_value_bound, why=(
+             "y quantized-dequantized vs the exact y, elementwise: rms_norm_fp8's bound on code * scale")))),
+        "RMSNorm (as rms_norm) and the same y quantized-dequantized in 1x128 e4m3 blocks with ue8m0 scales, bf16 "
+        "(spec §3 act_quant in place): the input of every FP8 GEMM the norm feeds, made once."),
     "rms_norm_weightless": OpContract(
         "rms_norm_weightless", "tolerance", rms_norm_weightless_inputs, _expected_rms_norm_weightless,
         (Output("q", BF16, _rel(3.5 * SLACK * U_BF16, cos_r=_ONE, why=(
@@ -861,6 +924,16 @@ CONTRACTS: dict[str, OpContract] = {
         "fake_quant_fp8(kv[..., :-64], 64) (the in-place act_quant, e4m3 RNE with 1x64 ue8m0 scales) with the "
         "64 rope dims unchanged (spec §3 'Where quantization lives'). No NaN is planted: the CUDA amax may "
         "drop NaN (fmaxf), which the CPU reference cannot decide."),
+    "kv_norm_rope_fp8": OpContract(
+        "kv_norm_rope_fp8", "tolerance", kv_norm_rope_fp8_inputs, _expected_kv_norm_rope_fp8,
+        (Output("kv", BF16, Tolerance(bound=_kv_norm_rope_fp8_bound, why=(
+            "elementwise vs the exact norm + rotation: one bf16 rounding of the norm (1.25u |y|), then on the "
+            "nope dims the e4m3 round-to-nearest step of 1x64 blocks (fmt 'fp8'), on the rope dims that rounding "
+            "carried through the rotation plus the output's (2 x 1.25u over the pair)"))),),
+        "The attention KV path (spec §4 Attention steps 2-3): kv_norm (RMSNorm with weight, bf16 out), "
+        "interleaved RoPE on the last 64 dims at fp32 angles (bf16 out), and the 1x64 ue8m0 e4m3 round of the "
+        "nope dims (act_quant in place; fmt 'fp8'). Exact math has no FP8 rounding, so the nope dims are judged "
+        "by the step they may take from the exact value."),
     "index_scores": OpContract(
         "index_scores", "tolerance", index_scores_inputs, _expected_index_scores,
         (Output("scores", BF16, Tolerance(bound=_index_scores_bound, why=(

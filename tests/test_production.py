@@ -397,6 +397,28 @@ def test_user_profiles_parse(tmp_path, flip_free):
     assert get_profile(str(tmp_path / "j.json")).changes()["index_scores"] == "fp32"
 
 
+def test_fused_norm_profile_quantizes_each_norm_once_and_keeps_the_reference_bits_on_cpu(tiny, tiny_decoded,
+                                                                                         monkeypatch):
+    """``fused-norm``: the attention / ffn / q norms hand their FP8 GEMM input to every GEMM they feed
+    (op ``rms_norm_act_quant``, then ``ops.quantized_linear``) and the KV path runs as op ``kv_norm_rope_fp8``; on
+    the CPU both are the emulation's own ops, so prefill and decode logits equal ``reference`` bit for bit, eager
+    and graph decode alike (on CUDA the fused kernels run: tests/gpu/test_production_cuda.py)."""
+    from fidelity.production import registry
+
+    calls = []
+    quantized_linear = ops.quantized_linear
+    monkeypatch.setattr(ops, "quantized_linear", lambda xq, w: calls.append(xq.shape) or quantized_linear(xq, w))
+    registry.reset_used()
+    fused = tiny_decoded("fused-norm")
+    assert {"rms_norm_act_quant", "kv_norm_rope_fp8"} <= set(registry.implementations_used())
+    # at least, per model call (prefill + 8 steps) and layer: wq_a, wkv, wq_b, the shared expert's w1 and w3
+    assert len(calls) >= 9 * TINY.n_layers * 5
+    assert torch.equal(fused, tiny_decoded("reference"))
+    ids = _ids(TINY, 258)
+    graph = _decode(ProductionModel(tiny, "fused-norm", max_context=258).graph_session(graphs=False), ids, 250)
+    assert torch.equal(graph, fused)
+
+
 def test_fp32_residual_for_chosen_layers_stores_those_streams_in_fp32(tiny, tmp_path):
     from fidelity.sites import Recorder
 

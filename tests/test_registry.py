@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fidelity.formats import fake_quant_fp8
+from fidelity.formats import dequantize_fp8, fake_quant_fp8
 from fidelity.production import ops
 from fidelity.production.registry import REGISTRY, deselect, implementation, select, selections
 from fidelity.testing import CONTRACTS, Case, check_against_oracle, check_case
@@ -96,6 +96,21 @@ def kv_round_32_blocks(kv, rope_dims, fmt):
         (fake_quant_fp8(kv[..., :-rope_dims], 32), kv[..., -rope_dims:]), dim=-1)
 
 
+def kv_path_rope_before_norm(x, weight, eps, positions, freqs, fmt):
+    """Rotates the wkv output first, then kv_norm: the norm's weight lands on rotated coordinates."""
+    return ops.kv_round(ops.rms_norm(ops.apply_rope(x, positions, freqs), weight, eps), 2 * freqs.numel(), fmt)
+
+
+def kv_path_round_in_128_blocks(x, weight, eps, positions, freqs, fmt):
+    """One ue8m0 scale per 128 nope dims: a block's small values sink into the subnormal codes of its neighbour's
+    scale."""
+    kv, rd = ops.apply_rope(ops.rms_norm(x, weight, eps), positions, freqs), 2 * freqs.numel()
+    nope = kv[..., :-rd]
+    wide = nope[..., : nope.shape[-1] // 128 * 128]
+    return torch.cat((fake_quant_fp8(wide, 128) if fmt == "fp8" else wide, nope[..., wide.shape[-1]:], kv[..., -rd:]),
+                     dim=-1)
+
+
 def gate_weights_from_biased_scores(x, weight, bias, tid2eid, ids, cfg):
     scores = F.softplus(x @ weight.T).sqrt()
     biased = scores if bias is None else scores + bias
@@ -110,6 +125,11 @@ def rms_norm_fp8_scale_floor(x, weight, eps):
     s = torch.exp2(torch.floor(torch.log2(y.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448)))
     codes = (y / s).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(-2)
     return codes, (torch.log2(s).squeeze(-1) + 127).to(torch.uint8)
+
+
+def rms_norm_act_quant_scale_floor(x, weight, eps):
+    codes, scales = rms_norm_fp8_scale_floor(x, weight, eps)
+    return ops.rms_norm(x, weight, eps), dequantize_fp8(codes, scales, 128).to(BF16)
 
 
 def act_linear_scale_floor(x, weight, act="fp8"):
@@ -134,9 +154,12 @@ BROKEN = [
     ("index_scores", index_scores_without_relu, "error bound|non-finite"),
     ("index_scores_fp4", index_scores_fp4_high_nibble_first, "error bound|non-finite"),
     ("kv_round", kv_round_32_blocks, "not exact"),
+    ("kv_norm_rope_fp8", kv_path_rope_before_norm, "error bound"),
+    ("kv_norm_rope_fp8", kv_path_round_in_128_blocks, "error bound"),
     ("gate", gate_weights_from_biased_scores, "output 'weights'"),
     ("expert", expert_without_clamp, "cos|calc_diff"),
     ("rms_norm_fp8", rms_norm_fp8_scale_floor, "error bound"),
+    ("rms_norm_act_quant", rms_norm_act_quant_scale_floor, "error bound"),
     ("act_linear", act_linear_scale_floor, "error bound"),
 ]
 

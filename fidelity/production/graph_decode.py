@@ -25,7 +25,8 @@ import torch
 from fidelity.production import faults, kernels, registry
 from fidelity.production.compressor import compress_decode_on_device
 from fidelity.production.faults import on
-from fidelity.production.model import ProductionModel, ProductionSession, _topk_cap
+from fidelity.production.fp8_input import Fp8Input
+from fidelity.production.model import ProductionModel, ProductionSession, _plain, _topk_cap
 from fidelity.production.topk import stable_topk
 
 
@@ -123,21 +124,21 @@ class GraphDecodeSession(ProductionSession):
         picks = stable_topk(scores, min(_topk_cap(self.cfg.index_topk), n))
         return torch.where(picks >= limit, -1, picks)
 
-    def moe(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] != 1:
-            return super().moe(i, x, ids)
-        cfg, act = self.cfg, self.p.gemm_act
+    def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] != 1:
+            return super().moe(i, h, ids)
+        cfg, act, x = self.cfg, self.p.gemm_act, _plain(h)
         weights, experts = self.route(i, x, ids)
         w1, w2, w3 = self.m.expert_stack(i)
-        expert, linear = self.op("expert"), self.op("act_linear")
+        expert = self.op("expert")
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         order = experts[0].argsort()  # the eager session's ascending expert ids (a token's experts are distinct)
         for k in range(experts.shape[1]):
             slot = order[k : k + 1]
             e = experts[0].index_select(0, slot)
-            y += expert(x, _take(w1, e), _take(w2, e), _take(w3, e), cfg.swiglu_limit,
-                        weights.index_select(1, slot), act, linear).float()
-        y += self.shared_expert(i, x)
+            y += expert(h, _take(w1, e), _take(w2, e), _take(w3, e), cfg.swiglu_limit,
+                        weights.index_select(1, slot), act, self.linear).float()
+        y += self.shared_expert(i, h)
         return y.to(torch.bfloat16)
 
 

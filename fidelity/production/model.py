@@ -18,6 +18,7 @@ from fidelity.production import ops
 from fidelity.production.cache import KeyStore, LayerCache
 from fidelity.production.compressor import compress_decode, compress_prefill
 from fidelity.production.faults import on
+from fidelity.production.fp8_input import Fp8Input
 from fidelity.production.profiles import Profile, get_profile
 from fidelity.production.registry import implementation
 from fidelity.production.rope_freqs import rope_inv_freq
@@ -97,6 +98,7 @@ class ProductionSession:
         self.kept: list[torch.Tensor] = []  # only the ``decode-buffer-kept`` fault ever appends here
         self.in_prefill = False  # a prefill (chunk) takes the prefill paths, even for one token
         self.res_dtypes = [torch.float32 if self.p.residual_fp32(i) else BF16 for i in range(self.cfg.n_layers)]
+        self.fused = self.p.norm_fusion == "fused"
 
     def emit(self, site: str, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         """Record ``tensor`` at ``site`` if the recorder wants it (a callable is evaluated only then)."""
@@ -178,16 +180,16 @@ class ProductionSession:
 
     # ---- one block ---------------------------------------------------------------------------
     def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        w, cfg = self.m.w, self.cfg
+        w = self.m.w
         y, post, comb = self.mhc_pre(i, "attn", x)
-        h = self.op("rms_norm")(y, w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps)
-        self.emit(f"L{i}.attn.in", h)
+        h = self.norm(y, w(f"layers.{i}.attn_norm.weight"))
+        self.emit(f"L{i}.attn.in", _plain(h))
         f = self.attention(i, h, positions)
         self.emit(f"L{i}.attn.out", f)
         x = self.op("hc_post")(f, x, post, comb, self.res_dtypes[i])
         y, post, comb = self.mhc_pre(i, "ffn", x)
-        h = self.op("rms_norm")(y, w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps)
-        self.emit(f"L{i}.moe.in", h)
+        h = self.norm(y, w(f"layers.{i}.ffn_norm.weight"))
+        self.emit(f"L{i}.moe.in", _plain(h))
         f = self.moe(i, h, ids)
         self.emit(f"L{i}.moe.out", f)
         x = self.op("hc_post")(f, x, post, comb, self.res_dtypes[i])
@@ -203,21 +205,44 @@ class ProductionSession:
         self.emit(f"L{i}.mhc_{which}.comb", comb)
         return y, post, comb
 
+    # ---- norms and the GEMMs they feed ---------------------------------------------------------
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Fp8Input:
+        """RMSNorm of a GEMM input [n, d]: bf16 y (op ``rms_norm``), or under ``norm_fusion = "fused"`` with FP8
+        GEMM inputs an :class:`Fp8Input` (op ``rms_norm_act_quant``: y and its FP8 GEMM input from one kernel)."""
+        if not (self.fused and self.p.gemm_act == "fp8"):
+            return self.op("rms_norm")(x, weight, self.cfg.norm_eps)
+        return Fp8Input(*self.op("rms_norm_act_quant")(x, weight, self.cfg.norm_eps))
+
+    def linear(self, x: torch.Tensor | Fp8Input, weight: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """An FP8/FP4 GEMM (``act_linear``'s signature; ``act`` defaults to the profile's): an :class:`Fp8Input`
+        is multiplied as already quantized (``ops.quantized_linear``), a tensor through op ``act_linear``."""
+        if isinstance(x, Fp8Input):
+            return ops.quantized_linear(x.xq, weight)
+        return self.op("act_linear")(x, weight, act or self.p.gemm_act)
+
+    def kv_path(self, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
+                freqs: torch.Tensor) -> torch.Tensor:
+        """The wkv output [n, hd] -> window KV [n, hd] bf16: kv_norm, RoPE, the FP8 round of the nope dims; one op
+        (``kv_norm_rope_fp8``) under ``norm_fusion = "fused"``, else the reference's three."""
+        cfg, fmt = self.cfg, self.p.kv_nope
+        if self.fused:
+            return self.op("kv_norm_rope_fp8")(x, weight, cfg.norm_eps, positions, freqs, fmt)
+        kv = self.op("apply_rope")(self.op("rms_norm")(x, weight, cfg.norm_eps), positions, freqs)
+        return self.op("kv_round")(kv, cfg.rope_head_dim, fmt)
+
     # ---- attention ---------------------------------------------------------------------------
-    def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        w, cfg, prof = self.m.w, self.cfg, self.p
-        ratio, pre, act = cfg.ratio(i), f"layers.{i}.attn.", self.p.gemm_act
-        freqs, rd = self.m.freqs[ratio], cfg.rope_head_dim
+    def attention(self, i: int, h: torch.Tensor | Fp8Input, positions: torch.Tensor) -> torch.Tensor:
+        """h: the attention norm's output [n, dim] (an :class:`Fp8Input` under a fused profile)."""
+        w, cfg, x = self.m.w, self.cfg, _plain(h)
+        ratio, pre = cfg.ratio(i), f"layers.{i}.attn."
+        freqs = self.m.freqs[ratio]
         if ratio == 0 and on("yarn-on-swa"):
             freqs = rope_inv_freq(cfg, 4).to(x.device)
         rope = self.op("apply_rope")
-        qr = self.op("rms_norm")(self.op("act_linear")(x, w(pre + "wq_a.weight"), act), w(pre + "q_norm.weight"),
-                                 cfg.norm_eps)
-        q = self.op("act_linear")(qr, w(pre + "wq_b.weight"), act).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        qr = self.norm(self.linear(h, w(pre + "wq_a.weight")), w(pre + "q_norm.weight"))
+        q = self.linear(qr, w(pre + "wq_b.weight")).unflatten(-1, (cfg.n_heads, cfg.head_dim))
         q = rope(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
-        kv = self.op("rms_norm")(self.op("act_linear")(x, w(pre + "wkv.weight"), act), w(pre + "kv_norm.weight"),
-                                 cfg.norm_eps)
-        kv = self.op("kv_round")(rope(kv, positions, freqs), rd, prof.kv_nope)
+        kv = self.kv_path(self.linear(h, w(pre + "wkv.weight")), w(pre + "kv_norm.weight"), positions, freqs)
         self.emit(f"L{i}.attn.q", q)
         self.emit(f"L{i}.attn.kv", kv)
         if self.in_prefill:
@@ -228,7 +253,7 @@ class ProductionSession:
         if not on("no-inverse-rope"):
             o = rope(o, positions, freqs, inverse=True)
         o = ops.grouped_out(o, w(pre + "wo_a.weight"), cfg.o_groups)
-        return self.op("act_linear")(o, w(pre + "wo_b.weight"), act)
+        return self.linear(o, w(pre + "wo_b.weight"))
 
     def compressor(self, i: int, index: bool):
         """(weights (wkv, wgate, ape, norm), fp32 carry, ratio, RoPE freqs) of layer i's main or indexer
@@ -346,11 +371,10 @@ class ProductionSession:
         return torch.arange(n_vis, device=x.device)[None]
 
     # ---- indexer -----------------------------------------------------------------------------
-    def index_query(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor):
+    def index_query(self, i: int, x: torch.Tensor, qr: torch.Tensor | Fp8Input, positions: torch.Tensor):
         w, cfg, prof = self.m.w, self.cfg, self.p
         pre = f"layers.{i}.attn.indexer."
-        q = self.op("act_linear")(qr, w(pre + "wq_b.weight"), prof.gemm_act).unflatten(
-            -1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = self.linear(qr, w(pre + "wq_b.weight")).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
         q = self.op("apply_rope")(q, positions, self.m.freqs[4])
         q = ops.indexer_round(q, prof.indexer_qk, prof.hadamard == "on")
         self.emit(f"L{i}.indexer.q", lambda: _unrotated(q, prof))
@@ -422,24 +446,30 @@ class ProductionSession:
         self.emit(f"L{i}.moe.weights", weights)
         return weights, experts
 
-    def shared_expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def shared_expert(self, i: int, h: torch.Tensor | Fp8Input) -> torch.Tensor:
         w, q = self.m.w, f"layers.{i}.ffn.shared_experts."
-        return self.op("expert")(x, w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"), self.cfg.swiglu_limit,
-                                 None, self.p.gemm_act, self.op("act_linear")).float()
+        return self.op("expert")(h, w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"), self.cfg.swiglu_limit,
+                                 None, self.p.gemm_act, self.linear).float()
 
-    def moe(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Routed experts in ascending expert id, then the shared expert; fp32 sum -> bf16 [n, dim]."""
-        w, cfg, act = self.m.w, self.cfg, self.p.gemm_act
+    def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts in ascending expert id, then the shared expert; fp32 sum -> bf16 [n, dim]. h: the ffn
+        norm's output (an :class:`Fp8Input` under a fused profile, which the experts' first GEMMs read)."""
+        w, cfg, act, x = self.m.w, self.cfg, self.p.gemm_act, _plain(h)
         weights, experts = self.route(i, x, ids)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        expert, linear = self.op("expert"), self.op("act_linear")
+        expert = self.op("expert")
         for e in torch.unique(experts).tolist():
             rows, slot = torch.where(experts == e)
             q = f"layers.{i}.ffn.experts.{e}."
-            y[rows] += expert(x[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
-                              cfg.swiglu_limit, weights[rows, slot, None], act, linear).float()
-        y += self.shared_expert(i, x)
+            y[rows] += expert(h[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
+                              cfg.swiglu_limit, weights[rows, slot, None], act, self.linear).float()
+        y += self.shared_expert(i, h)
         return y.to(BF16)
+
+
+def _plain(h: torch.Tensor | Fp8Input) -> torch.Tensor:
+    """The bf16 activation of ``h`` (itself, or an :class:`Fp8Input`'s y)."""
+    return h.y if isinstance(h, Fp8Input) else h
 
 
 def _unrotated(x: torch.Tensor, prof: Profile) -> torch.Tensor:

@@ -31,8 +31,7 @@ ATTN_BLOCK = 64  # sparse_attn processes 64 indices per online-softmax step
 def act_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") -> torch.Tensor:
     """FP8/FP4 GEMM ``x @ W^T``: x [n, k] bf16 is quantized e4m3 1x128 ue8m0 (``act == "fp8"``), W [m, k] holds
     the exactly dequantized FP8/FP4 weight (fp32); products accumulate in fp32; output bf16."""
-    xa = fake_quant_fp8(x, 128) if act == "fp8" else x
-    return (xa.float() @ weight.T).to(BF16)
+    return quantized_linear(fake_quant_fp8(x, 128) if act == "fp8" else x, weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,6 +44,20 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
     """RMSNorm then the 1x128 e4m3 activation quantization of every FP8 GEMM input (spec §3 ``act_quant``):
     ``quantize_fp8(rms_norm(x, weight, eps), 128)`` -> (codes float8_e4m3fn, ue8m0 scale bytes uint8)."""
     return quantize_fp8(rms_norm(x, weight, eps), 128)
+
+
+def rms_norm_act_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm and the FP8 GEMM input made from it, as one op (profile ``fused-norm``): (y = ``rms_norm(x, weight,
+    eps)``, ``fake_quant_fp8(y, 128)``), both bf16 [..., d]; the second is what every FP8 GEMM this norm feeds
+    multiplies (spec §3 ``act_quant`` in place), made once instead of once per GEMM."""
+    y = rms_norm(x, weight, eps)
+    return y, fake_quant_fp8(y, 128)
+
+
+def quantized_linear(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``act_linear``'s GEMM for an input already on its e4m3 1x128 grid (``rms_norm_act_quant``'s second output,
+    or ``act == "bf16"``): ``xq.float() @ W^T`` -> bf16."""
+    return (xq.float() @ weight.T).to(BF16)
 
 
 def rms_norm_weightless(q: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,6 +81,14 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, in
     z = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)).contiguous())
     rotated = torch.view_as_real(z * cis).flatten(-2).to(x.dtype)
     return torch.cat((x[..., :-rd], rotated), dim=-1)
+
+
+def kv_norm_rope_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                     freqs: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The attention KV path (spec §4 Attention steps 2-3) as the reference runs it, three ops: ``kv_norm``
+    (rms_norm), RoPE on the last ``2 * len(freqs)`` dims, the 1x64 FP8 round of the nope dims (``kv_round``).
+    x [n, hd] bf16 (the wkv GEMM output) -> kv [n, hd] bf16. One fused kernel on CUDA (``kernels.kv_path``)."""
+    return kv_round(apply_rope(rms_norm(x, weight, eps), positions, freqs), 2 * freqs.numel(), fmt)
 
 
 def kv_round(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tensor:

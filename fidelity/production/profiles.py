@@ -25,6 +25,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "hadamard": ("on", "off"),  # Walsh-Hadamard rotation of indexer q and keys before quantization
     "index_scores": ("bf16", "fp32"),  # index score einsum / ReLU / weighted sum dtype
     "residual": ("bf16", "fp32"),  # mHC streams stored between sublayers; also fp32@LAYERS (``residual_fp32``)
+    # RMSNorm and its consumers' quantization as the reference runs them (separate ops), or fused: rms_norm_fp8 (the
+    # codes made once per norm for every FP8 GEMM it feeds) and kv_norm_rope_fp8 (kv_norm + RoPE + the FP8 round)
+    "norm_fusion": ("unfused", "fused"),
 }
 _LAYER_SET = re.compile(r"fp32@(\d+(-\d+)?)([+,;]\d+(-\d+)?)*")
 
@@ -43,6 +46,7 @@ class Profile:
     hadamard: str = "on"
     index_scores: str = "bf16"
     residual: str = "bf16"
+    norm_fusion: str = "unfused"
 
     def __post_init__(self) -> None:
         bad = [f"{k}: expected one of {v}, found {getattr(self, k)!r}" for k, v in CHOICES.items()
@@ -89,6 +93,7 @@ BUILTIN: dict[str, dict[str, str]] = {
     "fp8-indexer": {"indexer_qk": "fp8"},
     "no-hadamard": {"hadamard": "off"},
     "fp32-residual": {"residual": "fp32"},
+    "fused-norm": {"norm_fusion": "fused"},
 }
 
 

@@ -61,6 +61,9 @@ def reset_used() -> None:
 for _name, _fn in {
     "act_linear": ops.act_linear,
     "rms_norm": ops.rms_norm,
+    "rms_norm_fp8": ops.rms_norm_fp8,
+    "rms_norm_act_quant": ops.rms_norm_act_quant,
+    "kv_norm_rope_fp8": ops.kv_norm_rope_fp8,
     "rms_norm_weightless": ops.rms_norm_weightless,
     "apply_rope": ops.apply_rope,
     "kv_round": ops.kv_round,
@@ -77,8 +80,7 @@ for _name, _fn in {
     register(_name, "cpu", _fn)
 
 # GPU kernels (Triton): registered as "triton" only when triton imports and CUDA is available. Only ops that
-# already have a CPU emulation here are registered (``ops.rms_norm_fp8`` waits for its contract in
-# fidelity.testing.CONTRACTS before it joins the dict above).
+# already have a CPU emulation here (and so a contract in fidelity.testing.CONTRACTS) are registered.
 from fidelity.production import kernels as _kernels  # noqa: E402
 
 _kernels.register_available(register, known=set(REGISTRY))

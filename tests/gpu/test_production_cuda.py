@@ -121,3 +121,27 @@ def test_graph_decode_captures_the_packed_storage_profiles(tiny, profile):
         runs[name] = torch.stack([s.step(t) for t in ids[100:]]).cpu()
     assert s.replays == 11
     assert torch.equal(runs["eager"], runs["graph"])
+
+
+def test_fused_norm_profile_runs_both_fused_kernels_and_graph_decode_replays_them():
+    """Profile fused-norm on CUDA, tiny widened to head_dim 512 (the KV-path kernel's width) and flip-free:
+    ``rms_norm_act_quant`` and ``kv_norm_rope_fp8`` run as kernels (no fallback logged); the logits stay within cosine
+    0.999 of the unfused reference on the same GPU (the KV kernel's FMA rotation flips a bf16 rounding on a few
+    elements, which the next layer's e4m3 rounding can grow); graph decode replays the eager steps bit for bit."""
+    cfg = ModelConfig.preset("tiny").replace(head_dim=512, index_topk=1024, n_activated_experts=8, n_hash_layers=0)
+    ckpt = synthesize(cfg, seed=0)
+    ids = default_prompt(4096, 300)
+    runs = {}
+    for name, profile in (("reference", "reference"), ("fused", "fused-norm"), ("graph", "fused-norm")):
+        fallbacks.reset()
+        reset_used()
+        model = ProductionModel(ckpt, profile, max_context=320, device="cuda")
+        s = model.graph_session() if name == "graph" else model.session()
+        runs[name] = torch.cat([s.prefill(ids)[-1:], *(s.step(t)[None] for t in ids[:8])]).cpu()
+        if name == "fused":
+            used = implementations_used()
+            assert used["rms_norm_act_quant"] == used["kv_norm_rope_fp8"] == "triton", used
+            assert not {"rms_norm_act_quant", "kv_norm_rope_fp8"} & set(fallbacks.counts()), fallbacks.counts()
+    cos = torch.nn.functional.cosine_similarity(runs["fused"].double(), runs["reference"].double(), dim=-1)
+    assert cos.min() > 0.999, cos
+    assert torch.equal(runs["fused"], runs["graph"])

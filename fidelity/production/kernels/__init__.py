@@ -7,9 +7,11 @@ the current CUDA device and the results copied back), so the registry's contract
 
 Ops: ``sparse_attention`` (bf16 KV; ``sparse_attention_fp8kv`` for the 584 B/token FP8 cache),
 ``index_scores`` (bf16 keys), ``index_scores_fp4`` (packed FP4 keys; FP8 tensor cores for decode), ``rms_norm``,
-``rms_norm_fp8`` (fused RMSNorm + 1x128 e4m3 quantization), ``hc_pre`` (fused mixes + Sinkhorn + collapse), ``hc_post``
-(post * f + comb-mixed residual in one pass), ``act_linear`` (1x128 FP8 activation quantization in one launch,
-then the emulation's fp32 GEMM), ``kv_round`` (the 1x64 FP8 round of the KV nope dims).
+``rms_norm_fp8`` (fused RMSNorm + 1x128 e4m3 quantization; ``rms_norm_act_quant`` the same storing code x scale),
+``hc_pre`` (fused mixes + Sinkhorn + collapse), ``hc_post`` (post * f + comb-mixed residual in one pass),
+``act_linear`` (1x128 FP8 activation quantization in one launch, then the emulation's fp32 GEMM), ``kv_round``
+(the 1x64 FP8 round of the KV nope dims), ``kv_norm_rope_fp8`` (kv_norm + RoPE + that round in one pass, head_dim
+512).
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ KERNELS = {
     "index_scores_fp4": ("indexer", "index_scores_packed"),
     "rms_norm": ("rms_norm", "rms_norm"),
     "rms_norm_fp8": ("rms_norm", "rms_norm_fp8"),
+    "rms_norm_act_quant": ("rms_norm", "rms_norm_act_quant"),
     "hc_pre": ("mhc", "hc_pre"),
     "hc_post": ("mhc", "hc_post"),
     "act_linear": ("act_quant", "act_linear"),
     "kv_round": ("act_quant", "kv_round"),
+    "kv_norm_rope_fp8": ("kv_path", "kv_path"),
 }
 
 

@@ -1,11 +1,12 @@
 """The attention KV path in one kernel (spec §4 Attention step 2): ``kv_norm`` (RMSNorm with weight), interleaved
 RoPE on the last 64 dims, and the in-place ``act_quant(kv[..., :448], 64, "ue8m0")`` FP8 round of the nope dims.
 
-:func:`kv_norm_rope_fp8` equals ``ops.kv_round(ops.apply_rope(ops.rms_norm(x, w, eps), positions, freqs), 64, fmt)``
-(the three ops the production model runs) up to the fp32 summation order of the mean and FMA contraction in the
-rotation (a bf16 rounding flip on a small fraction of elements); given the normalized, rotated row, the FP8 round
-is bit-exact (:func:`fidelity.production.kernels.rms_norm.e4m3_blocks`). The rotation reads the same complex64
-table as ``ops.apply_rope`` (``ops.rope_table``: fp32 angles, torch's cos / sin), so no trig library differs.
+:func:`kv_norm_rope_fp8` equals ``ops.kv_norm_rope_fp8`` (``kv_round(apply_rope(rms_norm(x, w, eps), positions,
+freqs), 64, fmt)``: the three ops the production model runs unfused) up to the fp32 summation order of the mean and
+FMA contraction in the rotation (a bf16 rounding flip on a small fraction of elements); given the normalized,
+rotated row, the FP8 round is bit-exact (:func:`fidelity.production.kernels.rms_norm.e4m3_blocks`). The rotation
+reads the same complex64 table as ``ops.apply_rope`` (``ops.rope_table``: fp32 angles, torch's cos / sin), so no
+trig library differs.
 
 Optionally the same launch writes the 584 B/token FP8 cache row that
 :func:`fidelity.production.kernels.sparse_attention.sparse_attention_fp8kv` reads
@@ -19,8 +20,10 @@ import triton
 import triton.language as tl
 
 from fidelity.production import ops
+from fidelity.production.kernels import fallbacks
 from fidelity.production.kernels._common import device_transparent, on_device
-from fidelity.production.kernels.rms_norm import e4m3_blocks
+from fidelity.production.kernels.act_quant import kv_round_cuda
+from fidelity.production.kernels.rms_norm import e4m3_blocks, rms_norm_cuda
 from fidelity.production.kernels.sparse_attention import pack_kv_fp8
 
 
@@ -73,8 +76,12 @@ def kv_norm_rope_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, position
         raise ValueError(f"pack: the 584 B layout holds FP8 nope dims, found fmt={fmt!r}")
     ok = (on_device(x) and x.dim() == 2 and x.shape[1] == 512 and x.dtype == torch.bfloat16
           and weight.shape == (512,) and freqs.numel() == 32 and positions.shape == (x.shape[0],))
-    if not ok:
-        kv = ops.kv_round(ops.apply_rope(ops.rms_norm(x, weight, eps), positions, freqs), 64, fmt)
+    if not ok:  # the three ops as the unfused model runs them here (its kernels on CUDA), so an A/B sees no change
+        fallbacks.note("kv_norm_rope_fp8", fallbacks.UNSUPPORTED)
+        if on_device(x):
+            kv = kv_round_cuda(ops.apply_rope(rms_norm_cuda(x, weight, eps), positions, freqs), 2 * freqs.numel(), fmt)
+        else:
+            kv = ops.kv_norm_rope_fp8(x, weight, eps, positions, freqs, fmt)
         return (kv, pack_kv_fp8(kv)) if pack else kv
     n = x.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()

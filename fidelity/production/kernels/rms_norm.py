@@ -11,6 +11,9 @@ bits of ``v = amax * fp32(1/448)``, codes ``e4m3(clamp(y / s, -448, 448))`` (RNE
 bytes ``exp(s) + 127``. Given ``y``, codes and scales are bit-identical to ``formats.quantize_fp8(y, 128)``,
 NaN included (a NaN block gets scale byte 0xFF and NaN codes, as in ``fidelity.formats``).
 
+``rms_norm_act_quant``: the same program storing, in place of codes and scale bytes, their product as bf16 (exact):
+``y`` and ``formats.fake_quant_fp8(y, 128)``, what the production model's FP8 GEMMs multiply (profile ``fused-norm``).
+
 Two launches: one-shot (one program per row group) and persistent (a few programs per SM loop over the row
 groups and load the next group before reducing and storing the current one). Both give the same bits for the same
 ``rows`` and ``num_warps``; prefill-sized FP8 inputs take the persistent one (H200 numbers in BENCHMARKS.md).
@@ -54,21 +57,27 @@ def e4m3_blocks(yf):
 @triton.jit
 def _norm_store(x, w, rows, cols, mask, n_rows, n_cols, eps, y_ptr, q_ptr, s_ptr, stride_y, stride_q, stride_s,
                 NB: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr,
-                STREAM: tl.constexpr):
-    """Normalize x fp32 [ROWS, NB, QB] (rows ``rows``) with w fp32 [NB, QB]; store y and/or codes + scale bytes."""
+                STREAM: tl.constexpr, DQ: tl.constexpr):
+    """Normalize x fp32 [ROWS, NB, QB] (rows ``rows``) with w fp32 [NB, QB]; store y and/or codes + scale bytes
+    (``DQ``: instead of those, the bf16 values code * s, i.e. y quantized-dequantized)."""
     ms = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.zeros([ROWS], tl.float32) + n_cols)
     rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
     y = (w[None, :, :] * (x * rs[:, None, None])).to(y_ptr.dtype.element_ty)
     if WRITE_Y:
         tl.store(y_ptr + rows[:, None, None] * stride_y + cols[None, :, :], y, mask=mask)
     if WRITE_Q:
-        codes, sbyte, _ = e4m3_blocks(tl.reshape(y.to(tl.float32), [ROWS * NB, QB]))
-        tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], tl.reshape(codes, [ROWS, NB, QB]),
-                 mask=mask, cache_modifier=".cs" if STREAM else "")
-        blk = tl.arange(0, NB)
-        smask = (rows < n_rows)[:, None] & (blk * QB < n_cols)[None, :]
-        tl.store(s_ptr + rows[:, None] * stride_s + blk[None, :], tl.reshape(sbyte, [ROWS, NB]).to(tl.uint8),
-                 mask=smask)
+        codes, sbyte, scale = e4m3_blocks(tl.reshape(y.to(tl.float32), [ROWS * NB, QB]))
+        if DQ:
+            deq = (codes.to(tl.float32) * scale[:, None]).to(tl.bfloat16)  # exact: a code times a power of two
+            tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], tl.reshape(deq, [ROWS, NB, QB]),
+                     mask=mask)
+        else:
+            tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], tl.reshape(codes, [ROWS, NB, QB]),
+                     mask=mask, cache_modifier=".cs" if STREAM else "")
+            blk = tl.arange(0, NB)
+            smask = (rows < n_rows)[:, None] & (blk * QB < n_cols)[None, :]
+            tl.store(s_ptr + rows[:, None] * stride_s + blk[None, :], tl.reshape(sbyte, [ROWS, NB]).to(tl.uint8),
+                     mask=smask)
 
 
 @triton.jit
@@ -93,20 +102,21 @@ def _load_rows(x_ptr, rows, cols, cmask, n_rows, stride_x, STREAM: tl.constexpr)
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, stride_x, stride_y, stride_q, stride_s,
                      NB: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, WRITE_Y: tl.constexpr,
-                     WRITE_Q: tl.constexpr, STREAM: tl.constexpr):
+                     WRITE_Q: tl.constexpr, STREAM: tl.constexpr, DQ: tl.constexpr = False):
     """``ROWS`` rows per program as one [ROWS, NB, QB] tile (QB = the quantization block), so that all the rows'
     loads are in flight together and the FP8 epilogue's per-block amax is a plain reduction (no re-layout)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols, cmask, w = _row_cols(w_ptr, n_cols, NB, QB, STREAM)
     x, mask = _load_rows(x_ptr, rows, cols, cmask, n_rows, stride_x, STREAM)
     _norm_store(x.to(tl.float32), w, rows, cols, mask, n_rows, n_cols, eps, y_ptr, q_ptr, s_ptr, stride_y, stride_q,
-                stride_s, NB, QB, ROWS, WRITE_Y, WRITE_Q, STREAM)
+                stride_s, NB, QB, ROWS, WRITE_Y, WRITE_Q, STREAM, DQ)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_persistent_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, stride_x, stride_y, stride_q,
                                 stride_s, NB: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr,
-                                WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr, STREAM: tl.constexpr):
+                                WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr, STREAM: tl.constexpr,
+                                DQ: tl.constexpr = False):
     """Persistent variant: program p normalizes row groups p, p + P, p + 2P, ... (P programs) and loads group
     i + 1 before it reduces and stores group i (a register double buffer), so each program's loads overlap its
     own epilogue instead of waiting behind it; w is loaded once per program."""
@@ -118,7 +128,7 @@ def _rms_norm_persistent_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_col
     for _ in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
         x_next, mask_next = _load_rows(x_ptr, rows + step, cols, cmask, n_rows, stride_x, STREAM)
         _norm_store(x.to(tl.float32), w, rows, cols, mask, n_rows, n_cols, eps, y_ptr, q_ptr, s_ptr, stride_y,
-                    stride_q, stride_s, NB, QB, ROWS, WRITE_Y, WRITE_Q, STREAM)
+                    stride_q, stride_s, NB, QB, ROWS, WRITE_Y, WRITE_Q, STREAM, DQ)
         rows += step
         x, mask = x_next, mask_next
 
@@ -128,7 +138,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, stream=None, per_sm=None):
+def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, stream=None, per_sm=None, dq=False):
     shape = x.shape
     d = shape[-1]
     x2 = x.reshape(-1, d)
@@ -136,8 +146,8 @@ def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, stream=
         x2 = x2.contiguous()
     n = x2.shape[0]
     y = torch.empty((n, d), dtype=x.dtype, device=x.device)
-    q = torch.empty((n, d), dtype=torch.float8_e4m3fn, device=x.device) if write_q else y
-    s = torch.empty((n, d // 128), dtype=torch.uint8, device=x.device) if write_q else y
+    q = torch.empty((n, d), dtype=torch.bfloat16 if dq else torch.float8_e4m3fn, device=x.device) if write_q else y
+    s = torch.empty((n, d // 128), dtype=torch.uint8, device=x.device) if write_q and not dq else y
     if n:
         nb = next_pow2(triton.cdiv(d, 128))
         if per_sm is None and write_q and n >= 1024 and nb in (32, 64) and rows is None and num_warps is None:
@@ -151,7 +161,7 @@ def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, stream=
             raise ValueError(f"rows: expected a power of two, found {rows}")
         args = (x2, weight.contiguous(), y, q, s, n, d, float(eps), x2.stride(0), y.stride(0), q.stride(0),
                 s.stride(0))
-        meta = dict(NB=nb, QB=128, ROWS=rows, WRITE_Y=write_y, WRITE_Q=write_q,
+        meta = dict(NB=nb, QB=128, ROWS=rows, WRITE_Y=write_y, WRITE_Q=write_q, DQ=dq,
                     STREAM=rows > 1 and write_q if stream is None else stream, num_warps=warps)
         if per_sm:  # persistent: per_sm programs per SM, each looping over row groups
             grid = min(triton.cdiv(n, rows), per_sm * _sm_count(x.device))
@@ -161,6 +171,8 @@ def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, stream=
     y = y.reshape(shape)
     if not write_q:
         return y
+    if dq:
+        return y, q.reshape(shape)
     q, s = q.reshape(shape), s.reshape(*shape[:-1], d // 128)
     return (q, s, y) if write_y else (q, s)
 
@@ -197,7 +209,19 @@ def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int 
     return _launch(x, weight, eps, return_y, True, num_warps, rows, stream, per_sm)
 
 
+def rms_norm_act_quant_cuda(x, weight, eps):
+    """Same signature and result as ``ops.rms_norm_act_quant``: (y bf16, y quantized-dequantized 1x128 bf16) from
+    one pass (``rms_norm_fp8``'s kernel storing code * scale instead of the codes and scale bytes). d must be a
+    multiple of 128 and x bf16."""
+    if x.shape[-1] % 128 or x.dtype != torch.bfloat16 or not _ok(x, weight):
+        fallbacks.note("rms_norm_act_quant", fallbacks.UNSUPPORTED)
+        return ops.rms_norm_act_quant(x, weight, eps)
+    return _launch(x, weight, eps, True, True, dq=True)
+
+
 rms_norm = device_transparent(rms_norm_cuda)
 rms_norm.__name__ = "triton_rms_norm"
 rms_norm_fp8 = device_transparent(rms_norm_fp8_cuda)
 rms_norm_fp8.__name__ = "triton_rms_norm_fp8"
+rms_norm_act_quant = device_transparent(rms_norm_act_quant_cuda)
+rms_norm_act_quant.__name__ = "triton_rms_norm_act_quant"

@@ -2,9 +2,9 @@
 changes that should keep every bit: the outputs of both revisions are compared first (bf16 bits, and the ``used``
 flags of the indexer), then both are timed, interleaved, on the same rotating inputs (>= 3x L2).
 
-    git show REV:fidelity/production/kernels/sparse_attention_ws.py > /tmp/old_attention_ws.py
+    git show REV:fidelity/decoders/production/kernels/sparse_attention_ws.py > /tmp/old_attention_ws.py
     python3 benchmarks/ab_ws_revision.py attention --old /tmp/old_attention_ws.py --out DIR
-    git show REV:fidelity/production/kernels/indexer_ws.py > /tmp/old_indexer_ws.py
+    git show REV:fidelity/decoders/production/kernels/indexer_ws.py > /tmp/old_indexer_ws.py
     python3 benchmarks/ab_ws_revision.py indexer --old /tmp/old_indexer_ws.py --out DIR
 
 Writes DIR/ab_<kernel>.json; exits 1 if any output differs.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402
 from diag_indexer_ws import indexer_sets  # noqa: E402
 
-from fidelity.production.kernels import indexer_ws, sparse_attention_ws  # noqa: E402
+from fidelity.decoders.production.kernels import indexer_ws, sparse_attention_ws  # noqa: E402
 
 SCALE = 512**-0.5
 

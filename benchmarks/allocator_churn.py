@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 import fidelity
-from fidelity.checkpoint import load_checkpoint
-from fidelity.default_model import prompt_for
-from fidelity.production import ProductionModel
-from fidelity.thresholds import MEMORY_GROWTH_BAND
+from fidelity.decoders.production import ProductionModel
+from fidelity.decoders.production.graph_decode import GraphDecodeSession
+from fidelity.harness.thresholds import MEMORY_GROWTH_BAND
+from fidelity.model.default import prompt_for
+from fidelity.model.load import load_checkpoint
 from probes.memory import WARMUP_DECODE_CALLS, held_bytes, measured_call
 
 
@@ -70,7 +71,7 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "command": " ".join(sys.argv), "band_bytes": MEMORY_GROWTH_BAND,
               "sessions": {}}
-    for kind, make in (("eager", model.session), ("graph", model.graph_session)):
+    for kind, make in (("eager", model.session), ("graph", lambda: GraphDecodeSession(model))):
         result["sessions"][kind] = measure(make(), prompt, a.steps, a.device)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

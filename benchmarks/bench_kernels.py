@@ -3,7 +3,7 @@
     python benchmarks/bench_kernels.py --out DIR [--only attn,index,norm,mhc,post,kv,act,topk] [--quick]
                                              [--cases "Flash decode b64"]
 
-For every kernel and shape: a correctness check against the torch emulation (``fidelity.production.ops`` on
+For every kernel and shape: a correctness check against the torch emulation (``fidelity.decoders.production.ops`` on
 CUDA tensors) on the benchmark inputs, then CUDA-event timings (median over many runs) of
 
 * the kernel (a launch-config sweep where it matters; the best config is reported, all are kept in the JSON),
@@ -38,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fidelity.formats import quantize_fp4, quantize_fp8  # noqa: E402
-from fidelity.production import ops  # noqa: E402
-from fidelity.production.kernels import indexer, kv_path, mhc, rms_norm, sparse_attention  # noqa: E402
+from fidelity.decoders.production import ops  # noqa: E402
+from fidelity.decoders.production.kernels import indexer, kv_path, mhc, rms_norm, sparse_attention  # noqa: E402
+from fidelity.model.formats import quantize_fp4, quantize_fp8  # noqa: E402
 
 BF16 = torch.bfloat16
 DEV = "cuda"
@@ -754,8 +754,8 @@ def bench_kv(quick: bool):
 
 def bench_act(quick: bool):
     """FP8 activation quantize-dequantize (1x128, the input of every linear layer): one kernel vs the emulation."""
-    from fidelity.formats import fake_quant_fp8
-    from fidelity.production.kernels import act_quant
+    from fidelity.decoders.production.kernels import act_quant
+    from fidelity.model.formats import fake_quant_fp8
 
     for name, n, d in (("V4-Flash prefill 4096x4096", 4096, 4096), ("V4-Flash decode 1x4096", 1, 4096)):
         g = torch.Generator(device=DEV).manual_seed(8)
@@ -794,7 +794,7 @@ def bench_e4m3_profile(name, s0, args, scale, *, bytes_, flops):
 
 def _radix_at(block: int):
     """The radix selection at ``block`` entries per program (a sweep point)."""
-    from fidelity.production.kernels.radix_topk import radix_topk
+    from fidelity.decoders.production.kernels.radix_topk import radix_topk
 
     return lambda s, k: radix_topk(s, k, {"block": block})
 
@@ -806,7 +806,7 @@ def bench_topk(quick: bool):
     CUDA's float sort, which differs from the CPU's on -0.0 and negative NaNs), and plain ``torch.topk`` (tie order
     unspecified: a speed reference only). Cases marked "ties" have 80% of the scores at +-0.0 (ReLU-weighted
     scores of a short context), so the k-th score is a zero shared by thousands of entries."""
-    from fidelity.production.topk import ROUTES, default_route, stable_topk
+    from fidelity.decoders.production.topk import ROUTES, default_route, stable_topk
 
     cases = [("decode b1, 128K ctx (32768 keys), k=512", 1, 32768, 512),
              ("decode b1, 1M ctx (262144 keys), k=512", 1, 262144, 512),

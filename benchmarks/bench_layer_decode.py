@@ -38,9 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fidelity.config import ModelConfig  # noqa: E402
-from fidelity.production import ProductionModel, ops, registry  # noqa: E402
-from fidelity.synthesize import synthesize  # noqa: E402
+from fidelity.decoders.production import ProductionModel, ops, registry  # noqa: E402
+from fidelity.decoders.production.graph_decode import GraphDecodeSession  # noqa: E402
+from fidelity.model.config import ModelConfig  # noqa: E402
+from fidelity.model.synthesize import synthesize  # noqa: E402
 
 
 def layer_config(context: int, preset: str) -> ModelConfig:
@@ -53,7 +54,7 @@ def layer_config(context: int, preset: str) -> ModelConfig:
 def filled_session(model: ProductionModel, context: int, seed: int, graph: bool = False):
     """A session at position ``context`` whose caches hold random rows in their storage formats (``graph``: a
     ``GraphDecodeSession``, CUDA-graph replays on CUDA)."""
-    s = model.graph_session() if graph else model.session()
+    s = GraphDecodeSession(model) if graph else model.session()
     cfg, dev = model.cfg, model.device
     g = torch.Generator(device=dev).manual_seed(seed)
     for cache in s.layers:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pandas as pd
 
 import fidelity
-from fidelity.production.profiles import BUILTIN
-from fidelity.report import md_table
+from fidelity.decoders.production.profiles import BUILTIN
+from fidelity.outputs.report import md_table
 
 
 def worst_rows(res, profile: str) -> list[dict]:

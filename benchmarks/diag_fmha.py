@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import _row_calc_diff, decode_sets, time_fn  # noqa: E402
 
-from fidelity.production import ops  # noqa: E402
-from fidelity.production.kernels import sparse_attention  # noqa: E402
-from fidelity.production.kernels.sparse_attention import BLOCK_N  # noqa: E402
+from fidelity.decoders.production import ops  # noqa: E402
+from fidelity.decoders.production.kernels import sparse_attention  # noqa: E402
+from fidelity.decoders.production.kernels.sparse_attention import BLOCK_N  # noqa: E402
 
 
 @triton.jit

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_kernels as bk  # noqa: E402
 
-from fidelity.production.kernels import sparse_attention  # noqa: E402
-from fidelity.production.kernels import sparse_attention_ws as ws
+from fidelity.decoders.production.kernels import sparse_attention  # noqa: E402
+from fidelity.decoders.production.kernels import sparse_attention_ws as ws
 
 PARTS = {"gathers + math": ws.GATHER | ws.MATH, "math only (no gathers)": ws.MATH,
          "gathers only (no math)": ws.GATHER, "neither": 0}

@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import time_fn  # noqa: E402
 
-from fidelity.formats import quantize_fp4  # noqa: E402
-from fidelity.production import ops  # noqa: E402
-from fidelity.production.kernels import indexer  # noqa: E402
-from fidelity.production.kernels._common import INTERPRET  # noqa: E402
-from fidelity.production.kernels.indexer import _k_block_fp8, _query_fp8, _round_bf16  # noqa: E402
+from fidelity.decoders.production import ops  # noqa: E402
+from fidelity.decoders.production.kernels import indexer  # noqa: E402
+from fidelity.decoders.production.kernels._common import INTERPRET  # noqa: E402
+from fidelity.decoders.production.kernels.indexer import _k_block_fp8, _query_fp8, _round_bf16  # noqa: E402
+from fidelity.model.formats import quantize_fp4  # noqa: E402
 
 DEV = "cpu" if INTERPRET else "cuda"
 MODES = ("full", "no_round", "bf16_math", "int_round", "no_scale", "no_unpack", "loads_only", "mma_only",

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernels import time_fn  # noqa: E402
 from diag_indexer_ws import indexer_sets  # noqa: E402
 
-from fidelity.production.kernels import indexer_ws  # noqa: E402
+from fidelity.decoders.production.kernels import indexer_ws  # noqa: E402
 
 
 @triton.jit

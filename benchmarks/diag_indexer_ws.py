@@ -14,9 +14,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernels import _n_sets, time_fn  # noqa: E402
 
-from fidelity.formats import quantize_fp4  # noqa: E402
-from fidelity.production import ops  # noqa: E402
-from fidelity.production.kernels import indexer  # noqa: E402
+from fidelity.decoders.production import ops  # noqa: E402
+from fidelity.decoders.production.kernels import indexer  # noqa: E402
+from fidelity.model.formats import quantize_fp4  # noqa: E402
 
 BF16 = torch.bfloat16
 

@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fidelity.config import ModelConfig  # noqa: E402
-from fidelity.oracle_run import default_prompt  # noqa: E402
-from fidelity.production import ProductionModel, registry  # noqa: E402
-from fidelity.synthesize import synthesize  # noqa: E402
+from fidelity.decoders.production import ProductionModel, registry  # noqa: E402
+from fidelity.model.config import ModelConfig  # noqa: E402
+from fidelity.model.default import default_prompt  # noqa: E402
+from fidelity.model.synthesize import synthesize  # noqa: E402
 
 
 def main() -> None:

@@ -27,13 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fidelity.checkpoint import load_checkpoint  # noqa: E402
-from fidelity.config import ModelConfig  # noqa: E402
-from fidelity.default_model import DEFAULT_DIR, prompt_for  # noqa: E402
-from fidelity.production import ProductionModel, registry  # noqa: E402
-from fidelity.production.kernels import fallbacks  # noqa: E402
-from fidelity.sites import Recorder  # noqa: E402
-from fidelity.synthesize import synthesize  # noqa: E402
+from fidelity.decoders.production import ProductionModel, registry  # noqa: E402
+from fidelity.decoders.production.kernels import fallbacks  # noqa: E402
+from fidelity.model.config import ModelConfig  # noqa: E402
+from fidelity.model.default import DEFAULT_DIR, prompt_for  # noqa: E402
+from fidelity.model.load import load_checkpoint  # noqa: E402
+from fidelity.model.sites import Recorder  # noqa: E402
+from fidelity.model.synthesize import synthesize  # noqa: E402
 
 SITES = ("attn.in", "attn.q", "attn.kv", "attn.core", "moe.in", "moe.out", "residual")
 

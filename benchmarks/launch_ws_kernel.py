@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402
 from diag_indexer_ws import indexer_sets  # noqa: E402
 
-from fidelity.production.kernels import indexer_ws, sparse_attention_ws  # noqa: E402
+from fidelity.decoders.production.kernels import indexer_ws, sparse_attention_ws  # noqa: E402
 
 
 def main() -> None:

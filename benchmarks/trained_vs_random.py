@@ -19,10 +19,10 @@ import pandas as pd
 import torch
 
 import fidelity
-from fidelity.config import ModelConfig
-from fidelity.default_model import default_prompt_ids
-from fidelity.report import md_table
-from fidelity.sites import Recorder
+from fidelity.model.config import ModelConfig
+from fidelity.model.default import default_prompt_ids
+from fidelity.model.sites import Recorder
+from fidelity.outputs.report import md_table
 from oracles import attention, model
 
 _entropies: list[tuple[float, int]] = []

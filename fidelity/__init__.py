@@ -1,11 +1,21 @@
-"""dsv4-fidelity: differential testing of DeepSeek-V4 decoders against FP32/FP64 oracles."""
+"""dsv4-fidelity: differential testing of DeepSeek-V4 decoders against FP32/FP64 oracles.
 
-from fidelity.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
-from fidelity.config import ConfigError, ModelConfig
-from fidelity.default_model import default_checkpoint
-from fidelity.synthesize import synthesize
+Subpackages, in the order data flows: ``model`` (config, formats, weights, checkpoints, sites, sampler), the
+decoders under test (``decoders``: the built-in ``decoders.production`` and foreign ones), the ``harness`` (runs,
+modes, comparison, judgement), ``outputs`` (run directory, report, plots, comparisons), and the ``testing`` kit for
+your own kernels; ``job``, ``mutants``, ``api`` and ``cli`` sit on top. Each imports only from those before it."""
+
+from fidelity import _moved
+from fidelity._version import __version__
+from fidelity.model.checkpoint import Checkpoint, CheckpointError
+from fidelity.model.config import ConfigError, ModelConfig
+from fidelity.model.default import default_checkpoint
+from fidelity.model.load import load_checkpoint
+from fidelity.model.save import save_checkpoint
+from fidelity.model.synthesize import synthesize
 
 __all__ = [
+    "__version__",
     "Checkpoint",
     "CheckpointError",
     "ConfigError",
@@ -16,7 +26,7 @@ __all__ = [
     "save_checkpoint",
     "synthesize",
 ]
-__version__ = "0.1.0"
+_moved.install()
 
 
 def __getattr__(name: str):

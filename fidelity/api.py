@@ -12,18 +12,19 @@ from pathlib import Path
 
 import torch
 
-from fidelity import text
-from fidelity.checkpoint import Checkpoint, load_checkpoint
 from fidelity.decoders.base import Decoder
-from fidelity.decoders.production import ProductionDecoder
+from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.trace import TraceDecoder
+from fidelity.decoders.trace_file import TraceError
 from fidelity.decoders.transformers import TransformersDecoder
-from fidelity.default_model import default_checkpoint, prompt_for
+from fidelity.harness.oracle_run import ORACLE_DTYPES
+from fidelity.harness.runner import RunSpec, checkpoint_info
 from fidelity.job import RunResult, run_job
-from fidelity.oracle_run import ORACLE_DTYPES
-from fidelity.runner import RunSpec, checkpoint_info
-from fidelity.synthesize import synthesize
-from fidelity.trace import TraceError
+from fidelity.model import text
+from fidelity.model.checkpoint import Checkpoint
+from fidelity.model.default import default_checkpoint, prompt_for
+from fidelity.model.load import load_checkpoint
+from fidelity.model.synthesize import synthesize
 
 DECODERS = ("production", "transformers", "trace:DIR")
 
@@ -39,7 +40,7 @@ def open_checkpoint(checkpoint: Checkpoint | str | Path | None, trace: TraceDeco
         return load_checkpoint(recorded["path"])
     if not recorded.get("preset"):
         return load_checkpoint(default_checkpoint())
-    from fidelity.config import ModelConfig
+    from fidelity.model.config import ModelConfig
 
     preset = recorded["preset"]
     ckpt = synthesize(ModelConfig.preset(preset), seed=int(recorded.get("seed", 0)))

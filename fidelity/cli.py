@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from fidelity import __version__
-from fidelity.config import ConfigError, ModelConfig
-from fidelity.default_model import RANDOM_PROMPT_LEN
+from fidelity._version import __version__
+from fidelity.model.config import ConfigError, ModelConfig
+from fidelity.model.default import RANDOM_PROMPT_LEN
 
 EXAMPLES = """examples:
   fidelity run                               the default: the trained default checkpoint (tiny shape), its own
@@ -61,7 +61,7 @@ def _on_gpu(args) -> bool:
 
 
 def _synth_bytes(cfg: ModelConfig) -> int:
-    from fidelity.checkpoint import fp32_nbytes
+    from fidelity.model.weights import fp32_nbytes
 
     return fp32_nbytes(cfg)
 
@@ -70,8 +70,8 @@ def _open(args, replay=None) -> tuple[ModelConfig, object | None]:
     """(config, checkpoint or None): ``--checkpoint`` (or a replayed trace's recorded checkpoint path) is opened
     (headers only, cheap); for a preset only the config is made, so that every argument is checked before the
     weights are synthesized (``_ready``)."""
-    from fidelity.checkpoint import load_checkpoint
-    from fidelity.default_model import default_checkpoint
+    from fidelity.model.default import default_checkpoint
+    from fidelity.model.load import load_checkpoint
 
     recorded = replay.manifest.get("checkpoint", {}) if replay is not None and not args.preset else {}
     path = args.checkpoint or recorded.get("path")
@@ -89,8 +89,8 @@ def _ready(args, ckpt, replay=None) -> tuple[object, str]:
     """(checkpoint, what it is in words): the opened one, or the preset synthesized now; a replayed trace must
     have been recorded on it."""
     from fidelity.api import check_trace_checkpoint
-    from fidelity.default_model import is_default
-    from fidelity.synthesize import synthesize
+    from fidelity.model.default import is_default
+    from fidelity.model.synthesize import synthesize
 
     if ckpt is not None:
         what = f"{'the trained default checkpoint' if is_default(ckpt.path) else 'checkpoint'} {ckpt.path}"
@@ -123,9 +123,8 @@ def _check_synth_size(cfg: ModelConfig, name: str) -> None:
 def _prompt(args, cfg: ModelConfig, ckpt) -> torch.Tensor:
     """Token ids (``--prompt-file``), text (``--prompt-text`` / ``--prompt-text-file``, BOS + its ids), or the
     default prompt: the trained default's own text, else random ids; ``--prompt-len`` cuts any of them."""
-    from fidelity import text
-    from fidelity.default_model import prompt_for
-    from fidelity.oracle_run import default_prompt
+    from fidelity.model import text
+    from fidelity.model.default import default_prompt, prompt_for
 
     if args.prompt_len is not None and args.prompt_len < 1:
         raise UsageError(f"--prompt-len: expected >= 1, found {args.prompt_len}")
@@ -149,7 +148,7 @@ def _prompt(args, cfg: ModelConfig, ckpt) -> torch.Tensor:
 
 def _text_tokenizer(args, ckpt) -> Path | None:
     """The tokenizer.json for text: ``--tokenizer`` when it is one, else the checkpoint's, else None."""
-    from fidelity import text
+    from fidelity.model import text
 
     given = getattr(args, "tokenizer", None)
     if given and Path(given).name == "tokenizer.json":
@@ -182,11 +181,11 @@ def _plural(n: int, word: str) -> str:
 def cmd_run(args) -> int:
     from fidelity.api import run
     from fidelity.atomic_write import check_new_dir
-    from fidelity.production import get_profile
+    from fidelity.decoders.production import get_profile
+    from fidelity.harness.thresholds import load_thresholds
+    from fidelity.model.sampling import SamplerConfig
+    from fidelity.outputs.rundir import check_output, new_run_id
     from fidelity.progress import Progress
-    from fidelity.rundir import check_output, new_run_id
-    from fidelity.sampling import SamplerConfig
-    from fidelity.thresholds import load_thresholds
 
     try:  # everything a user can get wrong is checked before the checkpoint is synthesized or read
         profile = get_profile(args.profile)
@@ -261,7 +260,7 @@ def _run_prompt(args, cfg: ModelConfig, ckpt, replay) -> torch.Tensor:
 
 
 def _stops(args, cfg) -> tuple[int, ...] | None:
-    from fidelity.sampling import StopSet
+    from fidelity.model.sampling import StopSet
 
     if args.tokenizer:
         return tuple(StopSet.from_tokenizer_file(args.tokenizer, extra=args.stop_id or ()))
@@ -282,9 +281,9 @@ def _print_verdict(j) -> None:
 
 
 def cmd_report(args) -> int:
-    from fidelity.judgement import judge, run_rules
-    from fidelity.report import write_report
-    from fidelity.rundir import read_run, update_manifest
+    from fidelity.harness.judgement import judge, run_rules
+    from fidelity.outputs.report import write_report
+    from fidelity.outputs.rundir import read_run, update_manifest
 
     df, manifest = read_run(args.run)
     rules, klass = run_rules(manifest, df, args.thresholds)
@@ -299,8 +298,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from fidelity.plots import make_plots
-    from fidelity.rundir import read_run
+    from fidelity.outputs.plots import make_plots
+    from fidelity.outputs.rundir import read_run
 
     df, _ = read_run(args.run)
     for path in make_plots(df, Path(args.run) / "plots"):
@@ -309,7 +308,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from fidelity.compare import compare_runs
+    from fidelity.outputs.compare import compare_runs
 
     table, plot = compare_runs(args.runs, args.out, overwrite=args.overwrite)
     print(table)
@@ -318,7 +317,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from fidelity.memory import memory_main
+    from fidelity.harness.memory import memory_main
 
     try:
         print(memory_main(None if args.config else args.preset, args.config, args.context))
@@ -338,8 +337,8 @@ def cmd_mutants(args) -> int:
         run_mutants,
         write_matrix,
     )
-    from fidelity.report import md_table
-    from fidelity.rundir import check_output, new_run_id
+    from fidelity.outputs.report import md_table
+    from fidelity.outputs.rundir import check_output, new_run_id
 
     if args.decoder not in ("production", "transformers"):
         raise UsageError(f"--decoder: expected production or transformers, found {args.decoder!r}")
@@ -375,8 +374,8 @@ def cmd_mutants(args) -> int:
 
 
 def cmd_oracle(args) -> int:
-    from fidelity import text
-    from fidelity.oracle_run import ORACLE_DTYPES, format_summary, run_oracle
+    from fidelity.harness.oracle_run import ORACLE_DTYPES, format_summary, run_oracle
+    from fidelity.model import text
     from fidelity.progress import Progress
 
     if args.decode < 0:
@@ -397,9 +396,9 @@ def cmd_oracle(args) -> int:
 def cmd_dtype_flow(args) -> int:
     import pandas as pd
 
-    from fidelity.dtype_flow import dtype_flow, flow_table
-    from fidelity.production import ProductionModel, get_profile
-    from fidelity.report import md_table
+    from fidelity.decoders.production import ProductionModel, get_profile
+    from fidelity.harness.dtype_flow import dtype_flow, flow_table
+    from fidelity.outputs.report import md_table
 
     try:
         profile = get_profile(args.profile)
@@ -419,7 +418,7 @@ def cmd_dtype_flow(args) -> int:
 
 def _held_out(args, cfg: ModelConfig, ckpt) -> int:
     """``fidelity oracle --held-out``: the oracle's mean NLL per token over the corpus's held-out files."""
-    from fidelity import text
+    from fidelity.model import text
     from fidelity.train import corpus
     from fidelity.train.loop import EVAL_MAX_LEN, heldout_nll, tokenize
     from oracles import OracleModel
@@ -464,8 +463,8 @@ def _read_ids(path: str, vocab: int, option: str) -> torch.Tensor:
 
 def cmd_synth(args) -> int:
     from fidelity.atomic_write import check_new_dir
-    from fidelity.checkpoint import save_checkpoint
-    from fidelity.synthesize import synthesize
+    from fidelity.model.save import save_checkpoint
+    from fidelity.model.synthesize import synthesize
 
     check_new_dir(args.out, args.overwrite, "--out", allow_empty=True)
     cfg = _config(args)
@@ -492,7 +491,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from fidelity.checkpoint import load_checkpoint
+    from fidelity.model.load import load_checkpoint
 
     ckpt = load_checkpoint(args.checkpoint)
     cfg = ckpt.config
@@ -685,15 +684,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from fidelity.atomic_write import OutputError
-    from fidelity.checkpoint import CheckpointError
-    from fidelity.compare import CompareError
-    from fidelity.production import ContextError
-    from fidelity.rundir import RunDirError
-    from fidelity.runner import RunError
-    from fidelity.sampling import TokenizerFileError
-    from fidelity.text import TextError
-    from fidelity.thresholds import ThresholdError
-    from fidelity.trace import TraceError
+    from fidelity.decoders.production import ContextError
+    from fidelity.decoders.trace_file import TraceError
+    from fidelity.harness.runner import RunError
+    from fidelity.harness.thresholds import ThresholdError
+    from fidelity.model.checkpoint import CheckpointError
+    from fidelity.model.sampling import TokenizerFileError
+    from fidelity.model.text import TextError
+    from fidelity.outputs.compare import CompareError
+    from fidelity.outputs.rundir import RunDirError
     from fidelity.train.corpus import CorpusError
 
     parser = build_parser()

@@ -8,12 +8,12 @@ from pathlib import Path
 import pandas as pd
 
 from fidelity.decoders.base import Decoder
-from fidelity.judgement import Judgement, csa_layers, judge, run_rules
-from fidelity.production.profiles import get_profile, profile_dict
-from fidelity.rundir import check_output, new_run_id, read_run, write_run
-from fidelity.runner import Runner, RunSpec
-from fidelity.thresholds import COLUMNS, Divergence, profile_class, thresholds_for
-from fidelity.trace import TraceWriter
+from fidelity.decoders.production.profiles import get_profile, profile_dict
+from fidelity.decoders.trace_file import TraceWriter
+from fidelity.harness.judgement import Judgement, csa_layers, judge, run_rules
+from fidelity.harness.runner import Runner, RunSpec
+from fidelity.harness.thresholds import COLUMNS, Divergence, profile_class, thresholds_for
+from fidelity.outputs.rundir import check_output, new_run_id, read_run, write_run
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Fault injection: run the clean decoder and every mutant against the oracle; record which probe caught each
 mutant, where it was first detected, and whether that is where the fault was planted (``fidelity mutants``).
 
-A mutant is a named fault patch point of the production path (``fidelity.production.faults``) plus where it
+A mutant is a named fault patch point of the production path (``fidelity.decoders.production.faults``) plus where it
 must be caught: the expected first site (regex) and layer (a function of the config: the first layer of the
 kind the fault lives in), and the run options it needs to show (a sampler penalty, an end-of-turn token in
 the stream, a decode step, enough context past top-k * ratio).
@@ -20,19 +20,18 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from fidelity.atomic_write import write_dir_atomic
-from fidelity.config import ModelConfig
-from fidelity.default_model import prompt_for
+from fidelity.decoders.production.faults import FAULTS, inject
+from fidelity.harness.runner import Runner, RunSpec
 from fidelity.job import tidy
-from fidelity.oracle_run import default_prompt
-from fidelity.production.faults import FAULTS, inject
-from fidelity.report import html_table, md_table
-from fidelity.rundir import check_output, new_run_id
-from fidelity.runner import Runner, RunSpec
-from fidelity.sampling import SamplerConfig
+from fidelity.model.config import ModelConfig
+from fidelity.model.default import default_prompt, prompt_for
+from fidelity.model.sampling import SamplerConfig
+from fidelity.outputs.report import html_table, md_table
+from fidelity.outputs.rundir import check_output, new_run_id
 
 if TYPE_CHECKING:
     from fidelity.decoders.base import Decoder
-from fidelity.thresholds import apply_thresholds, first_divergence, sort_divergence, thresholds_for
+from fidelity.harness.thresholds import apply_thresholds, first_divergence, sort_divergence, thresholds_for
 
 PROBE_OF_METRIC = {
     "cos": "similarity", "calc_diff": "similarity", "nonfinite_mismatch": "similarity",

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fidelity.config import ModelConfig
-from fidelity.sites import Recorder
+from fidelity.model.config import ModelConfig
+from fidelity.model.sites import Recorder
 from oracles import attention as attn
 from oracles import mhc
 from oracles import moe as moe_ops

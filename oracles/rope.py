@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from fidelity.config import ModelConfig
+from fidelity.model.config import ModelConfig
 
 
 def yarn_correction_range(beta_fast: float, beta_slow: float, dim: int, base: float, original_seq_len: int):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fidelity.sampling import SamplerConfig, draw_noise, sample_scores
+from fidelity.model.sampling import SamplerConfig, draw_noise, sample_scores
 
 
 def _gap(scores: torch.Tensor) -> torch.Tensor:

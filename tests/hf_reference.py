@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fidelity.config import ModelConfig
+from fidelity.model.config import ModelConfig
 
 
 def hf_config(cfg: ModelConfig):

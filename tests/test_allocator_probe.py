@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import fidelity
-from fidelity.checkpoint import load_checkpoint
-from fidelity.default_model import prompt_for
+from fidelity.decoders.production import ProductionModel
+from fidelity.decoders.production.cache import KVStore
+from fidelity.decoders.production.faults import inject
+from fidelity.harness.runner import Runner, RunSpec
+from fidelity.harness.thresholds import MEMORY_GROWTH_BAND
+from fidelity.model.default import prompt_for
+from fidelity.model.load import load_checkpoint
 from fidelity.mutants import BY_NAME, MutantSettings, run_one
-from fidelity.production import ProductionModel
-from fidelity.production.cache import KVStore
-from fidelity.production.faults import inject
-from fidelity.runner import Runner, RunSpec
-from fidelity.thresholds import MEMORY_GROWTH_BAND
 from probes.memory import (
     _MALLOC_IN_USE,
     WARMUP_DECODE_CALLS,

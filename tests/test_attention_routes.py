@@ -5,8 +5,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-sparse_attention = pytest.importorskip("fidelity.production.kernels.sparse_attention")
-ws = pytest.importorskip("fidelity.production.kernels.sparse_attention_ws")
+sparse_attention = pytest.importorskip("fidelity.decoders.production.kernels.sparse_attention")
+ws = pytest.importorskip("fidelity.decoders.production.kernels.sparse_attention_ws")
 
 BF16 = torch.bfloat16
 

@@ -14,17 +14,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fidelity.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    StoredTensor,
-    expected_tensors,
-    load_checkpoint,
-    save_checkpoint,
-)
-from fidelity.config import ModelConfig
-from fidelity.layouts import hf_module_source
-from fidelity.synthesize import synthesize
+from fidelity.model.checkpoint import Checkpoint, CheckpointError, StoredTensor
+from fidelity.model.config import ModelConfig
+from fidelity.model.layouts import hf_module_source
+from fidelity.model.load import load_checkpoint
+from fidelity.model.save import save_checkpoint
+from fidelity.model.synthesize import synthesize
+from fidelity.model.weights import expected_tensors
 
 # tiny, structure-faithful: SWA / CSA / HCA / CSA layers, one hash layer, FP8 + FP4 experts
 SMALL = ModelConfig.preset("tiny").replace(

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fidelity import cli
-from fidelity.config import ModelConfig
-from fidelity.synthesize import synthesize
+from fidelity.model.config import ModelConfig
+from fidelity.model.synthesize import synthesize
 
 SMALL = ["--prompt-len", "40", "--decode", "1", "--mode", "op"]
 
@@ -24,7 +24,7 @@ def no_synthesis(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("synthesized before the error")
 
-    monkeypatch.setattr(sys.modules["fidelity.synthesize"], "synthesize", refuse)
+    monkeypatch.setattr(sys.modules["fidelity.model.synthesize"], "synthesize", refuse)
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -82,7 +82,7 @@ def test_a_bad_token_is_named_by_position_and_text(tmp_path, capsys, no_synthesi
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    from fidelity.checkpoint import save_checkpoint
+    from fidelity.model.save import save_checkpoint
 
     ckpt = synthesize(ModelConfig.preset("tiny"), seed=0)
     return {layout: save_checkpoint(ckpt, root / layout, layout=layout) for layout in ("deepseek", "transformers")}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fidelity.config import ConfigError, ModelConfig
+from fidelity.model.config import ConfigError, ModelConfig
 
 
 def test_flash_preset_matches_the_spec_table():

@@ -10,11 +10,11 @@ import torch
 
 import fidelity
 from fidelity import cli
-from fidelity.checkpoint import load_checkpoint
-from fidelity.config import ModelConfig
-from fidelity.default_model import PROMPT_FILE, default_prompt_ids
-from fidelity.production.faults import inject
-from fidelity.report import PART_MARK
+from fidelity.decoders.production.faults import inject
+from fidelity.model.config import ModelConfig
+from fidelity.model.default import PROMPT_FILE, default_prompt_ids
+from fidelity.model.load import load_checkpoint
+from fidelity.outputs.report import PART_MARK
 from oracles.model import OracleModel
 
 CODE = 'def add(a, b):\n    """Return the sum of a and b."""\n    return a + b\n\n\ndef sub(a, b):\n'
@@ -53,7 +53,7 @@ def test_oracle_prints_the_mean_nll_of_a_text_and_its_continuation_as_text(capsy
     assert cli.main(["oracle", "--prompt-text-file", str(tmp_path / "code.py"), "--decode", "6"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("prompt NLL: "))
-    n = len(fidelity.text.load(fidelity.default_checkpoint() / "tokenizer.json").encode(CODE).ids)
+    n = len(fidelity.model.text.load(fidelity.default_checkpoint() / "tokenizer.json").encode(CODE).ids)
     assert f"over {n} predicted tokens (uniform: 8.3178)" in line  # BOS + n ids predict n tokens
     assert float(line.split()[2]) < 4.0
     assert "greedy continuation as text:" in out
@@ -85,7 +85,7 @@ def test_a_clean_run_on_the_default_passes_and_shows_both_continuations_as_text(
     texts = manifest["texts"]
     assert texts["parted_at"] is None and texts["oracle"] == texts["decoder"] and texts["oracle"]
     assert manifest["picks"]["oracle"] == manifest["generated"]
-    tok = fidelity.text.load(fidelity.default_checkpoint() / "tokenizer.json")
+    tok = fidelity.model.text.load(fidelity.default_checkpoint() / "tokenizer.json")
     assert texts["prompt_tail"] == tok.decode(default_prompt_ids(4096)[:300].tolist())[-400:]
     report = (tmp_path / "clean" / "report.md").read_text()
     assert "## Continuations" in report and "every one of the 6 decode steps" in report

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import fidelity
-from fidelity.checkpoint import load_checkpoint
-from fidelity.default_model import prompt_for
-from fidelity.dtype_flow import DtypeFlow, dtype_flow, flow_table
-from fidelity.production import ProductionModel
+from fidelity.decoders.production import ProductionModel
+from fidelity.harness.dtype_flow import DtypeFlow, dtype_flow, flow_table
+from fidelity.model.default import prompt_for
+from fidelity.model.load import load_checkpoint
 
 
 def _trips(fn) -> list[tuple]:

@@ -14,12 +14,12 @@ from safetensors.torch import load_file, save_file
 
 import fidelity
 from fidelity import cli
-from fidelity.config import ModelConfig
 from fidelity.decoders import TransformersDecoder
+from fidelity.decoders.trace_file import TraceError, TraceWriter
 from fidelity.decoders.transformers import FAULTS, hf_model
+from fidelity.model.config import ModelConfig
 from fidelity.mutants import BY_NAME, MutantSettings, gate_failures, run_mutants
-from fidelity.rundir import read_run
-from fidelity.trace import TraceError, TraceWriter
+from fidelity.outputs.rundir import read_run
 from tests.hf_reference import random_hf_model
 
 ALL_ENTRIES = ModelConfig.preset("tiny").replace(index_topk=1024)  # the indexer selects every visible entry
@@ -60,8 +60,8 @@ def test_transformers_in_bf16_gets_a_per_layer_table_of_where_error_enters(hf_di
 def test_the_decoders_config_must_match_the_checkpoints(hf_dir, tmp_path):
     other = ALL_ENTRIES.replace(swiglu_limit=7.0)
     decoder = TransformersDecoder(random_hf_model(other, seed=1), other)
-    with pytest.raises(fidelity.runner.RunError, match=r"its config differs from the checkpoint's \(swiglu_limit: "
-                                                      r"7.0 vs 10.0\)"):
+    with pytest.raises(fidelity.harness.runner.RunError,
+                       match=r"its config differs from the checkpoint's \(swiglu_limit: 7.0 vs 10.0\)"):
         fidelity.run(decoder, hf_dir, prompt=20, decode_steps=0, out=tmp_path)
 
 
@@ -128,7 +128,7 @@ def _tensor(trace, key, change) -> None:
 def test_a_bad_trace_is_refused_naming_what_differs(tmp_path, round_trip, edit, message):
     try:
         text = _bad(tmp_path, round_trip, edit)
-    except fidelity.runner.RunError as err:  # a config mismatch is the runner's check
+    except fidelity.harness.runner.RunError as err:  # a config mismatch is the runner's check
         text = str(err)
     assert message in text, text
 

@@ -1,4 +1,4 @@
-"""Bit-exact tests of fidelity.formats (spec §3) against ml_dtypes / numpy / exact rationals as oracles."""
+"""Bit-exact tests of fidelity.model.formats (spec §3) against ml_dtypes / numpy / exact rationals as oracles."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fidelity import formats as F
+from fidelity.model import formats as F
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E2M1 = ml_dtypes.float4_e2m1fn

@@ -1,4 +1,4 @@
-"""Graph decode (``fidelity.production.graph_decode``): fixed-shape, sync-free decode steps give the eager
+"""Graph decode (``fidelity.decoders.production.graph_decode``): fixed-shape, sync-free decode steps give the eager
 session's logits and cache bytes bit for bit (profiles, faults, window wrap-around, top-k growing past the
 visible entries), read no tensor value on the host, and refuse what they cannot do. The CUDA-graph replay
 itself is tested on the GPU (``tests/gpu/test_production_cuda.py``)."""
@@ -11,12 +11,12 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from fidelity.config import ModelConfig
-from fidelity.production import ContextError, ProductionModel
-from fidelity.production.faults import inject
-from fidelity.production.graph_decode import GraphDecodeSession, window_idx_on_device
-from fidelity.production.model import _window_decode_idx
-from fidelity.synthesize import synthesize
+from fidelity.decoders.production import ContextError, ProductionModel
+from fidelity.decoders.production.faults import inject
+from fidelity.decoders.production.graph_decode import GraphDecodeSession, window_idx_on_device
+from fidelity.decoders.production.model import _window_decode_idx
+from fidelity.model.config import ModelConfig
+from fidelity.model.synthesize import synthesize
 
 TINY = ModelConfig.preset("tiny")  # window 128, index_topk 32, ratios (0, 0, 4, 128, 4, 128), hash layers
 PROMPT, TOTAL = 120, 134  # decode crosses the window wrap (t = 127), compressions, and 32 visible keys (t = 127)
@@ -57,7 +57,7 @@ def _same_state(a, b) -> list[str]:
 def test_graph_decode_equals_eager_decode_bit_for_bit(tiny, profile):
     ids = _ids(TOTAL)
     eager = ProductionModel(tiny, profile, max_context=TOTAL + 2).session()
-    graph = ProductionModel(tiny, profile, max_context=TOTAL + 2).graph_session(graphs=False)
+    graph = GraphDecodeSession(ProductionModel(tiny, profile, max_context=TOTAL + 2), graphs=False)
     a, b = _decode(eager, ids), _decode(graph, ids)
     assert torch.equal(a, b), (a != b).sum()
     assert _same_state(eager, graph) == []
@@ -78,7 +78,7 @@ def test_graph_decode_carries_the_decode_faults(tiny, clean_steps, fault):
     """Each injected port bug changes the graph session's logits exactly as it changes the eager session's."""
     ids = _ids(TOTAL)
     eager = ProductionModel(tiny, "reference", max_context=TOTAL + 2).session()
-    graph = ProductionModel(tiny, "reference", max_context=TOTAL + 2).graph_session(graphs=False)
+    graph = GraphDecodeSession(ProductionModel(tiny, "reference", max_context=TOTAL + 2), graphs=False)
     eager.prefill(ids[:PROMPT])
     graph.prefill(ids[:PROMPT])
     with inject(fault):
@@ -126,7 +126,7 @@ def test_graph_decode_step_reads_no_tensor_value_on_the_host(tiny):
     with _no_host_reads(), pytest.raises(AssertionError, match="host read"):
         eager._forward(ids[PROMPT:], torch.tensor([PROMPT]))
     for profile in ("reference", "fp4-indexer-packed", "fp8-kv-storage"):
-        graph = ProductionModel(tiny, profile, max_context=TOTAL).graph_session(graphs=False)
+        graph = GraphDecodeSession(ProductionModel(tiny, profile, max_context=TOTAL), graphs=False)
         graph.prefill(ids[:PROMPT])
         for token in (5, 6, 7, 8):  # one full compression block
             with _no_host_reads():
@@ -145,7 +145,7 @@ def test_graph_decode_refuses_what_it_cannot_run(tiny):
     model = ProductionModel(tiny, "reference", max_context=PROMPT + 1)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
         GraphDecodeSession(model, graphs=True)
-    s = model.graph_session(graphs=False)
+    s = GraphDecodeSession(model, graphs=False)
     ids = _ids(PROMPT + 2)
     s.prefill(ids[:PROMPT])
     before = {k: v.clone() for k, v in _state(s).items()}

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-indexer = pytest.importorskip("fidelity.production.kernels.indexer")
-indexer_ws = pytest.importorskip("fidelity.production.kernels.indexer_ws")
+indexer = pytest.importorskip("fidelity.decoders.production.kernels.indexer")
+indexer_ws = pytest.importorskip("fidelity.decoders.production.kernels.indexer_ws")
 
 
 def _inputs(n=1, h=64, e=100):
@@ -93,7 +93,7 @@ def test_unpack_asm_gives_the_folded_e4m3_codes_of_every_nibble():
     """The kernel's PTX unpack, interpreted: for every packed byte value and block offset k = 0..SPREAD, x holds
     elements 0-3 and y elements 4-7 of the word, each the e2m1 value times 2^(k - 5) exactly (signed zeros
     kept)."""
-    from fidelity.formats import FP4_VALUES
+    from fidelity.model.formats import FP4_VALUES
 
     e2m1 = [(-1.0 if n & 8 else 1.0) * FP4_VALUES[n & 7] for n in range(16)]
     for k in range(indexer_ws.SPREAD + 1):
@@ -109,7 +109,7 @@ def test_key_operands_and_query_reorder_put_the_same_dim_in_every_column():
     """Operand j of a key (``_unpack_half``): column 16a + 4t + i holds element 4a + i of word j of block t, i.e.
     dim 32t + 8j + 4a + i; the queries' reorder (``_query_half``, mirrored here with the kernel's reshape, permute
     and split) puts that same dim of q in that column, so the four chained K = 32 products sum q . k."""
-    from fidelity.formats import FP4_VALUES
+    from fidelity.model.formats import FP4_VALUES
 
     e2m1 = [(-1.0 if n & 8 else 1.0) * FP4_VALUES[n & 7] for n in range(16)]
     g = torch.Generator().manual_seed(0)

@@ -13,12 +13,12 @@ import subprocess
 import pytest
 
 triton = pytest.importorskip("triton")
-indexer_ws = pytest.importorskip("fidelity.production.kernels.indexer_ws")
+indexer_ws = pytest.importorskip("fidelity.decoders.production.kernels.indexer_ws")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from fidelity.production.kernels._common import GLUON_VERSION  # noqa: E402
+from fidelity.decoders.production.kernels._common import GLUON_VERSION  # noqa: E402
 
 POINTERS = {"q_ptr": "*bf16", "used_ptr": "*i8", "w_ptr": "*bf16", "pos_ptr": "*i8", "out_ptr": "*bf16",
             "paths_ptr": "*i32", "k_ptr": "*u8", "ks_ptr": "*i32"}

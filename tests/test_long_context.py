@@ -10,21 +10,21 @@ import sys
 import pytest
 import torch
 
-from fidelity.config import ModelConfig
+from fidelity.harness.judgement import judge
+from fidelity.harness.runner import AUTO_CHUNK, AUTO_WHOLE, RunError, Runner, RunSpec
+from fidelity.harness.thresholds import default_thresholds
 from fidelity.job import tidy
-from fidelity.judgement import judge
-from fidelity.oracle_run import default_prompt
-from fidelity.runner import AUTO_CHUNK, AUTO_WHOLE, RunError, Runner, RunSpec
-from fidelity.synthesize import synthesize
-from fidelity.thresholds import default_thresholds
+from fidelity.model.config import ModelConfig
+from fidelity.model.default import default_prompt
+from fidelity.model.synthesize import synthesize
 
 GROWTH = """
 import json, resource, sys, torch
 torch.set_num_threads(1)
-from fidelity.config import ModelConfig
-from fidelity.oracle_run import default_prompt
-from fidelity.runner import Runner, RunSpec
-from fidelity.synthesize import synthesize
+from fidelity.model.config import ModelConfig
+from fidelity.model.default import default_prompt
+from fidelity.harness.runner import Runner, RunSpec
+from fidelity.model.synthesize import synthesize
 ckpt = synthesize(ModelConfig.preset("tiny"), seed=0)
 peaks = {}
 for n in (2048, 6144):

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import fidelity
-from fidelity import text
 from fidelity.decoders.transformers import TransformersDecoder
-from fidelity.default_model import default_prompt_ids
-from fidelity.rundir import read_run
+from fidelity.model import text
+from fidelity.model.default import default_prompt_ids
+from fidelity.outputs.rundir import read_run
 
 CHAT = ("<｜User｜>Write a function that adds two numbers.\n"
         "def add(a, b):\n    return a + b\n<｜end▁of▁sentence｜>"

@@ -1,14 +1,14 @@
-"""Analytic cache sizes (``fidelity.memory``) equal what ``ProductionSession`` allocates, byte for byte; the
+"""Analytic cache sizes (``fidelity.harness.memory``) equal what ``ProductionSession`` allocates, byte for byte; the
 Flash / Pro figures at 1M context are pinned to hand-derived numbers."""
 
 from __future__ import annotations
 
 import pytest
 
-from fidelity.config import ModelConfig
-from fidelity.memory import cache_bytes, format_memory, memory_main, profile_formats
-from fidelity.production import ProductionModel, get_profile
-from fidelity.synthesize import synthesize
+from fidelity.decoders.production import ProductionModel, get_profile
+from fidelity.harness.memory import cache_bytes, format_memory, memory_main, profile_formats
+from fidelity.model.config import ModelConfig
+from fidelity.model.synthesize import synthesize
 
 TINY = ModelConfig.preset("tiny")
 # Flash-shaped heads (512-d KV rows, 128-d indexer keys, top-512) at a tiny width: 583 B FP8 rows, 68 B FP4 keys

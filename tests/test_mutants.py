@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from fidelity.config import ModelConfig
+from fidelity.decoders.production.faults import FAULTS, inject, on
+from fidelity.model.config import ModelConfig
+from fidelity.model.synthesize import synthesize
 from fidelity.mutants import CATALOGUE, MutantSettings, gate_failures, matrix_table, run_mutants, write_matrix
-from fidelity.production.faults import FAULTS, inject, on
-from fidelity.synthesize import synthesize
 
 EXPECTED_PROBE = {
     "indexer-key-width": "similarity", "causal-off-by-one": "visible", "window-127": "visible",

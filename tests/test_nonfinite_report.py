@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fidelity.checkpoint import Checkpoint, StoredTensor
-from fidelity.config import ModelConfig
+from fidelity.decoders.production.model import ProductionSession
+from fidelity.harness.runner import RunSpec
 from fidelity.job import run_job
-from fidelity.oracle_run import default_prompt
-from fidelity.production.model import ProductionSession
-from fidelity.runner import RunSpec
-from fidelity.synthesize import synthesize
+from fidelity.model.checkpoint import Checkpoint, StoredTensor
+from fidelity.model.config import ModelConfig
+from fidelity.model.default import default_prompt
+from fidelity.model.synthesize import synthesize
 
 E4M3_NAN, E8M0_NAN = 0x7F, 0xFF
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fidelity.config import ModelConfig
+from fidelity.model.config import ModelConfig
 from oracles import attention as attn
 from oracles.compressor import CompressorState, CompressorWeights, compress
 from oracles.indexer import index_scores, select_topk, stable_topk_indices

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fidelity.config import ModelConfig
-from fidelity.synthesize import synthesize
+from fidelity.model.config import ModelConfig
+from fidelity.model.synthesize import synthesize
 from oracles import OracleModel
 
 PARITY_REL_TOL = 1e-5  # fp32: same math, different grouping of the work

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fidelity.checkpoint import load_checkpoint
-from fidelity.config import ModelConfig
-from fidelity.sites import Recorder
+from fidelity.model.config import ModelConfig
+from fidelity.model.load import load_checkpoint
+from fidelity.model.sites import Recorder
 from oracles import OracleModel
 from tests.hf_reference import random_hf_model
 

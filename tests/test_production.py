@@ -1,5 +1,5 @@
-"""The production decoder (``fidelity.production``): official numerics per precision profile vs the fp32 oracle,
-incremental decode vs its own prefill, preallocated caches, visibility, op-level numerics, profiles.
+"""The production decoder (``fidelity.decoders.production``): official numerics per precision profile vs the fp32
+oracle, incremental decode vs its own prefill, preallocated caches, visibility, op-level numerics, profiles.
 
 Bounds are stated a little below measured values (torch 2.13 CPU, 2 and 1 threads; synthetic weights with the
 shared-expert outlier channels); each docstring gives the measurement. Prompts are 256 tokens or fewer: the
@@ -12,13 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fidelity.config import ModelConfig
-from fidelity.formats import dequantize_fp8, quantize_fp8
-from fidelity.production import PROFILES, ContextError, ProductionModel, ProductionSession, get_profile, ops
-from fidelity.production.profiles import load_profile
-from fidelity.production.registry import implementations_used
-from fidelity.sites import Recorder
-from fidelity.synthesize import synthesize
+from fidelity.decoders.production import PROFILES, ContextError, ProductionModel, ProductionSession, get_profile, ops
+from fidelity.decoders.production.graph_decode import GraphDecodeSession
+from fidelity.decoders.production.profiles import load_profile
+from fidelity.decoders.production.registry import implementations_used
+from fidelity.model.config import ModelConfig
+from fidelity.model.formats import dequantize_fp8, quantize_fp8
+from fidelity.model.sites import Recorder
+from fidelity.model.synthesize import synthesize
 from oracles import OracleModel
 from oracles import attention as oracle_attention
 from oracles.moe import gate as oracle_gate
@@ -403,7 +404,7 @@ def test_fused_norm_profile_quantizes_each_norm_once_and_keeps_the_reference_bit
     (op ``rms_norm_act_quant``, then ``ops.quantized_linear``) and the KV path runs as op ``kv_norm_rope_fp8``; on
     the CPU both are the emulation's own ops, so prefill and decode logits equal ``reference`` bit for bit, eager
     and graph decode alike (on CUDA the fused kernels run: tests/gpu/test_production_cuda.py)."""
-    from fidelity.production import registry
+    from fidelity.decoders.production import registry
 
     calls = []
     quantized_linear = ops.quantized_linear
@@ -415,12 +416,30 @@ def test_fused_norm_profile_quantizes_each_norm_once_and_keeps_the_reference_bit
     assert len(calls) >= 9 * TINY.n_layers * 5
     assert torch.equal(fused, tiny_decoded("reference"))
     ids = _ids(TINY, 258)
-    graph = _decode(ProductionModel(tiny, "fused-norm", max_context=258).graph_session(graphs=False), ids, 250)
+    graph = _decode(GraphDecodeSession(ProductionModel(tiny, "fused-norm", max_context=258), graphs=False), ids, 250)
     assert torch.equal(graph, fused)
 
 
+def test_each_session_counts_its_own_calls_whatever_runs_beside_it(tiny):
+    """Two sessions interleaved: each one's ``counts`` (what its run's manifest records) holds its own op
+    implementations only; the process-wide tally holds both."""
+    from fidelity.decoders.production import registry
+
+    ids = _ids(TINY, 40)
+    registry.reset_used()
+    plain = ProductionModel(tiny, "reference", max_context=42).session()
+    packed = ProductionModel(tiny, "fp4-indexer-packed", max_context=42).session()
+    plain.prefill(ids)
+    packed.prefill(ids)
+    plain.step(3)
+    assert "index_scores_fp4" not in plain.counts["implementations"]
+    assert packed.counts["implementations"]["index_scores_fp4"] == {"cpu": TINY.compress_ratios.count(4)}
+    assert plain.counts["implementations"]["rms_norm"]["cpu"] > packed.counts["implementations"]["rms_norm"]["cpu"]
+    assert {"index_scores", "index_scores_fp4"} <= set(registry.implementations_used())
+
+
 def test_fp32_residual_for_chosen_layers_stores_those_streams_in_fp32(tiny, tmp_path):
-    from fidelity.sites import Recorder
+    from fidelity.model.sites import Recorder
 
     ids = _ids(TINY, 40)
     rec = Recorder([r"L\d+\.residual"], device=None)
@@ -495,7 +514,7 @@ def test_split_fp8_fmha_rounds_only_the_nope_dims_of_q_and_kv():
     """fmha "fp8-nope": e4m3 Q and K/V on the nope dims, the 64 rope dims bf16, P e4m3. With zero rope dims it is
     "fp8" bit for bit; with zero nope dims it differs from "fp8" (whose rope dims are rounded) and equals the core
     on the bf16 rope dims with e4m3 P."""
-    from fidelity.formats import fake_quant_fp8
+    from fidelity.model.formats import fake_quant_fp8
 
     g = torch.Generator().manual_seed(3)
     n, h, d, m = 3, 4, 128, 40

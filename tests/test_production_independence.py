@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import fidelity.production
-from fidelity.config import ModelConfig
-from fidelity.production import ops
-from fidelity.production.rope_freqs import rope_inv_freq
+import fidelity.decoders.production
+from fidelity.decoders.production import ops
+from fidelity.decoders.production.rope_freqs import rope_inv_freq
+from fidelity.model.config import ModelConfig
 from oracles.moe import gate as oracle_gate
 from oracles.rope import inv_freq as oracle_inv_freq
 
@@ -29,10 +29,17 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_no_production_module_imports_the_oracle():
-    root = Path(fidelity.production.__file__).parent
+    root = Path(fidelity.decoders.production.__file__).parent
     offenders = {str(p.relative_to(root)): sorted(m for m in _imported_modules(p) if m.split(".")[0] == "oracles")
                  for p in root.rglob("*.py")}
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_no_kernel_knows_about_fault_injection():
+    """Faults are planted in the emulation and the dispatch (``registry.implementation``), never in a kernel."""
+    root = Path(fidelity.decoders.production.__file__).parent / "kernels"
+    offenders = {p.name: m for p in root.rglob("*.py") for m in _imported_modules(p) if m.endswith(".faults")}
+    assert offenders == {}
 
 
 @pytest.mark.parametrize("preset", ["tiny", "flash", "pro"])

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fidelity.formats import dequantize_fp8, fake_quant_fp8
-from fidelity.production import ops
-from fidelity.production.registry import REGISTRY, deselect, implementation, select, selections
+from fidelity.decoders.production import ops
+from fidelity.decoders.production.registry import REGISTRY, deselect, implementation, select, selections
+from fidelity.model.formats import dequantize_fp8, fake_quant_fp8
 from fidelity.testing import CONTRACTS, Case, check_against_oracle, check_case
 
 MAX_EXAMPLES = 30
@@ -169,6 +169,29 @@ def test_a_broken_port_is_caught(op, broken, metric):
     with pytest.raises(AssertionError, match=rf"(?s){op}: implementation '{broken.__name__}'.*({metric})") as err:
         check_against_oracle(op, broken, max_examples=40)
     assert "inputs: " in str(err.value)  # the failing input shapes are named
+
+
+def test_a_fault_planted_in_an_ops_emulation_routes_that_op_to_it_and_says_so(monkeypatch):
+    """While ``sink-dropped`` is injected, ``sparse_attention`` resolves to its emulation even where a kernel is
+    selected, with the reason in ``kernel_fallbacks``; other ops keep their kernel."""
+    from fidelity.decoders.production.faults import inject
+    from fidelity.decoders.production.kernels import fallbacks
+
+    kernel = lambda *a, **k: None  # noqa: E731 (a stand-in GPU kernel)
+    for op in ("sparse_attention", "hc_post"):
+        monkeypatch.setitem(REGISTRY[op], "gpu-kernel", kernel)
+    fallbacks.reset()
+    try:
+        for op in ("sparse_attention", "hc_post"):
+            select(op, "gpu-kernel")
+        with inject("sink-dropped"):
+            assert implementation("sparse_attention", "cuda") is REGISTRY["sparse_attention"]["cpu"]
+            assert implementation("hc_post", "cuda") is kernel
+        assert implementation("sparse_attention", "cuda") is kernel
+    finally:
+        for op in ("sparse_attention", "hc_post"):
+            deselect(op)
+    assert fallbacks.counts() == {"sparse_attention": {"injected fault sink-dropped": 1}}
 
 
 def test_select_forces_an_implementation_and_deselect_undoes_it():

@@ -4,9 +4,9 @@ on a real run of the default checkpoint, in the report beside the cosine, and in
 from __future__ import annotations
 
 import fidelity
-from fidelity.compare import compare_runs
-from fidelity.plots import loop_onset_step
-from fidelity.rundir import read_run
+from fidelity.outputs.compare import compare_runs
+from fidelity.outputs.plots import loop_onset_step
+from fidelity.outputs.rundir import read_run
 from probes.repetition import repetition
 
 

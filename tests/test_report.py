@@ -8,13 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fidelity import rundir
 from fidelity.atomic_write import OutputError
-from fidelity.compare import compare_runs
-from fidelity.plots import make_plots
-from fidelity.report import md_table, write_report
-from fidelity.rundir import RunDirError, new_run_id, read_run, write_run
-from fidelity.thresholds import (
+from fidelity.harness.thresholds import (
     Threshold,
     ThresholdError,
     default_thresholds,
@@ -23,6 +18,11 @@ from fidelity.thresholds import (
     load_thresholds,
     thresholds_for,
 )
+from fidelity.outputs import rundir
+from fidelity.outputs.compare import compare_runs
+from fidelity.outputs.plots import make_plots
+from fidelity.outputs.report import md_table, write_report
+from fidelity.outputs.rundir import RunDirError, new_run_id, read_run, write_run
 
 LAYERS, STEPS = 4, 6
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -10,15 +10,15 @@ import shutil
 import pytest
 
 from fidelity import cli
-from fidelity.config import ModelConfig
+from fidelity.decoders.production.profiles import get_profile
+from fidelity.harness.runner import RunSpec
+from fidelity.harness.thresholds import CORE_GAP, CORE_GAP_FP8, ThresholdError, default_thresholds, load_thresholds
+from fidelity.harness.thresholds import profile_class as klass
 from fidelity.job import run_job
-from fidelity.oracle_run import default_prompt
-from fidelity.production.profiles import get_profile
-from fidelity.rundir import read_run
-from fidelity.runner import RunSpec
-from fidelity.synthesize import synthesize
-from fidelity.thresholds import CORE_GAP, CORE_GAP_FP8, ThresholdError, default_thresholds, load_thresholds
-from fidelity.thresholds import profile_class as klass
+from fidelity.model.config import ModelConfig
+from fidelity.model.default import default_prompt
+from fidelity.model.synthesize import synthesize
+from fidelity.outputs.rundir import read_run
 from probes.metrics import METRICS, is_metric
 
 
@@ -137,7 +137,7 @@ def test_the_manifest_and_the_report_name_the_checkpoint(run, tiny):
                     "(every tensor's bytes)."
     other = synthesize(ModelConfig.preset("tiny"), seed=1)
     spec = RunSpec(prompt=default_prompt(4096, 20), decode_steps=0, modes=("op",))
-    from fidelity.runner import Runner
+    from fidelity.harness.runner import Runner
     assert Runner(other, spec).run()[1]["checkpoint"]["hash"] != info["hash"]
 
 
@@ -184,7 +184,7 @@ def _text_outside(fig) -> list[str]:
 def test_run_plots_keep_their_text_inside_and_say_which_mode_they_show(run):
     import warnings
 
-    from fidelity.plots import PLOTS
+    from fidelity.outputs.plots import PLOTS
 
     df, _ = read_run(run.run_dir)
     with warnings.catch_warnings():
@@ -202,7 +202,7 @@ def test_run_plots_keep_their_text_inside_and_say_which_mode_they_show(run):
 
 
 def test_the_comparison_plot_labels_runs_by_what_differs_and_keeps_its_text_inside(run, tiny, tmp_path):
-    from fidelity.compare import comparison_figure, family_table, short_labels
+    from fidelity.outputs.compare import comparison_figure, family_table, short_labels
 
     spec = RunSpec(prompt=default_prompt(4096, 200), decode_steps=3, profile="reference:kv_storage=fp8")
     other = run_job(tiny, spec, tmp_path, run_id="fp8kv")

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from fidelity import cli
-from fidelity.config import ModelConfig
+from fidelity.harness.runner import RunError, Runner, RunSpec, sampled_rows
 from fidelity.job import run_job
-from fidelity.oracle_run import default_prompt
-from fidelity.runner import RunError, Runner, RunSpec, sampled_rows
-from fidelity.synthesize import synthesize
+from fidelity.model.config import ModelConfig
+from fidelity.model.default import default_prompt
+from fidelity.model.synthesize import synthesize
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def test_memory_command_prints_flash_totals_at_1m_context():
 def test_oracle_session_layer_mode_runs_on_given_inputs(tiny):
     """forward_layers: each layer consumes the given input streams (here: the oracle's own, so it must
     reproduce the ordinary forward exactly)."""
-    from fidelity.sites import Recorder
+    from fidelity.model.sites import Recorder
     from oracles import OracleModel
 
     oracle = OracleModel(tiny)

@@ -1,4 +1,4 @@
-"""Known-answer tests of the decode-loop hygiene (fidelity.sampling) and the sampler-agreement probe."""
+"""Known-answer tests of the decode-loop hygiene (fidelity.model.sampling) and the sampler-agreement probe."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fidelity.config import ModelConfig
-from fidelity.sampling import (
+from fidelity.model.config import ModelConfig
+from fidelity.model.sampling import (
     Generation,
     Sampler,
     SamplerConfig,

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fidelity.production import kernels, routes, topk
-from fidelity.production.topk import TORCH_ROUTES, order_keys, ordered_scores, stable_topk
+from fidelity.decoders.production import kernels, routes, topk
+from fidelity.decoders.production.topk import TORCH_ROUTES, order_keys, ordered_scores, stable_topk
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38]
 DTYPES = (torch.float32, torch.bfloat16)

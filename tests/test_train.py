@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fidelity import cli
-from fidelity.checkpoint import load_checkpoint
-from fidelity.config import ModelConfig
-from fidelity.sampling import StopSet
-from fidelity.synthesize import synthesize
+from fidelity.model.config import ModelConfig
+from fidelity.model.load import load_checkpoint
+from fidelity.model.sampling import StopSet
+from fidelity.model.synthesize import synthesize
 from fidelity.train import corpus
 from fidelity.train.loop import TrainSettings, _balance, lr_at
 from fidelity.train.objective import step_losses

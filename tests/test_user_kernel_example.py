@@ -1,6 +1,6 @@
 """Testing your own kernel against the oracle: copy this into your suite and swap in your kernel.
 
-Your kernel takes the production op's arguments (see ``fidelity.production.ops``); ``check_against_oracle``
+Your kernel takes the production op's arguments (see ``fidelity.decoders.production.ops``); ``check_against_oracle``
 draws inputs with hypothesis, runs your kernel (on ``device=...`` if given) and compares it with the fp64
 oracle under the op's contract (``fidelity.testing.CONTRACTS``).
 """

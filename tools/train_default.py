@@ -14,8 +14,8 @@ import time
 import torch
 
 from fidelity.cli import main as cli_main
-from fidelity.config import ModelConfig
-from fidelity.synthesize import synthesize
+from fidelity.model.config import ModelConfig
+from fidelity.model.synthesize import synthesize
 from fidelity.train.loop import TrainSettings, optimizer
 from fidelity.train.objective import step_losses
 from fidelity.train.trainable import TrainableWeights

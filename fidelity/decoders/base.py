@@ -1,7 +1,7 @@
 """What the runner needs from a decoder under test, and which comparison modes its reported sites allow.
 
 A decoder prefills a prompt and steps one token at a time, returning fp32 logits, and hands tensors to the
-``Recorder`` the runner sets on ``rec`` under the harness's site names (``fidelity/sites.py``). Free mode needs
+``Recorder`` the runner sets on ``rec`` under the harness's site names (``fidelity/model/sites.py``). Free mode needs
 the logits only; layer mode needs each layer's input streams (``embed`` and ``L{i}.residual``); op mode needs
 every op's inputs (``OP_INPUTS``). The runner runs the modes a decoder's sites allow and records why it skipped
 the others.
@@ -9,13 +9,13 @@ the others.
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 
 import torch
 
-from fidelity.config import ModelConfig
-from fidelity.sites import Recorder
+from fidelity.model.config import ModelConfig
+from fidelity.model.sampling import Sampler, StopSet
+from fidelity.model.sites import Recorder
 
 LAYER_INPUTS = ("embed", "L{i}.residual")
 # op mode: the exact inputs of the oracle's ops (opmode.OpMode reads these from the decoder's records)
@@ -65,6 +65,18 @@ class Decoder(ABC):
         reference stop set at every decode token."""
         return None
 
+    def stop_set(self, reference: StopSet) -> StopSet:
+        """The stop set this decoder's generation uses in a run whose reference stop set is ``reference``: its own
+        ``stop_ids`` where it has them, else the reference's."""
+        own = self.stop_ids()
+        return StopSet.of(own) if own is not None else reference
+
+    def pick(self, sampler: Sampler, logits: torch.Tensor, history: torch.Tensor, step: int) -> int:
+        """This decoder's own pick of decode token ``step`` from its logits [vocab] fp32 after ``history`` (prompt
+        and generated ids): the run's sampler here; a decoder with a sampler of its own overrides it. The sampler
+        probe compares the pick with the reference sampler's on the same logits."""
+        return sampler.pick(logits, history, step)
+
 
 def required_sites(mode: str, cfg: ModelConfig) -> list[str]:
     """The site templates ``mode`` needs from the decoder for ``cfg`` (free: logits only)."""
@@ -91,11 +103,3 @@ def mode_support(decoder: Decoder, modes: tuple[str, ...]) -> tuple[tuple[str, .
         else:
             ran.append(mode)
     return tuple(ran), skipped
-
-
-_LAYER_SITE = re.compile(r"^L\d+\.")
-
-
-def site_template(site: str) -> str:
-    """``L3.attn.q`` -> ``L{i}.attn.q``; names outside the layers unchanged."""
-    return _LAYER_SITE.sub("L{i}.", site)

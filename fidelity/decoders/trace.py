@@ -1,5 +1,6 @@
-"""A recorded trace (``fidelity.trace``) replayed as a decoder under test: the calls must come in the recorded
-order with the recorded tokens; each returns the recorded logits and hands the recorded sites to the recorder."""
+"""A recorded trace (``fidelity.decoders.trace_file``) replayed as a decoder under test: the calls must come in the
+recorded order with the recorded tokens; each returns the recorded logits and hands the recorded sites to the
+recorder."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from fidelity.config import ConfigError, ModelConfig
-from fidelity.decoders.base import Decoder, site_template
-from fidelity.sites import is_site, trailing_shape
-from fidelity.trace import TraceError, read_manifest
+from fidelity.decoders.base import Decoder
+from fidelity.decoders.trace_file import TraceError, read_manifest
+from fidelity.model.config import ConfigError, ModelConfig
+from fidelity.model.sites import is_site, site_template, trailing_shape
 
 RESERVED = ("ids", "positions", "logits")
 
@@ -42,7 +43,7 @@ class TraceDecoder(Decoder):
         unknown = sorted(n for n in names if not is_site(n))
         if unknown:
             raise TraceError(f"{self.dir}/trace.json: unknown site names {unknown[:5]}; sites are listed in "
-                             "fidelity.sites.SITES")
+                             "fidelity.model.sites.SITES")
         self._sites = frozenset(site_template(n) for n in names) | {"logits"}
         sizes = [s["positions"][1] - s["positions"][0] for s in self.steps[: self.n_prefill]]
         if sum(sizes) != len(self.prompt):
@@ -118,7 +119,7 @@ class TraceDecoder(Decoder):
             if name in RESERVED:
                 continue
             if not is_site(name):
-                raise TraceError(f"{path}: unknown site {name!r}; sites are listed in fidelity.sites.SITES")
+                raise TraceError(f"{path}: unknown site {name!r}; sites are listed in fidelity.model.sites.SITES")
             per_token = not name.endswith(("compressed_kv", "indexer.keys"))
             if per_token and (not shape or shape[0] != n):
                 raise TraceError(f"{path}: {name}: expected {n} rows (one per token of the call), found shape "

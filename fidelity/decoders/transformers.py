@@ -3,10 +3,10 @@
 The model keeps its own ``DynamicCache`` for decode. Forward hooks map its modules to the harness's sites, and a
 registered attention function (transformers' ``AttentionInterface``, running its own eager attention) reports what
 the attention saw: the queries after RoPE, the window and compressed rows, the visible set read from the mask it
-was given, and its output before the inverse RoPE. Every site of ``fidelity/sites.py`` is reported except the mHC
+was given, and its output before the inverse RoPE. Every site of ``fidelity/model/sites.py`` is reported except the mHC
 ``pre`` weights (consumed inside the hyper-connection module), so free, layer and op modes all run.
 
-The injected faults of ``fidelity.production.faults`` that this decoder knows (``FAULTS``) are planted in the
+The injected faults of ``fidelity.decoders.production.faults`` that this decoder knows (``FAULTS``) are planted in the
 model at call time while ``faults.inject`` holds them: through the attention function (sink dropped, window of
 127 or without self, no inverse RoPE), hooks (comb transposed, routing bias in the weights, top-k capped at half,
 compressed-entry causality off by one on HCA layers) and module attributes (3 Sinkhorn iterations, shared-expert
@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from fidelity.checkpoint import Checkpoint, load_checkpoint
-from fidelity.config import ModelConfig
 from fidelity.decoders.base import Decoder
-from fidelity.layouts import hf_module_source
-from fidelity.production.faults import on
-from fidelity.sites import SITES
+from fidelity.decoders.production.faults import on
+from fidelity.model.checkpoint import Checkpoint
+from fidelity.model.config import ModelConfig
+from fidelity.model.layouts import hf_module_source
+from fidelity.model.load import load_checkpoint
+from fidelity.model.sites import SITES
 
 ATTENTION = "dsv4-fidelity"  # the name the reporting attention function is registered under
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}

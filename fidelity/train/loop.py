@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 
-from fidelity import text
 from fidelity.atomic_write import write_text_atomic
-from fidelity.checkpoint import load_checkpoint, save_checkpoint
-from fidelity.config import ModelConfig
-from fidelity.synthesize import synthesize
+from fidelity.model import text
+from fidelity.model.config import ModelConfig
+from fidelity.model.load import load_checkpoint
+from fidelity.model.save import save_checkpoint
+from fidelity.model.synthesize import synthesize
 from fidelity.train import corpus as corpus_mod
 from fidelity.train.objective import step_losses
 from fidelity.train.tokenizer import encode_document, train_tokenizer

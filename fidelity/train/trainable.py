@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from fidelity.checkpoint import Checkpoint, StoredTensor, TensorSpec
-from fidelity.synthesize import store
+from fidelity.model.checkpoint import Checkpoint, StoredTensor
+from fidelity.model.synthesize import store
+from fidelity.model.weights import TensorSpec
 
 
 class TrainableWeights:

@@ -5,14 +5,16 @@ caught by the CUDA counters as well as by held_growth."""
 import pytest
 import torch
 
+from fidelity.decoders.production.graph_decode import GraphDecodeSession
+
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 import fidelity  # noqa: E402
-from fidelity.checkpoint import load_checkpoint  # noqa: E402
-from fidelity.default_model import prompt_for  # noqa: E402
+from fidelity.decoders.production import ProductionModel  # noqa: E402
+from fidelity.model.default import prompt_for  # noqa: E402
+from fidelity.model.load import load_checkpoint  # noqa: E402
 from fidelity.mutants import BY_NAME, MutantSettings, run_one  # noqa: E402
-from fidelity.production import ProductionModel  # noqa: E402
 from probes.memory import WARMUP_DECODE_CALLS, measured_call  # noqa: E402
 
 SETTINGS = MutantSettings(decode_steps=24, modes=("layer",), device="cuda")
@@ -51,7 +53,7 @@ def test_kept_decode_buffer_shows_in_the_cuda_counters(ckpt):
 def test_graph_decode_replays_allocate_nothing_but_the_returned_logits(ckpt):
     """A replayed step copies the token into the graph's input buffer and allocates only the logits it returns
     (a clone: the graph's own output buffer is overwritten by the next replay)."""
-    session = ProductionModel(ckpt, "reference", 340, "cuda").graph_session()
+    session = GraphDecodeSession(ProductionModel(ckpt, "reference", 340, "cuda"))
     logits = session.prefill(prompt_for(ckpt, 300, 0).cuda())[-1]
     deltas = []
     for _ in range(24):

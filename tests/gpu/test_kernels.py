@@ -1,10 +1,10 @@
-"""GPU production kernels (fidelity.production.kernels, Triton) against the CPU emulation and the fp64 oracle.
+"""GPU production kernels (fidelity.decoders.production.kernels, Triton) against the CPU emulation and the fp64 oracle.
 
 Skipped as a module without triton or without a CUDA device (CI runs on CPU). Property tests are hypothesis,
 derandomized, no deadline. Contracts:
 
 * vs the oracle: ``fidelity.testing.check_against_oracle`` / ``check_case`` (the op's published contract);
-* vs the CPU emulation (``fidelity.production.ops``): sparse attention per (query, head) row
+* vs the CPU emulation (``fidelity.decoders.production.ops``): sparse attention per (query, head) row
   ``calc_diff <= (2 * 1.25 * 2^-8)^2 / 2`` (P's bf16 rounding may flip where fp32 exp / summation order differ);
   index scores within twice the contract's elementwise bound; RMSNorm ``y`` within one bf16 ulp;
 * bit-exact: the FP8 quantizer of ``rms_norm_fp8`` (codes and scale bytes, given the kernel's ``y``), the
@@ -25,10 +25,9 @@ if not torch.cuda.is_available():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fidelity.formats import dequantize_fp4, fake_quant_fp8, quantize_fp4, quantize_fp8  # noqa: E402
-from fidelity.production import ops, routes  # noqa: E402
-from fidelity.production.faults import inject  # noqa: E402
-from fidelity.production.kernels import (  # noqa: E402
+from fidelity.decoders.production import ops, routes  # noqa: E402
+from fidelity.decoders.production.faults import inject  # noqa: E402
+from fidelity.decoders.production.kernels import (  # noqa: E402
     act_quant,
     fallbacks,
     indexer,
@@ -38,7 +37,8 @@ from fidelity.production.kernels import (  # noqa: E402
     sparse_attention,
     take,
 )
-from fidelity.production.registry import REGISTRY  # noqa: E402
+from fidelity.decoders.production.registry import REGISTRY, implementation  # noqa: E402
+from fidelity.model.formats import dequantize_fp4, fake_quant_fp8, quantize_fp4, quantize_fp8  # noqa: E402
 from fidelity.testing import Case, check_against_oracle, check_case, strategies  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -191,8 +191,8 @@ def test_sparse_attention_fallbacks_are_logged_with_their_reason():
     sink = torch.zeros(4, device=CUDA)
     fallbacks.reset()
     sparse_attention.sparse_attention_cuda(q, kv, idx, sink, 96**-0.5)
-    with inject("sink-dropped"):
-        sparse_attention.sparse_attention_cuda(q[..., :64].contiguous(), kv[:, :64].contiguous(), idx, sink, 0.125)
+    with inject("sink-dropped"):  # the registry hands out the emulation, which carries the fault
+        assert implementation("sparse_attention", CUDA) is REGISTRY["sparse_attention"]["cpu"]
     assert fallbacks.counts() == {"sparse_attention": {"input dtype, shape or format not supported": 1,
                                                        "injected fault sink-dropped": 1}}
 
@@ -629,7 +629,7 @@ def test_ws_index_scores_fp4_with_one_head_match_the_bf16_kernel(n_q, n_keys, co
     ``benchmarks/results/2026-12-02-h200-indexer-rega``) the builds specialized to n_heads == 1 stored stray bytes,
     NaN codes among them, into the padded heads' query codes (ptxas packed them from unrelated registers), and every
     score came out NaN; these are the shapes that showed it."""
-    from fidelity.production.kernels import indexer_ws
+    from fidelity.decoders.production.kernels import indexer_ws
 
     g = torch.Generator().manual_seed(n_keys + n_q)
     q = ops.indexer_round(torch.randn(n_q, 1, 128, generator=g), "fp4", rotate=True).to(BF16).to(CUDA)
@@ -650,7 +650,7 @@ def test_ws_half_tiles_fold_the_block_scales_or_take_the_bf16_path():
     the half tile takes the bf16 path for that query. Spreads of 11 (folds) and 12, a NaN scale byte, scale bytes
     near both ends of the e8m0 range, and a query whose weights are subnormal: the scores stay the bf16 kernel's
     (NaN where it has NaN) and ``paths`` counts each half tile on the path expected."""
-    from fidelity.production.kernels import indexer_ws
+    from fidelity.decoders.production.kernels import indexer_ws
 
     g = torch.Generator().manual_seed(3)
     q = ops.indexer_round(torch.randn(2, 64, 128, generator=g), "fp4", rotate=True).to(BF16).to(CUDA)

@@ -7,15 +7,15 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from fidelity.config import ModelConfig  # noqa: E402
+from fidelity.decoders.production import ProductionModel  # noqa: E402
+from fidelity.harness.judgement import judge  # noqa: E402
+from fidelity.harness.runner import Runner, RunSpec  # noqa: E402
+from fidelity.harness.thresholds import default_thresholds  # noqa: E402
 from fidelity.job import tidy  # noqa: E402
-from fidelity.judgement import judge  # noqa: E402
-from fidelity.oracle_run import default_prompt  # noqa: E402
-from fidelity.production import ProductionModel  # noqa: E402
-from fidelity.runner import Runner, RunSpec  # noqa: E402
-from fidelity.sites import Recorder  # noqa: E402
-from fidelity.synthesize import synthesize  # noqa: E402
-from fidelity.thresholds import default_thresholds  # noqa: E402
+from fidelity.model.config import ModelConfig  # noqa: E402
+from fidelity.model.default import default_prompt  # noqa: E402
+from fidelity.model.sites import Recorder  # noqa: E402
+from fidelity.model.synthesize import synthesize  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from fidelity.production.kernels.radix_topk import MAX_K  # noqa: E402
-from fidelity.production.topk import CUDA_KEYS_MIN_ROWS, ROUTES, default_route, stable_topk  # noqa: E402
+from fidelity.decoders.production.kernels.radix_topk import MAX_K  # noqa: E402
+from fidelity.decoders.production.topk import CUDA_KEYS_MIN_ROWS, ROUTES, default_route, stable_topk  # noqa: E402
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38]
 

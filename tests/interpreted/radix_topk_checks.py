@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from fidelity.production.kernels.radix_topk import radix_topk
-from fidelity.production.topk import stable_topk
+from fidelity.decoders.production.kernels.radix_topk import radix_topk
+from fidelity.decoders.production.topk import stable_topk
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38]
 

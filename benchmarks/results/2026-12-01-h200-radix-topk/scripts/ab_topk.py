@@ -1,11 +1,9 @@
 """A/B of the radix top-k (calls 2 and 3 of this folder's README), from the repository root on a CUDA machine:
 
     git show cab4d5e:fidelity/production/kernels/radix_topk.py > <this folder>/radix_v0.py
-    git show 53eed63:fidelity/production/kernels/radix_topk.py > <this folder>/radix_v1.py
-    patch <this folder>/radix_v1.py <this folder>/radix_v1.patch
-    OUT=<dir> python3 <this folder>/ab_topk.py
+    OUT=<dir> python3 <this folder>/ab_topk.py   (with v1's module, a variant not kept, as radix_v1.py beside it)
 
-v0: commit cab4d5e (tie ranks and pick slots by two scans per chunk). v1 (``radix_v1.patch``, never committed):
+v0: commit cab4d5e (tie ranks and pick slots by two scans per chunk). v1 (never committed):
 only the chunk where the needed ties run out ranks its ties, one atomic slot claim per pick; its ``global_hist``
 option builds the first pass's histogram with one global atomic per entry. v2: the working tree's ``radix_topk``
 (v0's one atomic per chunk, v1's boundary-only tie ranking). Call 3 ran this file; call 2 ran it with

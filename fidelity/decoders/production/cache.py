@@ -1,0 +1,185 @@
+"""Preallocated caches, sized once from ``max_context`` (spec §5): no per-step growth.
+
+Per layer: the attention KV buffer ``[window | ceil(max_context/ratio) compressed entries]`` (the official
+``kv_cache`` layout), stored as bf16 rows or as e4m3 nope codes + ue8m0 1x64 scales + bf16 rope dims
+(584 bytes/token at head_dim 512); the indexer key cache ``[ceil(max_context/4), index_head_dim]`` as bf16 or
+packed (FP4 codes + ue8m0 1x32 scales, or e4m3 + ue8m0 scales); the compressors' fp32 carry state
+``[coff*ratio, coff*d]``; and the decode gather buffer for window + selected rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fidelity.decoders.production.profiles import Profile
+from fidelity.model.config import ModelConfig
+from fidelity.model.formats import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
+
+BF16 = torch.bfloat16
+
+
+class _RowStore:
+    """Row writes shared by the stores: ``_parts(rows)`` pairs each storage tensor with the new rows' values."""
+
+    def _parts(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        raise NotImplementedError
+
+    def write(self, slots: torch.Tensor | slice, rows: torch.Tensor) -> None:
+        for store, new in self._parts(rows):
+            store[slots] = new
+
+    def write_if(self, slots: torch.Tensor, rows: torch.Tensor, cond: torch.Tensor) -> None:
+        """``write(slots, rows)`` where ``cond`` (bool [1], on the store's device) holds, else the rows are left
+        as they are: a write decided on the device, with no host sync (graph decode)."""
+        for store, new in self._parts(rows):
+            if store.dtype.itemsize == 1 and store.dtype != torch.uint8:  # torch.where has no float8 kernels
+                store, new = store.view(torch.uint8), new.view(torch.uint8)
+            store[slots] = torch.where(cond.view(-1, *([1] * (new.dim() - 1))), new, store[slots])
+
+
+class KVStore(_RowStore):
+    """Rows [capacity, hd]: bf16, or FP8 (e4m3 nope codes, ue8m0 scales per 64, bf16 rope dims)."""
+
+    def __init__(self, capacity: int, hd: int, rd: int, fmt: str, device: torch.device | str = "cpu"):
+        self.capacity, self.hd, self.rd, self.fmt = capacity, hd, rd, fmt
+        if fmt == "fp8":
+            self.codes = torch.zeros(capacity, hd - rd, dtype=torch.float8_e4m3fn, device=device)
+            self.scales = torch.zeros(capacity, (hd - rd) // 64, dtype=torch.uint8, device=device)
+            self.rope = torch.zeros(capacity, rd, dtype=BF16, device=device)
+        else:
+            self.rows = torch.zeros(capacity, hd, dtype=BF16, device=device)
+
+    def _parts(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """rows [k, hd] bf16 whose nope dims are already FP8 values when fmt is fp8 (stored exactly)."""
+        if self.fmt == "fp8":
+            codes, scales = quantize_fp8(rows[:, : self.hd - self.rd], 64)
+            return [(self.codes, codes), (self.scales, scales), (self.rope, rows[:, self.hd - self.rd :])]
+        return [(self.rows, rows)]
+
+    def read(self, slots: torch.Tensor | slice) -> torch.Tensor:
+        """bf16 rows [k, hd]."""
+        if self.fmt != "fp8":
+            return self.rows[slots]
+        rope = self.rope[slots]
+        return self.read_into(slots, rope.new_empty((rope.shape[0], self.hd)))
+
+    def read_into(self, slots: torch.Tensor | slice, out: torch.Tensor) -> torch.Tensor:
+        """The bf16 rows of ``slots`` written into ``out`` [k, hd] (a preallocated workspace): the FP8 nope dims
+        dequantized (rounded to bf16 on the copy), the bf16 rope dims as stored."""
+        if self.fmt != "fp8":
+            return torch.index_select(self.rows, 0, slots, out=out)
+        nope = self.hd - self.rd
+        out[:, :nope] = dequantize_fp8(self.codes[slots], self.scales[slots], 64)
+        out[:, nope:] = self.rope[slots]
+        return out
+
+    def nbytes(self) -> int:
+        parts = (self.codes, self.scales, self.rope) if self.fmt == "fp8" else (self.rows,)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+class KeyStore(_RowStore):
+    """Indexer keys [capacity, d]: bf16 rows, or packed codes + ue8m0 scales (FP4 1x32 or FP8 1xmin(128, d))."""
+
+    def __init__(self, capacity: int, d: int, fmt: str, packed: bool, device: torch.device | str = "cpu"):
+        self.capacity, self.d, self.fmt, self.packed = capacity, d, fmt, packed
+        self.block = 32 if fmt == "fp4" else min(128, d)
+        if not packed:
+            self.rows = torch.zeros(capacity, d, dtype=BF16, device=device)
+        elif fmt == "fp4":
+            self.codes = torch.zeros(capacity, d // 2, dtype=torch.uint8, device=device)
+            self.scales = torch.zeros(capacity, d // 32, dtype=torch.uint8, device=device)
+        else:
+            self.codes = torch.zeros(capacity, d, dtype=torch.float8_e4m3fn, device=device)
+            self.scales = torch.zeros(capacity, d // self.block, dtype=torch.uint8, device=device)
+
+    def _parts(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.packed:
+            return [(self.rows, rows)]
+        codes, scales = quantize_fp4(rows, 32) if self.fmt == "fp4" else quantize_fp8(rows, self.block)
+        return [(self.codes, codes), (self.scales, scales)]
+
+    def read(self, slots: torch.Tensor | slice) -> torch.Tensor:
+        if not self.packed:
+            return self.rows[slots]
+        if self.fmt == "fp4":
+            return dequantize_fp4(self.codes[slots], self.scales[slots], 32).to(BF16)
+        return dequantize_fp8(self.codes[slots], self.scales[slots], self.block).to(BF16)
+
+    def fp4_slices(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The first n keys' packed FP4 codes [n, d/2] and scale bytes [n, d/32] (views), or None when the keys
+        are not stored packed FP4."""
+        return (self.codes[:n], self.scales[:n]) if self.packed and self.fmt == "fp4" else None
+
+    def nbytes(self) -> int:
+        parts = (self.codes, self.scales) if self.packed else (self.rows,)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+@dataclass
+class CompressorCarry:
+    """fp32 ``kv_state`` / ``score_state`` [coff*ratio, coff*d] (init 0 / -inf); overlap: [:r] previous block."""
+
+    kv: torch.Tensor
+    score: torch.Tensor
+
+    @classmethod
+    def empty(cls, ratio: int, d: int, device: torch.device | str = "cpu") -> CompressorCarry:
+        coff = 2 if ratio == 4 else 1
+        return cls(torch.zeros(coff * ratio, coff * d, device=device),
+                   torch.full((coff * ratio, coff * d), float("-inf"), device=device))
+
+    def nbytes(self) -> int:
+        return 2 * self.kv.numel() * self.kv.element_size()
+
+
+class LayerCache:
+    """Everything layer ``i`` keeps between calls, allocated once."""
+
+    def __init__(self, cfg: ModelConfig, i: int, profile: Profile, max_context: int,
+                 device: torch.device | str = "cpu"):
+        ratio, w = cfg.ratio(i), cfg.window_size
+        self.ratio, self.window = ratio, w
+        self.n_compressed = math.ceil(max_context / ratio) if ratio else 0
+        self.kv = KVStore(w + self.n_compressed, cfg.head_dim, cfg.rope_head_dim, profile.kv_storage, device)
+        self.carry = CompressorCarry.empty(ratio, cfg.head_dim, device) if ratio else None
+        self.keys = self.index_carry = None
+        if ratio == 4:
+            n_keys = math.ceil(max_context / 4)
+            self.keys = KeyStore(n_keys, cfg.index_head_dim, profile.indexer_qk,
+                                 profile.indexer_storage == "packed", device)
+            self.index_carry = CompressorCarry.empty(4, cfg.index_head_dim, device)
+        visible = w + (min(cfg.index_topk, self.n_compressed) if ratio == 4 else self.n_compressed)
+        self.gather = torch.zeros(visible, cfg.head_dim, dtype=BF16, device=device)
+        self.slots = torch.zeros(1, visible, dtype=torch.long, device=device)  # decode: cache slot per gathered row
+        self.spill: list[torch.Tensor] = []  # only the ``cache-concat-growth`` fault ever appends here
+
+    def nbytes(self) -> dict[str, int]:
+        out = {"kv": self.kv.nbytes(), "gather": self.gather.numel() * 2 + self.slots.numel() * 8}
+        if self.spill:
+            out["spill"] = sum(t.numel() * t.element_size() for t in self.spill)
+        if self.carry is not None:
+            out["compressor_state"] = self.carry.nbytes()
+        if self.keys is not None:
+            out["indexer_keys"] = self.keys.nbytes()
+            out["compressor_state"] += self.index_carry.nbytes()
+        return out
+
+
+def kv_row_bytes(cfg: ModelConfig, fmt: str) -> int:
+    """Bytes of one KV row: bf16 2*hd, or FP8 (hd - rd) codes + (hd - rd)/64 scales + 2*rd rope."""
+    if fmt == "fp8":
+        nope = cfg.head_dim - cfg.rope_head_dim
+        return nope + nope // 64 + 2 * cfg.rope_head_dim
+    return 2 * cfg.head_dim
+
+
+def key_row_bytes(cfg: ModelConfig, fmt: str, packed: bool) -> int:
+    """Bytes of one indexer key: bf16 2*d, packed FP4 d/2 + d/32, packed FP8 d + d/min(128, d)."""
+    d = cfg.index_head_dim
+    if not packed:
+        return 2 * d
+    return d // 2 + d // 32 if fmt == "fp4" else d + d // min(128, d)

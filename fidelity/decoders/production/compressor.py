@@ -1,0 +1,123 @@
+"""Production compressor (official ``Compressor.forward``): fp32 projections and pooling, carry state for
+decode, then ``norm(kv.to(bf16))`` and RoPE at the block's first position, in bf16 (spec §4-§5)."""
+
+from __future__ import annotations
+
+import torch
+
+from fidelity.decoders.production import ops
+from fidelity.decoders.production.cache import CompressorCarry
+from fidelity.decoders.production.faults import on
+
+BF16 = torch.bfloat16
+
+
+def _project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    return xf @ wkv.float().T, xf @ wgate.float().T
+
+
+def _overlap(t: torch.Tensor, ratio: int, d: int, fill: float) -> torch.Tensor:
+    """[b, r, 2d] -> [b, 2r, d]: previous block's first half, then this block's second half."""
+    out = t.new_full((t.shape[0], 2 * ratio, d), fill)
+    out[:, ratio:] = t[:, :, d:]
+    out[1:, :ratio] = t[:-1, :, :d]
+    return out
+
+
+def _finish(pooled: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor,
+            eps: float) -> torch.Tensor:
+    """pooled fp32 [b, d] -> bf16 entries: RMSNorm of the bf16 rows, RoPE at the block starts."""
+    return ops.apply_rope(ops.rms_norm(pooled.to(BF16), norm, eps), positions, freqs)
+
+
+def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
+                     eps: float, start: int = 0) -> tuple[torch.Tensor | None, int]:
+    """A prefill chunk x [T, dim] at positions start..start+T-1 -> (the entries its tokens complete [k, d] bf16 or
+    None, the first one's id).
+
+    A chunk continues the carry: the unfinished block's tokens (positions start - start % ratio .. start - 1) are
+    pooled with the chunk's, and with overlap (ratio 4) the previous complete block fills the first half of the
+    first new entry. The carry is left as decode expects it: the last complete block (overlap) and the tokens of
+    the unfinished block. ``start = 0`` is the official prefill."""
+    wkv, wgate, ape, norm = weights
+    d, overlap, t = norm.numel(), ratio == 4, x.shape[0]
+    offset = ratio if overlap else 0
+    kv, score = _project(x, wkv, wgate)
+    score = score + ape[(torch.arange(start, start + t, device=x.device) % ratio)]
+    carried = start % ratio  # tokens of the unfinished block already in the carry
+    kv = torch.cat((carry.kv[offset : offset + carried], kv))
+    score = torch.cat((carry.score[offset : offset + carried], score))
+    first, total = start // ratio, carried + t
+    remainder = total % ratio
+    cutoff = total - remainder
+    previous = (carry.kv[:ratio].clone(), carry.score[:ratio].clone()) if overlap else None
+    if overlap and cutoff >= ratio:
+        carry.kv[:ratio] = kv[cutoff - ratio : cutoff]
+        carry.score[:ratio] = score[cutoff - ratio : cutoff]
+    if remainder:
+        carry.kv[offset : offset + remainder] = kv[cutoff:]
+        carry.score[offset : offset + remainder] = score[cutoff:]
+    if cutoff == 0:
+        return None, first
+    kv, score = kv[:cutoff].unflatten(0, (-1, ratio)), score[:cutoff].unflatten(0, (-1, ratio))
+    if overlap:
+        kv, score = _overlap(kv, ratio, d, 0.0), _overlap(score, ratio, d, float("-inf"))
+        if first > 0:  # the block before this chunk's first: kept in the carry
+            kv[0, :ratio], score[0, :ratio] = previous[0][:, :d], previous[1][:, :d]
+    pooled = (kv * score.softmax(dim=1)).sum(dim=1)
+    starts = (torch.arange(kv.shape[0], device=x.device) + first) * ratio
+    starts = starts + (ratio - 1 if on("compressed-rope-last") else 0)
+    return _finish(pooled, norm, freqs, starts, eps), first
+
+
+def _pool_carry(carry: CompressorCarry, ratio: int, d: int) -> torch.Tensor:
+    """Softmax-weighted pool of the carried block -> fp32 [1, d]; overlap (ratio 4): the previous block's first
+    half with this block's second half."""
+    if ratio != 4:
+        return (carry.kv * carry.score.softmax(dim=0)).sum(dim=0, keepdim=True)
+    kv = torch.cat((carry.kv[:ratio, :d], carry.kv[ratio:, d:]))
+    score = torch.cat((carry.score[:ratio, :d], carry.score[ratio:, d:]))
+    return (kv * score.softmax(dim=0)).sum(dim=0, keepdim=True)
+
+
+def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor | None, int]:
+    """One token x [1, dim] at position t -> (the entry completed at t [1, d] or None, its id t // ratio)."""
+    wkv, wgate, ape, norm = weights
+    d, overlap = norm.numel(), ratio == 4
+    kv, score = _project(x, wkv, wgate)
+    score = score + ape[t % ratio]
+    slot = (ratio if overlap else 0) + t % ratio
+    carry.kv[slot], carry.score[slot] = kv[0], score[0]
+    if (t + 1) % ratio:
+        return None, 0
+    pooled = _pool_carry(carry, ratio, d)
+    if overlap:
+        carry.kv[:ratio], carry.score[:ratio] = carry.kv[ratio:].clone(), carry.score[ratio:].clone()
+    start = t if on("compressed-rope-last") else t + 1 - ratio
+    return _finish(pooled, norm, freqs, torch.tensor([start], device=x.device), eps), t // ratio
+
+
+def compress_decode_on_device(x: torch.Tensor, pos: torch.Tensor, weights, carry: CompressorCarry, ratio: int,
+                              freqs: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`compress_decode` with the position in a device tensor ``pos`` (int64 [1]) and no host branch, so
+    that a decode step can be captured in a CUDA graph. The carry is updated exactly as ``compress_decode``
+    does (the overlap shift where the block completes), and the entry of the block ending at ``pos`` is computed
+    every step. Returns (entry [1, d] bf16, complete bool [1], entry id int64 [1]): the entry equals
+    ``compress_decode``'s where ``complete``, and is meaningless (may be NaN) elsewhere."""
+    wkv, wgate, ape, norm = weights
+    d, overlap = norm.numel(), ratio == 4
+    kv, score = _project(x, wkv, wgate)
+    phase = pos % ratio
+    score = score + ape.index_select(0, phase)
+    slot = phase + (ratio if overlap else 0)
+    carry.kv.index_copy_(0, slot, kv)
+    carry.score.index_copy_(0, slot, score)
+    complete = phase == ratio - 1
+    pooled = _pool_carry(carry, ratio, d)
+    if overlap:
+        for state in (carry.kv, carry.score):
+            state[:ratio] = torch.where(complete, state[ratio:], state[:ratio])
+    start = pos if on("compressed-rope-last") else pos + 1 - ratio
+    return _finish(pooled, norm, freqs, start, eps), complete, pos // ratio

@@ -1,0 +1,71 @@
+"""Named fault patch points in the production path (``fidelity mutants``): each is a known DSv4 port bug,
+switched on by name for one run. The production code asks ``on(name)`` at the single place the bug lives;
+no copy of the model per mutant. With nothing injected every check is False."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+FAULTS: dict[str, str] = {
+    "indexer-key-width": "indexer keys truncated to the nope width (rope dims lost: wrong key cache stride)",
+    "causal-off-by-one": "compressed entry j visible when j <= (t+1)//ratio instead of j < (t+1)//ratio",
+    "window-127": "sliding window of 127 tokens instead of 128",
+    "window-no-self": "sliding window excludes the current token",
+    "no-inverse-rope": "attention output not de-rotated (no inverse RoPE)",
+    "sink-value-row": "attention sink given a value row (the first visible KV row)",
+    "sink-dropped": "attention sink dropped from the denominator",
+    "sinkhorn-3-iters": "Sinkhorn with 3 iterations instead of 20",
+    "comb-transposed": "mHC comb built transposed (applied untransposed); still doubly stochastic",
+    "hadamard-q-only": "Hadamard applied to indexer queries but not keys",
+    "fp4-scale-floor": "FP4 ue8m0 scale rounded down instead of up (block maximum saturates)",
+    "compressed-rope-last": "compressed entry RoPE at the block's last position instead of its first",
+    "yarn-on-swa": "YaRN / compressed-layer RoPE applied to sliding-window-only layers",
+    "shared-clamp-missing": "shared expert SwiGLU clamp missing",
+    "routing-bias-in-weights": "routing bias added to the expert weights, not only to the selection",
+    "rep-penalty-no-prompt": "repetition penalty ignores prompt tokens",
+    "stop-missing-eot": "stop set missing the end-of-turn token",
+    "cache-concat-growth": "KV cache grows by concatenation every decode step",
+    "decode-buffer-kept": "each decode step gathers into a fresh full-capacity buffer that stays referenced",
+    "topk-cap-half": "indexer top-k capped at half of index_topk (only shows past topk/2 * ratio tokens)",
+}
+
+# faults planted inside an op's emulation that a GPU kernel fuses away: while one is injected, the registry hands
+# out that op's emulation (``registry.implementation``), so kernels never look at faults
+IN_EMULATION: dict[str, str] = {
+    "sink-value-row": "sparse_attention",
+    "sink-dropped": "sparse_attention",
+    "sinkhorn-3-iters": "hc_pre",
+    "comb-transposed": "hc_pre",
+}
+
+_active: frozenset[str] = frozenset()
+
+
+def on(name: str) -> bool:
+    """Is fault ``name`` injected right now?"""
+    return name in _active
+
+
+def in_emulation(op: str) -> str | None:
+    """The injected fault (if any) that lives in op ``op``'s emulation."""
+    return next((f for f in sorted(_active) if IN_EMULATION.get(f) == op), None)
+
+
+def active() -> frozenset[str]:
+    """The faults injected right now."""
+    return _active
+
+
+@contextmanager
+def inject(*names: str) -> Iterator[None]:
+    """Inject the named faults for the duration of the block."""
+    global _active
+    unknown = sorted(set(names) - set(FAULTS))
+    if unknown:
+        raise KeyError(f"fault(s) {unknown}: expected names from {sorted(FAULTS)}")
+    previous, _active = _active, frozenset(names)
+    try:
+        yield
+    finally:
+        _active = previous

@@ -1,0 +1,168 @@
+"""Graph decode: the production decode step with every shape fixed by ``max_context`` and the position held in
+a device tensor, so that the step has no host sync and, on CUDA, is captured once in a CUDA graph and replayed.
+
+Same numerics as :class:`~fidelity.decoders.production.model.ProductionSession` (tested bit for bit on the CPU):
+
+* the compressors run every step and the entry of the block ending at the token is written only where the
+  block completes (``write_if``: a device-side condition), so the caches hold exactly the eager session's bytes;
+* the indexer scores every key slot of the cache and masks ``j >= (t+1)//4`` to -inf before the same stable
+  top-k, so it picks the same entries; where fewer than ``index_topk`` entries are visible the extra picks are
+  -1 (masked), which adds fully masked 64-entry blocks at the end of the attention's online softmax: those
+  leave its max, sum and accumulator unchanged (alpha = 1, P = 0);
+* HCA layers attend over every compressed slot with ``j >= (t+1)//ratio`` masked;
+* routed experts run in ascending expert id (the eager order) on weights picked on the device from a per-layer
+  stack of all experts (``ProductionModel.expert_stack``).
+
+The cost of fixed shapes: the indexer and HCA layers work on the whole ``max_context`` capacity rather than on
+the entries visible so far, so size ``max_context`` to the run. Prefill stays eager. No probe sites: a captured
+step cannot hand tensors to a recorder, so the session has none (use ``ProductionSession`` for probes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fidelity.decoders.production import faults, kernels, registry
+from fidelity.decoders.production.call_counts import counting
+from fidelity.decoders.production.compressor import compress_decode_on_device
+from fidelity.decoders.production.faults import on
+from fidelity.decoders.production.fp8_input import Fp8Input
+from fidelity.decoders.production.model import ProductionModel, ProductionSession, _plain, _topk_cap
+from fidelity.decoders.production.topk import stable_topk
+
+
+class GraphDecodeSession(ProductionSession):
+    """A session whose decode steps are sync-free and, with ``graphs`` (default: on CUDA), CUDA-graph replays.
+
+    The first step (and the first after the injected faults or an op's selected implementation change) runs
+    eagerly, which compiles the kernels and loads the weights, then the step is captured; later steps copy the
+    token and position into the graph's input buffers and replay it. ``replays`` counts replayed steps."""
+
+    def __init__(self, model: ProductionModel, graphs: bool | None = None):
+        super().__init__(model, None)
+        dev = model.device
+        self.graphs = dev.type == "cuda" if graphs is None else graphs
+        if self.graphs and dev.type != "cuda":
+            raise ValueError(f"graphs: CUDA graphs need a CUDA model, found device {dev}")
+        self.pos_dev = torch.zeros(1, dtype=torch.long, device=dev)
+        self.ids_dev = torch.zeros(1, dtype=torch.long, device=dev)
+        self.replays = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_key: tuple | None = None
+        self._graph_logits: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
+        ids = self._check(torch.as_tensor([int(token_id)]), prefill=False, to_device=False)  # copied in place
+        for fault in ("cache-concat-growth", "decode-buffer-kept"):
+            if on(fault):
+                raise ValueError(f"fault {fault}: a step that allocates what it keeps cannot run in a graph decode "
+                                 "step; use ProductionSession")
+        self.ids_dev.copy_(ids)
+        self.pos_dev.fill_(self.pos)
+        with counting(self.counts):
+            logits = self._graph_step() if self.graphs else self._forward(self.ids_dev, self.pos_dev)
+        self.pos += 1
+        self.calls += 1
+        return logits[0].clone()
+
+    def _graph_step(self) -> torch.Tensor:
+        key = (faults.active(), tuple(sorted(registry.selections().items())))
+        if self._graph is not None and key == self._graph_key:
+            self._graph.replay()
+            self.replays += 1
+            return self._graph_logits
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # eager step: compiles, loads weights, warms cuBLAS on a side stream
+            logits = self._forward(self.ids_dev, self.pos_dev)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records the next steps; runs nothing now
+            self._graph_logits = self._forward(self.ids_dev, self.pos_dev)
+        self._graph, self._graph_key = graph, key
+        return logits
+
+    # ---- the decode pieces that the eager session sizes or branches on the host position ------------------
+    def window_slot(self, win: int) -> torch.Tensor:
+        return self.pos_dev % win
+
+    def decode_window_idx(self, win: int, device: torch.device) -> torch.Tensor:
+        return window_idx_on_device(self.pos_dev, win)
+
+    def decode_compressed(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ratio = self.cfg.ratio(i)
+        self.compress(i, x, positions, index=False)
+        if ratio == 4:
+            return self.index_decode(i, x, qr, positions)
+        limit = (self.pos_dev + 1) // ratio
+        if on("causal-off-by-one"):
+            limit = limit + ((self.pos_dev + 1) % ratio != 0).long()
+        j = torch.arange(self.layers[i].n_compressed, device=x.device)
+        return torch.where(j < limit, j, -1)[None]
+
+    def compress(self, i: int, x: torch.Tensor, positions: torch.Tensor, index: bool) -> torch.Tensor | None:
+        if self.in_prefill:
+            return super().compress(i, x, positions, index)
+        cache = self.layers[i]
+        weights, carry, ratio, freqs = self.compressor(i, index)
+        entry, complete, j = compress_decode_on_device(x, self.pos_dev, weights, carry, ratio, freqs,
+                                                       self.cfg.norm_eps)
+        entry = self.round_entries(entry, index)
+        if index:
+            cache.keys.write_if(j, entry, complete)
+        else:
+            cache.kv.write_if(j + cache.window, entry, complete)
+        return None
+
+    def index_decode(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cache = self.layers[i]
+        q, weights = self.index_query(i, x, qr, positions)
+        self.compress(i, x, positions, index=True)
+        n = cache.keys.capacity
+        limit = (self.pos_dev + 1) // 4
+        scores = self._scorer(cache.keys, n)(q, weights)
+        scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= limit, float("-inf"))
+        picks = stable_topk(scores, min(_topk_cap(self.cfg.index_topk), n))
+        return torch.where(picks >= limit, -1, picks)
+
+    def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] != 1:
+            return super().moe(i, h, ids)
+        cfg, act, x = self.cfg, self.p.gemm_act, _plain(h)
+        weights, experts = self.route(i, x, ids)
+        w1, w2, w3 = self.m.expert_stack(i)
+        expert = self.op("expert")
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        order = experts[0].argsort()  # the eager session's ascending expert ids (a token's experts are distinct)
+        for k in range(experts.shape[1]):
+            slot = order[k : k + 1]
+            e = experts[0].index_select(0, slot)
+            y += expert(h, _take(w1, e), _take(w2, e), _take(w3, e), cfg.swiglu_limit,
+                        weights.index_select(1, slot), act, self.linear).float()
+        y += self.shared_expert(i, h)
+        return y.to(torch.bfloat16)
+
+
+def _take(stack: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``stack[index[0]]`` (a copy) without reading the index on the host: a Triton copy on CUDA, else
+    ``index_select``."""
+    if stack.is_cuda and kernels.available():
+        from fidelity.decoders.production.kernels.take import take
+
+        return take(stack, index)
+    return stack.index_select(0, index)[0]
+
+
+def window_idx_on_device(pos: torch.Tensor, win: int) -> torch.Tensor:
+    """``model._window_decode_idx`` for a position in a device tensor (int64 [1]) -> [1, win] ring slots,
+    oldest first, -1 where the window is not full yet."""
+    j = torch.arange(win, device=pos.device)
+    s = pos % win
+    ring = (j + s + 1) % win
+    if on("window-127"):
+        ring = torch.where(j == 0, -1, ring)
+    idx = torch.where(pos >= win - 1, ring, torch.where(j <= pos, j, -1))[None]
+    if on("window-no-self"):
+        idx = torch.where(idx == s, -1, idx)
+    return idx

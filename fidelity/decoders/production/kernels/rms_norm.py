@@ -1,0 +1,227 @@
+"""RMSNorm and fused RMSNorm + FP8 activation quantization (1x128 e4m3, ue8m0 scales) in Triton.
+
+``rms_norm``: ``(w_fp32 * (x_f32 * (1 / sqrt(mean(x^2) + eps)))).to(x.dtype)`` (spec §3: the reference norm is
+torch; ``ops.rms_norm``), ``rows`` rows per program held in registers as one [rows, d/128, 128] tile (the FP8
+epilogue's per-block amax is then a plain reduction, no re-layout). The mean uses a tree sum in fp32,
+so ``y`` can differ from torch's by a rounding flip (one bf16 ulp) on a small fraction of elements.
+
+``rms_norm_fp8``: the same ``y``, then the ``act_quant(y, 128, "ue8m0")`` of spec §3 on it in the same
+program: per 128 elements ``amax = max(|y|, 1e-4)``, ``s = 2^(exp(v) - 127 + (mantissa(v) != 0))`` from the
+bits of ``v = amax * fp32(1/448)``, codes ``e4m3(clamp(y / s, -448, 448))`` (RNE, the hardware cvt), scale
+bytes ``exp(s) + 127``. Given ``y``, codes and scales are bit-identical to ``formats.quantize_fp8(y, 128)``,
+NaN included (a NaN block gets scale byte 0xFF and NaN codes, as in ``fidelity.model.formats``).
+
+``rms_norm_act_quant``: the same program storing, in place of codes and scale bytes, their product as bf16 (exact):
+``y`` and ``formats.fake_quant_fp8(y, 128)``, what the production model's FP8 GEMMs multiply (profile ``fused-norm``).
+
+Two launches: one-shot (one program per row group) and persistent (a few programs per SM loop over the row
+groups and load the next group before reducing and storing the current one). Both give the same bits for the same
+``rows`` and ``num_warps``; prefill-sized FP8 inputs take the persistent one (H200 numbers in BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fidelity.decoders.production import ops
+from fidelity.decoders.production.kernels import fallbacks
+from fidelity.decoders.production.kernels._common import device_transparent, next_pow2, on_device
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def e4m3_blocks(yf):
+    """``act_quant`` (spec §3, ue8m0) of the rows of yf [NB, B] fp32, one block per row: per block
+    ``amax = max(|y|, 1e-4)``, ``s = 2^(exp(v) - 127 + (mantissa(v) != 0))`` from the bits of
+    ``v = amax * fp32(1/448)``, codes ``e4m3(y / s)`` (RNE; ``|y / s| <= 448`` by construction, so no clamp).
+    A block holding a NaN (the NaN-propagating amax) gets NaN codes and scale byte 255, as ``fidelity.model.formats``.
+    Returns (codes float8e4nv [NB, B], scale exponent bytes int32 [NB], s fp32 [NB])."""
+    amax = tl.reduce(tl.abs(yf), 1, _max_nan)
+    has_nan = amax != amax
+    v = tl.maximum(amax, 1e-4) * 0.002232142857142857  # fp32(1e-4), fp32(1/448) as in kernel.py
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    inv_s = tl.where(has_nan, float("nan"), ((127 - e) << 23).to(tl.float32, bitcast=True))  # 2^-e, exact
+    codes = (yf * inv_s[:, None]).to(tl.float8e4nv)
+    return codes, tl.where(has_nan, 255, e + 127), ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _norm_store(x, w, rows, cols, mask, n_rows, n_cols, eps, y_ptr, q_ptr, s_ptr, stride_y, stride_q, stride_s,
+                NB: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr,
+                STREAM: tl.constexpr, DQ: tl.constexpr):
+    """Normalize x fp32 [ROWS, NB, QB] (rows ``rows``) with w fp32 [NB, QB]; store y and/or codes + scale bytes
+    (``DQ``: instead of those, the bf16 values code * s, i.e. y quantized-dequantized)."""
+    ms = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.zeros([ROWS], tl.float32) + n_cols)
+    rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(ms + eps))
+    y = (w[None, :, :] * (x * rs[:, None, None])).to(y_ptr.dtype.element_ty)
+    if WRITE_Y:
+        tl.store(y_ptr + rows[:, None, None] * stride_y + cols[None, :, :], y, mask=mask)
+    if WRITE_Q:
+        codes, sbyte, scale = e4m3_blocks(tl.reshape(y.to(tl.float32), [ROWS * NB, QB]))
+        if DQ:
+            deq = (codes.to(tl.float32) * scale[:, None]).to(tl.bfloat16)  # exact: a code times a power of two
+            tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], tl.reshape(deq, [ROWS, NB, QB]),
+                     mask=mask)
+        else:
+            tl.store(q_ptr + rows[:, None, None] * stride_q + cols[None, :, :], tl.reshape(codes, [ROWS, NB, QB]),
+                     mask=mask, cache_modifier=".cs" if STREAM else "")
+            blk = tl.arange(0, NB)
+            smask = (rows < n_rows)[:, None] & (blk * QB < n_cols)[None, :]
+            tl.store(s_ptr + rows[:, None] * stride_s + blk[None, :], tl.reshape(sbyte, [ROWS, NB]).to(tl.uint8),
+                     mask=smask)
+
+
+@triton.jit
+def _row_cols(w_ptr, n_cols, NB: tl.constexpr, QB: tl.constexpr, STREAM: tl.constexpr):
+    """Columns [NB, QB] of one row as NB blocks of QB, their mask, and w fp32 [NB, QB]."""
+    cols = tl.arange(0, NB)[:, None] * QB + tl.arange(0, QB)[None, :]
+    cmask = cols < n_cols
+    # STREAM: x is read once and codes written once (kept out of the caches' way); w is read by every program
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0, eviction_policy="evict_last" if STREAM else "").to(tl.float32)
+    return cols, cmask, w
+
+
+@triton.jit
+def _load_rows(x_ptr, rows, cols, cmask, n_rows, stride_x, STREAM: tl.constexpr):
+    """x [ROWS, NB, QB] in its own dtype (0 outside the rows / columns) and the mask."""
+    mask = (rows < n_rows)[:, None, None] & cmask[None, :, :]
+    x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0,
+                eviction_policy="evict_first" if STREAM else "")
+    return x, mask
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, stride_x, stride_y, stride_q, stride_s,
+                     NB: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr, WRITE_Y: tl.constexpr,
+                     WRITE_Q: tl.constexpr, STREAM: tl.constexpr, DQ: tl.constexpr = False):
+    """``ROWS`` rows per program as one [ROWS, NB, QB] tile (QB = the quantization block), so that all the rows'
+    loads are in flight together and the FP8 epilogue's per-block amax is a plain reduction (no re-layout)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols, cmask, w = _row_cols(w_ptr, n_cols, NB, QB, STREAM)
+    x, mask = _load_rows(x_ptr, rows, cols, cmask, n_rows, stride_x, STREAM)
+    _norm_store(x.to(tl.float32), w, rows, cols, mask, n_rows, n_cols, eps, y_ptr, q_ptr, s_ptr, stride_y, stride_q,
+                stride_s, NB, QB, ROWS, WRITE_Y, WRITE_Q, STREAM, DQ)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_persistent_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, stride_x, stride_y, stride_q,
+                                stride_s, NB: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr,
+                                WRITE_Y: tl.constexpr, WRITE_Q: tl.constexpr, STREAM: tl.constexpr,
+                                DQ: tl.constexpr = False):
+    """Persistent variant: program p normalizes row groups p, p + P, p + 2P, ... (P programs) and loads group
+    i + 1 before it reduces and stores group i (a register double buffer), so each program's loads overlap its
+    own epilogue instead of waiting behind it; w is loaded once per program."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0).to(tl.int64) * ROWS
+    cols, cmask, w = _row_cols(w_ptr, n_cols, NB, QB, STREAM)
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    x, mask = _load_rows(x_ptr, rows, cols, cmask, n_rows, stride_x, STREAM)
+    for _ in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+        x_next, mask_next = _load_rows(x_ptr, rows + step, cols, cmask, n_rows, stride_x, STREAM)
+        _norm_store(x.to(tl.float32), w, rows, cols, mask, n_rows, n_cols, eps, y_ptr, q_ptr, s_ptr, stride_y,
+                    stride_q, stride_s, NB, QB, ROWS, WRITE_Y, WRITE_Q, STREAM, DQ)
+        rows += step
+        x, mask = x_next, mask_next
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, stream=None, per_sm=None, dq=False):
+    shape = x.shape
+    d = shape[-1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = x2.shape[0]
+    y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    q = torch.empty((n, d), dtype=torch.bfloat16 if dq else torch.float8_e4m3fn, device=x.device) if write_q else y
+    s = torch.empty((n, d // 128), dtype=torch.uint8, device=x.device) if write_q and not dq else y
+    if n:
+        nb = next_pow2(triton.cdiv(d, 128))
+        if per_sm is None and write_q and n >= 1024 and nb in (32, 64) and rows is None and num_warps is None:
+            # H200 sweep (BENCHMARKS.md): prefill of d = 4096 / 7168 is fastest persistent, one row per loop step,
+            # 4 programs of 4 warps / 2 programs of 8 warps per SM, streaming hints
+            per_sm, rows, num_warps, stream = (4, 1, 4, True) if nb == 32 else (2, 1, 8, True)
+        rows = rows or (2 if n >= 1024 else 1)  # H200 sweep (BENCHMARKS.md): two rows per program for prefill
+        # H200 sweep: 2 rows of d = 4096 (nb 32) fastest with 4 warps, 2 rows of d = 7168 (nb 64) with 8
+        warps = num_warps or (4 if nb <= 16 or (rows == 2 and nb <= 32) else (8 if nb <= 64 else 16))
+        if rows & (rows - 1):
+            raise ValueError(f"rows: expected a power of two, found {rows}")
+        args = (x2, weight.contiguous(), y, q, s, n, d, float(eps), x2.stride(0), y.stride(0), q.stride(0),
+                s.stride(0))
+        meta = dict(NB=nb, QB=128, ROWS=rows, WRITE_Y=write_y, WRITE_Q=write_q, DQ=dq,
+                    STREAM=rows > 1 and write_q if stream is None else stream, num_warps=warps)
+        if per_sm:  # persistent: per_sm programs per SM, each looping over row groups
+            grid = min(triton.cdiv(n, rows), per_sm * _sm_count(x.device))
+            _rms_norm_persistent_kernel[(grid,)](*args, **meta, num_stages=1)
+        else:
+            _rms_norm_kernel[(triton.cdiv(n, rows),)](*args, **meta)
+    y = y.reshape(shape)
+    if not write_q:
+        return y
+    if dq:
+        return y, q.reshape(shape)
+    q, s = q.reshape(shape), s.reshape(*shape[:-1], d // 128)
+    return (q, s, y) if write_y else (q, s)
+
+
+def _ok(x, weight) -> bool:
+    return (on_device(x) and x.dtype in (torch.bfloat16, torch.float32) and x.dim() >= 1 and weight.dim() == 1
+            and weight.shape[0] == x.shape[-1] and 1 <= x.shape[-1] <= 32768)
+
+
+def rms_norm_cuda(x, weight, eps):
+    """Same signature and result as ``ops.rms_norm`` (up to the fp32 summation order of the mean)."""
+    if not _ok(x, weight):
+        fallbacks.note("rms_norm", fallbacks.UNSUPPORTED)
+        return ops.rms_norm(x, weight, eps)
+    return _launch(x, weight, eps, True, False)
+
+
+def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int | None = None,
+                      rows: int | None = None, stream: bool | None = None, per_sm: int | None = None):
+    """``formats.quantize_fp8(ops.rms_norm(x, weight, eps), 128)`` in one pass: (codes float8_e4m3fn [..., d],
+    scale bytes uint8 [..., d/128]) plus the bf16 ``y`` when ``return_y``. d must be a multiple of 128.
+    ``num_warps``, ``rows`` (per program or loop step), ``stream`` override the launch; ``per_sm`` launches the
+    persistent kernel with that many programs per SM (``per_sm=0``: the one-shot kernel). Default: persistent for
+    prefill (>= 1024 rows) at d in (2048, 4096] and (4096, 8192], else one-shot."""
+    if x.shape[-1] % 128:
+        raise ValueError(f"last dim must be a multiple of 128, found {x.shape[-1]}")
+    if not _ok(x, weight):
+        fallbacks.note("rms_norm_fp8", fallbacks.UNSUPPORTED)
+        y = ops.rms_norm(x, weight, eps)
+        from fidelity.model.formats import quantize_fp8
+
+        q, s = quantize_fp8(y, 128)
+        return (q, s, y) if return_y else (q, s)
+    return _launch(x, weight, eps, return_y, True, num_warps, rows, stream, per_sm)
+
+
+def rms_norm_act_quant_cuda(x, weight, eps):
+    """Same signature and result as ``ops.rms_norm_act_quant``: (y bf16, y quantized-dequantized 1x128 bf16) from
+    one pass (``rms_norm_fp8``'s kernel storing code * scale instead of the codes and scale bytes). d must be a
+    multiple of 128 and x bf16."""
+    if x.shape[-1] % 128 or x.dtype != torch.bfloat16 or not _ok(x, weight):
+        fallbacks.note("rms_norm_act_quant", fallbacks.UNSUPPORTED)
+        return ops.rms_norm_act_quant(x, weight, eps)
+    return _launch(x, weight, eps, True, True, dq=True)
+
+
+rms_norm = device_transparent(rms_norm_cuda)
+rms_norm.__name__ = "triton_rms_norm"
+rms_norm_fp8 = device_transparent(rms_norm_fp8_cuda)
+rms_norm_fp8.__name__ = "triton_rms_norm_fp8"
+rms_norm_act_quant = device_transparent(rms_norm_act_quant_cuda)
+rms_norm_act_quant.__name__ = "triton_rms_norm_act_quant"

@@ -1,0 +1,539 @@
+"""ProductionModel: the decoder under test, with the official numerics selected by a precision profile.
+
+Mirrors the official ``model.py`` control flow (spec §4-§5): a prefill, then one token per decode step (the
+prefill may also come in chunks, an extension the official model lacks, computed as the whole prefill); the
+window is a ring buffer written before attention; compressors carry fp32 state; caches are allocated once from
+``max_context``. Emits the same sites as the oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fidelity.decoders.production import ops
+from fidelity.decoders.production.cache import KeyStore, LayerCache
+from fidelity.decoders.production.call_counts import Counts, counting
+from fidelity.decoders.production.compressor import compress_decode, compress_prefill
+from fidelity.decoders.production.faults import on
+from fidelity.decoders.production.fp8_input import Fp8Input
+from fidelity.decoders.production.profiles import Profile, get_profile
+from fidelity.decoders.production.registry import implementation
+from fidelity.decoders.production.rope_freqs import rope_inv_freq
+from fidelity.decoders.production.topk import stable_topk
+from fidelity.model.formats import hadamard
+from fidelity.model.sites import Recorder
+from fidelity.model.weights import fp32_nbytes
+
+BF16 = torch.bfloat16
+QUERY_CHUNK = 512  # prefill attention / indexer queries per pass (bounds temporaries, not results)
+KEEP_ALL_BYTES = 16 << 30  # models up to this size in fp32 keep every dequantized weight
+
+
+class ContextError(ValueError):
+    """A prompt or decode step beyond ``max_context``: raised before any state changes."""
+
+
+class ProductionModel:
+    """The production decoder over a checkpoint; ``session()`` allocates the caches."""
+
+    def __init__(self, checkpoint, profile: str | Profile = "reference", max_context: int = 4096,
+                 device: str | torch.device = "cpu"):
+        self.ckpt, self.cfg = checkpoint, checkpoint.config
+        self.profile = get_profile(profile)
+        if max_context < 1:
+            raise ValueError(f"max_context: expected >= 1, found {max_context}")
+        self.max_context, self.device = max_context, torch.device(device)
+        self.freqs = {r: rope_inv_freq(self.cfg, r).to(self.device) for r in {0, *self.cfg.compress_ratios}}
+        self._weights: dict[str, torch.Tensor] = {}
+        self._expert_stacks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # a release-sized model's routed experts would not fit dequantized: they are dequantized at each use
+        self.keep_experts = fp32_nbytes(self.cfg) <= KEEP_ALL_BYTES
+
+    def w(self, name: str) -> torch.Tensor:
+        """Weight as the production path reads it: FP8/FP4 dequantized exactly to fp32, bf16/fp32 as stored."""
+        t = self._weights.get(name)
+        if t is None:
+            t = self.ckpt[name].to(self.device)
+            if self.keep_experts or ".ffn.experts." not in name:
+                self._weights[name] = t
+        return t
+
+    def session(self, recorder: Recorder | None = None) -> ProductionSession:
+        return ProductionSession(self, recorder)
+
+    def expert_stack(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's routed experts' (w1, w2, w3) stacked [n_routed, out, in] as ``w`` reads them, so that a
+        device-side expert id picks the weights (graph decode). Built once per layer, not through ``w``'s
+        cache."""
+        stack = self._expert_stacks.get(i)
+        if stack is None:
+            names = [[f"layers.{i}.ffn.experts.{e}.{m}.weight" for e in range(self.cfg.n_routed_experts)]
+                     for m in ("w1", "w2", "w3")]
+            stack = self._expert_stacks[i] = tuple(
+                torch.stack([self.ckpt[n].to(self.device) for n in group]) for group in names)
+        return stack
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, recorder: Recorder | None = None) -> torch.Tensor:
+        """One prefill of input_ids [T] -> fp32 logits [T, vocab]."""
+        return self.session(recorder).prefill(input_ids)
+
+
+class ProductionSession:
+    """Caches for one sequence; ``prefill`` once, then ``step`` per token."""
+
+    def __init__(self, model: ProductionModel, recorder: Recorder | None = None):
+        self.m, self.cfg, self.p, self.rec = model, model.cfg, model.profile, recorder
+        self.layers = [LayerCache(self.cfg, i, self.p, model.max_context, model.device)
+                       for i in range(self.cfg.n_layers)]
+        self.pos = 0
+        self.calls = 0
+        self.kept: list[torch.Tensor] = []  # only the ``decode-buffer-kept`` fault ever appends here
+        self.in_prefill = False  # a prefill (chunk) takes the prefill paths, even for one token
+        self.counts: Counts = {}  # this session's implementations, kernel fallbacks and routes (call_counts)
+        self.res_dtypes = [torch.float32 if self.p.residual_fp32(i) else BF16 for i in range(self.cfg.n_layers)]
+        self.fused = self.p.norm_fusion == "fused"
+
+    def emit(self, site: str, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
+        """Record ``tensor`` at ``site`` if the recorder wants it (a callable is evaluated only then)."""
+        if self.rec is not None and self.rec.wants(site):
+            self.rec(site, tensor() if callable(tensor) else tensor)
+
+    def op(self, name: str):
+        """The registered implementation of op ``name`` for this session's device (registry.implementation)."""
+        return implementation(name, self.m.device)
+
+    def cache_bytes(self) -> int:
+        return sum(sum(c.nbytes().values()) for c in self.layers)
+
+    # ---- public ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Prompt tokens at positions pos.. -> logits [n, vocab]. The official model prefills once at position 0;
+        here a prompt may also come in chunks (each continues at ``pos``), computed as the whole prefill computes
+        them (up to the rounding of GEMMs over a different number of rows)."""
+        ids = self._check(input_ids, prefill=True)
+        self.in_prefill = True
+        try:
+            return self._run(ids, torch.arange(self.pos, self.pos + len(ids), device=self.m.device))
+        finally:
+            self.in_prefill = False
+
+    @torch.no_grad()
+    def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
+        ids = self._check(torch.as_tensor([int(token_id)]), prefill=False)
+        return self._run(ids, torch.tensor([self.pos], device=self.m.device))[0]
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """One decode token after a prefill, else a prefill (chunk)."""
+        ids = torch.as_tensor(input_ids).flatten()
+        if self.pos == 0 or len(ids) > 1:
+            return self.prefill(ids)
+        return self.step(ids[0])[None]
+
+    def _check(self, input_ids: torch.Tensor, prefill: bool, to_device: bool = True) -> torch.Tensor:
+        """The ids [n] checked (count, position, context, vocabulary), on the model's device unless not
+        ``to_device``."""
+        ids = torch.as_tensor(input_ids).long().flatten()
+        n, vocab = ids.numel(), self.cfg.vocab_size
+        if n == 0:
+            raise ValueError("input_ids: expected at least one token, found 0")
+        if not prefill and (self.pos == 0 or n != 1):
+            raise ValueError(f"decode: expected one token after a prefill, found {n} token(s) at position {self.pos}")
+        if self.pos + n > self.m.max_context:
+            raise ContextError(f"context: {self.pos} + {n} tokens exceeds max_context {self.m.max_context}; "
+                               "build the model with a larger max_context")
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"input_ids: expected ids in [0, {vocab}), found [{int(ids.min())}, {int(ids.max())}]")
+        return ids.to(self.m.device) if to_device else ids
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.rec is not None:
+            self.rec.step = self.calls
+        with counting(self.counts):
+            logits = self._forward(ids, positions)
+        self.pos += len(ids)
+        self.calls += 1
+        return logits
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """ids [n] at positions [n] (device tensors) -> fp32 logits [n, vocab]; updates the caches, not ``pos``."""
+        x = self.m.w("embed.weight")[ids].to(BF16)
+        self.emit("embed", x)
+        x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1).to(self.res_dtypes[0])
+        for i in range(self.cfg.n_layers):
+            x = self.block(i, x, positions, ids)
+        w, cfg = self.m.w, self.cfg
+        y = self.op("hc_head")(x, w("hc_head_fn"), w("hc_head_scale"), w("hc_head_base"), cfg.norm_eps,
+                               cfg.hc_eps)
+        y = self.op("rms_norm")(y, w("norm.weight"), cfg.norm_eps)
+        self.emit("final", y)
+        logits = y.float() @ w("head.weight").float().T
+        self.emit("logits", logits)
+        return logits
+
+    # ---- one block ---------------------------------------------------------------------------
+    def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w = self.m.w
+        y, post, comb = self.mhc_pre(i, "attn", x)
+        h = self.norm(y, w(f"layers.{i}.attn_norm.weight"))
+        self.emit(f"L{i}.attn.in", _plain(h))
+        f = self.attention(i, h, positions)
+        self.emit(f"L{i}.attn.out", f)
+        x = self.op("hc_post")(f, x, post, comb, self.res_dtypes[i])
+        y, post, comb = self.mhc_pre(i, "ffn", x)
+        h = self.norm(y, w(f"layers.{i}.ffn_norm.weight"))
+        self.emit(f"L{i}.moe.in", _plain(h))
+        f = self.moe(i, h, ids)
+        self.emit(f"L{i}.moe.out", f)
+        x = self.op("hc_post")(f, x, post, comb, self.res_dtypes[i])
+        self.emit(f"L{i}.residual", x)
+        return x
+
+    def mhc_pre(self, i: int, which: str, x: torch.Tensor):
+        w, cfg, p = self.m.w, self.cfg, f"layers.{i}.hc_{which}_"
+        y, pre, post, comb = self.op("hc_pre")(x, w(p + "fn"), w(p + "scale"), w(p + "base"), cfg.norm_eps,
+                                               cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        self.emit(f"L{i}.mhc_{which}.pre", pre)
+        self.emit(f"L{i}.mhc_{which}.post", post)
+        self.emit(f"L{i}.mhc_{which}.comb", comb)
+        return y, post, comb
+
+    # ---- norms and the GEMMs they feed ---------------------------------------------------------
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Fp8Input:
+        """RMSNorm of a GEMM input [n, d]: bf16 y (op ``rms_norm``), or under ``norm_fusion = "fused"`` with FP8
+        GEMM inputs an :class:`Fp8Input` (op ``rms_norm_act_quant``: y and its FP8 GEMM input from one kernel)."""
+        if not (self.fused and self.p.gemm_act == "fp8"):
+            return self.op("rms_norm")(x, weight, self.cfg.norm_eps)
+        return Fp8Input(*self.op("rms_norm_act_quant")(x, weight, self.cfg.norm_eps))
+
+    def linear(self, x: torch.Tensor | Fp8Input, weight: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """An FP8/FP4 GEMM (``act_linear``'s signature; ``act`` defaults to the profile's): an :class:`Fp8Input`
+        is multiplied as already quantized (``ops.quantized_linear``), a tensor through op ``act_linear``."""
+        if isinstance(x, Fp8Input):
+            return ops.quantized_linear(x.xq, weight)
+        return self.op("act_linear")(x, weight, act or self.p.gemm_act)
+
+    def kv_path(self, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
+                freqs: torch.Tensor) -> torch.Tensor:
+        """The wkv output [n, hd] -> window KV [n, hd] bf16: kv_norm, RoPE, the FP8 round of the nope dims; one op
+        (``kv_norm_rope_fp8``) under ``norm_fusion = "fused"``, else the reference's three."""
+        cfg, fmt = self.cfg, self.p.kv_nope
+        if self.fused:
+            return self.op("kv_norm_rope_fp8")(x, weight, cfg.norm_eps, positions, freqs, fmt)
+        kv = self.op("apply_rope")(self.op("rms_norm")(x, weight, cfg.norm_eps), positions, freqs)
+        return self.op("kv_round")(kv, cfg.rope_head_dim, fmt)
+
+    # ---- attention ---------------------------------------------------------------------------
+    def attention(self, i: int, h: torch.Tensor | Fp8Input, positions: torch.Tensor) -> torch.Tensor:
+        """h: the attention norm's output [n, dim] (an :class:`Fp8Input` under a fused profile)."""
+        w, cfg, x = self.m.w, self.cfg, _plain(h)
+        ratio, pre = cfg.ratio(i), f"layers.{i}.attn."
+        freqs = self.m.freqs[ratio]
+        if ratio == 0 and on("yarn-on-swa"):
+            freqs = rope_inv_freq(cfg, 4).to(x.device)
+        rope = self.op("apply_rope")
+        qr = self.norm(self.linear(h, w(pre + "wq_a.weight")), w(pre + "q_norm.weight"))
+        q = self.linear(qr, w(pre + "wq_b.weight")).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = rope(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
+        kv = self.kv_path(self.linear(h, w(pre + "wkv.weight")), w(pre + "kv_norm.weight"), positions, freqs)
+        self.emit(f"L{i}.attn.q", q)
+        self.emit(f"L{i}.attn.kv", kv)
+        if self.in_prefill:
+            o = self.attend_prefill(i, x, qr, q, kv, positions)
+        else:
+            o = self.attend_decode(i, x, qr, q, kv, positions)
+        self.emit(f"L{i}.attn.core", o)
+        if not on("no-inverse-rope"):
+            o = rope(o, positions, freqs, inverse=True)
+        o = ops.grouped_out(o, w(pre + "wo_a.weight"), cfg.o_groups)
+        return self.linear(o, w(pre + "wo_b.weight"))
+
+    def compressor(self, i: int, index: bool):
+        """(weights (wkv, wgate, ape, norm), fp32 carry, ratio, RoPE freqs) of layer i's main or indexer
+        compressor."""
+        w, cache, ratio = self.m.w, self.layers[i], self.cfg.ratio(i)
+        pre = f"layers.{i}.attn.indexer.compressor." if index else f"layers.{i}.attn.compressor."
+        weights = w(pre + "wkv.weight"), w(pre + "wgate.weight"), w(pre + "ape"), w(pre + "norm.weight")
+        carry = cache.index_carry if index else cache.carry
+        return weights, carry, 4 if index else ratio, self.m.freqs[ratio]
+
+    def round_entries(self, entries: torch.Tensor, index: bool) -> torch.Tensor:
+        """New compressed entries as their cache stores them: indexer keys Hadamard-rotated and rounded to the
+        profile's format, main entries with FP8-rounded nope dims."""
+        if not index:
+            return self.op("kv_round")(entries, self.cfg.rope_head_dim, self.p.kv_nope)
+        rotate = self.p.hadamard == "on" and not on("hadamard-q-only")
+        entries = ops.indexer_round(entries, self.p.indexer_qk, rotate)
+        if on("indexer-key-width"):
+            entries = entries.clone()
+            entries[:, -self.cfg.rope_head_dim :] = 0
+        return entries
+
+    def compress(self, i: int, x: torch.Tensor, positions: torch.Tensor, index: bool) -> torch.Tensor | None:
+        """New compressed entries (main: FP8-rounded nope dims; indexer: Hadamard + FP4), written to the caches."""
+        cache = self.layers[i]
+        weights, carry, ratio, freqs = self.compressor(i, index)
+        if self.in_prefill:
+            entries, first = compress_prefill(x, weights, carry, ratio, freqs, self.cfg.norm_eps, self.pos)
+        else:
+            entries, first = compress_decode(x, self.pos, weights, carry, ratio, freqs, self.cfg.norm_eps)
+        if entries is None:
+            return None
+        entries = self.round_entries(entries, index)
+        if index:
+            cache.keys.write(slice(first, first + len(entries)), entries)
+        else:
+            cache.kv.write(slice(cache.window + first, cache.window + first + len(entries)), entries)
+        return entries
+
+    def attend_prefill(self, i, x, qr, q, kv, positions) -> torch.Tensor:
+        """A prefill chunk at positions start..start+t-1 (start = self.pos; 0 for the official prefill). The
+        attention table holds the earlier window rows still needed (from the ring buffer), the chunk's rows, then
+        every compressed entry so far; window indices point into it in position order."""
+        cfg, cache = self.cfg, self.layers[i]
+        ratio, win, t, start = cfg.ratio(i), cfg.window_size, len(positions), self.pos
+        before = min(start, win - 1)  # earlier positions start-before .. start-1 that the chunk's window reaches
+        earlier = cache.kv.read((torch.arange(start - before, start) % win).to(kv.device))
+        tail = kv[-win:]
+        cache.kv.write((torch.arange(start + t - len(tail), start + t) % win).to(kv.device), tail)
+        table = torch.cat((earlier, kv)) if before else kv
+        offset = len(table)
+        comp = None
+        if ratio:
+            new = self.compress(i, x, positions, index=False)
+            self.emit(f"L{i}.attn.compressed_kv", new if new is not None else kv.new_zeros((0, cfg.head_dim)))
+            n_entries = (start + t) // ratio
+            if n_entries:
+                table = torch.cat((table, cache.kv.read(slice(win, win + n_entries))))
+            comp = self.index_prefill(i, x, qr, positions) if ratio == 4 else \
+                _hca_prefill_idx(t, ratio, start).to(x.device)
+        idx = _window_prefill_idx(t, win, start).to(x.device)
+        self.emit(f"L{i}.attn.visible", lambda: _visible(idx, comp, positions, win, prefill=True))
+        rows = idx - (start - before)  # token positions -> table rows (a position before the table: none)
+        idx = torch.where((idx >= 0) & (rows >= 0), rows, -1)
+        if comp is not None:
+            idx = torch.cat((idx, torch.where(comp >= 0, comp + offset, -1)), dim=1)
+        sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
+        attend = self.op("sparse_attention")
+        return torch.cat([attend(q[s : s + QUERY_CHUNK], table, idx[s : s + QUERY_CHUNK], sink, scale, self.p.fmha)
+                          for s in range(0, t, QUERY_CHUNK)])
+
+    def attend_decode(self, i, x, qr, q, kv, positions) -> torch.Tensor:
+        """One decode token at ``t = self.pos``. Every slot is gathered in place, a -1 slot as row 0, which the
+        attention never reads, so no host sync sizes the gather. The slots and the gathered rows go into the
+        layer's preallocated ``slots`` / ``gather`` buffers; what still allocates here is eager mode's small
+        temporaries (masks, the FP8 dequantization), which graph decode replays without allocating."""
+        cfg, cache = self.cfg, self.layers[i]
+        cache.kv.write(self.window_slot(cache.window), kv)
+        if on("cache-concat-growth"):
+            cache.spill.append(kv.clone())
+        comp = self.decode_compressed(i, x, qr, positions) if cfg.ratio(i) else None
+        idx = self.decode_window_idx(cache.window, x.device)
+        self.emit(f"L{i}.attn.visible", lambda: _visible(idx, comp, positions, cache.window, prefill=False))
+        win, k = idx.shape[1], idx.shape[1] + (0 if comp is None else comp.shape[1])
+        slots = cache.slots[:, :k]
+        slots[:, :win] = idx
+        if comp is not None:
+            torch.add(comp, cache.window, out=slots[:, win:])
+            slots[:, win:].masked_fill_(comp < 0, -1)
+        buf = cache.gather[:k]
+        if on("decode-buffer-kept"):
+            buf = torch.zeros(cache.kv.capacity, cfg.head_dim, dtype=torch.bfloat16, device=x.device)[:k]
+            self.kept.append(buf)
+        cache.kv.read_into(slots[0].clamp(min=0), buf)  # window + selected rows
+        local = torch.where(slots >= 0, torch.arange(k, device=x.device), -1)
+        sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
+        return self.op("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
+
+    def window_slot(self, win: int) -> slice:
+        """The ring-buffer slot of the decode token (host int position)."""
+        return slice(self.pos % win, self.pos % win + 1)
+
+    def decode_window_idx(self, win: int, device: torch.device) -> torch.Tensor:
+        return _window_decode_idx(self.pos, win, device)
+
+    def decode_compressed(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Compress the decode token, then the compressed entries it sees [1, k]: the indexer's picks (CSA) or
+        every entry j < (t+1)//ratio (HCA)."""
+        ratio, t = self.cfg.ratio(i), self.pos
+        new = self.compress(i, x, positions, index=False)
+        self.emit(f"L{i}.attn.compressed_kv", new if new is not None else x.new_zeros((0, self.cfg.head_dim)))
+        if ratio == 4:
+            return self.index_decode(i, x, qr, positions)
+        n_vis = (t + 1) // ratio + (1 if on("causal-off-by-one") and (t + 1) % ratio else 0)
+        return torch.arange(n_vis, device=x.device)[None]
+
+    # ---- indexer -----------------------------------------------------------------------------
+    def index_query(self, i: int, x: torch.Tensor, qr: torch.Tensor | Fp8Input, positions: torch.Tensor):
+        w, cfg, prof = self.m.w, self.cfg, self.p
+        pre = f"layers.{i}.attn.indexer."
+        q = self.linear(qr, w(pre + "wq_b.weight")).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = self.op("apply_rope")(q, positions, self.m.freqs[4])
+        q = ops.indexer_round(q, prof.indexer_qk, prof.hadamard == "on")
+        self.emit(f"L{i}.indexer.q", lambda: _unrotated(q, prof))
+        weights = (x @ w(pre + "weights_proj.weight").to(BF16).T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        self.emit(f"L{i}.indexer.weights", weights)
+        return q, weights
+
+    def emit_keys(self, i: int, new: torch.Tensor | None) -> None:
+        if new is None:
+            new = torch.zeros(0, self.cfg.index_head_dim, device=self.m.device)
+        self.emit(f"L{i}.indexer.keys", lambda: _unrotated(new, self.p))
+
+    def _scorer(self, store: KeyStore, n: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Scores (q [m, h, d], weights [m, h]) -> [m, n] against the first n cached keys: straight from the packed
+        FP4 codes and scales (op ``index_scores_fp4``), else on the bf16 rows (``index_scores``)."""
+        dtype = torch.float32 if self.p.index_scores == "fp32" else BF16
+        packed = store.fp4_slices(n)
+        if packed is not None:
+            op = self.op("index_scores_fp4")
+            return lambda q, weights: op(q, *packed, weights, dtype)
+        keys, op = store.read(slice(0, n)), self.op("index_scores")
+        return lambda q, weights: op(q, keys, weights, dtype)
+
+    def index_prefill(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cfg, cache = self.cfg, self.layers[i]
+        q, weights = self.index_query(i, x, qr, positions)
+        new = self.compress(i, x, positions, index=True)
+        self.emit_keys(i, new)
+        t = len(positions)
+        n = (self.pos + t) // 4
+        score = self._scorer(cache.keys, n)
+        k = min(_topk_cap(cfg.index_topk), n)
+        out = []
+        for s in range(0, t, QUERY_CHUNK):
+            sl = slice(s, s + QUERY_CHUNK)
+            scores = score(q[sl], weights[sl])  # as the op returns them (bf16): no fp32 copy of the logits
+            limit = ((positions[sl] + 1) // 4 + (1 if on("causal-off-by-one") else 0))[:, None]
+            scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= limit, float("-inf"))
+            self.emit(f"L{i}.indexer.scores", scores.float)
+            picks = stable_topk(scores, k)
+            out.append(torch.where(picks >= limit, -1, picks))
+        picks = torch.cat(out)
+        self.emit(f"L{i}.indexer.topk", _pad(picks, cfg.index_topk))
+        return picks
+
+    def index_decode(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cfg, cache, t = self.cfg, self.layers[i], self.pos
+        q, weights = self.index_query(i, x, qr, positions)
+        new = self.compress(i, x, positions, index=True)
+        self.emit_keys(i, new)
+        n = (t + 1) // 4
+        scores = self._scorer(cache.keys, n)(q, weights)
+        self.emit(f"L{i}.indexer.scores", scores.float)
+        picks = stable_topk(scores, min(_topk_cap(cfg.index_topk), n))
+        self.emit(f"L{i}.indexer.topk", lambda: _pad(picks, cfg.index_topk))
+        return picks
+
+    # ---- MoE -----------------------------------------------------------------------------------
+    def route(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate: (routing weights [n, k] fp32, expert ids [n, k])."""
+        w, cfg, p = self.m.w, self.cfg, f"layers.{i}.ffn."
+        hashed = cfg.is_hash_layer(i)
+        weights, experts = self.op("gate")(x.float(), w(p + "gate.weight").float(),
+                                           None if hashed else w(p + "gate.bias"),
+                                           w(p + "gate.tid2eid") if hashed else None, ids, cfg)
+        if on("routing-bias-in-weights") and not hashed:
+            weights = _biased_weights(x, w(p + "gate.weight"), w(p + "gate.bias"), experts, cfg.route_scale)
+        self.emit(f"L{i}.moe.experts", experts)
+        self.emit(f"L{i}.moe.weights", weights)
+        return weights, experts
+
+    def shared_expert(self, i: int, h: torch.Tensor | Fp8Input) -> torch.Tensor:
+        w, q = self.m.w, f"layers.{i}.ffn.shared_experts."
+        return self.op("expert")(h, w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"), self.cfg.swiglu_limit,
+                                 None, self.p.gemm_act, self.linear).float()
+
+    def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts in ascending expert id, then the shared expert; fp32 sum -> bf16 [n, dim]. h: the ffn
+        norm's output (an :class:`Fp8Input` under a fused profile, which the experts' first GEMMs read)."""
+        w, cfg, act, x = self.m.w, self.cfg, self.p.gemm_act, _plain(h)
+        weights, experts = self.route(i, x, ids)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        expert = self.op("expert")
+        for e in torch.unique(experts).tolist():
+            rows, slot = torch.where(experts == e)
+            q = f"layers.{i}.ffn.experts.{e}."
+            y[rows] += expert(h[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
+                              cfg.swiglu_limit, weights[rows, slot, None], act, self.linear).float()
+        y += self.shared_expert(i, h)
+        return y.to(BF16)
+
+
+def _plain(h: torch.Tensor | Fp8Input) -> torch.Tensor:
+    """The bf16 activation of ``h`` (itself, or an :class:`Fp8Input`'s y)."""
+    return h.y if isinstance(h, Fp8Input) else h
+
+
+def _unrotated(x: torch.Tensor, prof: Profile) -> torch.Tensor:
+    """Indexer q / keys as emitted at their sites: the quantized values taken back out of the Hadamard domain
+    (H is orthonormal and self-inverse), so they compare with the oracle's and dot products are unchanged."""
+    return hadamard(x.float()) if prof.hadamard == "on" else x
+
+
+def _topk_cap(topk: int) -> int:
+    return topk // 2 if on("topk-cap-half") else topk
+
+
+def _biased_weights(x, gate_w, bias, experts, route_scale) -> torch.Tensor:
+    """Fault ``routing-bias-in-weights``: weights gathered from the biased scores."""
+    s = torch.nn.functional.softplus(x.float() @ gate_w.float().T).sqrt() + bias
+    w = s.gather(1, experts)
+    return w / w.sum(-1, keepdim=True) * route_scale
+
+
+def _pad(picks: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(picks, (0, width - picks.shape[1]), value=-1)
+
+
+def _window_prefill_idx(t: int, win: int, start: int = 0) -> torch.Tensor:
+    """Prefill window TOKEN POSITIONS [t, min(start + t, win)] of the chunk's queries start..start+t-1: query p
+    sees max(0, p-win+1) .. p, valid first (the official prefill: start 0)."""
+    base = torch.arange(start, start + t)[:, None]
+    idx = (base - win + 1).clamp(min=0) + torch.arange(min(start + t, win))[None]
+    idx = torch.where(idx > base, -1, idx)
+    if on("window-127"):
+        idx = torch.where(idx == base - win + 1, -1, idx)
+    if on("window-no-self"):
+        idx = torch.where(idx == base, torch.where(base >= win, base - win, -1), idx)
+    return idx
+
+
+def _window_decode_idx(t: int, win: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Official decode window indices [1, win] into the ring buffer, oldest first (built on ``device``)."""
+    if t >= win - 1:
+        s = t % win
+        idx = ((torch.arange(win, device=device) + s + 1) % win)[None]
+        if on("window-127"):
+            idx[0, 0] = -1
+    else:
+        idx = torch.nn.functional.pad(torch.arange(t + 1, device=device), (0, win - t - 1), value=-1)[None]
+    if on("window-no-self"):
+        idx = torch.where(idx == t % win, -1, idx)
+    return idx
+
+
+def _hca_prefill_idx(t: int, ratio: int, start: int = 0) -> torch.Tensor:
+    """All entries j < (p+1)//ratio per query p of the chunk [t, (start+t)//ratio], -1 otherwise."""
+    j = torch.arange((start + t) // ratio)[None]
+    limit = (torch.arange(start + 1, start + t + 1) // ratio)[:, None] + (1 if on("causal-off-by-one") else 0)
+    return torch.where(j >= limit, -1, j)
+
+
+def _visible(window_idx: torch.Tensor, comp: torch.Tensor | None, positions: torch.Tensor, win: int,
+             prefill: bool) -> torch.Tensor:
+    """The ``L{i}.attn.visible`` site: window token positions then compressed entry ids (-1 padding)."""
+    if prefill:
+        window_pos = window_idx
+    else:
+        t = int(positions[0])
+        slot_pos = t - ((t - torch.arange(win, device=window_idx.device)) % win)  # token position in each slot
+        window_pos = torch.where(window_idx >= 0, slot_pos[window_idx.clamp(min=0)], -1)
+    window_pos = torch.nn.functional.pad(window_pos, (0, win - window_pos.shape[1]), value=-1)
+    if comp is None:
+        return window_pos
+    return torch.cat((window_pos, comp), dim=1)

@@ -1,0 +1,277 @@
+"""Production ops, CPU emulation with the official rounding (spec §3 kernel.py, §4 model.py dtypes).
+
+Signatures are the kernel signatures a port implements (batch dropped). Each op has an oracle function of
+the same name in ``oracles/`` and is registered in ``fidelity.decoders.production.registry``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fidelity.decoders.production.faults import on
+from fidelity.model.formats import (
+    decode_e8m0,
+    dequantize_fp4,
+    encode_e8m0,
+    fake_quant_fp4,
+    fake_quant_fp8,
+    hadamard,
+    quantize_fp8,
+    round_fp4_e2m1,
+    round_fp8_e4m3,
+)
+
+BF16 = torch.bfloat16
+ATTN_BLOCK = 64  # sparse_attn processes 64 indices per online-softmax step
+
+
+def act_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") -> torch.Tensor:
+    """FP8/FP4 GEMM ``x @ W^T``: x [n, k] bf16 is quantized e4m3 1x128 ue8m0 (``act == "fp8"``), W [m, k] holds
+    the exactly dequantized FP8/FP4 weight (fp32); products accumulate in fp32; output bf16."""
+    return quantized_linear(fake_quant_fp8(x, 128) if act == "fp8" else x, weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(w_fp32 * (x_f32 * rsqrt(mean(x^2) + eps))).to(x.dtype)`` (model.py RMSNorm)."""
+    xf = x.float()
+    return (weight.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm then the 1x128 e4m3 activation quantization of every FP8 GEMM input (spec §3 ``act_quant``):
+    ``quantize_fp8(rms_norm(x, weight, eps), 128)`` -> (codes float8_e4m3fn, ue8m0 scale bytes uint8)."""
+    return quantize_fp8(rms_norm(x, weight, eps), 128)
+
+
+def rms_norm_act_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm and the FP8 GEMM input made from it, as one op (profile ``fused-norm``): (y = ``rms_norm(x, weight,
+    eps)``, ``fake_quant_fp8(y, 128)``), both bf16 [..., d]; the second is what every FP8 GEMM this norm feeds
+    multiplies (spec §3 ``act_quant`` in place), made once instead of once per GEMM."""
+    y = rms_norm(x, weight, eps)
+    return y, fake_quant_fp8(y, 128)
+
+
+def quantized_linear(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``act_linear``'s GEMM for an input already on its e4m3 1x128 grid (``rms_norm_act_quant``'s second output,
+    or ``act == "bf16"``): ``xq.float() @ W^T`` -> bf16."""
+    return (xq.float() @ weight.T).to(BF16)
+
+
+def rms_norm_weightless(q: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head query norm computed with bf16 ops: ``q * rsqrt(mean(q^2) + eps)`` (each op rounds to bf16)."""
+    return q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
+
+
+def rope_table(freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """complex64 [n, rd/2] = polar(1, position * freq) with fp32 angles (``precompute_freqs_cis``)."""
+    angles = torch.outer(positions.to(torch.float32), freqs.to(torch.float32))
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved RoPE on the last ``2 * len(freqs)`` dims as a complex64 multiply, written back in x's dtype."""
+    rd = 2 * freqs.numel()
+    cis = rope_table(freqs, positions)
+    if inverse:
+        cis = cis.conj()
+    cis = cis.view((x.shape[0],) + (1,) * (x.ndim - 2) + (rd // 2,))
+    z = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)).contiguous())
+    rotated = torch.view_as_real(z * cis).flatten(-2).to(x.dtype)
+    return torch.cat((x[..., :-rd], rotated), dim=-1)
+
+
+def kv_norm_rope_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                     freqs: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The attention KV path (spec §4 Attention steps 2-3) as the reference runs it, three ops: ``kv_norm``
+    (rms_norm), RoPE on the last ``2 * len(freqs)`` dims, the 1x64 FP8 round of the nope dims (``kv_round``).
+    x [n, hd] bf16 (the wkv GEMM output) -> kv [n, hd] bf16. One fused kernel on CUDA (``kernels.kv_path``)."""
+    return kv_round(apply_rope(rms_norm(x, weight, eps), positions, freqs), 2 * freqs.numel(), fmt)
+
+
+def kv_round(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tensor:
+    """Window / compressed KV [n, hd] bf16: nope dims FP8-rounded in 1x64 ue8m0 blocks (``act_quant(kv[..., :-rd],
+    64, inplace=True)``) when ``fmt == "fp8"``; rope dims stay bf16."""
+    if fmt != "fp8":
+        return kv
+    return torch.cat((fake_quant_fp8(kv[..., :-rope_dims], 64), kv[..., -rope_dims:]), dim=-1)
+
+
+def indexer_round(x: torch.Tensor, fmt: str, rotate: bool) -> torch.Tensor:
+    """Indexer q or key [..., d] bf16: Hadamard (``rotate_activation``) then FP4 1x32 / FP8 / none."""
+    if rotate:
+        x = hadamard(x)
+    if fmt == "fp4":
+        return _fake_quant_fp4_floor(x) if on("fp4-scale-floor") else fake_quant_fp4(x, 32)
+    if fmt == "fp8":
+        return fake_quant_fp8(x, min(128, x.shape[-1]))
+    return x
+
+
+def _fake_quant_fp4_floor(x: torch.Tensor) -> torch.Tensor:
+    """Fault ``fp4-scale-floor``: scale 2^floor(log2(amax/6)), so the block maximum saturates at 6*s."""
+    blocks = x.float().unflatten(-1, (-1, 32))
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=6 * 2.0**-126)
+    s = torch.exp2(torch.floor(torch.log2(amax / 6)))
+    s = decode_e8m0(encode_e8m0(s))
+    return (round_fp4_e2m1(blocks / s) * s).flatten(-2).to(x.dtype)
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype = BF16) -> torch.Tensor:
+    """q [n, h, d], keys [e, d], weights [n, h] -> scores [n, e]: ``sum_h w_h * relu(q_h . k)``, every step in
+    ``dtype`` (bf16 in the reference: einsum, ReLU, product and sum each round to bf16)."""
+    s = torch.einsum("nhd,ed->nhe", q.to(dtype), keys.to(dtype)).relu()
+    return (s * weights.to(dtype).unsqueeze(-1)).sum(dim=1)
+
+
+def index_scores_fp4(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor,
+                     dtype: torch.dtype = BF16) -> torch.Tensor:
+    """:func:`index_scores` straight from the packed FP4 key cache (spec §3 ``fp4_act_quant`` layout, §4
+    Indexer): codes uint8 [e, d/2] (low nibble = element 2i), ue8m0 scale bytes uint8 [e, d/32]. The keys are
+    dequantized exactly (``e2m1 * 2^(b-127)`` is a bf16 value), so this equals ``index_scores`` on
+    ``KeyStore.read`` rows bit for bit."""
+    return index_scores(q, dequantize_fp4(codes, scales, 32).to(BF16), weights, dtype)
+
+
+FMHA_ROPE_DIMS = 64  # the rope dims close every q / KV row (qk_rope_head_dim; the cache's bf16 tail)
+
+
+def fmha_round(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """An FMHA operand [..., d] as the attention core reads it: bf16 as is; ``fp8``: e4m3 in 1x64 ue8m0 blocks;
+    ``fp8-nope``: the nope dims so, the last ``FMHA_ROPE_DIMS`` (rope) dims bf16."""
+    if fmt == "fp8":
+        return fake_quant_fp8(x, 64)
+    if fmt == "fp8-nope":
+        nope = x.shape[-1] - FMHA_ROPE_DIMS
+        return torch.cat((fake_quant_fp8(x[..., :nope], 64), x[..., nope:]), dim=-1)
+    if fmt != "bf16":
+        raise ValueError(f"fmha: expected 'bf16', 'fp8' or 'fp8-nope', found {fmt!r}")
+    return x
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float,
+                     fmt: str = "bf16") -> torch.Tensor:
+    """``sparse_attn``: q [n, H, d] bf16, kv [m, d] bf16 (K = V), idx [n, K] int (-1 = masked), sink [H] fp32.
+
+    Online softmax over blocks of 64 indices in idx order: fp32 logits x scale, running max and sum in fp32,
+    P rounded to bf16 (``fmt == "fp8"``: Q, K/V and P rounded to e4m3; ``"fp8-nope"``: the same with the last
+    ``FMHA_ROPE_DIMS`` dims of Q and K/V, the rope dims, left bf16) before P.V with fp32 accumulation; after the
+    loop the sink adds ``exp(sink - m)`` to the denominator only. Output bf16 [n, H, d].
+    """
+    n, h, d = q.shape
+    qf, kvf = fmha_round(q, fmt).float(), fmha_round(kv, fmt).float()
+    m = torch.full((n, h), float("-inf"), device=q.device)
+    total = torch.zeros(n, h, device=q.device)
+    acc = torch.zeros(n, h, d, device=q.device)
+    for b in range(0, idx.shape[1], ATTN_BLOCK):
+        ids = idx[:, b : b + ATTN_BLOCK].long()
+        valid = ids >= 0
+        rows = torch.where(valid.unsqueeze(-1), kvf[ids.clamp(min=0)], 0.0)  # [n, B, d], masked rows selected 0
+        logits = torch.einsum("nhd,nbd->nhb", qf, rows) * scale
+        logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        m_new = torch.maximum(m, logits.amax(dim=-1))
+        alpha = torch.exp(m - m_new).nan_to_num(0.0)  # m = -inf on a query's first block
+        p = torch.exp(logits - m_new.unsqueeze(-1)).nan_to_num(0.0)
+        total = total * alpha + p.sum(dim=-1)
+        p_mma = round_fp8_e4m3(p) if fmt != "bf16" else p.to(BF16).float()
+        acc = acc * alpha.unsqueeze(-1) + torch.einsum("nhb,nbd->nhd", p_mma, rows)
+        m = m_new
+    share = torch.exp(sink.float().unsqueeze(0) - m)  # [n, H]
+    if on("sink-value-row"):  # fault: the sink also carries a value (the query's first visible row)
+        acc = acc + share.unsqueeze(-1) * kvf[idx[:, :1].long()]
+    if not on("sink-dropped"):
+        total = total + share
+    return (acc / total.unsqueeze(-1)).to(BF16)
+
+
+def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+         ids: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE gate in fp32 (spec §4 ``Gate``): x [n, dim] -> (routing weights [n, k], expert ids [n, k]).
+
+    Scores: softmax, sigmoid or sqrt(softplus) of ``x W^T``. Experts: ``tid2eid[token]`` on hash layers, else the
+    top-k of ``scores + bias`` (the bias only chooses). Weights: the chosen experts' unbiased scores, divided by
+    their sum unless the scores are a softmax, times ``route_scale``.
+    """
+    logits = x @ weight.to(x.dtype).T
+    if cfg.score_func == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif cfg.score_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.sqrt(F.softplus(logits))
+    if tid2eid is None:
+        choice = scores if bias is None else scores + bias.to(x.dtype)
+        experts = torch.topk(choice, cfg.n_activated_experts, dim=-1).indices
+    else:
+        experts = tid2eid[ids].long()
+    picked = torch.gather(scores, 1, experts)
+    if cfg.score_func != "softmax":
+        picked = picked / picked.sum(dim=-1, keepdim=True)
+    return picked * cfg.route_scale, experts
+
+
+def grouped_out(o: torch.Tensor, wo_a: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """o [n, H, hd] bf16 -> [n, G*o_lora] bf16: einsum with the bf16-dequantized wo_a, no activation quant."""
+    o = o.flatten(1).unflatten(-1, (n_groups, -1))
+    mid = torch.einsum("ngd,grd->ngr", o, wo_a.to(BF16).unflatten(0, (n_groups, -1)))
+    return mid.flatten(1)
+
+
+def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
+    """``hc_split_sinkhorn`` in fp32: mixes [n, (2+hc)*hc] -> pre [n, hc], post [n, hc], comb [n, hc, hc]."""
+    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = (mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc)).softmax(-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range((3 if on("sinkhorn-3-iters") else iters) - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    if on("comb-transposed"):
+        comb = comb.transpose(-1, -2)
+    return pre, post, comb
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+           iters: int, hc_eps: float):
+    """x [n, hc, dim] (bf16 or fp32 streams) -> (collapsed bf16 [n, dim], post, comb); mixing in fp32."""
+    hc = x.shape[1]
+    xf = x.flatten(1).float()
+    mixes = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    pre, post, comb = sinkhorn_split(mixes, scale.float(), base.float(), hc, iters, hc_eps)
+    y = (pre.unsqueeze(-1) * x.float()).sum(dim=1)
+    return y.to(BF16), pre, post, comb
+
+
+def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            out_dtype: torch.dtype = BF16) -> torch.Tensor:
+    """``post_k * f + sum_j comb[j, k] * residual_j`` in fp32, stored as ``out_dtype`` (bf16 in the reference)."""
+    y = post.unsqueeze(-1) * f.float().unsqueeze(-2) + (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(1)
+    return y.to(out_dtype)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+            hc_eps: float) -> torch.Tensor:
+    """Final collapse of [n, hc, dim] streams in fp32 -> bf16 [n, dim]."""
+    xf = x.flatten(1).float()
+    mixes = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(BF16)
+
+
+def expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
+           weight: torch.Tensor | None, act: str, linear: Callable | None = None) -> torch.Tensor:
+    """SwiGLU expert: GEMM outputs bf16 -> fp32, clamp, ``weight * silu(g) * u`` in fp32 (weight BEFORE w2, so
+    w2's activation quantization sees the weighted h), cast to bf16, w2 GEMM -> bf16 [n, dim]. ``linear``: the
+    ``act_linear`` implementation to use (default: this module's)."""
+    linear = linear or act_linear
+    g = linear(x, w1, act).float()
+    u = linear(x, w3, act).float()
+    if limit > 0 and not (weight is None and on("shared-clamp-missing")):
+        u = u.clamp(min=-limit, max=limit)
+        g = g.clamp(max=limit)
+    h = F.silu(g) * u
+    if weight is not None:
+        h = weight * h
+    return linear(h.to(BF16), w2, act)

@@ -1,0 +1,468 @@
+"""Side-by-side runner: the production decoder next to the oracle over a prompt and N decode steps.
+
+One production pass per step feeds three comparisons (docs/design.md "Three comparison modes"):
+``free`` (the oracle runs its own model on the same tokens: inherited + local error), ``layer`` (each
+oracle layer gets production's input to that layer and keeps its own exact caches: what the layer adds),
+``op`` (oracle ops on production's exact op inputs and cache contents: the kernel alone).
+The token stream is teacher-forced: both models see the same tokens (oracle greedy, production greedy,
+a seeded sampler on the oracle's logits, or a given continuation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from fidelity._version import __version__
+from fidelity.decoders.base import Decoder, mode_support
+from fidelity.decoders.production.decoder import ProductionDecoder
+from fidelity.decoders.production.profiles import Profile
+from fidelity.decoders.trace_file import TraceWriter
+from fidelity.harness.compare_sites import compare_recordings
+from fidelity.harness.opmode import OpMode
+from fidelity.harness.oracle_run import dtype_name
+from fidelity.model.config import ModelConfig
+from fidelity.model.sampling import Sampler, SamplerConfig, StopSet
+from fidelity.model.sites import Recorder
+from fidelity.model.weights import expected_tensors
+from oracles import OracleModel
+from probes import PeakMemory, collect, memory_stats
+from probes.memory import WARMUP_DECODE_CALLS, allocator_counts, allocator_delta, handed_bytes, held_bytes
+from probes.repetition import repetition
+from probes.rows import AGGREGATE
+from probes.sampler import sampler_agreement
+
+MODES = ("free", "layer", "op")
+AUTO_WHOLE, AUTO_CHUNK = 8192, 8192  # prompts longer than AUTO_WHOLE are prefilled AUTO_CHUNK tokens at a time
+PICK_FLIP_MARGIN = 1.0  # log-space gap of the oracle's winning draw; below it a differing pick is a near tie
+STREAMS = ("oracle", "production", "given")
+
+
+@dataclass
+class RunSpec:
+    """What to run. ``prompt`` [T] token ids; ``continuation`` only for ``stream == "given"``."""
+
+    prompt: torch.Tensor
+    decode_steps: int = 64
+    profile: str | Profile = "reference"  # a name, a spec string, a .toml/.json path, or a Profile
+    modes: tuple[str, ...] = MODES
+    stream: str = "oracle"
+    continuation: torch.Tensor | None = None
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    stop_ids: tuple[int, ...] | None = None  # None: the config's EOS + stop ids
+    oracle_dtype: torch.dtype = torch.float32
+    max_context: int | None = None
+    sample_queries: int | None = None
+    device: str = "cpu"
+    oracle_device: str | None = None  # None: the decoder's device
+    prefill_chunk: int | Sequence[int] | None = None  # tokens per prefill call; None: AUTO_CHUNK past AUTO_WHOLE
+    tokenizer: str | None = None  # a tokenizer.json: the manifest then holds both continuations as text
+
+    def chunk_sizes(self) -> list[int]:
+        """The prompt's prefill calls: the whole prompt, chunks of ``prefill_chunk`` (the last one shorter), or the
+        sizes given; None: the whole prompt up to AUTO_WHOLE tokens, else chunks of AUTO_CHUNK."""
+        n, chunk = len(self.prompt), self.prefill_chunk
+        if chunk is not None and not isinstance(chunk, int):
+            return [int(c) for c in chunk]
+        size = chunk or (n if n <= AUTO_WHOLE else AUTO_CHUNK)
+        return [size] * (n // size) + ([n % size] if n % size else [])
+
+    def problems(self, vocab: int) -> list[str]:
+        p = []
+        if any(m not in MODES for m in self.modes) or not self.modes:
+            p.append(f"mode: expected some of {MODES}, found {list(self.modes)}")
+        if self.stream not in STREAMS:
+            p.append(f"stream: expected one of {STREAMS}, found {self.stream!r}")
+        if self.stream == "given" and (self.continuation is None or len(self.continuation) < self.decode_steps):
+            p.append(f"continuation: stream 'given' needs >= {self.decode_steps} token ids")
+        if self.decode_steps < 0:
+            p.append(f"decode steps: expected >= 0, found {self.decode_steps}")
+        if len(self.prompt) == 0:
+            p.append("prompt: expected at least one token, found 0")
+        elif int(self.prompt.min()) < 0 or int(self.prompt.max()) >= vocab:
+            p.append(f"prompt: expected token ids in [0, {vocab}), found [{int(self.prompt.min())}, "
+                     f"{int(self.prompt.max())}]")
+        if self.sample_queries is not None and "free" in self.modes:
+            p.append("sample_queries: applies to layer and op modes only (free mode needs every position)")
+        chunk = self.prefill_chunk
+        if isinstance(chunk, int) and chunk < 1:
+            p.append(f"prefill_chunk: expected >= 1 token, found {chunk}")
+        elif chunk is not None and not isinstance(chunk, int) and (sum(chunk) != len(self.prompt) or min(chunk) < 1):
+            p.append(f"prefill_chunk: expected sizes >= 1 adding up to the prompt's {len(self.prompt)} tokens, "
+                     f"found {list(chunk)[:8]} (sum {sum(chunk)})")
+        need = len(self.prompt) + self.decode_steps
+        if self.max_context is not None and need > self.max_context:
+            p.append(f"max_context: prompt {len(self.prompt)} + {self.decode_steps} decode steps = {need} tokens "
+                     f"exceeds max_context {self.max_context}")
+        return p
+
+
+class RunError(ValueError):
+    """A run that cannot start; the message lists every problem."""
+
+
+def sampled_rows(n: int, k: int | None, seed: int = 0) -> torch.Tensor | None:
+    """A deterministic subset of k query rows of a prefill (always including the last), or None for all."""
+    if k is None or k >= n:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(n - 1, generator=gen)[: k - 1]
+    return torch.cat((rows, torch.tensor([n - 1]))).sort().values
+
+
+class Runner:
+    """Holds the decoder under test and the oracle sessions of one run; ``run()`` returns the metric table and
+    the manifest."""
+
+    def __init__(self, checkpoint, spec: RunSpec, progress: Callable[..., None] | None = None,
+                 decoder: Decoder | None = None, trace: TraceWriter | None = None):
+        """``decoder``: the decoder under test (default: the production decoder with ``spec``'s profile, device
+        and max_context). ``progress(phase, done, total, note)`` is told of each prefill pass and decode step
+        (``fidelity.progress.Progress`` draws it); ``trace`` records every decoder call
+        (``fidelity.decoders.trace_file``)."""
+        cfg = checkpoint.config
+        problems = spec.problems(cfg.vocab_size)
+        if decoder is not None and (diff := config_difference(decoder.config, cfg)):
+            problems.append(f"{decoder.label}: its config differs from the checkpoint's ({diff})")
+        if problems:
+            raise RunError("run: " + "; ".join(problems))
+        self.ckpt, self.cfg, self.spec, self.progress, self.trace = checkpoint, cfg, spec, progress, trace
+        max_context = spec.max_context or len(spec.prompt) + spec.decode_steps
+        self.dec = decoder or ProductionDecoder(checkpoint, spec.profile, max_context, spec.device)
+        self.modes, self.skipped = mode_support(self.dec, spec.modes)
+        if not self.modes:
+            raise RunError("run: no requested mode can run: " + "; ".join(f"{m}: {why}" for m, why in
+                                                                          self.skipped.items()))
+        self.oracle_numerics = exact_float32()
+        self.oracle = OracleModel(checkpoint, spec.oracle_dtype, device=spec.oracle_device or spec.device)
+        self.free = self.oracle.session() if "free" in self.modes else None
+        self.layer = self.oracle.session() if "layer" in self.modes else None
+        self.op = OpMode(self.oracle) if "op" in self.modes else None
+        self.sampler = Sampler(spec.sampler)  # the oracle side's sampler
+        self.prod_sampler = Sampler(spec.sampler)  # the state of the decoder's picks (``Decoder.pick`` uses it)
+        self.stops = StopSet.of(spec.stop_ids) if spec.stop_ids is not None else StopSet.from_config(cfg)
+        self.prod_stops = self.dec.stop_set(self.stops)  # an engine's own stop ids, else the run's
+        self.run_mode = "free" if "free" in self.modes else self.modes[0]  # label of whole-run rows
+        self.frames: list[pd.DataFrame] = []  # one small table per call: compact, unlike a list of row dicts
+        self.n_prefill = 1  # prefill calls (chunks), set by run()
+        self.tokens: list[int] = []
+        self.picks: dict[str, list[int]] = {"oracle": [], "decoder": []}  # each model's pick at each step
+        self.cache_bytes0: int | None = None
+        self.decoder_memory: dict[str, int] = {}  # allocator activity during the last decoder call
+        self.growth = {"reserved": 0, "retained": 0, "host_retained": 0}  # decode calls since the warm-up
+        self.held0: int | None = None  # bytes the decoder held after its last warm-up call
+        self.seconds: dict[str, float] = {}
+
+    def run(self) -> tuple[pd.DataFrame, dict]:
+        t0 = time.perf_counter()
+        prompt = self.spec.prompt.long()
+        history, chunks = prompt.tolist(), prompt.split(self.spec.chunk_sizes())
+        self.n_prefill = len(chunks)
+        peaks = PeakMemory(self.spec.device)
+        logits = {}
+        for call, chunk in enumerate(chunks):
+            logits = self.step(call, chunk)
+        memory = {"prefill": peaks.read()}
+        stop_reason = "length"
+        for k in range(self.spec.decode_steps):
+            call = self.n_prefill - 1 + k  # the call whose logits pick decode token k
+            nxt = self.next_token(call, k, logits, history)
+            self.tokens.append(nxt)
+            history.append(nxt)
+            self._tell("decode", k + 1, self.spec.decode_steps)
+            self.record_stop(call, nxt)
+            if nxt in self.prod_stops:
+                stop_reason = "stop"
+                break
+            logits = self.step(call + 1, torch.tensor([nxt]))
+        memory["decode"] = peaks.read()
+        self.record_repetition()
+        df = pd.concat(self.frames, ignore_index=True)
+        manifest = self.manifest(time.perf_counter() - t0, stop_reason)
+        manifest["memory_peaks"] = memory
+        manifest["picks"] = self.picks
+        if self.spec.tokenizer is not None and self.picks["oracle"]:
+            from fidelity.model import text
+
+            manifest["texts"] = text.continuations(text.load(self.spec.tokenizer), prompt.tolist(),
+                                                   self.picks["oracle"], self.picks["decoder"])
+        if self.trace is not None:
+            self.trace.finish(self.tokens, manifest["checkpoint"])
+        return df, manifest
+
+    @contextmanager
+    def _timed(self, phase: str, part: str) -> Iterator[None]:
+        """Adds the wall time of the block to ``seconds["<phase> <part>"]`` (reported in the manifest)."""
+        t0 = time.perf_counter()
+        yield
+        key = f"{phase} {part}"
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
+
+    def _tell(self, phase: str, done: int, total: int, note: str = "") -> None:
+        if self.progress is not None:
+            self.progress(phase, done, total, note)
+
+    def step(self, step: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One model call (a prefill chunk or a decode token) in every mode; appends its metric rows. Returns the
+        last position's logits per model."""
+        prefill = step < self.n_prefill
+        passes = 1 + sum(m is not None for m in (self.free, self.layer, self.op))
+
+        def tell(done: int, note: str) -> None:
+            if not prefill:
+                return
+            if self.n_prefill == 1:
+                self._tell(f"prefill ({len(ids)} tokens)", done, passes, note)
+            elif done == passes:
+                self._tell(f"prefill ({len(self.spec.prompt)} tokens in {self.n_prefill} chunks)", step + 1,
+                           self.n_prefill)
+
+        phase = "prefill" if prefill else "decode"
+        positions = torch.arange(self.dec.pos, self.dec.pos + len(ids))
+        prod_rec = Recorder(device=None)  # records stay where the decoder made them (a GPU's memory)
+        self.dec.rec = prod_rec
+        tell(0, "decoder under test")
+        with self._timed(phase, "decoder"):
+            before = allocator_counts(self.spec.device)
+            test_logits = self.dec.prefill(ids) if prefill else self.dec.step(int(ids[0]))[None]
+            after = allocator_counts(self.spec.device)
+        with self._timed(phase, "probes"):
+            handed = handed_bytes([test_logits, *(t for r in prod_rec.records.values() for _, t in r)])
+            self.decoder_memory = allocator_delta(before, after, handed)
+            self.decoder_memory["held_bytes"] = held_bytes(self.dec, exclude=(prod_rec,))  # not what it handed
+        rows = self.rows_of(positions) if prefill else None
+        if self.trace is not None:
+            self.trace.add_step(ids, positions, test_logits, prod_rec)
+        out = {"production": test_logits[-1]}
+        pending: dict[str, list[dict]] = {}
+        if self.free is not None:
+            tell(len(pending) + 1, "oracle, free mode")
+            rec = Recorder(device=None)
+            self.free.rec = rec
+            with self._timed(phase, "oracle free"):
+                out["oracle"] = self.free.forward(ids)[-1]
+            with self._timed(phase, "probes"):
+                pending["free"] = compare_recordings(rec, prod_rec, positions, self.cfg, None, prefill)
+        if self.layer is not None:
+            tell(len(pending) + 1, "oracle, layer mode")
+            rec = Recorder(device=None)
+            self.layer.rec = rec
+            with self._timed(phase, "oracle layer"):
+                self.layer.forward_layers(ids, lambda i: _layer_input(prod_rec, i, self.cfg.hc_mult), rows)
+            with self._timed(phase, "probes"):
+                pending["layer"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill)
+        if self.op is not None:
+            tell(len(pending) + 1, "oracle, op mode")
+            rec = Recorder(device=None)
+            with self._timed(phase, "oracle op"):
+                self.op.step(prod_rec, positions, ids, rec, rows)
+            with self._timed(phase, "probes"):
+                pending["op"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill)
+        tell(passes, "compared")
+        with self._timed(phase, "probes"):
+            for mode, rows_ in pending.items():
+                self.frames.append(pd.DataFrame(collect(rows_, step=step, phase=phase, mode=mode)))
+        self.record_memory(step, phase)
+        return out
+
+    def _run_rows(self, site: str, metrics: dict, step: int) -> None:
+        pending = [{"site": site, "layer": -1, "position": None, "metric": k, "value": v} for k, v in metrics.items()]
+        self.frames.append(pd.DataFrame(collect(pending, step=step, phase=self._phase(step), mode=self.run_mode)))
+
+    def _phase(self, step: int) -> str:
+        return "prefill" if step < self.n_prefill else "decode"
+
+    def record_memory(self, step: int, phase: str) -> None:
+        """Allocator / RSS bytes, what the decoder's own call did to the allocator and what it holds
+        (``probes.memory``), and the decoder's cache bytes (when it reports them). Decode calls after the first
+        ``WARMUP_DECODE_CALLS`` add the gated ``held_growth`` (tensor bytes the decoder holds beyond those after
+        the warm-up), on CUDA the sums ``retained_growth`` / ``reserved_growth`` and each call's
+        ``new_device_mallocs``; on the CPU the informational ``host_retained_growth``. cache_growth > 0 = the
+        caches grew."""
+        metrics = dict(memory_stats(self.spec.device))
+        metrics.update({k: torch.tensor(float(v)) for k, v in self.decoder_memory.items()})
+        decode_call = step - self.n_prefill
+        if decode_call == WARMUP_DECODE_CALLS - 1:
+            self.held0 = self.decoder_memory["held_bytes"]
+        if decode_call >= WARMUP_DECODE_CALLS:
+            metrics["held_growth"] = torch.tensor(float(self.decoder_memory["held_bytes"] - self.held0))
+            for kind in self.growth:
+                if f"{kind}_delta" in self.decoder_memory:
+                    self.growth[kind] += self.decoder_memory[f"{kind}_delta"]
+                    metrics[f"{kind}_growth"] = torch.tensor(float(self.growth[kind]))
+            if "device_mallocs" in self.decoder_memory:
+                metrics["new_device_mallocs"] = torch.tensor(float(self.decoder_memory["device_mallocs"]))
+        cache = self.dec.cache_bytes()
+        if cache is not None:
+            if self.cache_bytes0 is None:
+                self.cache_bytes0 = cache
+            metrics.update(cache_bytes=torch.tensor(float(cache)), cache_growth=torch.tensor(float(cache -
+                                                                                              self.cache_bytes0)))
+        self._run_rows("memory", metrics, step)
+
+    def record_repetition(self) -> None:
+        """The stream's decode tokens: ``ngram_seen`` at each decode step's call, and the run's repeat rate, loop
+        onset (decode step, -1 none), loop period and longest repeated span at the last call."""
+        if not self.tokens:
+            return
+        rep = repetition(self.tokens)
+        steps = [self.n_prefill - 1 + k for k in range(len(self.tokens))]  # the call that picked decode token k
+        self.frames.append(pd.DataFrame({
+            "site": "repetition", "layer": -1, "metric": "ngram_seen", "step": steps,
+            "phase": [self._phase(s) for s in steps], "mode": self.run_mode, "position": AGGREGATE,
+            "value": rep.pop("ngram_seen").astype(float)}))
+        self._run_rows("repetition", {k: torch.tensor(float(v)) for k, v in rep.items()},
+                       self.n_prefill - 1 + len(self.tokens) - 1)
+
+    def record_stop(self, step: int, token: int) -> None:
+        """stop_mismatch = 1 when the reference stop set and the decoder's disagree on this token."""
+        mismatch = (token in self.stops) != (token in self.prod_stops)
+        self._run_rows("stops", {"stop_mismatch": torch.tensor(float(mismatch))}, step)
+
+    def rows_of(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The sampled query rows of a prefill chunk at ``positions`` (None: every row): the prompt's sampled
+        positions (``sample_queries``, always including the last) that fall in the chunk."""
+        picked = sampled_rows(len(self.spec.prompt), self.spec.sample_queries)
+        if picked is None:
+            return None
+        start = int(positions[0])
+        inside = picked[(picked >= start) & (picked < start + len(positions))] - start
+        last = torch.tensor([len(positions) - 1])  # every chunk keeps a query: its last
+        return torch.cat((inside, last)).unique()
+
+    def next_token(self, step: int, k: int, logits: dict[str, torch.Tensor], history: list[int]) -> int:
+        """Decode token k, picked from the logits of call ``step``; records whether the oracle's and the decoder's
+        samplers agree."""
+        hist = torch.tensor(history)
+        prod_pick = self.dec.pick(self.prod_sampler, logits["production"].float(), hist, k)
+        ref_pick = self.sampler.pick(logits["oracle"].float(), hist, k) if "oracle" in logits else None
+        if self.spec.stream == "given":
+            nxt = int(self.spec.continuation[k])
+        else:
+            nxt = ref_pick if self.spec.stream == "oracle" and ref_pick is not None else prod_pick
+        # the reference sampler on the decoder's own logits: any difference is the decoder's sampler
+        impl = torch.tensor(float(self.sampler.pick(logits["production"].float(), hist, k) != prod_pick))
+        metrics = {"sampler_impl_mismatch": impl}
+        if ref_pick is not None:
+            margin = sampler_agreement(logits["oracle"].float(), logits["production"].float(), hist,
+                                       self.spec.sampler, k)["pick_margin"]
+            differ = torch.tensor(float(ref_pick != prod_pick))
+            metrics.update(same_pick=1 - differ, pick_margin=margin,
+                           pick_flip_with_margin=differ * (margin > PICK_FLIP_MARGIN))
+        self._run_rows("sampler", metrics, step)
+        self.picks["decoder"].append(int(prod_pick))
+        if ref_pick is not None:
+            self.picks["oracle"].append(int(ref_pick))
+        return nxt
+
+    def manifest(self, seconds: float, stop_reason: str) -> dict:
+        s = self.spec
+        return {
+            "package": f"dsv4-fidelity {__version__}",
+            "config": self.cfg.to_official_dict(),
+            "checkpoint": checkpoint_info(self.ckpt),
+            "decoder": self.dec.label,
+            "profile": self.dec.profile,
+            "modes": list(self.modes),
+            "modes_skipped": self.skipped,
+            "stream": s.stream,
+            "sampler": vars(s.sampler),
+            "prompt_len": len(s.prompt),
+            "decode_steps": len(self.tokens),
+            "stop_reason": stop_reason,
+            "generated": self.tokens,
+            "oracle_dtype": dtype_name(s.oracle_dtype),
+            "oracle_device": str(self.oracle.device),
+            "oracle_numerics": self.oracle_numerics,
+            "sample_queries": s.sample_queries,
+            "cache_bytes": self.dec.cache_bytes(),
+            **self.dec.info(),
+            "command": " ".join(sys.argv),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__},
+            "device": _device_name(s.device),
+            "git_revision": _git_revision(),
+            "seconds": round(seconds, 3),
+            "seconds_by_part": {k: round(v, 3) for k, v in self.seconds.items()},
+            "threads": torch.get_num_threads(),
+        }
+
+
+def exact_float32() -> dict[str, bool]:
+    """Switch off TF32 and the reduced-precision reductions of fp16/bf16 GEMMs (process-wide, for the oracle's
+    fp32 on a GPU); returns the settings as checked afterwards, for the manifest."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    return {"matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "fp16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+            "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+# config fields that do not change what a decoder computes (storage formats, generation limits, token ids)
+NOT_ARCHITECTURE = frozenset({"max_seq_len", "max_batch_size", "dtype", "scale_fmt", "scale_dtype", "expert_dtype",
+                              "n_mtp_layers", "stop_token_ids", "bos_token_id", "eos_token_id"})
+
+
+def config_difference(a: ModelConfig, b: ModelConfig) -> str:
+    """The architecture fields where two configs differ, 'name: a vs b' ('' when none)."""
+    da, db = a.to_official_dict(), b.to_official_dict()
+    return ", ".join(f"{k}: {da[k]!r} vs {db.get(k)!r}" for k in da if k not in NOT_ARCHITECTURE and da[k] != db.get(k))
+
+
+def _layer_input(rec: Recorder, i: int, hc: int) -> torch.Tensor:
+    """Production's input streams to layer i: the embedding repeated for layer 0, else L{i-1}.residual."""
+    if i == 0:
+        return rec.get("embed").unsqueeze(1).repeat(1, hc, 1)
+    return rec.get(f"L{i - 1}.residual")
+
+
+FULL_HASH_BYTES = 2 << 30  # checkpoints up to this size are hashed over every stored byte
+_FMT_BYTES = {"fp4": 0.5, "fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "int64": 8, "fp64": 8}
+
+
+def checkpoint_info(ckpt) -> dict:
+    """What the manifest says of the checkpoint: layout, path or synthetic origin (seed, preset), and a content
+    hash: sha256 over the config and every stored tensor's name, format, shape and bytes (codes and scales), or,
+    above FULL_HASH_BYTES, over the bytes of the tensors up to 65536 elements only (``hash_scope`` says which)."""
+    info = {"layout": ckpt.layout, "path": str(ckpt.path or ""), **ckpt.origin}
+    specs = expected_tensors(ckpt.config)
+    size = sum(_FMT_BYTES.get(specs[n].fmt, 4) * torch.Size(specs[n].shape).numel() for n in ckpt.names() if n in specs)
+    full = size <= FULL_HASH_BYTES
+    h = hashlib.sha256(json.dumps(ckpt.config.to_official_dict(), sort_keys=True).encode())
+    for name in ckpt.names():
+        st = ckpt.stored(name)
+        h.update(f"{name}{st.fmt}{tuple(st.data.shape)}".encode())
+        for t in (st.data, st.scale):
+            if t is not None and (full or t.numel() <= 65536):
+                h.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    scope = "every tensor's bytes" if full else "names, shapes, bytes of tensors <= 65536 elements"
+    return {**info, "hash": h.hexdigest()[:16], "hash_scope": scope}
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def _git_revision() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

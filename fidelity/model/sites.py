@@ -1,0 +1,157 @@
+"""Sites: the stable names of the tensors both models emit (docs/design.md "Sites"). One table, one source of truth.
+
+``{i}`` is the layer index. Shapes are per call: ``n`` new tokens, ``H`` heads, ``hc`` mHC streams,
+``W`` window size, ``K`` index_topk (or the number of visible HCA entries), ``m`` new compressed entries.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+PROBES = ("similarity", "residual", "logits", "sinkhorn", "indexer_recall", "visible_range", "routing",
+          "routing_weights")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One row of the site table.
+
+    ``shape``: the dims after the first (token or entry) dim, as ``ModelConfig`` field names (None where they
+    vary from call to call). ``probe``: how a pair of records is compared (``harness.compare_sites``):
+    ``similarity`` (cosine, calc_diff, ...), ``residual`` (also the streams' norms), ``logits`` (also token
+    agreement), ``sinkhorn``, ``indexer_recall``, ``visible_range``, ``routing`` (expert sets), ``routing_weights``.
+    ``every_step``: compared at every decode step (False: in the prefill only; its errors show downstream).
+    ``per_position``: a prefill also gets per-position cosine rows. ``after_routing``: compared on the tokens both
+    models routed to the same experts (a routing flip is counted once, at ``moe.experts``)."""
+
+    shape: tuple[str, ...] | None
+    probe: str
+    what: str
+    every_step: bool = True
+    per_position: bool = False
+    after_routing: bool = False
+
+
+SITE_TABLE: dict[str, Site] = {
+    "embed": Site(("dim",), "similarity", "[n, dim] token embeddings", every_step=False),
+    "L{i}.mhc_attn.pre": Site(("hc_mult",), "similarity",
+                              "[n, hc] hc_pre collapse weights before attention", every_step=False),
+    "L{i}.mhc_attn.post": Site(("hc_mult",), "similarity",
+                               "[n, hc] hc_post expand weights after attention", every_step=False),
+    "L{i}.mhc_attn.comb": Site(("hc_mult", "hc_mult"), "sinkhorn",
+                               "[n, hc, hc] Sinkhorn-projected residual mixing matrix (applied transposed)"),
+    "L{i}.attn.in": Site(("dim",), "similarity",
+                         "[n, dim] attention input (hc_pre collapse, then attn_norm)", every_step=False),
+    "L{i}.attn.q": Site(("n_heads", "head_dim"), "similarity",
+                        "[n, H, head_dim] queries after weightless norm and RoPE"),
+    "L{i}.attn.kv": Site(("head_dim",), "similarity", "[n, head_dim] window KV rows after norm and RoPE"),
+    "L{i}.attn.compressed_kv": Site(("head_dim",), "similarity",
+                                    "[m, head_dim] compressed entries emitted by this call (after norm and RoPE)"),
+    "L{i}.indexer.q": Site(("index_n_heads", "index_head_dim"), "similarity",
+                           "[n, index_n_heads, index_head_dim] indexer queries after RoPE"),
+    "L{i}.indexer.keys": Site(("index_head_dim",), "similarity",
+                              "[m, index_head_dim] indexer keys emitted by this call"),
+    "L{i}.indexer.weights": Site(("index_n_heads",), "similarity",
+                                 "[n, index_n_heads] per-head index weights (weights_proj x scalings)",
+                                 every_step=False),
+    "L{i}.indexer.scores": Site(None, "similarity", "[n, entries] index scores, -inf where j >= (t+1)//4"),
+    "L{i}.indexer.topk": Site(("index_topk",), "indexer_recall",
+                              "[n, index_topk] selected compressed entries, -1 = none"),
+    "L{i}.attn.visible": Site(None, "visible_range",
+                              "[n, W + K] window token positions then compressed entry ids, -1 = padding"),
+    "L{i}.attn.core": Site(("n_heads", "head_dim"), "similarity",
+                           "[n, H, head_dim] attention output before inverse RoPE"),
+    "L{i}.attn.out": Site(("dim",), "similarity",
+                          "[n, dim] attention sublayer output (after the grouped output projection)"),
+    "L{i}.mhc_ffn.pre": Site(("hc_mult",), "similarity",
+                             "[n, hc] hc_pre collapse weights before the MoE", every_step=False),
+    "L{i}.mhc_ffn.post": Site(("hc_mult",), "similarity",
+                              "[n, hc] hc_post expand weights after the MoE", every_step=False),
+    "L{i}.mhc_ffn.comb": Site(("hc_mult", "hc_mult"), "sinkhorn",
+                              "[n, hc, hc] Sinkhorn-projected residual mixing matrix before the MoE"),
+    "L{i}.moe.in": Site(("dim",), "similarity",
+                        "[n, dim] MoE input (hc_pre collapse, then ffn_norm)", every_step=False),
+    "L{i}.moe.experts": Site(("n_activated_experts",), "routing", "[n, n_activated_experts] routed expert ids"),
+    "L{i}.moe.weights": Site(("n_activated_experts",), "routing_weights",
+                             "[n, n_activated_experts] routing weights (normalised, x route_scale)"),
+    "L{i}.moe.out": Site(("dim",), "similarity", "[n, dim] MoE output (routed + shared)", after_routing=True),
+    "L{i}.residual": Site(("hc_mult", "dim"), "residual",
+                          "[n, hc, dim] mHC streams leaving layer i", per_position=True, after_routing=True),
+    "final": Site(("dim",), "similarity", "[n, dim] hc_head collapse followed by the final norm"),
+    "logits": Site(("vocab_size",), "logits", "[n, vocab] output logits", per_position=True),
+}
+SITES: dict[str, str] = {template: site.what for template, site in SITE_TABLE.items()}  # in data-flow order
+
+
+def site_template(name: str) -> str:
+    """``L3.attn.q`` -> ``L{i}.attn.q`` (names outside the layers are their own template)."""
+    return re.sub(r"^L\d+\.", "L{i}.", name)
+
+
+def site_of(name: str) -> Site:
+    """The table row of a site name (``L3.attn.q``) or template (``L{i}.attn.q``)."""
+    return SITE_TABLE[site_template(name)]
+
+
+def trailing_shape(template: str, cfg) -> tuple[int, ...] | None:
+    """The shape of a record of site ``template`` after its first (token or entry) dim, from ``cfg``
+    (a ``ModelConfig``); None where it varies from call to call (index scores, visible sets)."""
+    shape = SITE_TABLE[template].shape
+    return None if shape is None else tuple(getattr(cfg, field) for field in shape)
+
+
+def site_name(template: str, layer: int | None = None) -> str:
+    return template.replace("{i}", str(layer)) if layer is not None else template
+
+
+def _template_regex(template: str) -> str:
+    return re.escape(template).replace(re.escape("{i}"), r"\d+")
+
+
+SITE_PATTERN = re.compile("^(" + "|".join(_template_regex(t) for t in SITES) + ")$")
+
+
+def is_site(name: str) -> bool:
+    return SITE_PATTERN.match(name) is not None
+
+
+@dataclass
+class Recorder:
+    """Collects tensors at the sites whose names match any of ``patterns`` (regexes; default: all).
+
+    Each call appends ``(step, tensor)``; ``step`` is the index of the model call (prefill = 0).
+    Tensors are detached copies on ``device`` (None: on the device they come from, e.g. a GPU's memory).
+    """
+
+    patterns: Iterable[str] = (".*",)
+    records: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+    step: int = 0
+    device: str | None = "cpu"
+
+    def __post_init__(self) -> None:
+        self._compiled = [re.compile(p) for p in self.patterns]
+
+    def wants(self, site: str) -> bool:
+        return any(p.fullmatch(site) for p in self._compiled)
+
+    def __call__(self, site: str, tensor: torch.Tensor) -> None:
+        if not is_site(site):
+            raise KeyError(f"unknown site {site!r}; sites are listed in fidelity.model.sites.SITES")
+        if self.wants(site):
+            copy = tensor.detach().clone() if self.device is None else tensor.detach().to(self.device, copy=True)
+            self.records.setdefault(site, []).append((self.step, copy))
+
+    def get(self, site: str) -> torch.Tensor:
+        """All records of ``site`` concatenated along dim 0 (tokens); ragged last dims are -1/-inf padded."""
+        parts = [t for _, t in self.records.get(site, [])]
+        if not parts:
+            raise KeyError(f"site {site!r} was not recorded")
+        if parts[0].ndim >= 2 and len({p.shape[-1] for p in parts}) > 1:
+            width = max(p.shape[-1] for p in parts)
+            fill = -1 if not parts[0].is_floating_point() else float("-inf")
+            parts = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=fill) for p in parts]
+        return torch.cat(parts, dim=0)

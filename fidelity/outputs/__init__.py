@@ -1,0 +1,1 @@
+"""What a run leaves behind: its directory (``rundir``), the report and plots, and N-way comparisons of runs."""

@@ -1,0 +1,369 @@
+"""Each op's contract (:data:`CONTRACTS`): the expected result (the fp64 oracle, or a bit-exact reference) and the
+limits derived from the rounding steps the official reference takes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from fidelity.model.formats import (
+    FP8_AMAX_FLOOR,
+    FP8_MAX,
+    dequantize_fp8,
+    fake_quant_fp8,
+    ue8m0_scale,
+)
+from fidelity.testing.cases import (
+    BF16,
+    FP32,
+    FP32_REL,
+    FP64,
+    SLACK,
+    U_BF16,
+    U_FP8,
+    Case,
+    OpContract,
+    Output,
+    Tolerance,
+    _rel,
+)
+from fidelity.testing.strategies import (
+    _fp4_keys_case,
+    act_linear_inputs,
+    apply_rope_inputs,
+    expert_inputs,
+    gate_inputs,
+    hc_head_inputs,
+    hc_post_inputs,
+    hc_pre_inputs,
+    index_scores_fp4_inputs,
+    index_scores_inputs,
+    kv_norm_rope_fp8_inputs,
+    kv_round_inputs,
+    rms_norm_fp8_inputs,
+    rms_norm_inputs,
+    rms_norm_weightless_inputs,
+    sinkhorn_split_inputs,
+    sparse_attention_inputs,
+)
+from oracles import attention as attention_oracle
+from oracles import indexer as indexer_oracle
+from oracles import linear as linear_oracle
+from oracles import mhc as mhc_oracle
+from oracles import moe as moe_oracle
+from oracles import norms as norms_oracle
+from oracles import rope as rope_oracle
+
+# --------------------------------------------------------------------------------------------------------------
+# expected results (oracle in fp64, or the bit-exact reference)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _d(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(FP64)
+
+
+def _expected_act_linear(c: Case) -> tuple[torch.Tensor, ...]:
+    return (linear_oracle.act_linear(_d(c["x"]), _d(c["weight"])),)
+
+
+def _act_linear_bound(c: Case) -> torch.Tensor:
+    """|error| <= (u8 + k 2^-23) sum_k |x_k| |w_jk| + 1.25u |y_j|: the e4m3 rounding of each x_k (u8 = 2^-4;
+    0 for act "bf16"), the fp32 accumulation, and the bf16 rounding of the output."""
+    x, w = _d(c["x"]), _d(c["weight"])
+    absdot = x.abs() @ w.abs().T
+    u8 = U_FP8 if c["act"] == "fp8" else 0.0
+    return ((u8 + x.shape[-1] * 2.0**-23) * absdot + _ONE * (x @ w.T).abs()).nan_to_num(0.0)
+
+
+def _expected_rms_norm(c: Case) -> tuple[torch.Tensor, ...]:
+    return (norms_oracle.rms_norm(_d(c["x"]), _d(c["weight"]), c["eps"]),)
+
+
+def _rms_norm_fp8_exact(c: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp64 y [n, d] and the lowest / highest ue8m0 scale [n, d/128] a bf16-rounded y (+-1.25u) can give."""
+    y = norms_oracle.rms_norm(_d(c["x"]), _d(c["weight"]), c["eps"])
+    amax = y.unflatten(-1, (-1, 128)).abs().amax(-1)
+    lo, hi = (ue8m0_scale(amax * (1 + k * _ONE), FP8_MAX, FP8_AMAX_FLOOR).to(FP64) for k in (-1, 1))
+    return y, lo, hi
+
+
+def _expected_rms_norm_fp8(c: Case) -> tuple[torch.Tensor, ...]:
+    """(exact y, mid-point of the admissible scale bytes); compared after :func:`_dequantize_codes`."""
+    y, lo, hi = _rms_norm_fp8_exact(c)
+    return y, (torch.log2(lo) + torch.log2(hi)) / 2 + 127
+
+
+def _rms_norm_fp8_value_bound(c: Case) -> torch.Tensor:
+    """|code * s - y| <= half an e4m3 step (2^-4 |y|, or 2^-10 s among the subnormal codes) + 1.25u |y|."""
+    y, _, hi = _rms_norm_fp8_exact(c)
+    return torch.maximum(U_FP8 * y.abs(), 2.0**-10 * hi.repeat_interleave(128, -1)) + _ONE * y.abs()
+
+
+def _rms_norm_fp8_scale_bound(c: Case) -> torch.Tensor:
+    _, lo, hi = _rms_norm_fp8_exact(c)
+    return (torch.log2(hi) - torch.log2(lo)) / 2
+
+
+def _dequantize_codes(outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """(codes e4m3, scale bytes) -> (dequantized fp64 values, scale bytes); expected outputs pass unchanged."""
+    codes, scales = outs
+    if codes.dtype != torch.float8_e4m3fn:
+        return outs
+    return dequantize_fp8(codes, scales, 128).to(FP64), scales
+
+
+def _expected_rms_norm_weightless(c: Case) -> tuple[torch.Tensor, ...]:
+    return (norms_oracle.rms_norm_weightless(_d(c["q"]), c["eps"]),)
+
+
+def _expected_apply_rope(c: Case) -> tuple[torch.Tensor, ...]:
+    """The oracle rotation in fp64, at the reference's fp32 angles ``fp32(position) * fp32(freq)``
+    (``precompute_freqs_cis``): at position 2^20 an fp32 angle is off the exact product by up to 2^-4 rad, and
+    that rounding is part of the model's definition, not error (one oracle call per row, position 1)."""
+    return (_rope_at_fp32_angles(_d(c["x"]), c["positions"], c["freqs"], c.get("inverse", False)),)
+
+
+def _rope_at_fp32_angles(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+                         inverse: bool = False) -> torch.Tensor:
+    """The oracle rotation of fp64 x [n, ...] at the angles ``fp32(position) * fp32(freq)``."""
+    angles = positions.to(FP32)[:, None] * freqs.to(FP32)[None, :]
+    one = torch.ones(1, dtype=torch.int64)
+    return torch.cat([rope_oracle.apply_rope(x[i : i + 1], one, _d(angles[i]), inverse) for i in range(x.shape[0])])
+
+
+def _rope_bound(c: Case) -> torch.Tensor:
+    """Elementwise limit: 0 on the nope dims (must pass through unchanged), unbounded on the rope dims."""
+    bound = torch.zeros(c["x"].shape, dtype=FP64)
+    bound[..., -2 * c["freqs"].numel() :] = math.inf
+    return bound
+
+
+def kv_round_reference(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tensor:
+    """Bit-exact reference of ``kv_round``: the reference's in-place ``act_quant(kv[..., :-rope_dims], 64,
+    "ue8m0")`` = :func:`fidelity.model.formats.fake_quant_fp8` in 1x64 blocks on the nope dims; rope dims unchanged."""
+    if fmt != "fp8":
+        return kv
+    return torch.cat((fake_quant_fp8(kv[..., :-rope_dims], 64), kv[..., -rope_dims:]), dim=-1)
+
+
+def _expected_kv_round(c: Case) -> tuple[torch.Tensor, ...]:
+    return (kv_round_reference(c["kv"], c["rope_dims"], c["fmt"]),)
+
+
+def _expected_kv_norm_rope_fp8(c: Case) -> tuple[torch.Tensor, ...]:
+    """The exact kv_norm then RoPE (fp64, reference angles); exact math has no FP8 rounding."""
+    y = norms_oracle.rms_norm(_d(c["x"]), _d(c["weight"]), c["eps"])
+    return (_rope_at_fp32_angles(y, c["positions"], c["freqs"]),)
+
+
+def _kv_norm_rope_fp8_bound(c: Case) -> torch.Tensor:
+    """Elementwise: the bf16 rounding of the norm (1.25u |y|); on the nope dims under "fp8" the e4m3 step
+    (half an ulp: 2^-4 |y|, or 2^-10 s on the subnormal codes of a 1x64 block whose ue8m0 scale s may come
+    from an amax 1.25u high); on the rope dims the norm's rounding carried through the rotation plus the
+    output's rounding: 2 x 1.25u (|y_2i| + |y_2i+1|) for both elements of a pair."""
+    y = norms_oracle.rms_norm(_d(c["x"]), _d(c["weight"]), c["eps"])
+    rd = 2 * c["freqs"].numel()
+    bound = _ONE * y.abs()
+    nope = y[:, :-rd]
+    if c["fmt"] == "fp8":
+        amax = nope.unflatten(-1, (-1, 64)).abs().amax(-1)
+        hi = ue8m0_scale(amax * (1 + _ONE), FP8_MAX, FP8_AMAX_FLOOR).to(FP64).repeat_interleave(64, -1)
+        bound[:, :-rd] += torch.maximum(U_FP8 * nope.abs(), 2.0**-10 * hi)
+    pairs = y[:, -rd:].abs().unflatten(-1, (-1, 2)).sum(-1, keepdim=True)
+    bound[:, -rd:] = (2 * _ONE * pairs).expand(-1, -1, 2).flatten(1)
+    return bound
+
+
+def _expected_index_scores(c: Case) -> tuple[torch.Tensor, ...]:
+    """``oracles.indexer.index_scores`` with nothing causally masked (every key visible)."""
+    q, keys = _d(c["q"]), _d(c["keys"])
+    positions = torch.full((q.shape[0],), keys.shape[0], dtype=torch.int64)
+    return (indexer_oracle.index_scores(q, keys, _d(c["weights"]), positions, ratio=1),)
+
+
+def _index_scores_bound(c: Case) -> torch.Tensor:
+    """|error| <= 4u * sum_h |w_h| relu(q_h.k) + d 2^-23 * sum_h |w_h| (|q_h|.|k|): the bf16 dot, product and
+    head-sum roundings (3u, +1u slack) of the terms, plus the fp32 dot accumulation (d 2^-24, x2)."""
+    q, keys, w = _d(c["q"]), _d(c["keys"]), _d(c["weights"]).abs()
+    terms = torch.einsum("nhd,ed->nhe", q, keys).relu()
+    absdots = torch.einsum("nhd,ed->nhe", q.abs(), keys.abs())
+    bound = 4 * U_BF16 * (terms * w[..., None]).sum(1) + q.shape[-1] * 2.0**-23 * (absdots * w[..., None]).sum(1)
+    return bound.nan_to_num(0.0)
+
+
+def _expected_sparse_attention(c: Case) -> tuple[torch.Tensor, ...]:
+    """Gather ``kv[idx]``, rows of -1 zeroed (the kernel's ``if_then_else``) and masked, then
+    ``oracles.attention.sparse_attention`` in fp64."""
+    idx, kv = c["idx"].long(), _d(c["kv"])
+    valid = idx >= 0
+    rows = torch.where(valid[..., None], kv[idx.clamp(min=0)], 0.0)
+    return (attention_oracle.sparse_attention(_d(c["q"]), rows, valid, _d(c["sink"]), c["scale"]),)
+
+
+def _expected_hc_pre(c: Case) -> tuple[torch.Tensor, ...]:
+    x = _d(c["x"])
+    mixes = mhc_oracle.hc_mixes(x, _d(c["fn"]), c["norm_eps"])
+    pre, post, comb = mhc_oracle.hc_split(mixes, _d(c["scale"]), _d(c["base"]), x.shape[1], c["iters"], c["hc_eps"])
+    return mhc_oracle.hc_collapse(x, pre), pre, post, comb
+
+
+def _expected_hc_post(c: Case) -> tuple[torch.Tensor, ...]:
+    return (mhc_oracle.hc_post(_d(c["f"]), _d(c["residual"]), _d(c["post"]), _d(c["comb"])),)
+
+
+def _expected_hc_head(c: Case) -> tuple[torch.Tensor, ...]:
+    return (mhc_oracle.hc_head(_d(c["x"]), _d(c["fn"]), _d(c["scale"]), _d(c["base"]), c["norm_eps"], c["hc_eps"]),)
+
+
+def _expected_sinkhorn_split(c: Case) -> tuple[torch.Tensor, ...]:
+    return mhc_oracle.hc_split(_d(c["mixes"]), _d(c["scale"]), _d(c["base"]), c["hc"], c["iters"], c["eps"])
+
+
+def _expected_gate(c: Case) -> tuple[torch.Tensor, ...]:
+    return moe_oracle.gate(_d(c["x"]), _d(c["weight"]), _d(c["bias"]), c["tid2eid"], c["ids"], c["cfg"])
+
+
+def _sort_topk(outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """(weights, indices) with each row sorted by expert id (top-k order is not part of the contract)."""
+    weights, indices = outs
+    indices, order = indices.long().sort(dim=-1)
+    return weights.gather(-1, order), indices
+
+
+def _expected_expert(c: Case) -> tuple[torch.Tensor, ...]:
+    return (moe_oracle.expert(_d(c["x"]), _d(c["w1"]), _d(c["w2"]), _d(c["w3"]), c["limit"], _d(c["weight"])),)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# contracts
+# --------------------------------------------------------------------------------------------------------------
+
+_ONE = SLACK * U_BF16  # one bf16 rounding of an fp32 result
+_FP32_TOL = _rel(FP32_REL, "fp32 math throughout: roundoff 2^-24 grown by sums of <= 2^10 terms and 20 Sinkhorn "
+                           "rounds stays under 2^-14 relative; a single bf16 rounding (2^-8) anywhere is 64x over")
+_ONE_ROUNDING = "fp32 math rounded once to bf16: relative error <= u = 2^-8 (x1.25 for fp32 noise)"
+
+CONTRACTS: dict[str, OpContract] = {
+    "act_linear": OpContract(
+        "act_linear", "tolerance", act_linear_inputs, _expected_act_linear,
+        (Output("y", BF16, Tolerance(bound=_act_linear_bound, why=(
+            "elementwise forward-error bound: one e4m3 rounding per activation (2^-4, act 'fp8') times "
+            "sum_k |x_k w_jk|, fp32 accumulation (k 2^-23), one bf16 rounding of y (1.25u): rows of signed "
+            "products cancel, so a per-row relative limit cannot hold"))),),
+        "The FP8 / FP4 GEMM of every linear layer: x quantized e4m3 in 1x128 blocks with ue8m0 scales (spec §3 "
+        "act_quant; not for act 'bf16'), products with the exactly dequantized weight accumulated in fp32, output "
+        "bf16 (spec §3 fp8_gemm / fp4_gemm)."),
+    "rms_norm": OpContract(
+        "rms_norm", "tolerance", rms_norm_inputs, _expected_rms_norm,
+        (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),),
+        "RMSNorm in fp32 with the fp32 weight, one bf16 rounding at the end (spec §3 'No fused RMSNorm kernel')."),
+    "rms_norm_fp8": OpContract(
+        "rms_norm_fp8", "tolerance", rms_norm_fp8_inputs, _expected_rms_norm_fp8,
+        (Output("codes", torch.float8_e4m3fn, Tolerance(bound=_rms_norm_fp8_value_bound, why=(
+            "dequantized codes vs the exact y, elementwise: the e4m3 round-to-nearest step (half an ulp: "
+            "<= 2^-4 |y|, or 2^-10 s on the subnormal codes) plus the bf16 rounding of y (1.25u |y|)"))),
+         Output("scales", torch.uint8, Tolerance(bound=_rms_norm_fp8_scale_bound, why=(
+             "the ue8m0 byte of 2^ceil(log2(max(amax, 1e-4) / 448)) per 1x128 block, for an amax within "
+             "1.25u of the exact one (two bytes are admissible only where that straddles a power of two)")))),
+        "RMSNorm (as rms_norm) then the 1x128 e4m3 activation quantization of every FP8 GEMM input "
+        "(spec §3 act_quant, ue8m0 scales). Exact math has no FP8 rounding, so the codes are judged by the "
+        "rounding step they may take from the exact y.", canonical=_dequantize_codes),
+    "rms_norm_act_quant": OpContract(
+        "rms_norm_act_quant", "tolerance", rms_norm_fp8_inputs, lambda c: (_rms_norm_fp8_exact(c)[0],) * 2,
+        (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),
+         Output("xq", BF16, Tolerance(bound=_rms_norm_fp8_value_bound, why=(
+             "y quantized-dequantized vs the exact y, elementwise: rms_norm_fp8's bound on code * scale")))),
+        "RMSNorm (as rms_norm) and the same y quantized-dequantized in 1x128 e4m3 blocks with ue8m0 scales, bf16 "
+        "(spec §3 act_quant in place): the input of every FP8 GEMM the norm feeds, made once."),
+    "rms_norm_weightless": OpContract(
+        "rms_norm_weightless", "tolerance", rms_norm_weightless_inputs, _expected_rms_norm_weightless,
+        (Output("q", BF16, _rel(3.5 * SLACK * U_BF16, cos_r=_ONE, why=(
+            "every op in bf16: square (averaged in the mean), mean, +eps and rsqrt roundings give a per-row "
+            "scale error <= 2.5u, plus u for the final product: |rel| <= 3.5u; the row scale does not move "
+            "cos, so cos is held to one rounding (u)"))),),
+        "q * rsqrt(mean(q^2) + eps) with each op rounding to bf16 (spec §4 Attention step 1)."),
+    "apply_rope": OpContract(
+        "apply_rope", "tolerance", apply_rope_inputs, _expected_apply_rope,
+        (Output("x", BF16, replace(_rel(_ONE, _ONE_ROUNDING + "; the nope dims (all but the last 64) pass "
+                                        "through: elementwise bound 0 there"), bound=_rope_bound)),),
+        "Interleaved pairs (x[2i], x[2i+1]) of the last 64 dims rotated by fp32(position) * fp32(freq_i) (the "
+        "reference's fp32 angle table: at 2^20 its rounding moves the phase by up to 2^-4 rad, so ports must "
+        "reproduce it), cos/sin and the rotation in fp32, one bf16 rounding; inverse=True rotates by the "
+        "conjugate (spec §4 Attention step 3)."),
+    "kv_round": OpContract(
+        "kv_round", "bitexact", kv_round_inputs, _expected_kv_round,
+        (Output("kv", BF16, None),),
+        "Exact math has no FP8 rounding, so the contract is bit-exactness (+0 == -0) against "
+        "fake_quant_fp8(kv[..., :-64], 64) (the in-place act_quant, e4m3 RNE with 1x64 ue8m0 scales) with the "
+        "64 rope dims unchanged (spec §3 'Where quantization lives'). No NaN is planted: the CUDA amax may "
+        "drop NaN (fmaxf), which the CPU reference cannot decide."),
+    "kv_norm_rope_fp8": OpContract(
+        "kv_norm_rope_fp8", "tolerance", kv_norm_rope_fp8_inputs, _expected_kv_norm_rope_fp8,
+        (Output("kv", BF16, Tolerance(bound=_kv_norm_rope_fp8_bound, why=(
+            "elementwise vs the exact norm + rotation: one bf16 rounding of the norm (1.25u |y|), then on the "
+            "nope dims the e4m3 round-to-nearest step of 1x64 blocks (fmt 'fp8'), on the rope dims that rounding "
+            "carried through the rotation plus the output's (2 x 1.25u over the pair)"))),),
+        "The attention KV path (spec §4 Attention steps 2-3): kv_norm (RMSNorm with weight, bf16 out), "
+        "interleaved RoPE on the last 64 dims at fp32 angles (bf16 out), and the 1x64 ue8m0 e4m3 round of the "
+        "nope dims (act_quant in place; fmt 'fp8'). Exact math has no FP8 rounding, so the nope dims are judged "
+        "by the step they may take from the exact value."),
+    "index_scores": OpContract(
+        "index_scores", "tolerance", index_scores_inputs, _expected_index_scores,
+        (Output("scores", BF16, Tolerance(bound=_index_scores_bound, why=(
+            "elementwise forward-error bound 4u * sum_h |w_h| relu(q_h.k) + d 2^-23 * sum_h |w_h| |q_h|.|k|: "
+            "signed head weights cancel, so a per-row relative (cos / calc_diff) limit cannot hold when a "
+            "score is near 0; the bound is relative to the terms instead"))),),
+        "sum_h w_h * relu(q_h . k_j) with the einsum, ReLU, product and head sum each rounding to bf16 "
+        "(spec §4 Indexer), no causal mask (the caller masks)."),
+    "index_scores_fp4": OpContract(
+        "index_scores_fp4", "tolerance", index_scores_fp4_inputs,
+        lambda c: _expected_index_scores(_fp4_keys_case(c)),
+        (Output("scores", BF16, Tolerance(bound=lambda c: _index_scores_bound(_fp4_keys_case(c)), why=(
+            "index_scores' elementwise bound on the dequantized keys (dequantization is exact)"))),),
+        "index_scores against the packed FP4 key cache (codes: low nibble = element 2i; ue8m0 scale byte per "
+        "32 dims; spec §3 fp4_act_quant, §4 Indexer), the keys' values e2m1 * 2^(b-127)."),
+    "sparse_attention": OpContract(
+        "sparse_attention", "tolerance", sparse_attention_inputs, _expected_sparse_attention,
+        (Output("o", BF16, _rel(2 * SLACK * U_BF16, (
+            "two bf16 roundings: P is cast to bf16 before P.V (the denominator keeps fp32 P), and the output; "
+            "|rel| <= 2u per (query, head) row"))),),
+        "Online softmax over idx (-1: row zeroed, logit -inf), sink in the denominator only "
+        "(exp(sink - m), no value row), fp32 logits x scale, P rounded to bf16 for P.V, bf16 output "
+        "(spec §3 sparse_attn). Expected: oracles.attention.sparse_attention in fp64 on the gathered rows."),
+    "hc_pre": OpContract(
+        "hc_pre", "tolerance", hc_pre_inputs, _expected_hc_pre,
+        (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)), Output("pre", FP32, _FP32_TOL),
+         Output("post", FP32, _FP32_TOL), Output("comb", FP32, _FP32_TOL)),
+        "mixes = (flatten(x) @ fn^T) * rsqrt(mean(x^2) + eps) in fp32, hc_split_sinkhorn (20 rounds), "
+        "y = sum_i pre_i x_i in fp32 -> bf16 (spec §4 mHC block)."),
+    "hc_post": OpContract(
+        "hc_post", "tolerance", hc_post_inputs, _expected_hc_post,
+        (Output("out", BF16, _rel(_ONE, _ONE_ROUNDING)),),
+        "out_k = post_k f + sum_j comb[j, k] residual_j (comb transposed) in fp32 -> bf16 (spec §4 mHC block)."),
+    "hc_head": OpContract(
+        "hc_head", "tolerance", hc_head_inputs, _expected_hc_head,
+        (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),),
+        "pre = sigmoid(mixes * scale + base) + eps, y = sum_i pre_i x_i in fp32 -> bf16 (spec §4 head)."),
+    "sinkhorn_split": OpContract(
+        "sinkhorn_split", "tolerance", sinkhorn_split_inputs, _expected_sinkhorn_split,
+        (Output("pre", FP32, _FP32_TOL), Output("post", FP32, _FP32_TOL), Output("comb", FP32, _FP32_TOL)),
+        "hc_split_sinkhorn in fp32: sigmoid pre (+eps), 2*sigmoid post, comb = softmax + eps, column division, "
+        "then 19 row/column rounds, ending column-normalised (spec §3)."),
+    "gate": OpContract(
+        "gate", "tolerance", gate_inputs, _expected_gate,
+        (Output("weights", FP32, _FP32_TOL), Output("indices", None, None)),
+        "sqrt(softplus(x @ W^T)) in fp32, top-k of scores + bias (or tid2eid[ids]), unbiased scores gathered, "
+        "normalised, x route_scale (spec §4 MoE). Indices must be the same set per row (compared sorted).",
+        canonical=_sort_topk),
+    "expert": OpContract(
+        "expert", "tolerance", expert_inputs, _expected_expert,
+        (Output("y", BF16, _rel(2 * U_FP8 + 4 * U_BF16, (
+            "two FP8 e4m3 activation roundings (x before w1/w3, the weighted h before w2; 2^-4 each) plus bf16 "
+            "roundings of g, u, h and y: |rel| <= 2^-3 + 2^-6 per token row. Below this resolution: where "
+            "the routing weight is applied (before/after w2 differ only by act-quant noise)"))),),
+        "Clamped SwiGLU with FP8 (1x128 ue8m0) activation quantization before each GEMM, fp32 accumulation, "
+        "routing weight applied to h before w2, bf16 output (spec §4 MoE)."),
+}

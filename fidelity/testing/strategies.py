@@ -1,0 +1,497 @@
+"""Hypothesis strategies of kernel-signature inputs, one per op (``strategies.<op>_inputs``), drawn to cover
+what ports get wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from fidelity.model.config import ModelConfig
+from fidelity.model.formats import (
+    dequantize_fp4,
+    quantize_fp4,
+)
+from fidelity.testing.cases import _FLASH, BF16, EPS, FP32, HC, SINKHORN_ITERS, Case, _at
+from oracles import mhc as mhc_oracle
+from oracles import rope as rope_oracle
+
+# --------------------------------------------------------------------------------------------------------------
+# strategy helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _gen(draw: Callable) -> torch.Generator:
+    return torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+
+
+def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g, dtype=FP32)
+
+
+def _uniform(g: torch.Generator, lo: float, hi: float, *shape: int) -> torch.Tensor:
+    return lo + (hi - lo) * torch.rand(*shape, generator=g, dtype=FP32)
+
+
+def _randint(g: torch.Generator, lo: int, hi: int) -> int:
+    """Uniform integer in [lo, hi]."""
+    return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+
+_FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _on_fp4_grid(m: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., K] (K % 32 == 0) -> nearby values e2m1 x 2^k per 1x32 block (exact dequantized FP4)."""
+    b = m.unflatten(-1, (-1, 32))
+    s = torch.exp2(torch.ceil(torch.log2(b.abs().amax(-1, keepdim=True).clamp(min=2.0**-100) / 6)))
+    q = _FP4_VALUES[torch.bucketize((b / s).abs(), (_FP4_VALUES[1:] + _FP4_VALUES[:-1]) / 2)]
+    return (q.copysign(b) * s).flatten(-2)
+
+
+def _on_fp8_grid(m: torch.Tensor) -> torch.Tensor:
+    """fp32 [R, C] (multiples of 128) -> nearby values e4m3 x 2^k per 128x128 block (exact dequantized FP8)."""
+    r, c = m.shape
+    b = m.reshape(r // 128, 128, c // 128, 128)
+    amax = b.abs().amax(dim=(1, 3), keepdim=True).clamp(min=2.0**-100)
+    s = torch.exp2(torch.ceil(torch.log2(amax / 448)))
+    return ((b / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(FP32) * s).reshape(r, c)
+
+
+def _row_scales(draw: Callable, g: torch.Generator, n: int) -> torch.Tensor:
+    """[n, 1] per-row magnitudes 2^U(-s, s), sometimes with an all-zero row."""
+    s = draw(st.sampled_from((0.0, 4.0, 10.0)))
+    scales = torch.exp2(_uniform(g, -s, s, n, 1))
+    if draw(st.integers(0, 5)) == 5:  # the high end, so that shrinking drops it
+        scales[_randint(g, 0, n - 1)] = 0.0
+    return scales
+
+
+def _plant_nan(draw: Callable, g: torch.Generator, args: dict[str, Any], names: Sequence[str]) -> str:
+    """With probability ~1/5 put one NaN into one of ``args[names]`` (in place on a clone); returns a note."""
+    names = [n for n in names if n in args and args[n].numel()]
+    if not names or draw(st.integers(0, 4)) != 4:  # the high end, so that shrinking drops it
+        return ""
+    name = draw(st.sampled_from(names))
+    t = args[name].clone()
+    flat = _randint(g, 0, t.numel() - 1)
+    t.view(-1)[flat] = float("nan")
+    args[name] = t
+    return f"NaN planted in {name}{_at(t.shape, flat)}"
+
+
+def _join(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# strategies (kernel-signature inputs)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def rms_norm_inputs(dims: Sequence[int] = (16, 64, 128, 512, 1024), max_rows: int = 8,
+                    nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
+    """``rms_norm(x bf16 [n, d], weight fp32 [d], eps)``; rows from 2^-10 to 2^10 (eps matters at the low end)
+    and all-zero rows."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, d = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        g = _gen(draw)
+        x = (_randn(g, n, d) * _row_scales(draw, g, n)).to(BF16)
+        signed = draw(st.booleans())
+        weight = _randn(g, d) if signed else 1 + 0.25 * _randn(g, d)
+        args = {"x": x, "weight": weight, "eps": EPS}
+        return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
+
+    return build()
+
+
+def rms_norm_fp8_inputs(dims: Sequence[int] = (128, 256, 512, 1024), max_rows: int = 8) -> st.SearchStrategy[Case]:
+    """``rms_norm_fp8(x bf16 [n, d], weight fp32 [d], eps)``, d a multiple of 128; rows from 2^-10 to 2^10 and
+    all-zero rows (scale at the 1e-4 amax floor); one large outlier per block half the time (subnormal codes).
+    No NaN is planted (the CUDA amax may drop NaN)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, d = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        g = _gen(draw)
+        x = _randn(g, n, d) * _row_scales(draw, g, n)
+        if draw(st.booleans()):
+            x[:, ::128] *= 300.0
+        weight = _randn(g, d) if draw(st.booleans()) else 1 + 0.25 * _randn(g, d)
+        return Case({"x": x.to(BF16), "weight": weight, "eps": EPS})
+
+    return build()
+
+
+def rms_norm_weightless_inputs(dims: Sequence[int] = (64, 128, 512), max_heads: int = 16, max_rows: int = 6,
+                               nan_inputs: Sequence[str] = ("q",)) -> st.SearchStrategy[Case]:
+    """``rms_norm_weightless(q bf16 [n, H, d], eps)`` (per-head query norm)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, h, d = draw(st.integers(1, max_rows)), draw(st.integers(1, max_heads)), draw(st.sampled_from(tuple(dims)))
+        g = _gen(draw)
+        q = (_randn(g, n, h, d) * _row_scales(draw, g, n).view(n, 1, 1)).to(BF16)
+        args = {"q": q, "eps": EPS}
+        return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
+
+    return build()
+
+
+_POSITION_EDGES = (0, 1, 3, 4, 127, 128, 129, 4095, 65535, 65536, 2**20 - 1)
+
+
+def apply_rope_inputs(dims: Sequence[int] = (64, 128, 512), max_heads: int = 16, max_rows: int = 8,
+                      max_position: int = 2**20, nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
+    """``apply_rope(x bf16 [n, d] or [n, H, d], positions int64 [n], freqs fp32 [32])`` plus ``inverse=True``
+    half the time; freqs of a ratio 0 / 4 / 128 layer of V4-Flash (YaRN on compressed layers), rope on the
+    last 64 dims; positions consecutive or scattered, up to ``max_position`` (default 2^20)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, d = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        heads = draw(st.one_of(st.none(), st.integers(1, max_heads)))
+        ratio = draw(st.sampled_from((0, 4, 128)))
+        top = max(max_position - n, 0)
+        base = draw(st.one_of(st.sampled_from([min(p, top) for p in _POSITION_EDGES]), st.integers(0, top)))
+        g = _gen(draw)
+        if draw(st.booleans()):
+            positions = base + torch.arange(n)
+        else:
+            positions = torch.randint(0, max_position, (n,), generator=g)
+        shape = (n, d) if heads is None else (n, heads, d)
+        x = (_randn(g, *shape) * _row_scales(draw, g, n).view(n, *([1] * (len(shape) - 1)))).to(BF16)
+        args = {"x": x, "positions": positions, "freqs": rope_oracle.inv_freq(_FLASH, ratio, FP32)}
+        kwargs = {"inverse": True} if draw(st.booleans()) else {}
+        return Case(args, kwargs, note=_join(f"ratio {ratio}", _plant_nan(draw, g, args, nan_inputs)))
+
+    return build()
+
+
+def kv_round_inputs(max_rows: int = 16) -> st.SearchStrategy[Case]:
+    """``kv_round(kv bf16 [n, hd], 64, "fp8")``, hd = 128..512: per 64-block magnitudes 2^-30..2^12, all-zero
+    blocks, blocks under the 1e-4 amax floor, blocks with one large outlier (subnormal e4m3 codes)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, blocks = draw(st.integers(1, max_rows)), draw(st.integers(1, 7))
+        g = _gen(draw)
+        kv = _randn(g, n, blocks + 1, 64)
+        kind = torch.randint(0, 5, (n, blocks + 1, 1), generator=g)
+        mag = torch.exp2(_uniform(g, -30, 12, n, blocks + 1, 1))
+        kv = kv * torch.where(kind == 1, 0.0, torch.where(kind == 2, 1e-6, mag))
+        outlier = (kind == 3).squeeze(-1)
+        kv[..., 0] = torch.where(outlier, kv[..., 0] * 1e4, kv[..., 0])
+        return Case({"kv": kv.flatten(1).to(BF16), "rope_dims": 64, "fmt": "fp8"})
+
+    return build()
+
+
+def kv_norm_rope_fp8_inputs(dims: Sequence[int] = (512, 512, 128), max_rows: int = 8,
+                            max_position: int = 2**20) -> st.SearchStrategy[Case]:
+    """``kv_norm_rope_fp8(x bf16 [n, hd], weight fp32 [hd], eps, positions int64 [n], freqs fp32 [32], fmt)``:
+    the wkv GEMM output of rows from 2^-10 to 2^10, a large outlier in each 64-block half the time (subnormal
+    codes), freqs of a ratio 0 / 4 / 128 layer of V4-Flash, positions up to ``max_position``, fmt "fp8" (the
+    reference) or "bf16" (the ``bf16`` profile). No NaN is planted (the CUDA amax may drop NaN)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, d = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        ratio = draw(st.sampled_from((0, 4, 128)))
+        g = _gen(draw)
+        x = _randn(g, n, d) * _row_scales(draw, g, n)
+        if draw(st.booleans()):
+            x[:, ::64] *= 300.0
+        weight = _randn(g, d) if draw(st.booleans()) else 1 + 0.25 * _randn(g, d)
+        positions = torch.randint(0, max_position, (n,), generator=g)
+        fmt = draw(st.sampled_from(("fp8", "fp8", "bf16")))
+        args = {"x": x.to(BF16), "weight": weight, "eps": EPS, "positions": positions,
+                "freqs": rope_oracle.inv_freq(_FLASH, ratio, FP32), "fmt": fmt}
+        return Case(args, note=f"ratio {ratio}")
+
+    return build()
+
+
+_KEY_COUNTS = (0, 1, 2, 3, 4, 5, 31, 32, 33, 127, 128, 129)
+
+
+def index_scores_inputs(dims: Sequence[int] = (32, 64, 128), max_heads: int = 16, max_queries: int = 6,
+                        nan_inputs: Sequence[str] = ("q", "keys")) -> st.SearchStrategy[Case]:
+    """``index_scores(q bf16 [n, h, d], keys bf16 [e, d], weights bf16 [n, h], torch.bfloat16)``: e = 0 (empty
+    compressed cache) .. 160 keys, signed head weights, q / keys on the FP4 grid half the time."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, h, d = draw(st.integers(1, max_queries)), draw(st.integers(1, max_heads)), draw(st.sampled_from(tuple(dims)))
+        e = draw(st.one_of(st.sampled_from(_KEY_COUNTS), st.integers(0, 160)))
+        fp4 = draw(st.booleans())
+        g = _gen(draw)
+        q, keys = _randn(g, n, h, d), _randn(g, e, d)
+        if fp4:
+            q, keys = _on_fp4_grid(q), _on_fp4_grid(keys)
+        weights = _randn(g, n, h) * (d**-0.5 * h**-0.5) * 2 ** float(draw(st.integers(-4, 4)))
+        args = {"q": q.to(BF16), "keys": keys.to(BF16), "weights": weights.to(BF16), "dtype": BF16}
+        return Case(args, note=_join(f"{e} keys", "fp4 grid" if fp4 else "", _plant_nan(draw, g, args, nan_inputs)))
+
+    return build()
+
+
+def index_scores_fp4_inputs(dims: Sequence[int] = (32, 64, 128), max_heads: int = 16,
+                            max_queries: int = 6) -> st.SearchStrategy[Case]:
+    """``index_scores_fp4(q bf16 [n, h, d], codes uint8 [e, d/2], scales uint8 [e, d/32], weights bf16 [n, h],
+    torch.bfloat16)``: the keys of :func:`index_scores_inputs` quantized to the packed FP4 cache
+    (``formats.quantize_fp4``, blocks of 32), key magnitudes spread over 2^+-20; a NaN only in q (the cache
+    cannot hold one)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        c = draw(index_scores_inputs(dims, max_heads, max_queries, nan_inputs=("q",)))
+        g = _gen(draw)
+        keys = c["keys"].float()
+        keys = keys * torch.exp2(_uniform(g, -20, 20, keys.shape[0], 1).round())
+        codes, scales = quantize_fp4(keys, 32)
+        args = {"q": c["q"], "codes": codes, "scales": scales, "weights": c["weights"], "dtype": BF16}
+        return Case(args, note=c.note)
+
+    return build()
+
+
+def _fp4_keys_case(c: Case) -> Case:
+    """The index_scores case on the dequantized keys of an index_scores_fp4 case."""
+    keys = dequantize_fp4(c["codes"].cpu(), c["scales"].cpu(), 32).to(BF16)
+    return Case({"q": c["q"], "keys": keys, "weights": c["weights"], "dtype": c["dtype"]})
+
+
+_WINDOW_WIDTHS = (1, 2, 3, 4, 5, 63, 64, 65, 127, 128)
+_TOPK_WIDTHS = (0, 1, 3, 4, 5, 63, 64, 65, 128, 129)
+_MASKS = ("none", "scatter", "blocks", "all_but_first", "shuffle")
+
+
+def sparse_attention_inputs(head_dims: Sequence[int] = (64, 128, 512), max_heads: int = 16, max_queries: int = 6,
+                            nan_inputs: Sequence[str] = ("q", "kv")) -> st.SearchStrategy[Case]:
+    """``sparse_attention(q bf16 [n, H, d], kv bf16 [m, d], idx int32 [n, K], sink fp32 [H], d^-0.5, "bf16")``.
+
+    kv = [window rows | compressed rows] (compressed part possibly empty); each query's idx = window width
+    (1..128) of valid rows with trailing -1, then a top-k part (0..129 wide, often wider than the compressed
+    rows available, -1 padded); then -1 scattered, whole 64-blocks set to -1, everything but the first set to
+    -1, or the columns shuffled (valid after -1). ``idx[:, 0]`` is always valid (DSv4 invariant).
+    """
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        h, d = draw(st.integers(1, max_heads)), draw(st.sampled_from(tuple(head_dims)))
+        n = draw(st.integers(1, max_queries))
+        win, topk = draw(st.sampled_from(_WINDOW_WIDTHS)), draw(st.sampled_from(_TOPK_WIDTHS))
+        n_comp = draw(st.one_of(st.sampled_from((0, 1, 3, 4, 5, 64, 65)), st.integers(0, 140))) if topk else 0
+        n_win = draw(st.integers(1, 160))
+        mask = draw(st.sampled_from(_MASKS))
+        temperature = draw(st.sampled_from((0.0, 0.5, 1.0, 3.0, 8.0)))
+        kv_scale = draw(st.sampled_from((1 / 16, 1.0, 16.0)))
+        g = _gen(draw)
+        idx = torch.full((n, win + topk), -1, dtype=torch.int64)
+        for i in range(n):
+            w = _randint(g, 1, min(win, n_win))
+            start = _randint(g, 0, n_win - w)
+            idx[i, :w] = torch.arange(start, start + w)
+            c = _randint(g, 0, min(topk, n_comp))
+            idx[i, win : win + c] = n_win + torch.randperm(n_comp, generator=g)[:c]
+        rest = idx[:, 1:]
+        if mask == "scatter":
+            p = draw(st.sampled_from((0.1, 0.5, 0.9)))
+            rest[torch.rand(rest.shape, generator=g) < p] = -1
+        elif mask == "blocks":
+            for b in range(0, idx.shape[1], 64):
+                if torch.rand((), generator=g) < 0.5:
+                    idx[:, max(b, 1) : b + 64] = -1
+        elif mask == "all_but_first":
+            rest[:] = -1
+        elif mask == "shuffle":
+            for i in range(n):
+                rest[i] = rest[i, torch.randperm(rest.shape[1], generator=g)]
+        kv = (_randn(g, n_win + n_comp, d) * kv_scale).to(BF16)
+        q = (_randn(g, n, h, d) * (temperature / kv_scale)).to(BF16)
+        sink = _randn(g, h) * 2 + draw(st.sampled_from((0.0, 4.0, -8.0)))
+        args = {"q": q, "kv": kv, "idx": idx.to(torch.int32), "sink": sink, "scale": d**-0.5, "fmt": "bf16"}
+        note = f"window {win}, top-k {topk}, {n_comp} compressed rows, mask {mask}"
+        return Case(args, note=_join(note, _plant_nan(draw, g, args, nan_inputs)))
+
+    return build()
+
+
+def _hc_weights(g: torch.Generator, rows: int, dim: int) -> torch.Tensor:
+    """fp32 [rows, HC * dim] mixing projection with O(1) outputs on rms-normalised streams."""
+    return _randn(g, rows, HC * dim) * (HC * dim) ** -0.5
+
+
+def hc_pre_inputs(dims: Sequence[int] = (16, 64, 128, 256), max_rows: int = 6,
+                  nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
+    """``hc_pre(x bf16 [n, 4, dim], fn fp32 [24, 4*dim], scale fp32 [3], base fp32 [24], eps, 20, eps)``;
+    comb logits up to ~10 wide (peaky Sinkhorn inputs)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, dim = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        g = _gen(draw)
+        x = (_randn(g, n, HC, dim) * _row_scales(draw, g, n).view(n, 1, 1)).to(BF16)
+        scale = _uniform(g, 0.05, draw(st.sampled_from((0.5, 2.0, 5.0))), 3)
+        args = {"x": x, "fn": _hc_weights(g, (2 + HC) * HC, dim), "scale": scale, "base": _randn(g, (2 + HC) * HC),
+                "norm_eps": EPS, "iters": SINKHORN_ITERS, "hc_eps": EPS}
+        return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
+
+    return build()
+
+
+def hc_post_inputs(dims: Sequence[int] = (16, 64, 128, 256), max_rows: int = 6,
+                   nan_inputs: Sequence[str] = ("f", "residual")) -> st.SearchStrategy[Case]:
+    """``hc_post(f bf16 [n, dim], residual bf16 [n, 4, dim], post fp32 [n, 4], comb fp32 [n, 4, 4], bf16)``;
+    comb = a 20-round Sinkhorn result (doubly stochastic, not symmetric)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, dim = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        g = _gen(draw)
+        f = (_randn(g, n, dim) * _row_scales(draw, g, n)).to(BF16)
+        residual = (_randn(g, n, HC, dim) * _row_scales(draw, g, n).view(n, 1, 1)).to(BF16)
+        post = 2 * torch.sigmoid(_randn(g, n, HC))
+        comb = mhc_oracle.sinkhorn(_randn(g, n, HC, HC) * draw(st.sampled_from((0.5, 2.0, 4.0))), SINKHORN_ITERS, EPS)
+        args = {"f": f, "residual": residual, "post": post, "comb": comb, "out_dtype": BF16}
+        return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
+
+    return build()
+
+
+def hc_head_inputs(dims: Sequence[int] = (16, 64, 128, 256), max_rows: int = 6,
+                   nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
+    """``hc_head(x bf16 [n, 4, dim], fn fp32 [4, 4*dim], scale fp32 [1], base fp32 [4], eps, eps)``."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, dim = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        g = _gen(draw)
+        x = (_randn(g, n, HC, dim) * _row_scales(draw, g, n).view(n, 1, 1)).to(BF16)
+        args = {"x": x, "fn": _hc_weights(g, HC, dim), "scale": _uniform(g, 0.05, 3.0, 1), "base": _randn(g, HC),
+                "norm_eps": EPS, "hc_eps": EPS}
+        return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
+
+    return build()
+
+
+def sinkhorn_split_inputs(max_rows: int = 8, nan_inputs: Sequence[str] = ("mixes",)) -> st.SearchStrategy[Case]:
+    """``sinkhorn_split(mixes fp32 [n, 24], scale fp32 [3], base fp32 [24], 4, 20, eps)``; logits from flat
+    (converged after a few rounds) to ~20 wide (not converged after 20)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n = draw(st.integers(1, max_rows))
+        g = _gen(draw)
+        width = draw(st.sampled_from((0.1, 1.0, 3.0)))
+        args = {"mixes": _randn(g, n, (2 + HC) * HC) * width, "scale": _uniform(g, 0.1, 3.0, 3),
+                "base": _randn(g, (2 + HC) * HC), "hc": HC, "iters": SINKHORN_ITERS, "eps": EPS}
+        return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
+
+    return build()
+
+
+def gate_inputs(dims: Sequence[int] = (32, 64, 256), max_rows: int = 8) -> st.SearchStrategy[Case]:
+    """``gate(x fp32 [n, dim], weight fp32 [E, dim], bias fp32 [E] | None, tid2eid int64 [64, k] | None,
+    ids int64 [n], cfg)``: sqrt-softplus scores, biased top-k (bias large enough to change the selection)
+    or a hash table; E in 4..64, k in 1..6, route_scale 1 / 1.5 / 2.5."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, dim = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        experts = draw(st.sampled_from((4, 8, 16, 64)))
+        k = draw(st.integers(1, min(6, experts)))
+        hashed = draw(st.booleans())
+        cfg = ModelConfig(n_routed_experts=experts, n_activated_experts=k,
+                          route_scale=draw(st.sampled_from((1.0, 1.5, 2.5))), score_func="sqrtsoftplus")
+        g = _gen(draw)
+        x = _randn(g, n, dim).to(BF16).float()
+        weight = (_randn(g, experts, dim) * dim**-0.5).to(BF16).float()
+        vocab = 64
+        tid2eid = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(vocab)]) if hashed else None
+        bias = None if hashed else _randn(g, experts) * draw(st.sampled_from((0.01, 0.3)))
+        args = {"x": x, "weight": weight, "bias": bias, "tid2eid": tid2eid,
+                "ids": torch.randint(0, vocab, (n,), generator=g), "cfg": cfg}
+        return Case(args, note="hash layer" if hashed else "biased top-k")
+
+    return build()
+
+
+def expert_inputs(dims: Sequence[int] = (128, 256), inter_dims: Sequence[int] = (128, 256), max_rows: int = 6,
+                  nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
+    """``expert(x bf16 [n, dim], w1 fp32 [inter, dim], w2 fp32 [dim, inter], w3 fp32 [inter, dim], limit,
+    weight fp32 [n, 1] | None, "fp8")``: weights are exactly dequantized FP4 (routed) or FP8 128x128
+    (shared) values; gate / up pre-activations reach ~+-30 so the swiglu clamp at 10 bites (not far beyond: past
+    it, FP8 noise on a large pre-activation decides which side of the clamp it lands)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, dim = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        inter = draw(st.sampled_from(tuple(inter_dims)))
+        routed = draw(st.booleans())
+        limit = draw(st.sampled_from((0.0, 10.0)))
+        gain = draw(st.sampled_from((0.5, 4.0)))
+        g = _gen(draw)
+
+        def w(rows: int, cols: int, scale: float) -> torch.Tensor:
+            m = _randn(g, rows, cols) * scale * cols**-0.5
+            return _on_fp4_grid(m) if routed else _on_fp8_grid(m)
+
+        x = (_randn(g, n, dim) * torch.exp2(_uniform(g, -2, 2, n, 1))).to(BF16)
+        weight = _uniform(g, 0.05, 1.0, n, 1) if routed else None
+        args = {"x": x, "w1": w(inter, dim, gain), "w2": w(dim, inter, 1.0), "w3": w(inter, dim, gain),
+                "limit": limit, "weight": weight, "act": "fp8"}
+        note = _join("routed (FP4 weights)" if routed else "shared (FP8 weights)",
+                     _plant_nan(draw, g, args, nan_inputs))
+        return Case(args, note=note)
+
+    return build()
+
+
+def act_linear_inputs(dims: Sequence[int] = (128, 256, 512), out_dims: Sequence[int] = (128, 384),
+                      max_rows: int = 6, nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
+    """``act_linear(x bf16 [n, k], weight fp32 [m, k], act)``: weights are exactly dequantized FP8 128x128 or
+    FP4 1x32 values; rows of x span 2^-8 .. 2^8; act "fp8" (every FP8 / FP4 GEMM) or "bf16" (no activation
+    quantization: the ``bf16`` profile)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, k, m = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims))), draw(st.sampled_from(out_dims))
+        fp4 = draw(st.booleans())
+        g = _gen(draw)
+        w = _randn(g, m, k) * k**-0.5
+        x = (_randn(g, n, k) * torch.exp2(_uniform(g, -8, 8, n, 1))).to(BF16)
+        args = {"x": x, "weight": _on_fp4_grid(w) if fp4 else _on_fp8_grid(w),
+                "act": draw(st.sampled_from(("fp8", "fp8", "bf16")))}
+        note = _join("FP4 weights" if fp4 else "FP8 weights", _plant_nan(draw, g, args, nan_inputs))
+        return Case(args, note=note)
+
+    return build()
+
+
+strategies = SimpleNamespace(
+    act_linear_inputs=act_linear_inputs,
+    rms_norm_inputs=rms_norm_inputs,
+    rms_norm_fp8_inputs=rms_norm_fp8_inputs,
+    rms_norm_weightless_inputs=rms_norm_weightless_inputs,
+    apply_rope_inputs=apply_rope_inputs,
+    kv_round_inputs=kv_round_inputs,
+    kv_norm_rope_fp8_inputs=kv_norm_rope_fp8_inputs,
+    index_scores_inputs=index_scores_inputs,
+    index_scores_fp4_inputs=index_scores_fp4_inputs,
+    sparse_attention_inputs=sparse_attention_inputs,
+    hc_pre_inputs=hc_pre_inputs,
+    hc_post_inputs=hc_post_inputs,
+    hc_head_inputs=hc_head_inputs,
+    sinkhorn_split_inputs=sinkhorn_split_inputs,
+    gate_inputs=gate_inputs,
+    expert_inputs=expert_inputs,
+)
+"""Namespace of the input strategies: ``strategies.sparse_attention_inputs(head_dims=(512,))`` etc. Pass one
+to ``check_against_oracle(..., strategy=...)`` to narrow the inputs to what a kernel supports."""

@@ -7,7 +7,6 @@ import sys
 sys.path.insert(0, "benchmarks")
 from bench_kernels import time_fn  # noqa: E402
 from diag_indexer_ws import indexer_sets  # noqa: E402
-
 from fidelity.production.kernels import indexer_ws  # noqa: E402
 
 rows = []

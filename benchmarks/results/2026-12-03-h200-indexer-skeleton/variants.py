@@ -14,7 +14,6 @@ sys.path.insert(0, "benchmarks")
 import torch  # noqa: E402
 from bench_kernels import time_fn  # noqa: E402
 from diag_indexer_ws import indexer_sets  # noqa: E402
-
 from fidelity.production.kernels import indexer_ws  # noqa: E402
 
 

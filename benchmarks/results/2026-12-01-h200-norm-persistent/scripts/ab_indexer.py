@@ -18,7 +18,6 @@ sys.path.insert(0, "benchmarks")
 sys.path.insert(0, "devscratch")
 import bench_kernels as bk  # noqa: E402
 import indexer_head as old  # noqa: E402
-
 from fidelity.formats import quantize_fp4  # noqa: E402
 from fidelity.production import ops  # noqa: E402
 from fidelity.production.kernels import indexer as new  # noqa: E402

@@ -10,7 +10,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import time_fn  # noqa: E402
 from diag_indexer_ws import indexer_sets  # noqa: E402
-
 from fidelity.production.kernels import indexer as IDX  # noqa: E402
 from fidelity.production.kernels import indexer_ws as NEW  # noqa: E402
 

@@ -9,7 +9,7 @@ CUDA tensors) on the benchmark inputs, then CUDA-event timings (median over many
 * the kernel (a launch-config sweep where it matters; the best config is reported, all are kept in the JSON),
 * the torch emulation (``ops.*`` on CUDA),
 * a transformers-style eager implementation (dense masked attention with the sink as an extra logit column;
-  fp32 index scores [S, H, T]) where the issue names one,
+  fp32 index scores [S, H, T]) for attention and the indexer,
 
 each rotating over >= 3 input sets whose bytes exceed the 60 MB L2 several times. Timed regions are captured
 in a CUDA graph when possible (replay time / calls = device time per call, no Python launch gaps); the eager

@@ -15,7 +15,7 @@ from fidelity.model.sites import Recorder
 from oracles import OracleModel
 from tests.hf_reference import random_hf_model
 
-LOGIT_REL_TOL = 1e-4  # issue 2: max relative error per position when top-k selects everything
+LOGIT_REL_TOL = 1e-4  # max relative error per position when top-k selects everything
 HIDDEN_REL_TOL = 1e-5
 NEAR_TIE = 1e-4  # relative gap between the k-th and (k+1)-th oracle score below which a swap is a near-tie
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fidelity.model.sampling import Sampler, StopSet, generate
 from fidelity.model.sites import Recorder
 from oracles import OracleModel
 
@@ -64,7 +65,8 @@ def layer_rows(rec: Recorder, kinds: tuple[str, ...]) -> list[dict[str, float | 
 
 def run_oracle(checkpoint, prompt: torch.Tensor, decode_steps: int, dtype: torch.dtype = torch.float32,
                progress=None, tokenizer=None) -> OracleSummary:
-    """Prefill ``prompt`` [T], greedily decode ``decode_steps`` tokens, then re-run the whole sequence.
+    """Prefill ``prompt`` [T], greedily decode ``decode_steps`` tokens (``sampling.generate``, the one generation
+    loop), then re-run the whole sequence and compare its logits with the incremental ones.
     ``tokenizer``: also give the continuation as text."""
     model = OracleModel(checkpoint, dtype)
     rec = Recorder([r"L\d+\.(residual|attn\.out|moe\.out|mhc_(attn|ffn)\.comb)"])
@@ -78,17 +80,20 @@ def run_oracle(checkpoint, prompt: torch.Tensor, decode_steps: int, dtype: torch
     t1 = time.perf_counter()
     rows = layer_rows(rec, checkpoint.config.layer_kinds)
     session.rec = None
-    steps, generated = [logits[-1]], []
-    for k in range(decode_steps):
-        generated.append(int(steps[-1].argmax()))
-        steps.append(session.step(generated[-1]))
+    steps = [logits[-1]]
+
+    def step(token: int) -> torch.Tensor:
+        steps.append(session.step(token))
         if progress:
-            progress("decode", k + 1, decode_steps)
+            progress("decode", len(steps) - 1, decode_steps)
+        return steps[-1]
+
+    generated = generate(lambda _: steps[0], step, prompt, decode_steps, Sampler(), StopSet.of([])).ids  # greedy
     t2 = time.perf_counter()
     tokens = torch.cat([prompt, torch.tensor(generated, dtype=torch.long)])
     if progress:
         progress(f"full-sequence check ({len(tokens)} tokens)", 0, 1, "oracle")
-    full = model.logits(tokens)[len(prompt) - 1 :]
+    full = model.logits(tokens)[len(prompt) - 1 : len(prompt) - 1 + len(steps)]
     if progress:
         progress(f"full-sequence check ({len(tokens)} tokens)", 1, 1, "oracle")
     t3 = time.perf_counter()

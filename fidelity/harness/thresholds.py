@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from fidelity.model.sites import sites_regex
 from probes.metrics import METRIC_PATTERNS, METRICS, is_metric
 
 # The metric table contract (long format, one value per row).
@@ -62,8 +63,8 @@ ROUTING_WEIGHT_ERR = 1e-3  # op mode: the fp32 gate on production's own input le
 # Layer mode recall@k per step (a decode step is one query), the oracle layer ranking on its own exact keys. Clean
 # worst on the trained default (64 decode steps): reference (FP4 q/keys) 0.6875 on its own prompt, 0.5 to 0.656 on
 # four held-out stdlib files of 2.3K-2.9K tokens (0.5 on copy.py; means 0.75-0.82); bf16 0.9375; FP8 q/keys 0.875;
-# random tiny weights 0.656-0.75 and 0.906. The quantized floor sits one entry of 32 below that worst. Seed 001's
-# 99.7% is out of reach for an FP4 indexer choosing 32 of hundreds of entries on this model. Op mode requires
+# random tiny weights 0.656-0.75 and 0.906. The quantized floor sits one entry of 32 below that worst. A recall
+# of 99.7% is out of reach for an FP4 indexer choosing 32 of hundreds of entries on this model. Op mode requires
 # true_miss == 0.
 RECALL_FLOOR = {"bf16": 0.85, "quantized": 0.46875}
 # Layer mode, CSA attention: the oracle layer picks its own top-k, so whole entries can differ on a single-token
@@ -78,13 +79,13 @@ SINKHORN_DEV = 1e-2
 # logits: below it the two candidates are a near tie that any rounding may flip (``agree`` stays informational).
 TOKEN_FLIP_MARGIN = 1.0
 # Bytes a decoder may add after the warm-up to what it holds (tensors reachable from it), to the CUDA allocator's
-# reserved bytes, or to the CUDA bytes its calls keep beyond their outputs: seed 000's +-50 MB over 1000 steps.
+# reserved bytes, or to the CUDA bytes its calls keep beyond their outputs: +-50 MB over 1000 steps.
 MEMORY_GROWTH_BAND = 50 * 2**20
 
-MAIN_SITES = r"L\d+\.(attn\.(q|kv|compressed_kv|core|out)|moe\.out|residual)|final|logits"
+MAIN_SITES = sites_regex(lambda site: site.gated)  # the site table's gated sites (q, kv, core, out, residual, ...)
 EXPECTED_NONFINITE = r"L\d+\.indexer\.scores"  # -inf marks causally invisible entries in both models
 NONFINITE_SITES = rf"(?!{EXPECTED_NONFINITE}$).*"
-COMB_SITES = r"L\d+\.mhc_(attn|ffn)\.comb"
+COMB_SITES = sites_regex(lambda site: site.probe == "sinkhorn")
 
 
 class ThresholdError(ValueError):

@@ -1,4 +1,4 @@
-"""Decode-loop hygiene: seeded sampling, stop tokens and a small generate loop (seed audits A1/A2).
+"""Decode-loop hygiene: seeded sampling, stop tokens and the one generation loop (``generate``).
 
 The draw is the reference's (spec §5): ``softmax(logits / max(T, 1e-5))`` then ``argmax(p / E)`` with
 E ~ Exp(1); temperature 0 is a plain argmax. Before it come the CTRL-style repetition penalty over every

@@ -26,7 +26,8 @@ class Site:
     agreement), ``sinkhorn``, ``indexer_recall``, ``visible_range``, ``routing`` (expert sets), ``routing_weights``.
     ``every_step``: compared at every decode step (False: in the prefill only; its errors show downstream).
     ``per_position``: a prefill also gets per-position cosine rows. ``after_routing``: compared on the tokens both
-    models routed to the same experts (a routing flip is counted once, at ``moe.experts``)."""
+    models routed to the same experts (a routing flip is counted once, at ``moe.experts``). ``gated``: its cosine
+    and calc_diff are held to the profile's limits in op and layer modes (``harness.thresholds``)."""
 
     shape: tuple[str, ...] | None
     probe: str
@@ -34,6 +35,7 @@ class Site:
     every_step: bool = True
     per_position: bool = False
     after_routing: bool = False
+    gated: bool = False
 
 
 SITE_TABLE: dict[str, Site] = {
@@ -47,10 +49,12 @@ SITE_TABLE: dict[str, Site] = {
     "L{i}.attn.in": Site(("dim",), "similarity",
                          "[n, dim] attention input (hc_pre collapse, then attn_norm)", every_step=False),
     "L{i}.attn.q": Site(("n_heads", "head_dim"), "similarity",
-                        "[n, H, head_dim] queries after weightless norm and RoPE"),
-    "L{i}.attn.kv": Site(("head_dim",), "similarity", "[n, head_dim] window KV rows after norm and RoPE"),
+                        "[n, H, head_dim] queries after weightless norm and RoPE", gated=True),
+    "L{i}.attn.kv": Site(("head_dim",), "similarity", "[n, head_dim] window KV rows after norm and RoPE",
+                         gated=True),
     "L{i}.attn.compressed_kv": Site(("head_dim",), "similarity",
-                                    "[m, head_dim] compressed entries emitted by this call (after norm and RoPE)"),
+                                    "[m, head_dim] compressed entries emitted by this call (after norm and RoPE)",
+                                    gated=True),
     "L{i}.indexer.q": Site(("index_n_heads", "index_head_dim"), "similarity",
                            "[n, index_n_heads, index_head_dim] indexer queries after RoPE"),
     "L{i}.indexer.keys": Site(("index_head_dim",), "similarity",
@@ -64,9 +68,9 @@ SITE_TABLE: dict[str, Site] = {
     "L{i}.attn.visible": Site(None, "visible_range",
                               "[n, W + K] window token positions then compressed entry ids, -1 = padding"),
     "L{i}.attn.core": Site(("n_heads", "head_dim"), "similarity",
-                           "[n, H, head_dim] attention output before inverse RoPE"),
+                           "[n, H, head_dim] attention output before inverse RoPE", gated=True),
     "L{i}.attn.out": Site(("dim",), "similarity",
-                          "[n, dim] attention sublayer output (after the grouped output projection)"),
+                          "[n, dim] attention sublayer output (after the grouped output projection)", gated=True),
     "L{i}.mhc_ffn.pre": Site(("hc_mult",), "similarity",
                              "[n, hc] hc_pre collapse weights before the MoE", every_step=False),
     "L{i}.mhc_ffn.post": Site(("hc_mult",), "similarity",
@@ -78,11 +82,13 @@ SITE_TABLE: dict[str, Site] = {
     "L{i}.moe.experts": Site(("n_activated_experts",), "routing", "[n, n_activated_experts] routed expert ids"),
     "L{i}.moe.weights": Site(("n_activated_experts",), "routing_weights",
                              "[n, n_activated_experts] routing weights (normalised, x route_scale)"),
-    "L{i}.moe.out": Site(("dim",), "similarity", "[n, dim] MoE output (routed + shared)", after_routing=True),
+    "L{i}.moe.out": Site(("dim",), "similarity", "[n, dim] MoE output (routed + shared)", after_routing=True,
+                         gated=True),
     "L{i}.residual": Site(("hc_mult", "dim"), "residual",
-                          "[n, hc, dim] mHC streams leaving layer i", per_position=True, after_routing=True),
-    "final": Site(("dim",), "similarity", "[n, dim] hc_head collapse followed by the final norm"),
-    "logits": Site(("vocab_size",), "logits", "[n, vocab] output logits", per_position=True),
+                          "[n, hc, dim] mHC streams leaving layer i", per_position=True, after_routing=True,
+                          gated=True),
+    "final": Site(("dim",), "similarity", "[n, dim] hc_head collapse followed by the final norm", gated=True),
+    "logits": Site(("vocab_size",), "logits", "[n, vocab] output logits", per_position=True, gated=True),
 }
 SITES: dict[str, str] = {template: site.what for template, site in SITE_TABLE.items()}  # in data-flow order
 
@@ -113,6 +119,11 @@ def _template_regex(template: str) -> str:
 
 
 SITE_PATTERN = re.compile("^(" + "|".join(_template_regex(t) for t in SITES) + ")$")
+
+
+def sites_regex(keep) -> str:
+    """A regex matching every site name whose table row satisfies ``keep(Site)`` (full match), in table order."""
+    return "|".join(_template_regex(t) for t, site in SITE_TABLE.items() if keep(site))
 
 
 def is_site(name: str) -> bool:

@@ -1,0 +1,170 @@
+"""Where one decode step of a V4-Flash CSA layer spends its GPU time, part by part, beside the bytes each part must
+read in the release formats (its memory floor).
+
+    python benchmarks/layer_step_breakdown.py --out DIR [--context 131072] [--steps 6] [--profile reference]
+
+The layer, its caches and its position are ``bench_layer_decode.py``'s (Flash widths, 16 routed experts stored,
+6 run per token). The eager kernel path (``triton``: the same kernels a graph replays) runs ``--steps`` profiled
+decode steps after a warm-up; each part of the step is a ``torch.profiler`` range set around the session's own
+methods, and each registered op one around its implementation, so a range's device time is the time of the
+kernels launched inside it, read from the profiler's event tree (inclusive: ``attention`` contains
+``index_decode`` and ``attend_decode``). The floor of
+a part is the bytes it must read at the copy bandwidth measured in the same call: its weights as the release stores
+them (FP8 with 128x128 scales, FP4 with 1x32 scales, bf16, fp32), the KV rows it attends (window + top-k, 584 B per
+row in the FP8 layout) and the indexer keys at the context (FP4 + scales). Writes DIR/layer_breakdown.json and
+prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_layer_decode import WARMUP, filled_session, layer_config  # noqa: E402
+
+from fidelity.decoders.production import ProductionModel, registry  # noqa: E402
+from fidelity.decoders.production import model as production_model  # noqa: E402
+from fidelity.decoders.production.model import ProductionSession  # noqa: E402
+from fidelity.model.synthesize import synthesize  # noqa: E402
+from fidelity.model.weights import expected_tensors  # noqa: E402
+
+PARTS = ("block", "mhc_pre", "norm", "attention", "kv_path", "index_decode", "index_query", "compress",
+         "attend_decode", "moe", "route", "shared_expert")
+FMT_BYTES = {"fp8": 1.0, "fp4": 0.5, "bf16": 2.0, "fp32": 4.0, "int64": 8.0}
+SCALE_BYTES = {"fp8": 1 / (128 * 128), "fp4": 1 / 32}  # one ue8m0 byte per block
+FP8_KV_ROW = 584  # bytes per KV row in the FP8 cache layout
+# weight groups of a layer: name fragment -> part that reads it
+WEIGHT_PARTS = (("attn.indexer.", "index_decode"), ("attn.compressor.", "compress"), ("attn.", "attention"),
+                ("ffn.shared_experts.", "shared_expert"), ("ffn.gate.", "route"), ("ffn.experts.", "moe"),
+                ("hc_", "mhc_pre"), ("_norm.", "norm"))
+
+
+def _ranged(name: str, fn):
+    def call(*args, **kwargs):
+        with record_function(name):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def instrument() -> None:
+    """Profiler ranges around the session's parts (``part:<method>``) and every registered op (``op:<name>``)."""
+    for part in PARTS:
+        setattr(ProductionSession, part, _ranged(f"part:{part}", getattr(ProductionSession, part)))
+    implementation = registry.implementation
+
+    def ranged_implementation(name, device=None):
+        return _ranged(f"op:{name}", implementation(name, device))
+
+    production_model.implementation = ranged_implementation  # the name the session's ``op`` looks up
+
+
+def _kernel_us(event) -> float:
+    """Device microseconds of the kernels launched inside the CPU range ``event`` (its children included)."""
+    return sum(k.duration for k in event.kernels) + sum(_kernel_us(c) for c in event.cpu_children)
+
+
+def range_times(events, steps: int) -> tuple[dict[str, dict[str, float]], float]:
+    """({range: {us_per_step, calls_per_step}}, kernel us per step) from the profiler's event tree: a range's time
+    is that of the kernels launched inside it, whatever the GPU did in between (the GPU-side annotation spans
+    also cover idle time behind host syncs, so they are not used)."""
+    ranges: dict[str, dict[str, float]] = {}
+    for e in events:
+        if e.name.startswith(("part:", "op:")) and e.device_type == torch.autograd.DeviceType.CPU:
+            r = ranges.setdefault(e.name, {"us_per_step": 0.0, "calls_per_step": 0.0})
+            r["us_per_step"] += _kernel_us(e) / steps
+            r["calls_per_step"] += 1 / steps
+    total = sum(k.duration for e in events for k in e.kernels) / steps
+    return ranges, total
+
+
+def floor_bytes(cfg, context: int) -> dict[str, float]:
+    """Bytes each part must read for one decode token in the release formats (routed experts: the 6 a token
+    runs; the attention: window + top-k KV rows; the indexer: every key at ``context``)."""
+    out: dict[str, float] = defaultdict(float)
+    per_expert = 0.0
+    for name, spec in expected_tensors(cfg).items():
+        if not name.startswith("layers.0."):
+            continue
+        n = math.prod(spec.shape)
+        size = n * (FMT_BYTES[spec.fmt] + SCALE_BYTES.get(spec.fmt, 0.0))
+        part = next((p for frag, p in WEIGHT_PARTS if frag in name), "other")
+        if part == "moe":
+            per_expert += size / cfg.n_routed_experts
+        else:
+            out[part] += size
+    out["moe"] = per_expert * cfg.n_activated_experts
+    out["attend_decode"] = (cfg.window_size + cfg.index_topk) * FP8_KV_ROW
+    out["index_decode"] += context // 4 * cfg.index_head_dim * (0.5 + 1 / 32)
+    return dict(out)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (median of 10)."""
+    a = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * a.numel() * 4 / sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--profile", default="reference")
+    a = ap.parse_args()
+    cfg = layer_config(a.context, "flash")
+    model = ProductionModel(synthesize(cfg, seed=0, lazy=True), a.profile, max_context=a.context + 256, device="cuda")
+    for name in model.ckpt.names():  # every weight generated and dequantized before the profile, not in it
+        model.w(name)
+    session = filled_session(model, a.context, seed=0)
+    for tok in range(WARMUP):
+        session.step(tok)
+    instrument()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for tok in range(a.steps):
+            session.step(tok + 10)
+        torch.cuda.synchronize()
+    ranges, kernels_us = range_times(prof.events(), a.steps)
+    bandwidth = copy_bandwidth("cuda")
+    floors = floor_bytes(cfg, a.context)
+    result = {"config": {"context": a.context, "profile": a.profile, "steps": a.steps, "dim": cfg.dim,
+                         "routed_experts_stored": cfg.n_routed_experts, "activated": cfg.n_activated_experts},
+              "device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bandwidth,
+              "gpu_busy_us_per_step": kernels_us, "ranges": ranges, "floor_bytes": floors,
+              "floor_us": {k: v / bandwidth * 1e6 for k, v in floors.items()}}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "layer_breakdown.json").write_text(json.dumps(result, indent=1))
+    print(f"GPU busy {kernels_us:.0f} us per step; copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor of the step "
+          f"{sum(floors.values()) / bandwidth * 1e6:.1f} us ({sum(floors.values()) / 1e6:.1f} MB)")
+    print("| range | device us / step | calls / step | floor bytes | floor us |\n|---|---:|---:|---:|---:|")
+    for key, v in sorted(ranges.items(), key=lambda kv: -kv[1]["us_per_step"]):
+        name = key.split(":", 1)[1]
+        fb = floors.get(name) if key.startswith("part:") else None
+        floor = f"{fb / 1e6:.2f} MB | {fb / bandwidth * 1e6:.1f}" if fb else " | "
+        print(f"| {key} | {v['us_per_step']:.1f} | {v['calls_per_step']:.0f} | {floor} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

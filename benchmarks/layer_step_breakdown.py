@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -36,12 +35,10 @@ from fidelity.decoders.production import ProductionModel, registry  # noqa: E402
 from fidelity.decoders.production import model as production_model  # noqa: E402
 from fidelity.decoders.production.model import ProductionSession  # noqa: E402
 from fidelity.model.synthesize import synthesize  # noqa: E402
-from fidelity.model.weights import expected_tensors  # noqa: E402
+from fidelity.model.weights import expected_tensors, stored_nbytes  # noqa: E402
 
 PARTS = ("block", "mhc_pre", "norm", "attention", "kv_path", "index_decode", "index_query", "compress",
          "attend_decode", "moe", "route", "shared_expert")
-FMT_BYTES = {"fp8": 1.0, "fp4": 0.5, "bf16": 2.0, "fp32": 4.0, "int64": 8.0}
-SCALE_BYTES = {"fp8": 1 / (128 * 128), "fp4": 1 / 32}  # one ue8m0 byte per block
 FP8_KV_ROW = 584  # bytes per KV row in the FP8 cache layout
 # weight groups of a layer: name fragment -> part that reads it
 WEIGHT_PARTS = (("attn.indexer.", "index_decode"), ("attn.compressor.", "compress"), ("attn.", "attention"),
@@ -96,8 +93,7 @@ def floor_bytes(cfg, context: int) -> dict[str, float]:
     for name, spec in expected_tensors(cfg).items():
         if not name.startswith("layers.0."):
             continue
-        n = math.prod(spec.shape)
-        size = n * (FMT_BYTES[spec.fmt] + SCALE_BYTES.get(spec.fmt, 0.0))
+        size = stored_nbytes(spec)
         part = next((p for frag, p in WEIGHT_PARTS if frag in name), "other")
         if part == "moe":
             per_expert += size / cfg.n_routed_experts

@@ -21,7 +21,7 @@ from fidelity.model.layouts import (
     hf_saved_key,
     scale_key,
 )
-from fidelity.model.weights import FP4_BLOCK, FP8_BLOCK, TensorSpec, stored_forms
+from fidelity.model.weights import FP4_BLOCK, FP8_BLOCK, stored_forms, stored_nbytes
 
 # ---- writing -----------------------------------------------------------------------------------------------
 
@@ -93,29 +93,12 @@ def _config_dict(config: ModelConfig, layout: str) -> dict:
     return d
 
 
-_ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4, "I64": 8}
-
-
-def _stored_nbytes(spec: TensorSpec, layout: str) -> int:
-    """Bytes the tensor (and its scale) take on disk in ``layout`` (for shard planning; no data read)."""
-    if layout == "transformers":
-        return _numel(spec.shape) * (8 if spec.fmt == "int64" else 4)
-    return sum(_numel(w.shape) * _ITEMSIZE[w.dtypes[0]] for w in stored_forms(spec, layout) if w is not None)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _shards(ckpt: Checkpoint, layout: str, max_shard_bytes: int | None) -> list[list[str]]:
     """Group canonical names into shards of at most ``max_shard_bytes`` (a tensor and its scale together)."""
     groups: list[list[str]] = [[]]
     size = 0
     for name in ckpt.names():
-        n = _stored_nbytes(ckpt.spec(name), layout)
+        n = stored_nbytes(ckpt.spec(name), layout)
         if max_shard_bytes is not None and groups[-1] and size + n > max_shard_bytes:
             groups.append([])
             size = 0

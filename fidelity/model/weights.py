@@ -160,3 +160,13 @@ def stored_forms(spec: TensorSpec, layout: str) -> tuple[StoredForm, StoredForm 
         return StoredForm(packed, PACKED_FP4_DT), StoredForm(scales, ("F8_E8M0",))
     plain = {"bf16": ("BF16",), "fp32": ("F32",), "int64": ("I64", "I32")}
     return StoredForm(spec.shape, plain[spec.fmt]), None
+
+
+_ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "F4": 1, "BF16": 2, "F32": 4, "I64": 8}
+
+
+def stored_nbytes(spec: TensorSpec, layout: str = "deepseek") -> int:
+    """Bytes the tensor (and its scale) take on disk in ``layout`` (the release's by default); no data read."""
+    if layout == "transformers":
+        return math.prod(spec.shape) * (8 if spec.fmt == "int64" else 4)
+    return sum(math.prod(f.shape) * _ITEMSIZE[f.dtypes[0]] for f in stored_forms(spec, layout) if f is not None)

@@ -84,9 +84,11 @@ class ProductionModel:
 class ProductionSession:
     """Caches for one sequence; ``prefill`` once, then ``step`` per token."""
 
-    def __init__(self, model: ProductionModel, recorder: Recorder | None = None):
+    def __init__(self, model: ProductionModel, recorder: Recorder | None = None, own: range | None = None):
+        """``own``: the layers this session runs and holds caches for (default: all; a pipeline stage: its range)."""
         self.m, self.cfg, self.p, self.rec = model, model.cfg, model.profile, recorder
-        self.layers = [LayerCache(self.cfg, i, self.p, model.max_context, model.device)
+        self.own = range(self.cfg.n_layers) if own is None else own
+        self.layers = [LayerCache(self.cfg, i, self.p, model.max_context, model.device) if i in self.own else None
                        for i in range(self.cfg.n_layers)]
         self.pos = 0
         self.calls = 0
@@ -106,7 +108,7 @@ class ProductionSession:
         return implementation(name, self.m.device)
 
     def cache_bytes(self) -> int:
-        return sum(sum(c.nbytes().values()) for c in self.layers)
+        return sum(sum(c.nbytes().values()) for c in self.layers if c is not None)
 
     # ---- public ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -161,11 +163,19 @@ class ProductionSession:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """ids [n] at positions [n] (device tensors) -> fp32 logits [n, vocab]; updates the caches, not ``pos``."""
-        x = self.m.w("embed.weight")[ids].to(BF16)
-        self.emit("embed", x)
-        x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1).to(self.res_dtypes[0])
+        x = self.embed(ids)
         for i in range(self.cfg.n_layers):
             x = self.block(i, x, positions, ids)
+        return self.head(x)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [n] -> the mHC streams entering layer 0 [n, hc, dim] (the embedding repeated, layer 0's dtype)."""
+        x = self.m.w("embed.weight")[ids].to(BF16)
+        self.emit("embed", x)
+        return x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1).to(self.res_dtypes[0])
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The streams leaving the last layer [n, hc, dim] -> fp32 logits [n, vocab] (hc_head, norm, LM head)."""
         w, cfg = self.m.w, self.cfg
         y = self.op("hc_head")(x, w("hc_head_fn"), w("hc_head_scale"), w("hc_head_base"), cfg.norm_eps,
                                cfg.hc_eps)

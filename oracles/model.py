@@ -43,7 +43,10 @@ class OracleModel:
     """Exact DSv4 reference over a checkpoint. ``ckpt[name]`` gives canonical (dequantized) weights."""
 
     def __init__(self, checkpoint, dtype: torch.dtype = torch.float32, cache_weights: bool = True,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", stream_layers: bool | None = None):
+        """``cache_weights``: keep the weights read (dequantized, in ``dtype``); ``stream_layers``: keep only the
+        current layer's (a release-sized model never exists whole in fp32; default: when its fp32 weights exceed
+        KEEP_ALL_BYTES). Routed experts of such a model are dequantized at each use either way."""
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"oracle dtype: expected torch.float32 or torch.float64, found {dtype}")
         self.ckpt = checkpoint
@@ -51,19 +54,36 @@ class OracleModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self._cache: dict[str, torch.Tensor] | None = {} if cache_weights else None
-        # routed experts of a release-sized model are dequantized at each use, the rest is kept
-        self.keep_experts = 4 * sum(math.prod(checkpoint.spec(n).shape) for n in checkpoint.names()) <= KEEP_ALL_BYTES
+        self.fp32_bytes = 4 * sum(math.prod(checkpoint.spec(n).shape) for n in checkpoint.names())
+        self.keep_experts = self.fp32_bytes <= KEEP_ALL_BYTES
+        self.stream_layers = not self.keep_experts if stream_layers is None else stream_layers
+        self._layer_held: int | None = None  # the layer whose weights the cache holds when streaming
         self.freqs = {r: inv_freq(self.cfg, r, dtype).to(self.device) for r in {0, *self.cfg.compress_ratios}}
 
     def w(self, name: str) -> torch.Tensor:
         """Weight ``name`` in the oracle dtype on its device (int tensors keep their dtype)."""
         if self._cache is not None and name in self._cache:
             return self._cache[name]
+        if self._cache is not None and self.stream_layers and name.startswith("layers."):
+            layer = int(name.split(".")[1])
+            if layer != self._layer_held:  # free the previous layer's weights before reading this one's
+                for key in [k for k in self._cache if k.startswith("layers.")]:
+                    del self._cache[key]
+                self._layer_held = layer
         t = self.ckpt[name].to(self.device)
         t = t.to(self.dtype) if t.is_floating_point() else t
         if self._cache is not None and (self.keep_experts or ".ffn.experts." not in name):
             self._cache[name] = t
         return t
+
+    @property
+    def weight_policy(self) -> str:
+        """What the oracle keeps of its weights, in words (the run manifest's ``oracle_weights``)."""
+        if self._cache is None:
+            return "none: every weight dequantized at each use"
+        kept = "one layer at a time" if self.stream_layers else "all it reads"
+        experts = "" if self.keep_experts else "; routed experts dequantized at each use"
+        return f"{kept} ({self.fp32_bytes / 2**30:.1f} GiB in fp32 in all){experts}"
 
     def session(self, recorder: Recorder | None = None) -> OracleSession:
         return OracleSession(self, recorder)

@@ -85,3 +85,28 @@ def test_session_rejects_out_of_vocab_and_empty_input(tiny_oracle):
         session.forward(torch.tensor([5, 4096]))
     with pytest.raises(ValueError, match="expected at least one token"):
         session.forward(torch.tensor([], dtype=torch.long))
+
+
+def test_a_streamed_oracle_holds_one_layers_weights_at_a_time_and_gives_the_same_logits():
+    """``stream_layers``: the weight cache never holds two layers' weights (the full fp32 model never exists), the
+    logits are the cached oracle's bit for bit, and the run manifest's policy says so."""
+    ckpt = synthesize(ModelConfig.preset("tiny"), seed=0)
+    ids = torch.randint(3, ckpt.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    streamed = OracleModel(ckpt, stream_layers=True)
+    held: list[set[int]] = []
+    read = streamed.w
+
+    def w(name):
+        out = read(name)
+        held.append({int(k.split(".")[1]) for k in streamed._cache if k.startswith("layers.")})
+        return out
+
+    streamed.w = w
+    session = streamed.session()
+    got = torch.cat([session.prefill(ids[:37]), *(session.step(int(t))[None] for t in ids[37:])])
+    cached = OracleModel(ckpt).session()
+    want = torch.cat([cached.prefill(ids[:37]), *(cached.step(int(t))[None] for t in ids[37:])])
+    assert torch.equal(got, want)
+    assert max(len(h) for h in held) == 1 and {i for h in held for i in h} == set(range(ckpt.config.n_layers))
+    assert streamed.weight_policy.startswith("one layer at a time")
+    assert OracleModel(ckpt).weight_policy.startswith("all it reads")

@@ -384,6 +384,7 @@ class Runner:
             "generated": self.tokens,
             "oracle_dtype": dtype_name(s.oracle_dtype),
             "oracle_device": str(self.oracle.device),
+            "oracle_weights": self.oracle.weight_policy,
             "oracle_numerics": self.oracle_numerics,
             "sample_queries": s.sample_queries,
             "cache_bytes": self.dec.cache_bytes(),

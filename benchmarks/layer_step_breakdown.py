@@ -54,9 +54,9 @@ def _ranged(name: str, fn):
     return call
 
 
-def instrument() -> None:
-    """Profiler ranges around the session's parts (``part:<method>``) and every registered op (``op:<name>``)."""
-    for part in PARTS:
+def instrument(parts: tuple[str, ...] = PARTS) -> None:
+    """Profiler ranges around the session's ``parts`` (``part:<method>``) and every registered op (``op:<name>``)."""
+    for part in parts:
         setattr(ProductionSession, part, _ranged(f"part:{part}", getattr(ProductionSession, part)))
     implementation = registry.implementation
 
@@ -78,8 +78,9 @@ def range_times(events, steps: int) -> tuple[dict[str, dict[str, float]], float]
     ranges: dict[str, dict[str, float]] = {}
     for e in events:
         if e.name.startswith(("part:", "op:")) and e.device_type == torch.autograd.DeviceType.CPU:
-            r = ranges.setdefault(e.name, {"us_per_step": 0.0, "calls_per_step": 0.0})
+            r = ranges.setdefault(e.name, {"us_per_step": 0.0, "calls_per_step": 0.0, "host_us_per_step": 0.0})
             r["us_per_step"] += _kernel_us(e) / steps
+            r["host_us_per_step"] += e.cpu_time_total / steps
             r["calls_per_step"] += 1 / steps
     total = sum(k.duration for e in events for k in e.kernels) / steps
     return ranges, total
@@ -126,7 +127,10 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--profile", default="reference")
+    ap.add_argument("--emulate", default="", help="ops to run on their emulation (comma-separated)")
     a = ap.parse_args()
+    for op in filter(None, a.emulate.split(",")):
+        registry.select(op, "cpu")
     cfg = layer_config(a.context, "flash")
     model = ProductionModel(synthesize(cfg, seed=0, lazy=True), a.profile, max_context=a.context + 256, device="cuda")
     for name in model.ckpt.names():  # every weight generated and dequantized before the profile, not in it
@@ -143,7 +147,8 @@ def main() -> int:
     ranges, kernels_us = range_times(prof.events(), a.steps)
     bandwidth = copy_bandwidth("cuda")
     floors = floor_bytes(cfg, a.context)
-    result = {"config": {"context": a.context, "profile": a.profile, "steps": a.steps, "dim": cfg.dim,
+    result = {"config": {"context": a.context, "profile": a.profile, "emulated": a.emulate, "steps": a.steps,
+                         "dim": cfg.dim,
                          "routed_experts_stored": cfg.n_routed_experts, "activated": cfg.n_activated_experts},
               "device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bandwidth,
               "gpu_busy_us_per_step": kernels_us, "ranges": ranges, "floor_bytes": floors,

@@ -532,3 +532,21 @@ def test_split_fp8_fmha_rounds_only_the_nope_dims_of_q_and_kv():
     assert torch.equal(ops.fmha_round(kv, "fp8-nope")[:, :64], fake_quant_fp8(kv[:, :64], 64))
     with pytest.raises(ValueError, match="fmha: expected"):
         ops.fmha_round(kv, "fp7")
+
+
+def test_decode_on_stored_weights_gives_graph_and_eager_the_same_bits_and_the_dequantized_paths_values(
+        flip_free, monkeypatch):
+    """The decode GEMV path (as on a GPU; here on the ops' CPU emulations): steps read the FP8 weights and FP4
+    experts as stored (``fp8_weight_linear``, ``fp4_picked_linear``, experts picked on the device). Eager and
+    graph decode give the same bits, and both agree with the dequantized-weight path to rounding."""
+    ids = _ids(FLIP_FREE, 40)
+    plain = _decode(ProductionModel(flip_free, max_context=64).session(), ids, 32)
+    monkeypatch.setattr(ProductionModel, "_gemv_ready", lambda self: True)
+    model = ProductionModel(flip_free, max_context=64)
+    eager, graph = model.session(), GraphDecodeSession(model, graphs=False)
+    stored = _decode(eager, ids, 32)
+    assert torch.equal(_decode(graph, ids, 32), stored)
+    used = eager.counts["implementations"]
+    assert used["fp8_weight_linear"]["cpu"] > 0 and used["fp4_picked_linear"]["cpu"] > 0
+    assert torch.equal(stored[0], plain[0])  # the prefill (32 rows) reads the dequantized weights
+    assert _cos(stored[1:], plain[1:]).min() > 0.9999  # on this CPU the bits agree too (same products and sums)

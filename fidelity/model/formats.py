@@ -206,12 +206,16 @@ def _blockwise(
     return q.flatten(-2), s
 
 
-def _expand_scales(s: torch.Tensor, block: Block, shape: torch.Size) -> torch.Tensor:
-    """Broadcast per-block scales ``s`` back to element ``shape`` (ragged edge blocks cropped)."""
+def _times_scales(v: torch.Tensor, s: torch.Tensor, block: Block) -> torch.Tensor:
+    """``v * s`` with each per-block scale of ``s`` broadcast over its block of ``v`` (fp32; ragged edge blocks of a
+    2-D block cropped). A view, not a copy of the scales at element size, where the blocks tile ``v`` exactly."""
     if isinstance(block, tuple):
-        full = s.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
-        return full[: shape[0], : shape[1]]
-    return s.repeat_interleave(block, dim=-1)
+        (bo, bi), (rows, cols) = block, v.shape
+        if rows % bo == 0 and cols % bi == 0:
+            return (v.view(rows // bo, bo, cols // bi, bi) * s[:, None, :, None]).view(rows, cols)
+        full = s.repeat_interleave(bo, dim=0).repeat_interleave(bi, dim=1)
+        return v * full[:rows, :cols]
+    return (v.unflatten(-1, (v.shape[-1] // block, block)) * s[..., None]).flatten(-2)
 
 
 def _scale_bytes(scales: torch.Tensor, expected: tuple[int, ...], name: str = "scales") -> torch.Tensor:
@@ -368,7 +372,7 @@ def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, block: Block) -> t
         raise ValueError("codes: expected at least 1 dim, found a 0-d tensor")
     block = _fp8_block(codes, block)
     sb = _scale_bytes(scales, _scale_shape(codes.shape, block))
-    return codes.to(torch.float32) * _expand_scales(decode_e8m0(sb), block, codes.shape)
+    return _times_scales(codes.to(torch.float32), decode_e8m0(sb), block)
 
 
 def fake_quant_fp8(x: torch.Tensor, block: Block) -> torch.Tensor:
@@ -381,7 +385,7 @@ def fake_quant_fp8(x: torch.Tensor, block: Block) -> torch.Tensor:
     _check_float(x)
     block = _fp8_block(x, block)
     q, s = _blockwise(x, block, FP8_MAX, FP8_AMAX_FLOOR, round_fp8_e4m3)
-    return (q.to(torch.float32) * _expand_scales(s, block, x.shape)).to(x.dtype)
+    return _times_scales(q.to(torch.float32), s, block).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -464,7 +468,8 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, block: int = FP4_
     codes = unpack_fp4_codes(packed)
     block = _act_block(codes, block, (FP4_BLOCK,))
     sb = _scale_bytes(scales, _scale_shape(codes.shape, block))
-    return fp4_code_values(codes) * _expand_scales(decode_e8m0(sb), block, codes.shape)
+    table = fp4_code_values(torch.arange(16, dtype=torch.uint8, device=codes.device))  # the 16 code values
+    return _times_scales(table[codes.to(torch.int64)], decode_e8m0(sb), block)
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
@@ -476,7 +481,7 @@ def fake_quant_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     _check_float(x)
     block = _act_block(x, block, (FP4_BLOCK,))
     q, s = _blockwise(x, block, FP4_MAX, FP4_AMAX_FLOOR, round_fp4_e2m1)
-    return (q.to(torch.float32) * _expand_scales(s, block, x.shape)).to(x.dtype)
+    return _times_scales(q.to(torch.float32), s, block).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------

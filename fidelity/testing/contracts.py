@@ -34,6 +34,8 @@ from fidelity.testing.strategies import (
     act_linear_inputs,
     apply_rope_inputs,
     expert_inputs,
+    fp4_picked_linear_inputs,
+    fp8_weight_linear_inputs,
     gate_inputs,
     hc_head_inputs,
     hc_post_inputs,
@@ -70,11 +72,14 @@ def _expected_act_linear(c: Case) -> tuple[torch.Tensor, ...]:
 
 
 def _act_linear_bound(c: Case) -> torch.Tensor:
+    return _linear_bound(_d(c["x"]), _d(c["weight"]), c["act"])
+
+
+def _linear_bound(x: torch.Tensor, w: torch.Tensor, act: str) -> torch.Tensor:
     """|error| <= (u8 + k 2^-23) sum_k |x_k| |w_jk| + 1.25u |y_j|: the e4m3 rounding of each x_k (u8 = 2^-4;
     0 for act "bf16"), the fp32 accumulation, and the bf16 rounding of the output."""
-    x, w = _d(c["x"]), _d(c["weight"])
     absdot = x.abs() @ w.abs().T
-    u8 = U_FP8 if c["act"] == "fp8" else 0.0
+    u8 = U_FP8 if act == "fp8" else 0.0
     return ((u8 + x.shape[-1] * 2.0**-23) * absdot + _ONE * (x @ w.T).abs()).nan_to_num(0.0)
 
 
@@ -242,6 +247,39 @@ def _expected_expert(c: Case) -> tuple[torch.Tensor, ...]:
 # --------------------------------------------------------------------------------------------------------------
 
 _ONE = SLACK * U_BF16  # one bf16 rounding of an fp32 result
+def _fp8_weight(c: Case) -> torch.Tensor:
+    """fp64 [m, k]: each e4m3 code times its 128x128 block's scale."""
+    s = c["scales"].to(FP64).repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return c["codes"].to(FP64) * s[: c["codes"].shape[0], : c["codes"].shape[1]]
+
+
+def _fp4_picked_weights(c: Case) -> torch.Tensor:
+    """fp64 [s, n, k]: row r's expert weight, e2m1 codes (low nibble first; bit 3 the sign) times 1x32 scales."""
+    p = c["packed"].index_select(0, c["experts"]).to(torch.int64)
+    codes = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
+    mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=FP64)[codes & 7]
+    values = torch.where(codes >= 8, -mag, mag)
+    return (values.unflatten(-1, (-1, 32)) * c["scales"].index_select(0, c["experts"]).to(FP64)[..., None]).flatten(-2)
+
+
+def _expected_fp8_weight_linear(c: Case) -> tuple[torch.Tensor, ...]:
+    return (linear_oracle.act_linear(_d(c["x"]), _fp8_weight(c)),)
+
+
+def _fp8_weight_linear_bound(c: Case) -> torch.Tensor:
+    return _linear_bound(_d(c["x"]), _fp8_weight(c), c["act"])
+
+
+def _expected_fp4_picked_linear(c: Case) -> tuple[torch.Tensor, ...]:
+    w, x = _fp4_picked_weights(c), _d(c["x"])
+    return (torch.stack([linear_oracle.act_linear(x[r : r + 1], w[r])[0] for r in range(len(x))]),)
+
+
+def _fp4_picked_linear_bound(c: Case) -> torch.Tensor:
+    w, x = _fp4_picked_weights(c), _d(c["x"])
+    return torch.cat([_linear_bound(x[r : r + 1], w[r], c["act"]) for r in range(len(x))])
+
+
 _FP32_TOL = _rel(FP32_REL, "fp32 math throughout: roundoff 2^-24 grown by sums of <= 2^10 terms and 20 Sinkhorn "
                            "rounds stays under 2^-14 relative; a single bf16 rounding (2^-8) anywhere is 64x over")
 _ONE_ROUNDING = "fp32 math rounded once to bf16: relative error <= u = 2^-8 (x1.25 for fp32 noise)"
@@ -256,6 +294,19 @@ CONTRACTS: dict[str, OpContract] = {
         "The FP8 / FP4 GEMM of every linear layer: x quantized e4m3 in 1x128 blocks with ue8m0 scales (spec §3 "
         "act_quant; not for act 'bf16'), products with the exactly dequantized weight accumulated in fp32, output "
         "bf16 (spec §3 fp8_gemm / fp4_gemm)."),
+    "fp8_weight_linear": OpContract(
+        "fp8_weight_linear", "tolerance", fp8_weight_linear_inputs, _expected_fp8_weight_linear,
+        (Output("y", BF16, Tolerance(bound=_fp8_weight_linear_bound, why=(
+            "act_linear's bound with the weight dequantized from its codes and 128x128 scales"))),),
+        "act_linear on a weight given as stored (e4m3 codes and 128x128 power-of-two scales, spec §2): each "
+        "weight is its code times its block's scale exactly; the rest as act_linear (the decode GEMV path)."),
+    "fp4_picked_linear": OpContract(
+        "fp4_picked_linear", "tolerance", fp4_picked_linear_inputs, _expected_fp4_picked_linear,
+        (Output("y", BF16, Tolerance(bound=_fp4_picked_linear_bound, why=(
+            "act_linear's bound per row, with that row's expert weight dequantized from its e2m1 codes and 1x32 "
+            "scales"))),),
+        "Row r times the FP4 weight of expert experts[r] (e2m1 codes two per byte, low nibble first, 1x32 "
+        "power-of-two scales, spec §2), as act_linear (graph decode's routed experts, picked on the device)."),
     "rms_norm": OpContract(
         "rms_norm", "tolerance", rms_norm_inputs, _expected_rms_norm,
         (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),),

@@ -475,8 +475,55 @@ def act_linear_inputs(dims: Sequence[int] = (128, 256, 512), out_dims: Sequence[
     return build()
 
 
+def fp8_weight_linear_inputs(dims: Sequence[int] = (128, 256, 512), out_dims: Sequence[int] = (128, 384),
+                             max_rows: int = 6, nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
+    """``fp8_weight_linear(x bf16 [n, k], codes e4m3 [m, k], scales fp32 [m/128, k/128], act)``: the weight as
+    stored, 128x128 blocks with power-of-two scales (the decode GEMV path); x rows span 2^-8 .. 2^8."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, k, m = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims))), draw(st.sampled_from(out_dims))
+        g = _gen(draw)
+        b = (_randn(g, m, k) * k**-0.5).reshape(m // 128, 128, k // 128, 128)
+        s = torch.exp2(torch.ceil(torch.log2(b.abs().amax(dim=(1, 3), keepdim=True).clamp(min=2.0**-100) / 448)))
+        codes = (b / s).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(m, k)
+        x = (_randn(g, n, k) * torch.exp2(_uniform(g, -8, 8, n, 1))).to(BF16)
+        args = {"x": x, "codes": codes, "scales": s[:, 0, :, 0].contiguous(),
+                "act": draw(st.sampled_from(("fp8", "fp8", "bf16")))}
+        return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
+
+    return build()
+
+
+def fp4_picked_linear_inputs(dims: Sequence[int] = (256, 512), out_dims: Sequence[int] = (64, 128),
+                             max_rows: int = 6, nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
+    """``fp4_picked_linear(x bf16 [s, k], experts int64 [s], packed uint8 [E, n, k/2], scales fp32 [E, n, k/32],
+    act)``: each row multiplies its own expert's FP4 weight (e2m1 codes, low nibble first, power-of-two 1x32
+    scales); experts repeat and skip ids."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        rows, k, n = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims))), draw(st.sampled_from(out_dims))
+        e_count = draw(st.integers(1, 5))
+        g = _gen(draw)
+        b = (_randn(g, e_count, n, k) * k**-0.5).unflatten(-1, (-1, 32))
+        s = torch.exp2(torch.ceil(torch.log2(b.abs().amax(-1, keepdim=True).clamp(min=2.0**-100) / 6)))
+        mag = torch.bucketize((b / s).abs(), (_FP4_VALUES[1:] + _FP4_VALUES[:-1]) / 2)  # e2m1 magnitude code 0..7
+        codes = (mag + 8 * (b < 0)).to(torch.uint8).flatten(-2)
+        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        experts = torch.randint(0, e_count, (rows,), generator=g)
+        x = (_randn(g, rows, k) * torch.exp2(_uniform(g, -8, 8, rows, 1))).to(BF16)
+        args = {"x": x, "experts": experts, "packed": packed, "scales": s[..., 0].contiguous(),
+                "act": draw(st.sampled_from(("fp8", "fp8", "bf16")))}
+        return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
+
+    return build()
+
+
 strategies = SimpleNamespace(
     act_linear_inputs=act_linear_inputs,
+    fp8_weight_linear_inputs=fp8_weight_linear_inputs,
+    fp4_picked_linear_inputs=fp4_picked_linear_inputs,
     rms_norm_inputs=rms_norm_inputs,
     rms_norm_fp8_inputs=rms_norm_fp8_inputs,
     rms_norm_weightless_inputs=rms_norm_weightless_inputs,

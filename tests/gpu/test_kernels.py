@@ -36,6 +36,7 @@ from fidelity.decoders.production.kernels import (  # noqa: E402
     rms_norm,
     sparse_attention,
     take,
+    weight_gemv,
 )
 from fidelity.decoders.production.registry import REGISTRY, implementation  # noqa: E402
 from fidelity.model.formats import dequantize_fp4, fake_quant_fp8, quantize_fp4, quantize_fp8  # noqa: E402
@@ -48,7 +49,7 @@ ROW_CALC_DIFF_E4M3 = (2 * 1.25 * 2.0**-4) ** 2 / 2  # the same rule with P on th
 PROPS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
                  suppress_health_check=list(HealthCheck))
 REGISTERED = ("sparse_attention", "index_scores", "index_scores_fp4", "rms_norm", "hc_pre", "hc_post", "act_linear",
-              "kv_round")
+              "kv_round", "fp8_weight_linear", "fp4_picked_linear")
 
 
 def _gen(draw) -> torch.Generator:
@@ -81,6 +82,20 @@ def test_kernels_are_registered_under_the_cpu_op_names():
 @pytest.mark.parametrize("op", REGISTERED)
 def test_kernel_meets_the_op_contract(op):
     check_against_oracle(op, REGISTRY[op]["triton"], max_examples=40, device=CUDA)
+
+
+def test_weight_gemvs_meet_their_contracts_where_the_row_blocks_overhang():
+    """Row blocks larger than the output (BN 256 over 128 / 384 rows; 256 over 64 / 128): the masked rows."""
+    def fp8(x, codes, scales, act):
+        return weight_gemv.fp8_weight_linear(fake_quant_fp8(x, 128), codes, scales, bn=256) if act == "fp8" else \
+            ops.fp8_weight_linear(x, codes, scales, act)
+
+    def fp4(x, experts, packed, scales, act):
+        return weight_gemv.fp4_expert_linear(fake_quant_fp8(x, 128), experts, packed, scales, bn=256) \
+            if act == "fp8" else ops.fp4_picked_linear(x, experts, packed, scales, act)
+
+    check_against_oracle("fp8_weight_linear", fp8, max_examples=25, device=CUDA)
+    check_against_oracle("fp4_picked_linear", fp4, max_examples=25, device=CUDA)
 
 
 def test_sparse_attention_contract_wide_heads():

@@ -147,3 +147,33 @@ def test_fused_norm_profile_runs_both_fused_kernels_and_graph_decode_replays_the
     cos = torch.nn.functional.cosine_similarity(runs["fused"].double(), runs["reference"].double(), dim=-1)
     assert cos.min() > 0.999, cos
     assert torch.equal(runs["fused"], runs["graph"])
+
+
+def test_decode_steps_read_the_stored_weights_and_graph_replays_give_their_bits(tiny):
+    """On the GPU a decode step reads the FP8 weights and FP4 routed experts as stored (the GEMV kernels
+    ``fp8_weight_linear`` / ``fp4_picked_linear``, no fallback); a CUDA-graph replay gives the eager steps'
+    bits; the logits agree with the same model with both ops on their emulations (the dequantized weights)."""
+    ids = default_prompt(4096, 48)
+
+    def run(session) -> torch.Tensor:
+        out = [session.prefill(ids[:40])[-1]]
+        return torch.stack(out + [session.step(int(t)) for t in ids[40:]]).cpu()
+
+    fallbacks.reset()
+    model = ProductionModel(tiny, max_context=64, device="cuda")
+    eager = model.session()
+    kernels = run(eager)
+    assert torch.equal(run(GraphDecodeSession(model)), kernels)
+    used = eager.counts["implementations"]
+    assert set(used["fp8_weight_linear"]) == set(used["fp4_picked_linear"]) == {"triton"}
+    assert not {"fp8_weight_linear", "fp4_picked_linear"} & set(fallbacks.counts()), fallbacks.counts()
+    try:
+        select("fp8_weight_linear", "cpu")
+        select("fp4_picked_linear", "cpu")
+        emulated = run(ProductionModel(tiny, max_context=64, device="cuda").session())
+    finally:
+        deselect("fp8_weight_linear")
+        deselect("fp4_picked_linear")
+    cos = torch.nn.functional.cosine_similarity(kernels[1:].double(), emulated[1:].double(), dim=-1)
+    assert cos.min() > 0.999, cos
+    assert torch.equal(kernels[0], emulated[0])  # the prefill (40 rows) reads the dequantized weights either way

@@ -127,7 +127,7 @@ class GraphDecodeSession(ProductionSession):
         return torch.where(picks >= limit, -1, picks)
 
     def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
-        if h.shape[0] != 1:
+        if h.shape[0] != 1 or self.m.stored_experts(i) is not None:  # the stored-FP4 path is sync-free already
             return super().moe(i, h, ids)
         cfg, act, x = self.cfg, self.p.gemm_act, _plain(h)
         weights, experts = self.route(i, x, ids)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from fidelity.decoders.production import ops
+from fidelity.decoders.production import kernels, ops
 from fidelity.decoders.production.cache import KeyStore, LayerCache
 from fidelity.decoders.production.call_counts import Counts, counting
 from fidelity.decoders.production.compressor import compress_decode, compress_prefill
@@ -22,7 +22,7 @@ from fidelity.decoders.production.profiles import Profile, get_profile
 from fidelity.decoders.production.registry import implementation
 from fidelity.decoders.production.rope_freqs import rope_inv_freq
 from fidelity.decoders.production.topk import stable_topk
-from fidelity.model.formats import hadamard
+from fidelity.model.formats import decode_e8m0, hadamard
 from fidelity.model.sites import Recorder
 from fidelity.model.weights import fp32_nbytes
 
@@ -48,6 +48,7 @@ class ProductionModel:
         self.freqs = {r: rope_inv_freq(self.cfg, r).to(self.device) for r in {0, *self.cfg.compress_ratios}}
         self._weights: dict[str, torch.Tensor] = {}
         self._expert_stacks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._gemv: dict[str, object] = {}  # stored forms the decode GEMVs read (None: that path does not run)
         # a release-sized model's routed experts would not fit dequantized: they are dequantized at each use
         self.keep_experts = fp32_nbytes(self.cfg) <= KEEP_ALL_BYTES
 
@@ -59,6 +60,45 @@ class ProductionModel:
             if self.keep_experts or ".ffn.experts." not in name:
                 self._weights[name] = t
         return t
+
+    def w_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """``w(name).to(dtype)``, converted once and kept (e.g. wo_a for its bf16 einsum)."""
+        key = f"{name}:{dtype}"
+        t = self._weights.get(key)
+        if t is None:
+            t = self._weights[key] = self.w(name).to(dtype)
+        return t
+
+    def gemv_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An FP8-stored weight as the decode GEMV reads it: (e4m3 codes [out, in], 128x128 scales decoded to fp32),
+        kept on the device; None where that path does not run (no GPU kernels here, or the checkpoint does not
+        store this weight in FP8)."""
+        if name not in self._gemv:
+            st = self.ckpt.stored(name) if self._gemv_ready() else None
+            ok = st is not None and st.fmt == "fp8" and st.data.shape[1] % 128 == 0
+            self._gemv[name] = (st.data.to(self.device), decode_e8m0(st.scale.to(self.device))) if ok else None
+        return self._gemv[name]
+
+    def stored_experts(self, i: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+        """Layer i's routed experts as stored, for ``fp4_picked_linear``: ((packed codes uint8 [E, out, in/2],
+        1x32 scales decoded to fp32 [E, out, in/32]) for w1, w2, w3), stacked once and kept on the device; None
+        where that path does not run (no GPU kernels, or experts not stored in FP4)."""
+        key = f"layers.{i}.experts:fp4"
+        if key not in self._gemv:
+            stacks = None
+            if self._gemv_ready():
+                names = [[f"layers.{i}.ffn.experts.{e}.{m}.weight" for e in range(self.cfg.n_routed_experts)]
+                         for m in ("w1", "w2", "w3")]
+                stored = [[self.ckpt.stored(n) for n in group] for group in names]
+                if all(st.fmt == "fp4" for group in stored for st in group):
+                    stacks = tuple((torch.stack([st.data.view(torch.uint8).to(self.device) for st in group]),
+                                    torch.stack([decode_e8m0(st.scale.to(self.device)) for st in group]))
+                                   for group in stored)
+            self._gemv[key] = stacks
+        return self._gemv[key]
+
+    def _gemv_ready(self) -> bool:
+        return self.device.type == "cuda" and kernels.available()
 
     def session(self, recorder: Recorder | None = None) -> ProductionSession:
         return ProductionSession(self, recorder)
@@ -220,12 +260,21 @@ class ProductionSession:
             return self.op("rms_norm")(x, weight, self.cfg.norm_eps)
         return Fp8Input(*self.op("rms_norm_act_quant")(x, weight, self.cfg.norm_eps))
 
-    def linear(self, x: torch.Tensor | Fp8Input, weight: torch.Tensor, act: str | None = None) -> torch.Tensor:
-        """An FP8/FP4 GEMM (``act_linear``'s signature; ``act`` defaults to the profile's): an :class:`Fp8Input`
-        is multiplied as already quantized (``ops.quantized_linear``), a tensor through op ``act_linear``."""
+    def linear(self, x: torch.Tensor | Fp8Input, weight: str | torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """An FP8/FP4 GEMM (``act_linear``'s signature; ``act`` defaults to the profile's) on a weight tensor or a
+        weight's name. A named FP8 weight multiplying at most ``ops.GEMV_ROWS`` rows with FP8 activations is read
+        as stored (op ``fp8_weight_linear``: codes and block scales, where the model holds them; on a GPU). An
+        :class:`Fp8Input` is otherwise multiplied as already quantized (``ops.quantized_linear``), a tensor through
+        op ``act_linear``."""
+        act = act or self.p.gemm_act
+        if isinstance(weight, str):
+            stored = self.m.gemv_weight(weight) if x.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
+            if stored is not None:
+                return self.op("fp8_weight_linear")(x.xq if isinstance(x, Fp8Input) else x, *stored, act)
+            weight = self.m.w(weight)
         if isinstance(x, Fp8Input):
             return ops.quantized_linear(x.xq, weight)
-        return self.op("act_linear")(x, weight, act or self.p.gemm_act)
+        return self.op("act_linear")(x, weight, act)
 
     def kv_path(self, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
                 freqs: torch.Tensor) -> torch.Tensor:
@@ -246,10 +295,10 @@ class ProductionSession:
         if ratio == 0 and on("yarn-on-swa"):
             freqs = rope_inv_freq(cfg, 4).to(x.device)
         rope = self.op("apply_rope")
-        qr = self.norm(self.linear(h, w(pre + "wq_a.weight")), w(pre + "q_norm.weight"))
-        q = self.linear(qr, w(pre + "wq_b.weight")).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        qr = self.norm(self.linear(h, pre + "wq_a.weight"), w(pre + "q_norm.weight"))
+        q = self.linear(qr, pre + "wq_b.weight").unflatten(-1, (cfg.n_heads, cfg.head_dim))
         q = rope(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
-        kv = self.kv_path(self.linear(h, w(pre + "wkv.weight")), w(pre + "kv_norm.weight"), positions, freqs)
+        kv = self.kv_path(self.linear(h, pre + "wkv.weight"), w(pre + "kv_norm.weight"), positions, freqs)
         self.emit(f"L{i}.attn.q", q)
         self.emit(f"L{i}.attn.kv", kv)
         if self.in_prefill:
@@ -259,8 +308,8 @@ class ProductionSession:
         self.emit(f"L{i}.attn.core", o)
         if not on("no-inverse-rope"):
             o = rope(o, positions, freqs, inverse=True)
-        o = ops.grouped_out(o, w(pre + "wo_a.weight"), cfg.o_groups)
-        return self.linear(o, w(pre + "wo_b.weight"))
+        o = ops.grouped_out(o, self.m.w_as(pre + "wo_a.weight", BF16), cfg.o_groups)
+        return self.linear(o, pre + "wo_b.weight")
 
     def compressor(self, i: int, index: bool):
         """(weights (wkv, wgate, ape, norm), fp32 carry, ratio, RoPE freqs) of layer i's main or indexer
@@ -381,7 +430,7 @@ class ProductionSession:
     def index_query(self, i: int, x: torch.Tensor, qr: torch.Tensor | Fp8Input, positions: torch.Tensor):
         w, cfg, prof = self.m.w, self.cfg, self.p
         pre = f"layers.{i}.attn.indexer."
-        q = self.linear(qr, w(pre + "wq_b.weight")).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = self.linear(qr, pre + "wq_b.weight").unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
         q = self.op("apply_rope")(q, positions, self.m.freqs[4])
         q = ops.indexer_round(q, prof.indexer_qk, prof.hadamard == "on")
         self.emit(f"L{i}.indexer.q", lambda: _unrotated(q, prof))
@@ -454,24 +503,67 @@ class ProductionSession:
         return weights, experts
 
     def shared_expert(self, i: int, h: torch.Tensor | Fp8Input) -> torch.Tensor:
-        w, q = self.m.w, f"layers.{i}.ffn.shared_experts."
-        return self.op("expert")(h, w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"), self.cfg.swiglu_limit,
+        q = f"layers.{i}.ffn.shared_experts."
+        return self.op("expert")(h, q + "w1.weight", q + "w2.weight", q + "w3.weight", self.cfg.swiglu_limit,
                                  None, self.p.gemm_act, self.linear).float()
 
     def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
         """Routed experts in ascending expert id, then the shared expert; fp32 sum -> bf16 [n, dim]. h: the ffn
-        norm's output (an :class:`Fp8Input` under a fused profile, which the experts' first GEMMs read)."""
+        norm's output (an :class:`Fp8Input` under a fused profile, which the experts' first GEMMs read). A few
+        tokens on a GPU read the FP4 experts as stored (``routed_on_stored``)."""
         w, cfg, act, x = self.m.w, self.cfg, self.p.gemm_act, _plain(h)
         weights, experts = self.route(i, x, ids)
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        expert = self.op("expert")
-        for e in torch.unique(experts).tolist():
-            rows, slot = torch.where(experts == e)
-            q = f"layers.{i}.ffn.experts.{e}."
-            y[rows] += expert(h[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
-                              cfg.swiglu_limit, weights[rows, slot, None], act, self.linear).float()
+        stacks = self.m.stored_experts(i) if x.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
+        if stacks is not None:
+            y = self.routed_on_stored(h, weights, experts, stacks)
+        else:
+            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            expert = self.op("expert")
+            for e, rows, slot in _by_expert(experts):
+                q = f"layers.{i}.ffn.experts.{e}."
+                y[rows] += expert(h[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
+                                  cfg.swiglu_limit, weights[rows, slot, None], act, self.linear).float()
         y += self.shared_expert(i, h)
         return y.to(BF16)
+
+
+    def routed_on_stored(self, h: torch.Tensor | Fp8Input, weights: torch.Tensor, experts: torch.Tensor,
+                         stacks) -> torch.Tensor:
+        """The routed experts of a few tokens [n, k] on the stored FP4 weights (op ``fp4_picked_linear``: the
+        expert ids stay on the device, no weight is copied): fp32 [n, dim], each token's experts added in ascending
+        id as ``moe`` adds them. No host sync (graph decode runs it too)."""
+        n, k = experts.shape
+        order = experts.argsort(dim=1)
+        picked = experts.gather(1, order).flatten()
+        slot_weights = weights.gather(1, order).flatten()[:, None]
+        hs = h[torch.arange(n, device=picked.device).repeat_interleave(k)]
+
+        def linear(x, w, act):
+            return self.op("fp4_picked_linear")(x.xq if isinstance(x, Fp8Input) else x, picked, *w, act)
+
+        out = self.op("expert")(hs, *stacks, self.cfg.swiglu_limit, slot_weights, self.p.gemm_act, linear)
+        out = out.float().unflatten(0, (n, k))
+        y = torch.zeros((n, out.shape[-1]), dtype=torch.float32, device=out.device)
+        for j in range(k):
+            y += out[:, j]
+        return y
+
+
+def _by_expert(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert id, rows, slots) for every expert picked in ``experts`` [n, k], ascending id; rows ascending, as
+    ``torch.where(experts == e)`` gives them. One stable sort and one host read for all experts (not a
+    ``torch.where`` and its host sync per expert)."""
+    k = experts.shape[1]
+    order = experts.flatten().argsort(stable=True)  # flat ids grouped by expert, row-major within each
+    counts = torch.bincount(experts.flatten())
+    picked = counts.nonzero().flatten()
+    ids, sizes = torch.stack((picked, counts[picked])).tolist()
+    groups, start = [], 0
+    for e, size in zip(ids, sizes, strict=True):
+        flat = order[start : start + size]
+        groups.append((e, flat // k, flat % k))
+        start += size
+    return groups
 
 
 def _plain(h: torch.Tensor | Fp8Input) -> torch.Tensor:

@@ -18,13 +18,16 @@ from fidelity.model.formats import (
     encode_e8m0,
     fake_quant_fp4,
     fake_quant_fp8,
+    fp4_code_values,
     hadamard,
     quantize_fp8,
     round_fp4_e2m1,
     round_fp8_e4m3,
+    unpack_fp4_codes,
 )
 
 BF16 = torch.bfloat16
+GEMV_ROWS = 8  # GEMMs of at most this many rows may read the stored FP8 / FP4 weights (kernels/weight_gemv.py)
 ATTN_BLOCK = 64  # sparse_attn processes 64 indices per online-softmax step
 
 
@@ -32,6 +35,29 @@ def act_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") -> torch
     """FP8/FP4 GEMM ``x @ W^T``: x [n, k] bf16 is quantized e4m3 1x128 ue8m0 (``act == "fp8"``), W [m, k] holds
     the exactly dequantized FP8/FP4 weight (fp32); products accumulate in fp32; output bf16."""
     return quantized_linear(fake_quant_fp8(x, 128) if act == "fp8" else x, weight)
+
+
+def fp8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act: str = "fp8") -> torch.Tensor:
+    """``act_linear`` on a weight given as stored: e4m3 codes [m, k] and its 128x128 block scales decoded to fp32
+    [ceil(m/128), k/128] (the decode GEMV path reads these 1-byte codes, not a dequantized fp32 copy)."""
+    return act_linear(x, _block_dequantized(codes, scales), act)
+
+
+def fp4_picked_linear(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                      act: str = "fp8") -> torch.Tensor:
+    """Row r of x [s, k] times expert ``experts[r]``'s FP4 weight: ``act_linear(x[r], W[experts[r]])`` -> bf16 [s, n],
+    W[e] from packed e2m1 codes [E, n, k/2] and 1x32 scales decoded to fp32 [E, n, k/32]; the expert ids stay a
+    device tensor (no host read)."""
+    w = fp4_code_values(unpack_fp4_codes(packed.index_select(0, experts)))  # [s, n, k]
+    w = (w.unflatten(-1, (-1, 32)) * scales.index_select(0, experts)[..., None]).flatten(-2)
+    xq = fake_quant_fp8(x, 128) if act == "fp8" else x
+    return (xq.float()[:, None, :] @ w.transpose(1, 2)).squeeze(1).to(BF16)
+
+
+def _block_dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [m, k] = code x its 128x128 block's scale (exact)."""
+    full = scales.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[: codes.shape[0], : codes.shape[1]]
+    return codes.view(torch.float8_e4m3fn).float() * full
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -264,7 +290,8 @@ def expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
            weight: torch.Tensor | None, act: str, linear: Callable | None = None) -> torch.Tensor:
     """SwiGLU expert: GEMM outputs bf16 -> fp32, clamp, ``weight * silu(g) * u`` in fp32 (weight BEFORE w2, so
     w2's activation quantization sees the weighted h), cast to bf16, w2 GEMM -> bf16 [n, dim]. ``linear``: the
-    ``act_linear`` implementation to use (default: this module's)."""
+    ``act_linear`` implementation to use (default: this module's); w1, w2, w3 are handed to it as given (weight
+    tensors, or whatever the caller's ``linear`` takes: a weight's name, a stored form)."""
     linear = linear or act_linear
     g = linear(x, w1, act).float()
     u = linear(x, w3, act).float()

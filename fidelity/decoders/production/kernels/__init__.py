@@ -11,7 +11,7 @@ Ops: ``sparse_attention`` (bf16 KV; ``sparse_attention_fp8kv`` for the 584 B/tok
 ``hc_pre`` (fused mixes + Sinkhorn + collapse), ``hc_post`` (post * f + comb-mixed residual in one pass),
 ``act_linear`` (1x128 FP8 activation quantization in one launch, then the emulation's fp32 GEMM), ``kv_round``
 (the 1x64 FP8 round of the KV nope dims), ``kv_norm_rope_fp8`` (kv_norm + RoPE + that round in one pass, head_dim
-512).
+512), ``fp8_weight_linear`` / ``fp4_picked_linear`` (decode GEMVs reading the stored FP8 / FP4 weights).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ KERNELS = {
     "act_linear": ("act_quant", "act_linear"),
     "kv_round": ("act_quant", "kv_round"),
     "kv_norm_rope_fp8": ("kv_path", "kv_path"),
+    "fp8_weight_linear": ("weight_gemv", "fp8_weight_linear_op"),
+    "fp4_picked_linear": ("weight_gemv", "fp4_picked_linear_op"),
 }
 
 

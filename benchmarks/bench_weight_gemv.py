@@ -1,0 +1,111 @@
+"""The decode GEMMs on the release formats (``kernels/weight_gemv.py``) against the emulation's fp32 GEMM on the
+dequantized weight, at V4-Flash's shapes, one token (and 2, for MTP).
+
+    python benchmarks/bench_weight_gemv.py --out DIR
+
+Each row: the weight's shape, device time per call (CUDA-graph replay, rotating over enough weight copies to
+spill the L2, ``bench_kernels.time_fn``), the bytes the kernel must read (codes + scales + x), the resulting
+bandwidth and the emulation's time on the same inputs, and the largest error against the fp64 product of the same
+rounded inputs relative to the ``act_linear`` contract bound. A sweep of launch configurations picks each row's
+fastest. Writes DIR/weight_gemv.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import _n_sets, time_fn  # noqa: E402
+
+from fidelity.decoders.production.kernels.weight_gemv import fp4_expert_linear, fp8_weight_linear  # noqa: E402
+from fidelity.model.formats import decode_e8m0, dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8  # noqa: E402
+
+FP8_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
+              "indexer.wq_b": (8192, 1024), "shared.w1": (2048, 4096), "shared.w2": (4096, 2048)}
+EXPERT_SHAPES = {"experts.w1": (2048, 4096), "experts.w2": (4096, 2048)}
+CONFIGS = [dict(bn=bn, stages=st, num_warps=nw) for bn in (8, 16, 32) for st in (2, 4) for nw in (4, 8)]
+
+
+def _bound_ratio(y, x, w) -> float:
+    """max |y - x w^T| / (k 2^-23 |x| |w|^T + 1.25 * 2^-8 |x w^T|) (fp64)."""
+    xd, wd = x.double(), w.double()
+    exact = xd @ wd.T
+    bound = x.shape[-1] * 2.0**-23 * (xd.abs() @ wd.abs().T) + 1.25 * 2.0**-8 * exact.abs()
+    return float(((y.double() - exact).abs() / bound.clamp_min(1e-30)).max())
+
+
+def bench_fp8(name, n, k, m, out):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    codes, sb = quantize_fp8(w, (128, 128))
+    scales = decode_e8m0(sb)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    wd = dequantize_fp8(codes, sb, (128, 128))
+    nbytes = n * k + scales.numel() * 4 + m * k * 4
+    sets = [(x, codes.clone(), scales.clone()) for _ in range(_n_sets(nbytes))]
+    ratio = _bound_ratio(fp8_weight_linear(x, codes, scales), x, wd)
+    best = None
+    for cfg in CONFIGS:
+        t = time_fn(lambda a, b, c, cfg=cfg: fp8_weight_linear(a, b, c, **cfg), sets)
+        if best is None or t["us"] < best[1]["us"]:
+            best = (cfg, t)
+    emu_sets = [(x, wd.clone()) for _ in range(_n_sets(n * k * 4))]
+    emu = time_fn(lambda a, b: (a.float() @ b.T).to(torch.bfloat16), emu_sets)
+    row = {"weight": name, "fmt": "fp8", "n": n, "k": k, "m": m, "us": best[1]["us"], "config": best[0],
+           "bytes": nbytes, "TBps": nbytes / best[1]["us"] / 1e6, "emulation_us": emu["us"],
+           "error_over_bound": ratio}
+    out.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def bench_fp4(name, n, k, m, out, n_experts=256, slots=6):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(n_experts, n, k, device="cuda", generator=g)
+    packed, sb = quantize_fp4(w)
+    del w
+    scales = decode_e8m0(sb)
+    experts = torch.randperm(n_experts, device="cuda", generator=g)[: slots * m].contiguous()
+    x = torch.randn(slots * m, k, device="cuda", generator=g).to(torch.bfloat16)
+    y = fp4_expert_linear(x, experts, packed, scales)
+    wd = dequantize_fp4(packed[experts], sb[experts])
+    ratio = max(_bound_ratio(y[i : i + 1], x[i : i + 1], wd[i]) for i in range(len(experts)))
+    nbytes = len(experts) * (n * k // 2 + n * k // 32 * 4) + x.numel() * 4
+    sets = [(x, torch.randperm(n_experts, device="cuda", generator=g)[: slots * m].contiguous())
+            for _ in range(8)]  # other experts each call: the weights come from HBM
+    best = None
+    for cfg in CONFIGS:
+        t = time_fn(lambda a, e, cfg=cfg: fp4_expert_linear(a, e, packed, scales, **cfg), sets)
+        if best is None or t["us"] < best[1]["us"]:
+            best = (cfg, t)
+    row = {"weight": name, "fmt": "fp4", "n": n, "k": k, "slots": len(experts), "us": best[1]["us"],
+           "config": best[0], "bytes": nbytes, "TBps": nbytes / best[1]["us"] / 1e6, "error_over_bound": ratio}
+    out.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows: list[dict] = []
+    for m in (1, 2):
+        for name, (n, k) in FP8_SHAPES.items():
+            bench_fp8(name, n, k, m, rows)
+    for name, (n, k) in EXPERT_SHAPES.items():
+        bench_fp4(name, n, k, 1, rows)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "weight_gemv.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

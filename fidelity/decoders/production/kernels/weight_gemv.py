@@ -85,14 +85,15 @@ def _fp4_expert_kernel(x_ptr, e_ptr, w_ptr, s_ptr, y_ptr, n, k: tl.constexpr, st
     acc = tl.zeros([BN], dtype=tl.float32)
     w_base = w_ptr + e * stride_we + rows[:, None] * stride_wn
     s_base = s_ptr + e * stride_se + rows[:, None] * stride_sn
+    blocks = tl.arange(0, BK // 16)
     for b0 in range(0, k // 2, BK):
         byte = tl.load(w_base + (b0 + cols)[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        s = tl.load(s_base + ((b0 + cols) // 16)[None, :], mask=ok[:, None], other=0.0)  # 16 bytes per scale
-        lo = _fp4_value(byte & 15) * s
-        hi = _fp4_value(byte >> 4) * s
+        s = tl.load(s_base + (b0 // 16 + blocks)[None, :], mask=ok[:, None], other=0.0)  # one per 16 bytes
         x_lo = tl.load(x_ptr + slot * stride_x + 2 * (b0 + cols))
         x_hi = tl.load(x_ptr + slot * stride_x + 2 * (b0 + cols) + 1)
-        acc += tl.sum(lo * x_lo[None, :] + hi * x_hi[None, :], axis=1)
+        part = _fp4_value(byte & 15) * x_lo[None, :] + _fp4_value(byte >> 4) * x_hi[None, :]  # [BN, BK]
+        part = tl.sum(tl.reshape(part, [BN, BK // 16, 16]), axis=2)  # per 32-weight block
+        acc += tl.sum(part * s, axis=1)
     tl.store(y_ptr + slot * stride_y + rows, acc.to(tl.bfloat16), mask=ok)
 
 

@@ -30,7 +30,7 @@ from fidelity.model.formats import decode_e8m0, dequantize_fp4, dequantize_fp8, 
 FP8_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
               "indexer.wq_b": (8192, 1024), "shared.w1": (2048, 4096), "shared.w2": (4096, 2048)}
 EXPERT_SHAPES = {"experts.w1": (2048, 4096), "experts.w2": (4096, 2048)}
-CONFIGS = [dict(bn=bn, stages=st, num_warps=nw) for bn in (8, 16, 32) for st in (2, 4) for nw in (4, 8)]
+CONFIGS = [dict(bn=bn, stages=st, num_warps=nw) for bn in (8, 16, 32) for st in (2, 3) for nw in (4, 8)]
 
 
 def _bound_ratio(y, x, w) -> float:

@@ -24,96 +24,155 @@ FP8_BLOCK = 128
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, n, k: tl.constexpr, stride_x, stride_w, stride_s, stride_y,
-                     M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Rows pid*BN .. +BN of y for all M inputs (MP: M rounded up to a power of two); BK = 128, one scale block
-    along k per step."""
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k_split: tl.constexpr, stride_x, stride_w, stride_s,
+                     M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr):
+    """Rows pid0*BN .. +BN of all M outputs (MP: M rounded up to a power of two) over the pid1-th slice of k
+    (``k_split`` columns, BK = a multiple of 128 per step): per 128-column block the products code x x are summed,
+    then scaled by the block's 2^e. FINAL: store bf16 y, else fp32 partial sums [splits, M, n]."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     ok = rows < n
     cols = tl.arange(0, BK)
+    blocks = tl.arange(0, BK // 128)
+    k_begin = tl.program_id(1) * k_split
     acc = tl.zeros([MP, BN], dtype=tl.float32)
-    for k0 in range(0, k, BK):
+    for kk in range(0, k_split, BK):
+        k0 = k_begin + kk
         w = tl.load(w_ptr + rows[:, None] * stride_w + (k0 + cols)[None, :], mask=ok[:, None], other=0)
-        s = tl.load(s_ptr + (rows // 128) * stride_s + k0 // 128, mask=ok, other=0.0)
-        wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, None]  # exact: code x 2^e
+        wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s = tl.load(s_ptr + (rows // 128)[:, None] * stride_s + (k0 // 128 + blocks)[None, :], mask=ok[:, None],
+                    other=0.0)
         for m in tl.static_range(M):
             x = tl.load(x_ptr + m * stride_x + k0 + cols)
-            part = tl.sum(wf * x[None, :], axis=1)  # [BN]
-            acc = tl.where(tl.arange(0, MP)[:, None] == m, acc + part[None, :], acc)
+            part = tl.sum(tl.reshape(wf * x[None, :], [BN, BK // 128, 128]), axis=2)  # per scale block
+            acc = tl.where(tl.arange(0, MP)[:, None] == m, acc + tl.sum(part * s, axis=1)[None, :], acc)
     for m in tl.static_range(M):
         y = tl.sum(tl.where(tl.arange(0, MP)[:, None] == m, acc, 0.0), axis=0)
-        tl.store(y_ptr + m * stride_y + rows, y.to(tl.bfloat16), mask=ok)
+        if FINAL:
+            tl.store(out_ptr + m * n + rows, y.to(tl.bfloat16), mask=ok)
+        else:
+            tl.store(out_ptr + (tl.program_id(1) * M + m) * n + rows, y, mask=ok)
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, y_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum over the splits of p [SPLITS, total] in split order (deterministic) -> bf16."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    y = tl.load(p_ptr + offs, mask=ok, other=0.0)
+    for i in tl.static_range(1, SPLITS):
+        y += tl.load(p_ptr + i * total + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, y.to(tl.bfloat16), mask=ok)
+
+
+def _splits(programs: int, k: int, bk: int, device: torch.device) -> int:
+    """The k slices (a power of two dividing k / bk) that bring the grid to about two programs per SM."""
+    if device.type != "cuda":  # the interpreter
+        return 1
+    want = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    splits = 1
+    while programs * splits * 2 <= want and k % (splits * 2 * bk) == 0:
+        splits *= 2
+    return splits
+
+
+def _finish(partials: torch.Tensor | None, y: torch.Tensor, splits: int) -> torch.Tensor:
+    if partials is not None:
+        total = y.numel()
+        _sum_splits_kernel[(triton.cdiv(total, 1024),)](partials, y, total, SPLITS=splits, BLOCK=1024, num_warps=4)
+    return y
 
 
 def fp8_weight_linear(xq: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bn: int = 16,
-                      stages: int = 4, num_warps: int = 4) -> torch.Tensor:
+                      bk: int = 512, splits: int | None = None, stages: int = 3, num_warps: int = 4) -> torch.Tensor:
     """xq [m, k] (bf16 or fp32, on the e4m3 grid or not: multiplied as given) @ (codes [n, k] e4m3 / uint8 x
-    scales fp32 [n/128, k/128])^T -> bf16 [m, n]; k a multiple of 128, m <= 8."""
+    scales fp32 [n/128, k/128])^T -> bf16 [m, n]; k a multiple of 128, m <= 8. ``splits`` (default: enough for
+    about two programs per SM) slices k, each slice's fp32 partial sums then added in slice order."""
     m, k = xq.shape
     n = codes.shape[0]
     if codes.shape[1] != k or k % FP8_BLOCK or scales.shape != ((n + 127) // 128, k // 128) or not 1 <= m <= 8:
         raise ValueError(f"fp8_weight_linear: expected xq [m<=8, k], codes [n, k], scales [n/128, k/128] with k % 128 "
                          f"== 0, found xq {tuple(xq.shape)}, codes {tuple(codes.shape)}, scales {tuple(scales.shape)}")
+    bk = bk if k % bk == 0 else FP8_BLOCK
     x = xq.float().contiguous()
     w = codes.view(torch.uint8)
     s = scales.float().contiguous()
+    programs = triton.cdiv(n, bn)
+    splits = splits or _splits(programs, k, bk, xq.device)
+    while k % (splits * bk) and bk > FP8_BLOCK:
+        bk //= 2
+    if k % (splits * bk):
+        raise ValueError(f"fp8_weight_linear: splits {splits} must divide k / 128 ({k // 128})")
     y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, bn),)](x, w, s, y, n, k, x.stride(0), w.stride(0), s.stride(0), y.stride(0),
-                                            M=m, MP=next_pow2(m), BN=bn, BK=FP8_BLOCK, num_stages=stages,
-                                            num_warps=num_warps)
-    return y
+    partials = torch.empty((splits, m, n), dtype=torch.float32, device=xq.device) if splits > 1 else None
+    _fp8_gemv_kernel[(programs, splits)](x, w, s, y if partials is None else partials, n, k // splits, x.stride(0),
+                                         w.stride(0), s.stride(0), M=m, MP=next_pow2(m), BN=bn, BK=bk,
+                                         FINAL=partials is None, num_stages=stages, num_warps=num_warps)
+    return _finish(partials, y, splits)
 
 
 @triton.jit
-def _fp4_value(c):
-    """fp32 value of e2m1 nibble codes c (int32 0..15): exponent field e, mantissa bit m."""
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where((c & 8) != 0, -mag, mag)
-
-
-@triton.jit
-def _fp4_expert_kernel(x_ptr, e_ptr, w_ptr, s_ptr, y_ptr, n, k: tl.constexpr, stride_x, stride_we, stride_wn, stride_se,
-                       stride_sn, stride_y, BN: tl.constexpr, BK: tl.constexpr):
-    """Rows pid0*BN .. +BN of slot pid1's output; BK packed bytes (2*BK weights) per step."""
+def _fp4_expert_kernel(x_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: tl.constexpr, stride_x, stride_we,
+                       stride_wn, stride_se, stride_sn, BN: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr):
+    """Rows pid0*BN .. +BN of slot pid1's output over the pid2-th slice of k (``k_split`` weights; BK packed bytes
+    per step). Each nibble becomes the e4m3 byte of its value x 2^-6 by bit moves (e2m1 magnitude bits << 2, the
+    sign to bit 7; e = 0 lands on e4m3's subnormals), converted by the hardware; x is read x 2^6, so every product
+    is the exact code value x x. Per 32-weight block the products are summed, then scaled. FINAL: bf16 y, else
+    fp32 partial sums [splits, slots, n]."""
     slot = tl.program_id(1)
     e = tl.load(e_ptr + slot).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     ok = rows < n
     cols = tl.arange(0, BK)
-    acc = tl.zeros([BN], dtype=tl.float32)
+    blocks = tl.arange(0, BK // 16)
     w_base = w_ptr + e * stride_we + rows[:, None] * stride_wn
     s_base = s_ptr + e * stride_se + rows[:, None] * stride_sn
-    blocks = tl.arange(0, BK // 16)
-    for b0 in range(0, k // 2, BK):
-        byte = tl.load(w_base + (b0 + cols)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    b_begin = tl.program_id(2) * (k_split // 2)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for bb in range(0, k_split // 2, BK):
+        b0 = b_begin + bb
+        byte = tl.load(w_base + (b0 + cols)[None, :], mask=ok[:, None], other=0)
+        lo = (((byte & 7) << 2) | ((byte & 8) << 4)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        hi = (((byte >> 2) & 0x1C) | (byte & 0x80)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         s = tl.load(s_base + (b0 // 16 + blocks)[None, :], mask=ok[:, None], other=0.0)  # one per 16 bytes
-        x_lo = tl.load(x_ptr + slot * stride_x + 2 * (b0 + cols))
-        x_hi = tl.load(x_ptr + slot * stride_x + 2 * (b0 + cols) + 1)
-        part = _fp4_value(byte & 15) * x_lo[None, :] + _fp4_value(byte >> 4) * x_hi[None, :]  # [BN, BK]
-        part = tl.sum(tl.reshape(part, [BN, BK // 16, 16]), axis=2)  # per 32-weight block
+        x_lo = tl.load(x_ptr + slot * stride_x + 2 * (b0 + cols)) * 64.0
+        x_hi = tl.load(x_ptr + slot * stride_x + 2 * (b0 + cols) + 1) * 64.0
+        part = tl.sum(tl.reshape(lo * x_lo[None, :] + hi * x_hi[None, :], [BN, BK // 16, 16]), axis=2)
         acc += tl.sum(part * s, axis=1)
-    tl.store(y_ptr + slot * stride_y + rows, acc.to(tl.bfloat16), mask=ok)
+    if FINAL:
+        tl.store(out_ptr + slot * n + rows, acc.to(tl.bfloat16), mask=ok)
+    else:
+        tl.store(out_ptr + (tl.program_id(2) * slots + slot) * n + rows, acc, mask=ok)
 
 
 def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *,
-                      bn: int = 16, bk: int = 128, stages: int = 4, num_warps: int = 4) -> torch.Tensor:
+                      bn: int = 16, bk: int = 256, splits: int | None = None, stages: int = 3,
+                      num_warps: int = 4) -> torch.Tensor:
     """For each slot s: xq[s] [k] @ W[experts[s]]^T -> bf16 [slots, n], W[e] = FP4 codes packed [E, n, k/2] (uint8)
-    x scales fp32 [E, n, k/32]. ``experts`` int [slots] on the device (not read on the host)."""
+    x scales fp32 [E, n, k/32]. ``experts`` int [slots] on the device (not read on the host); ``splits`` as in
+    :func:`fp8_weight_linear`."""
     slots, k = xq.shape
     e_count, n, half = packed.shape
-    if half * 2 != k or k % (2 * bk) or scales.shape != (e_count, n, k // 32) or experts.shape != (slots,):
+    if half * 2 != k or k % 32 or scales.shape != (e_count, n, k // 32) or experts.shape != (slots,):
         raise ValueError(f"fp4_expert_linear: expected xq [s, k], experts [s], packed [E, n, k/2], scales [E, n, "
-                         f"k/32] with k % {2 * bk} == 0, found xq {tuple(xq.shape)}, experts "
-                         f"{tuple(experts.shape)}, packed {tuple(packed.shape)}, scales {tuple(scales.shape)}")
+                         f"k/32] with k % 32 == 0, found xq {tuple(xq.shape)}, experts {tuple(experts.shape)}, "
+                         f"packed {tuple(packed.shape)}, scales {tuple(scales.shape)}")
+    while half % bk:
+        bk //= 2
     x = xq.float().contiguous()
     w = packed.view(torch.uint8)
+    programs = triton.cdiv(n, bn) * slots
+    splits = splits or _splits(programs, half, bk, xq.device)
+    while half % (splits * bk) and bk > 16:
+        bk //= 2
+    if half % (splits * bk):
+        raise ValueError(f"fp4_expert_linear: splits {splits} must divide k / 32 ({k // 32})")
     y = torch.empty((slots, n), dtype=torch.bfloat16, device=xq.device)
-    grid = (triton.cdiv(n, bn), slots)
-    _fp4_expert_kernel[grid](x, experts, w, scales, y, n, k, x.stride(0), w.stride(0), w.stride(1), scales.stride(0),
-                             scales.stride(1), y.stride(0), BN=bn, BK=bk, num_stages=stages, num_warps=num_warps)
-    return y
+    partials = torch.empty((splits, slots, n), dtype=torch.float32, device=xq.device) if splits > 1 else None
+    grid = (triton.cdiv(n, bn), slots, splits)
+    _fp4_expert_kernel[grid](x, experts, w, scales, y if partials is None else partials, n, slots, k // splits,
+                             x.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), BN=bn, BK=bk,
+                             FINAL=partials is None, num_stages=stages, num_warps=num_warps)
+    return _finish(partials, y, splits)
 
 
 def fp8_weight_linear_cuda(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act: str = "fp8"
@@ -131,7 +190,7 @@ def fp4_picked_linear_cuda(x: torch.Tensor, experts: torch.Tensor, packed: torch
                            act: str = "fp8") -> torch.Tensor:
     """Same signature and result (within the ``act_linear`` contract) as ``ops.fp4_picked_linear``."""
     s, k = x.shape
-    if act != "fp8" or x.dtype != torch.bfloat16 or not 1 <= s <= 8 * ops.GEMV_ROWS or k % 256 or not on_device(x):
+    if act != "fp8" or x.dtype != torch.bfloat16 or not 1 <= s <= 8 * ops.GEMV_ROWS or k % 32 or not on_device(x):
         fallbacks.note("fp4_picked_linear", fallbacks.UNSUPPORTED)
         return ops.fp4_picked_linear(x, experts, packed, scales, act)
     return fp4_expert_linear(fake_quant_fp8(x, 128), experts, packed, scales)

@@ -8,7 +8,9 @@ The layer, its caches and its position are ``bench_layer_decode.py``'s (Flash wi
 decode steps after a warm-up; each part of the step is a ``torch.profiler`` range set around the session's own
 methods, and each registered op one around its implementation, so a range's device time is the time of the
 kernels launched inside it, read from the profiler's event tree (inclusive: ``attention`` contains
-``index_decode`` and ``attend_decode``). The floor of
+``index_decode`` and ``attend_decode``). On torch 2.11 / Triton 3.6 the tree does not link kernels that Triton
+launches through ``cuLaunchKernelEx`` to the enclosing ranges, so a range's time is a lower bound (torch's own
+kernels only); ``bench_layer_decode.py`` lists the graphed step's time by kernel instead. The floor of
 a part is the bytes it must read at the copy bandwidth measured in the same call: its weights as the release stores
 them (FP8 with 128x128 scales, FP4 with 1x32 scales, bf16, fp32), the KV rows it attends (window + top-k, 584 B per
 row in the FP8 layout) and the indexer keys at the context (FP4 + scales). Writes DIR/layer_breakdown.json and

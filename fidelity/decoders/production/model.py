@@ -221,7 +221,7 @@ class ProductionSession:
                                cfg.hc_eps)
         y = self.op("rms_norm")(y, w("norm.weight"), cfg.norm_eps)
         self.emit("final", y)
-        logits = y.float() @ w("head.weight").float().T
+        logits = y.float() @ self.m.w_as("head.weight", torch.float32).T
         self.emit("logits", logits)
         return logits
 
@@ -316,7 +316,9 @@ class ProductionSession:
         compressor."""
         w, cache, ratio = self.m.w, self.layers[i], self.cfg.ratio(i)
         pre = f"layers.{i}.attn.indexer.compressor." if index else f"layers.{i}.attn.compressor."
-        weights = w(pre + "wkv.weight"), w(pre + "wgate.weight"), w(pre + "ape"), w(pre + "norm.weight")
+        fp32 = torch.float32  # the compressor GEMMs run in fp32: the converted weights are kept
+        weights = (self.m.w_as(pre + "wkv.weight", fp32), self.m.w_as(pre + "wgate.weight", fp32), w(pre + "ape"),
+                   w(pre + "norm.weight"))
         carry = cache.index_carry if index else cache.carry
         return weights, carry, 4 if index else ratio, self.m.freqs[ratio]
 
@@ -493,7 +495,7 @@ class ProductionSession:
         """The gate: (routing weights [n, k] fp32, expert ids [n, k])."""
         w, cfg, p = self.m.w, self.cfg, f"layers.{i}.ffn."
         hashed = cfg.is_hash_layer(i)
-        weights, experts = self.op("gate")(x.float(), w(p + "gate.weight").float(),
+        weights, experts = self.op("gate")(x.float(), self.m.w_as(p + "gate.weight", torch.float32),
                                            None if hashed else w(p + "gate.bias"),
                                            w(p + "gate.tid2eid") if hashed else None, ids, cfg)
         if on("routing-bias-in-weights") and not hashed:

@@ -550,3 +550,18 @@ def test_decode_on_stored_weights_gives_graph_and_eager_the_same_bits_and_the_de
     assert used["fp8_weight_linear"]["cpu"] > 0 and used["fp4_picked_linear"]["cpu"] > 0
     assert torch.equal(stored[0], plain[0])  # the prefill (32 rows) reads the dequantized weights
     assert _cos(stored[1:], plain[1:]).min() > 0.9999  # on this CPU the bits agree too (same products and sums)
+
+
+def test_weights_not_stored_in_fp8_or_fp4_keep_the_dequantized_decode_path(monkeypatch):
+    """A checkpoint in bf16 (no FP8 / FP4 storage): with the GEMV path available, decode steps still multiply the
+    weights as read (``act_linear``) and give the same bits as without it."""
+    cfg = FLIP_FREE.replace(dtype="bf16", expert_dtype=None)
+    ckpt = synthesize(cfg, seed=0)
+    ids = _ids(cfg, 36)
+    plain = _decode(ProductionModel(ckpt, max_context=64).session(), ids, 32)
+    monkeypatch.setattr(ProductionModel, "_gemv_ready", lambda self: True)
+    session = ProductionModel(ckpt, max_context=64).session()
+    assert torch.equal(_decode(session, ids, 32), plain)
+    used = session.counts["implementations"]
+    assert "fp8_weight_linear" not in used and "fp4_picked_linear" not in used
+    assert session.m.gemv_weight("layers.0.attn.wq_a.weight") is None and session.m.stored_experts(0) is None

@@ -271,7 +271,7 @@ class ProductionSession:
             stored = self.m.gemv_weight(weight) if x.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
             if stored is not None:
                 return self.op("fp8_weight_linear")(x.xq if isinstance(x, Fp8Input) else x, *stored, act)
-            weight = self.m.w(weight)
+            weight = self.m.w_as(weight, torch.float32)  # FP8 / FP4 read as fp32 already; bf16 converted once
         if isinstance(x, Fp8Input):
             return ops.quantized_linear(x.xq, weight)
         return self.op("act_linear")(x, weight, act)

@@ -82,8 +82,9 @@ def rms_norm_act_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tup
 
 def quantized_linear(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``act_linear``'s GEMM for an input already on its e4m3 1x128 grid (``rms_norm_act_quant``'s second output,
-    or ``act == "bf16"``): ``xq.float() @ W^T`` -> bf16."""
-    return (xq.float() @ weight.T).to(BF16)
+    or ``act == "bf16"``): ``xq.float() @ W^T`` -> bf16, W in fp32 (a checkpoint's bf16 weight: its exact fp32
+    values)."""
+    return (xq.float() @ weight.float().T).to(BF16)
 
 
 def rms_norm_weightless(q: torch.Tensor, eps: float) -> torch.Tensor:

@@ -60,7 +60,7 @@ def act_linear_cuda(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") -> 
     if act != "fp8" or not on_device(x) or x.dtype != torch.bfloat16 or x.shape[-1] % 128:
         fallbacks.note("act_linear", fallbacks.UNSUPPORTED)
         return ops.act_linear(x, weight, act)
-    return (fake_quant_fp8(x, 128).float() @ weight.T).to(torch.bfloat16)
+    return (fake_quant_fp8(x, 128).float() @ weight.float().T).to(torch.bfloat16)
 
 
 def kv_round_cuda(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tensor:

@@ -300,22 +300,27 @@ def sparse_attention_cuda(q, kv, idx, sink, scale, fmt="bf16", *, config=None):
 
 
 def _ws_refusal(q, kv, idx, fmt) -> str | None:
-    """Why the warp-specialized kernel cannot take these inputs (None: it can)."""
+    """Why the warp-specialized kernel cannot take these inputs (None: it can); ``fmt`` "fp8-kv" is the 584 B
+    layout's kernel (``kernels/sparse_attention_ws_fp8kv.py``)."""
+    if fmt == "fp8-kv":
+        return ws_refusal("sparse_attention_ws_fp8kv", q, kv, idx)
     if fmt != "bf16":
         return f"fmt {fmt!r} (it runs the bf16 profile)"
     return ws_refusal("sparse_attention_ws", q, kv, idx)
 
 
-WS_LAUNCH = ("consumers",)  # the warp-specialized kernel's one launch parameter (1 or 2 consumer warpgroups)
+# the warp-specialized kernels' launch parameters: 1 or 2 consumer warpgroups; the FP8 layout's ring depths
+WS_LAUNCH = {"bf16": ("consumers",), "fp8-kv": ("consumers", "slots", "raw_slots", "prefetch",
+                                                       "producer_warps")}
 
 
 def _route(q, kv, idx, fmt, config) -> tuple[str, dict | None]:
     """``("ws", its launch parameters)`` or ``("triton", launch parameters)``. ``config={"route": "ws" |
     "triton"}`` picks one; without it, the warp-specialized kernel runs where it can (Flash decode b64 44 -> 24 us,
-    BENCHMARKS.md) unless Triton launch parameters are given. ``"consumers"`` is the ``ws`` kernel's own."""
+    BENCHMARKS.md) unless Triton launch parameters are given. ``WS_LAUNCH`` lists the ``ws`` kernels' own."""
     launch = dict(config or {})
     route = launch.pop("route", None)
-    ws_launch = {k: launch.pop(k) for k in WS_LAUNCH if k in launch}
+    ws_launch = {k: launch.pop(k) for k in WS_LAUNCH.get(fmt, WS_LAUNCH["bf16"]) if k in launch}
     if route not in (None, "ws", "triton"):
         raise ValueError(f"sparse_attention: config route must be 'ws' or 'triton', found {route!r}")
     refusal = None if route == "triton" else _ws_refusal(q, kv, idx, fmt)
@@ -363,12 +368,19 @@ def unpack_kv_fp8(packed: torch.Tensor) -> torch.Tensor:
 
 def sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, *, config=None):
     """``sparse_attention`` reading the 584 B/token FP8 cache (uint8 [m, 584], see :func:`pack_kv_fp8`);
-    q [n, H, 512] bf16 on CUDA. Same tile values as ``sparse_attention_cuda(q, unpack_kv_fp8(kv_packed), ...)``;
-    outputs equal up to the MMA's fp32 summation order."""
+    q [n, H, 512] bf16 on CUDA. Routes as :func:`sparse_attention_cuda`: ``ws``
+    (``kernels/sparse_attention_ws_fp8kv.py``, dequantizing in its producer partition; its outputs equal the
+    bf16 ``ws`` kernel's on ``unpack_kv_fp8(kv_packed)`` bit for bit) where it can, else the Triton kernel (same
+    tile values; outputs equal up to the MMA's fp32 summation order)."""
     if kv_packed.dtype != torch.uint8 or kv_packed.dim() != 2 or kv_packed.shape[1] != FP8_ROW_BYTES:
         raise ValueError(f"kv_packed: expected uint8 [m, {FP8_ROW_BYTES}], found {kv_packed.dtype} "
                          f"{list(kv_packed.shape)}")
     if q.shape[-1] != 512:
         raise ValueError(f"q: the FP8 layout has head_dim 512, found {q.shape[-1]}")
+    route, launch = _route(q, kv_packed, idx, "fp8-kv", config)
+    routes.note("sparse_attention_fp8kv", route)
+    if route == "ws":
+        from fidelity.decoders.production.kernels.sparse_attention_ws_fp8kv import sparse_attention_ws_fp8kv
+        return sparse_attention_ws_fp8kv(q, kv_packed, idx, sink, scale, **launch)
     kv_packed = kv_packed.contiguous()
-    return _launch(q, kv_packed, kv_packed.view(torch.bfloat16), idx, sink, float(scale), 512, True, config)
+    return _launch(q, kv_packed, kv_packed.view(torch.bfloat16), idx, sink, float(scale), 512, True, launch)

@@ -387,6 +387,25 @@ def test_fp8_kv_ws_route_equals_the_bf16_ws_kernel_on_the_unpacked_rows(heads, t
 
 
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
+@PROPS
+@given(case=attention_cases())
+def test_fp8_kv_ws_route_meets_the_oracle_contract(case):
+    """The FP8 layout's ``ws`` route against ``sparse_attention``'s contract (the fp64 oracle on the gathered
+    rows), on DSv4-shaped cases whose KV rows are the values the layout stores (``kv_round``'s 1x64 FP8 nope
+    dims, bf16 rope dims)."""
+    a = case.args
+    if a["q"].shape[-1] != 512:
+        return
+    stored = Case({**a, "kv": ops.kv_round(a["kv"], 64, "fp8")}, note=case.note)
+
+    def fp8_route(q, kv, idx, sink, scale, fmt="bf16"):
+        return sparse_attention.sparse_attention_fp8kv(q, sparse_attention.pack_kv_fp8(kv), idx, sink, scale,
+                                                       config={"route": "ws"})
+
+    check_case("sparse_attention", fp8_route, stored, device=CUDA)
+
+
+@pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
 def test_fp8_kv_ws_route_dequantizes_extreme_scale_bytes_like_the_unpacking():
     """Scale bytes from 0 (2^-127, a subnormal factor) to 160: the tiles are ``unpack_kv_fp8``'s bit for bit, so
     the output is the bf16 ``ws`` kernel's on the unpacked rows, two queries per sequence (MTP) included."""

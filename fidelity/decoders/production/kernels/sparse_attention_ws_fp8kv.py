@@ -43,7 +43,6 @@ from fidelity.decoders.production.kernels.sparse_attention_ws import (
 )
 
 ROW_BYTES = 584
-NOPE = 448
 # consumers -> (heads per CTA, bf16 slots, raw slots, producer warps, producer registers, lead warpgroup's
 # registers); shared memory: a bf16 slot 32 KB, a raw slot 36.5 KB, Q 32 KB per 32 heads
 _LAYOUT = {1: (BLOCK_H, 3, 2, 4, 96, 0), 2: (2 * BLOCK_H, 3, 1, 4, 96, 192)}

@@ -323,6 +323,27 @@ def _tail(idx_row_ptr, sink_ptr, o_ptr, stride_on, stride_oh, pid_n, h0, topk, n
 
 
 @gluon.jit
+def _two_consumer_exchange(BH: gl.constexpr, BN: gl.constexpr, W: gl.constexpr):
+    """The two-consumer layout's shared buffers between its warpgroups, mbarriers initialized: Q as two halves,
+    P and alpha double-buffered, the final sums; ``p_ready`` / ``p_free`` (P of block j), ``q_ready``, ``l_ready``."""
+    q_h = gl.allocate_shared_memory(gl.bfloat16, [2, BH, W], gl.NVMMASharedLayout.get_default_for([BH, W], gl.bfloat16))
+    p_buf = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN],
+                                      gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16))
+    a_buf = gl.allocate_shared_memory(gl.float32, [2, BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    l_buf = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    l_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
+    mbarrier.init(q_ready.index(0), count=1)
+    mbarrier.init(l_ready.index(0), count=1)
+    return q_h, p_buf, a_buf, l_buf, p_ready, p_free, q_ready, l_ready
+
+
+@gluon.jit
 def _two_consumer_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
                          stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
                          D: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, CH: gl.constexpr,
@@ -332,25 +353,12 @@ def _two_consumer_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
     h0 = gl.program_id(0) * BH
     kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, W],
                                         gl.NVMMASharedLayout.get_default_for([BN, W], gl.bfloat16))
-    q_h = gl.allocate_shared_memory(gl.bfloat16, [2, BH, W], gl.NVMMASharedLayout.get_default_for([BH, W], gl.bfloat16))
-    p_buf = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN],
-                                      gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16))
-    a_buf = gl.allocate_shared_memory(gl.float32, [2, BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    l_buf = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_h, p_buf, a_buf, l_buf, p_ready, p_free, q_ready, l_ready = _two_consumer_exchange(BH, BN, W)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    l_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=PW * 32)  # every producer thread's cp.async arrival
         mbarrier.init(empty.index(i), count=1)  # slot 2j is released by the lead, 2j + 1 by the tail
-    for i in gl.static_range(2):
-        mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(p_free.index(i), count=1)
-    mbarrier.init(q_ready.index(0), count=1)
-    mbarrier.init(l_ready.index(0), count=1)
     n_blocks = gl.cdiv(topk, BN)
     idx_row_ptr = idx_ptr + pid_n * stride_in
     gl.warp_specialize([

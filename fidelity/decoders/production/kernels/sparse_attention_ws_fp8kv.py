@@ -39,6 +39,7 @@ from fidelity.decoders.production.kernels.sparse_attention_ws import (
     _lead,
     _one_consumer,
     _tail,
+    _two_consumer_exchange,
     consumers_for,
 )
 
@@ -205,24 +206,11 @@ def _two_consumer_fp8_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scal
     h0 = gl.program_id(0) * BH
     kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, W],
                                         gl.NVMMASharedLayout.get_default_for([BN, W], gl.bfloat16))
-    q_h = gl.allocate_shared_memory(gl.bfloat16, [2, BH, W], gl.NVMMASharedLayout.get_default_for([BH, W], gl.bfloat16))
-    p_buf = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN],
-                                      gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16))
-    a_buf = gl.allocate_shared_memory(gl.float32, [2, BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    l_buf = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_h, p_buf, a_buf, l_buf, p_ready, p_free, q_ready, l_ready = _two_consumer_exchange(BH, BN, W)
     raw_codes, raw_tail, raw_scales, raw_ready = _raw_ring(NR, BN)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    l_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     _init_ring(ready, empty, raw_ready, NS, NR, PW)
-    for i in gl.static_range(2):
-        mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(p_free.index(i), count=1)
-    mbarrier.init(q_ready.index(0), count=1)
-    mbarrier.init(l_ready.index(0), count=1)
     n_blocks = gl.cdiv(topk, BN)
     idx_row_ptr = idx_ptr + pid_n * stride_in
     gl.warp_specialize([

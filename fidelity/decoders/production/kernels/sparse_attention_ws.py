@@ -397,6 +397,16 @@ def consumers_for(n: int, heads: int, sms: int) -> int:
     return 2 if cost[2] < cost[1] else 1
 
 
+def consumer_layout(kernel: str, consumers: int | None, n: int, heads: int, device: torch.device) -> int:
+    """``consumers`` (1 or 2), or :func:`consumers_for` the device's SM count; a ValueError naming ``kernel`` when
+    the heads do not fill that layout's CTAs (32 or 64 heads each)."""
+    nc = consumers or consumers_for(n, heads, torch.cuda.get_device_properties(device).multi_processor_count)
+    if nc not in _LAYOUT or heads % _LAYOUT[nc][0]:
+        raise ValueError(f"{kernel}: consumers must be 1 or 2, with heads a multiple of {BLOCK_H} x consumers; "
+                         f"found consumers={nc}, heads={heads}")
+    return nc
+
+
 def sparse_attention_ws(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float,
                         *, consumers: int | None = None, parts: int = GATHER | MATH) -> torch.Tensor:
     """q [n, H, 512] bf16, kv [m, 512] bf16, idx [n, K] int (-1 = masked), sink [H] fp32 -> o [n, H, 512] bf16
@@ -406,14 +416,10 @@ def sparse_attention_ws(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, si
     o = torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
     if n == 0:
         return o
-    nc = consumers or consumers_for(n, h, torch.cuda.get_device_properties(q.device).multi_processor_count)
-    if nc not in _LAYOUT or h % _LAYOUT[nc][0]:
-        raise ValueError(f"sparse_attention_ws: consumers must be 1 or 2, with heads a multiple of "
-                         f"{BLOCK_H} x consumers; found consumers={nc}, heads={h}")
+    nc = consumer_layout("sparse_attention_ws", consumers, n, h, q.device)
     bh, slots, pregs, cregs = _LAYOUT[nc]
     q, kv = q.contiguous(), kv.contiguous()
-    idx = idx.to(torch.int32).contiguous()
-    sink = sink.to(torch.float32).contiguous()
+    idx, sink = idx.to(torch.int32).contiguous(), sink.to(torch.float32).contiguous()
     args = (q, kv, idx, sink, o, idx.shape[1], float(scale), q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
             o.stride(0), o.stride(1))
     common = dict(D=d, BH=bh, BN=BLOCK_N, NS=slots, CH=CHUNK, PW=PRODUCER_WARPS, PREGS=pregs, PARTS=parts,

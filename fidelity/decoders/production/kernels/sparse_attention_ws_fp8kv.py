@@ -40,7 +40,7 @@ from fidelity.decoders.production.kernels.sparse_attention_ws import (
     _one_consumer,
     _tail,
     _two_consumer_exchange,
-    consumers_for,
+    consumer_layout,
 )
 
 ROW_BYTES = 584
@@ -149,22 +149,23 @@ def _fp8_producer(kv_ptr, idx_row_ptr, topk, n_blocks, kv_smem, raw_codes, raw_t
 
 
 @gluon.jit
-def _raw_ring(NR: gl.constexpr, BN: gl.constexpr):
+def _rings(NS: gl.constexpr, NR: gl.constexpr, BN: gl.constexpr, PW: gl.constexpr):
+    """The raw ring (NR slots: code tiles, rope tail, scale bytes, ``raw_ready``) and the bf16 ring's mbarriers
+    (``ready``: the producer's one arrival after its partition barrier; ``empty``: the reader's release), all
+    initialized."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     raw_codes = gl.allocate_shared_memory(gl.uint8, [NR, 8, BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     raw_tail = gl.allocate_shared_memory(gl.uint8, [NR, BN, 64], plain)
     raw_scales = gl.allocate_shared_memory(gl.uint8, [NR, BN, 8], plain)
     raw_ready = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
-    return raw_codes, raw_tail, raw_scales, raw_ready
-
-
-@gluon.jit
-def _init_ring(ready, empty, raw_ready, NS: gl.constexpr, NR: gl.constexpr, PW: gl.constexpr):
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)  # the producer's arrival after its partition barrier
+        mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(NR):
         mbarrier.init(raw_ready.index(i), count=PW * 32)  # every producer thread's cp.async arrival
+    return raw_codes, raw_tail, raw_scales, raw_ready, ready, empty
 
 
 @gluon.jit
@@ -181,10 +182,7 @@ def _one_consumer_fp8_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scal
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BH],
                                        gl.NVMMASharedLayout.get_default_for([BN, BH], gl.bfloat16))
     red = gl.allocate_shared_memory(gl.float32, [2, 4, BH], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    raw_codes, raw_tail, raw_scales, raw_ready = _raw_ring(NR, BN)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    _init_ring(ready, empty, raw_ready, NS, NR, PW)
+    raw_codes, raw_tail, raw_scales, raw_ready, ready, empty = _rings(NS, NR, BN, PW)
     n_blocks = gl.cdiv(topk, BN)
     idx_row_ptr = idx_ptr + pid_n * stride_in
     gl.warp_specialize([
@@ -207,10 +205,7 @@ def _two_consumer_fp8_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scal
     kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, W],
                                         gl.NVMMASharedLayout.get_default_for([BN, W], gl.bfloat16))
     q_h, p_buf, a_buf, l_buf, p_ready, p_free, q_ready, l_ready = _two_consumer_exchange(BH, BN, W)
-    raw_codes, raw_tail, raw_scales, raw_ready = _raw_ring(NR, BN)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    _init_ring(ready, empty, raw_ready, NS, NR, PW)
+    raw_codes, raw_tail, raw_scales, raw_ready, ready, empty = _rings(NS, NR, BN, PW)
     n_blocks = gl.cdiv(topk, BN)
     idx_row_ptr = idx_ptr + pid_n * stride_in
     gl.warp_specialize([
@@ -255,10 +250,7 @@ def sparse_attention_ws_fp8kv(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tens
     o = torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
     if n == 0:
         return o
-    nc = consumers or consumers_for(n, h, torch.cuda.get_device_properties(q.device).multi_processor_count)
-    if nc not in _LAYOUT or h % _LAYOUT[nc][0]:
-        raise ValueError(f"sparse_attention_ws_fp8kv: consumers must be 1 or 2, with heads a multiple of "
-                         f"{BLOCK_H} x consumers; found consumers={nc}, heads={h}")
+    nc = consumer_layout("sparse_attention_ws_fp8kv", consumers, n, h, q.device)
     bh, ns, nr, pw, pregs, cregs = _LAYOUT[nc]
     ns, nr = slots or ns, raw_slots or nr
     if producer_warps not in (None, pw):
@@ -267,10 +259,8 @@ def sparse_attention_ws_fp8kv(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tens
                              f"registers of 8 warps do not fit beside two); found {producer_warps} with "
                              f"consumers={nc}")
         pw = producer_warps
-    q = q.contiguous()
-    kv = kv.contiguous()
-    idx = idx.to(torch.int32).contiguous()
-    sink = sink.to(torch.float32).contiguous()
+    q, kv = q.contiguous(), kv.contiguous()
+    idx, sink = idx.to(torch.int32).contiguous(), sink.to(torch.float32).contiguous()
     args = (q, kv, idx, sink, o, idx.shape[1], float(scale), q.stride(0), q.stride(1), idx.stride(0), o.stride(0),
             o.stride(1))
     pf = PREFETCH if prefetch is None else prefetch

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -31,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import kernel_sites  # noqa: E402
 from bench_layer_decode import WARMUP, filled_session, layer_config  # noqa: E402
 
 from fidelity.decoders.production import ProductionModel, registry  # noqa: E402
@@ -123,49 +125,83 @@ def copy_bandwidth(device: str) -> float:
     return 2 * a.numel() * 4 / sorted(times)[len(times) // 2]
 
 
+def _profiled(session, steps: int, stack: bool, trace: Path) -> list[dict]:
+    """Kernels of ``steps`` decode steps in start order, attributed to their launch sites (``kernel_sites``)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack) as prof:
+        for tok in range(steps):
+            session.step(tok + 10)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace))
+    return kernel_sites.attributed(kernel_sites.load_trace(trace))
+
+
+def graphed_step_us(session, steps: int) -> float:
+    """Median wall time of a graph replay step (CUDA events around each step)."""
+    times = []
+    for tok in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        session.step(tok + 20)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--profile", default="reference")
+    ap.add_argument("--depth", type=int, default=3, help="frames per launch site")
     ap.add_argument("--emulate", default="", help="ops to run on their emulation (comma-separated)")
     a = ap.parse_args()
     for op in filter(None, a.emulate.split(",")):
         registry.select(op, "cpu")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     cfg = layer_config(a.context, "flash")
     model = ProductionModel(synthesize(cfg, seed=0, lazy=True), a.profile, max_context=a.context + 256, device="cuda")
     for name in model.ckpt.names():  # every weight generated and dequantized before the profile, not in it
         model.w(name)
-    session = filled_session(model, a.context, seed=0)
+    eager = filled_session(model, a.context, seed=0, graph=True)
+    eager.graphs = False  # the graph step's kernels, launched one by one so that each has its Python stack
     for tok in range(WARMUP):
-        session.step(tok)
-    instrument()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for tok in range(a.steps):
-            session.step(tok + 10)
-        torch.cuda.synchronize()
-    ranges, kernels_us = range_times(prof.events(), a.steps)
+        eager.step(tok)
+    sites = _profiled(eager, a.steps, True, out / "trace_eager.json")
+    graph = filled_session(model, a.context, seed=0, graph=True)
+    for tok in range(WARMUP):
+        graph.step(tok)
+    wall = graphed_step_us(graph, 12)
+    replayed = _profiled(graph, a.steps, False, out / "trace_graph.json")
+    matched = len(replayed) == len(sites)
+    for k, g in zip(sites, replayed, strict=False):
+        k["graph_us"] = g["us"] if matched and k["name"] == g["name"] else None
+    matched = matched and all(k["graph_us"] is not None for k in sites)
+    timed = [{**k, "us": k["graph_us"]} for k in sites] if matched else sites
+    span = (replayed[-1]["ts"] + replayed[-1]["us"] - replayed[0]["ts"]) / a.steps if replayed else 0.0
     bandwidth = copy_bandwidth("cuda")
     floors = floor_bytes(cfg, a.context)
+    rows = kernel_sites.by_site(timed, a.steps, a.depth)
+    busy = sum(k["us"] for k in timed) / a.steps
     result = {"config": {"context": a.context, "profile": a.profile, "emulated": a.emulate, "steps": a.steps,
-                         "dim": cfg.dim,
-                         "routed_experts_stored": cfg.n_routed_experts, "activated": cfg.n_activated_experts},
+                         "dim": cfg.dim, "routed_experts_stored": cfg.n_routed_experts,
+                         "activated": cfg.n_activated_experts},
               "device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bandwidth,
-              "gpu_busy_us_per_step": kernels_us, "ranges": ranges, "floor_bytes": floors,
-              "floor_us": {k: v / bandwidth * 1e6 for k, v in floors.items()}}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+              "graphed_step_us": wall, "graph_span_us_per_step": span, "kernels_per_step": len(sites) / a.steps,
+              "times_from": "graph replay" if matched else "eager launches (graph kernels did not match one to one)",
+              "gpu_busy_us_per_step": busy, "sites": rows, "floor_bytes": floors,
+              "floor_us": {k: v / bandwidth * 1e6 for k, v in floors.items()},
+              "kernels": [{k: v for k, v in r.items() if k != "ts"} for r in timed[: len(timed) // a.steps]]}
     (out / "layer_breakdown.json").write_text(json.dumps(result, indent=1))
-    print(f"GPU busy {kernels_us:.0f} us per step; copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor of the step "
-          f"{sum(floors.values()) / bandwidth * 1e6:.1f} us ({sum(floors.values()) / 1e6:.1f} MB)")
-    print("| range | device us / step | calls / step | floor bytes | floor us |\n|---|---:|---:|---:|---:|")
-    for key, v in sorted(ranges.items(), key=lambda kv: -kv[1]["us_per_step"]):
-        name = key.split(":", 1)[1]
-        fb = floors.get(name) if key.startswith("part:") else None
-        floor = f"{fb / 1e6:.2f} MB | {fb / bandwidth * 1e6:.1f}" if fb else " | "
-        print(f"| {key} | {v['us_per_step']:.1f} | {v['calls_per_step']:.0f} | {floor} |")
+    print(f"graphed step {wall:.1f} us (replay span {span:.1f} us), {len(sites) / a.steps:.0f} kernels per step, "
+          f"GPU busy {busy:.1f} us ({result['times_from']}); copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor of "
+          f"the step {sum(floors.values()) / bandwidth * 1e6:.1f} us ({sum(floors.values()) / 1e6:.1f} MB)")
+    print("| launch site | us / step | kernels / step | kernels |\n|---|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['site']} | {r['us_per_step']:.1f} | {r['calls_per_step']:.0f} | {', '.join(r['kernels'][:3])} |")
     return 0
 
 

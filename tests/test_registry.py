@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fidelity.decoders.production import ops
+from fidelity.decoders.production import faults, ops
 from fidelity.decoders.production.registry import REGISTRY, deselect, implementation, select, selections
-from fidelity.model.formats import dequantize_fp8, fake_quant_fp8
+from fidelity.model.formats import dequantize_fp8, fake_quant_fp8, hadamard
 from fidelity.testing import CONTRACTS, Case, check_against_oracle, check_case
 
 MAX_EXAMPLES = 30
@@ -96,6 +96,22 @@ def kv_round_32_blocks(kv, rope_dims, fmt):
         (fake_quant_fp8(kv[..., :-rope_dims], 32), kv[..., -rope_dims:]), dim=-1)
 
 
+def indexer_round_scale_floor(x, fmt, rotate):
+    """The ``fp4-scale-floor`` port: FP4 scales rounded down, so each block's maximum saturates at 6 s."""
+    with faults.inject("fp4-scale-floor"):
+        return ops.indexer_round(x, fmt, rotate)
+
+
+def indexer_round_quantized_before_rotation(x, fmt, rotate):
+    return hadamard(ops.indexer_round(x, fmt, False)) if rotate else ops.indexer_round(x, fmt, False)
+
+
+def compressor_rope_at_the_blocks_last_position(*args):
+    """The ``compressed-rope-last`` port: the entry rotated at the block's last position."""
+    with faults.inject("compressed-rope-last"):
+        return ops.compressor_decode(*args)
+
+
 def kv_path_rope_before_norm(x, weight, eps, positions, freqs, fmt):
     """Rotates the wkv output first, then kv_norm: the norm's weight lands on rotated coordinates."""
     return ops.kv_round(ops.rms_norm(ops.apply_rope(x, positions, freqs), weight, eps), 2 * freqs.numel(), fmt)
@@ -154,6 +170,9 @@ BROKEN = [
     ("index_scores", index_scores_without_relu, "error bound|non-finite"),
     ("index_scores_fp4", index_scores_fp4_high_nibble_first, "error bound|non-finite"),
     ("kv_round", kv_round_32_blocks, "not exact"),
+    ("indexer_round", indexer_round_scale_floor, "not exact"),
+    ("indexer_round", indexer_round_quantized_before_rotation, "not exact"),
+    ("compressor_decode", compressor_rope_at_the_blocks_last_position, "cos|calc_diff"),
     ("kv_norm_rope_fp8", kv_path_rope_before_norm, "error bound"),
     ("kv_norm_rope_fp8", kv_path_round_in_128_blocks, "error bound"),
     ("gate", gate_weights_from_biased_scores, "output 'weights'"),

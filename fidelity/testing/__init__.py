@@ -8,7 +8,8 @@ Every op of ``fidelity.decoders.production.registry.REGISTRY`` has an :class:`Op
   128 boundaries, top-k wider than the entries available, an empty compressed cache, -1 indices anywhere
   after the always-valid first one, whole 64-blocks of -1, 1..16 heads, RoPE positions up to 2^20, a NaN;
 * the expected result: the oracle op (``oracles/``) in fp64 on the same inputs (kind ``tolerance``), or a
-  bit-exact reference function (kind ``bitexact``: ``kv_round``, whose exact-math oracle is the identity);
+  bit-exact reference function (kind ``bitexact``: ``kv_round`` and ``indexer_round``, whose exact-math oracles are
+  the identity and the rotation);
 * per output, a :class:`Tolerance` derived from the rounding steps the official reference itself takes.
 
 A per-element relative error ``<= r`` gives, for every row (last dim), ``calc_diff = |x-y|^2/(|x|^2+|y|^2)
@@ -30,6 +31,7 @@ sinkhorn_split, gate,  r = 2^-14 (fp32 math): calc_diff, 1 - cos <= 1.86e-9; gat
 hc_pre.pre/post/comb
 expert                 r = 2 x 2^-4 + 4u (two e4m3 activation roundings): calc_diff <= 9.9e-3, cos >= 0.990
 kv_round               bit-exact vs fake_quant_fp8(nope, 1x64) + unchanged rope dims
+indexer_round          bit-exact vs hadamard then fake_quant_fp4 (1x32; or the FP8 1x128 round)
 rms_norm_fp8           codes: |code*s - y| <= half an e4m3 step + 1.25u|y|; scale bytes of the exact amax
 rms_norm_act_quant     y: as rms_norm; xq: rms_norm_fp8's bound on code * scale
 kv_norm_rope_fp8       nope: half an e4m3 step (1x64) + 1.25u|y|; rope: 2 x 1.25u (|y_2i| + |y_2i+1|) elementwise
@@ -47,7 +49,7 @@ Requires hypothesis (the ``test`` extra).
 
 from fidelity.testing.cases import Case, OpContract, Output, Tolerance
 from fidelity.testing.check import check_against_oracle, check_all_registered, check_case
-from fidelity.testing.contracts import CONTRACTS, kv_round_reference
+from fidelity.testing.contracts import CONTRACTS, indexer_round_reference, kv_round_reference
 from fidelity.testing.strategies import strategies
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "check_against_oracle",
     "check_all_registered",
     "check_case",
+    "indexer_round_reference",
     "kv_round_reference",
     "strategies",
 ]

@@ -12,7 +12,9 @@ from fidelity.model.formats import (
     FP8_AMAX_FLOOR,
     FP8_MAX,
     dequantize_fp8,
+    fake_quant_fp4,
     fake_quant_fp8,
+    hadamard,
     ue8m0_scale,
 )
 from fidelity.testing.cases import (
@@ -33,6 +35,7 @@ from fidelity.testing.strategies import (
     _fp4_keys_case,
     act_linear_inputs,
     apply_rope_inputs,
+    compressor_decode_inputs,
     expert_inputs,
     fp4_picked_linear_inputs,
     fp8_weight_linear_inputs,
@@ -42,6 +45,7 @@ from fidelity.testing.strategies import (
     hc_pre_inputs,
     index_scores_fp4_inputs,
     index_scores_inputs,
+    indexer_round_inputs,
     kv_norm_rope_fp8_inputs,
     kv_round_inputs,
     rms_norm_fp8_inputs,
@@ -156,6 +160,38 @@ def kv_round_reference(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tens
 
 def _expected_kv_round(c: Case) -> tuple[torch.Tensor, ...]:
     return (kv_round_reference(c["kv"], c["rope_dims"], c["fmt"]),)
+
+
+def indexer_round_reference(x: torch.Tensor, fmt: str, rotate: bool) -> torch.Tensor:
+    """Bit-exact reference of ``indexer_round``: ``rotate_activation`` (:func:`fidelity.model.formats.hadamard`,
+    bf16 out) then ``fp4_act_quant(x, 32)`` in place (:func:`fidelity.model.formats.fake_quant_fp4`), or the FP8
+    1x128 round (fmt "fp8"), or nothing (fmt "bf16")."""
+    x = hadamard(x) if rotate else x
+    if fmt == "fp4":
+        return fake_quant_fp4(x, 32)
+    return fake_quant_fp8(x, min(128, x.shape[-1])) if fmt == "fp8" else x
+
+
+def _expected_compressor_decode(c: Case) -> tuple[torch.Tensor, ...]:
+    """The carry slot written, the exact softmax pool of the slots (with overlap: the previous block's first halves,
+    this block's second halves), the oracle RMSNorm and rotation at fp32(pos + 1 - r) angles; the overlap carry
+    shifted where the block completes."""
+    kv, score, ape, norm = _d(c["kv"]), _d(c["score"]), _d(c["ape"]), _d(c["norm"])
+    carry_kv, carry_score = _d(c["carry_kv"]).clone(), _d(c["carry_score"]).clone()
+    r, d, pos = ape.shape[0], norm.numel(), int(c["pos"][0])
+    overlap = kv.shape[-1] == 2 * d
+    slot = pos % r + (r if overlap else 0)
+    carry_kv[slot], carry_score[slot] = kv[0], score[0] + ape[pos % r]
+    if overlap:
+        slots_kv = torch.cat((carry_kv[:r, :d], carry_kv[r:, d:]))
+        slots_score = torch.cat((carry_score[:r, :d], carry_score[r:, d:]))
+    else:
+        slots_kv, slots_score = carry_kv, carry_score
+    pooled = (slots_score.softmax(dim=0) * slots_kv).sum(dim=0, keepdim=True)
+    entry = _rope_at_fp32_angles(norms_oracle.rms_norm(pooled, norm, c["eps"]), c["pos"] + 1 - r, c["freqs"])
+    if overlap and pos % r == r - 1:
+        carry_kv[:r], carry_score[:r] = carry_kv[r:].clone(), carry_score[r:].clone()
+    return entry, carry_kv, carry_score
 
 
 def _expected_kv_norm_rope_fp8(c: Case) -> tuple[torch.Tensor, ...]:
@@ -351,6 +387,25 @@ CONTRACTS: dict[str, OpContract] = {
         "fake_quant_fp8(kv[..., :-64], 64) (the in-place act_quant, e4m3 RNE with 1x64 ue8m0 scales) with the "
         "64 rope dims unchanged (spec §3 'Where quantization lives'). No NaN is planted: the CUDA amax may "
         "drop NaN (fmaxf), which the CPU reference cannot decide."),
+    "indexer_round": OpContract(
+        "indexer_round", "bitexact", indexer_round_inputs,
+        lambda c: (indexer_round_reference(c["x"], c["fmt"], c["rotate"]),),
+        (Output("x", BF16, None),),
+        "The indexer's query and key rounding (spec §3 rotate_activation, fp4_act_quant): the Walsh-Hadamard "
+        "rotation in fp32 butterflies scaled by d^-0.5 and stored bf16, then e2m1 RNE in 1x32 blocks with ue8m0 "
+        "scales (2^ceil(log2(max(amax, 6 * 2^-126) / 6)) from the bits). Exact math has no FP4 rounding, so the "
+        "contract is bit-exactness (+0 == -0) against the formats module's hadamard and fake_quant_fp4."),
+    "compressor_decode": OpContract(
+        "compressor_decode", "tolerance", compressor_decode_inputs, _expected_compressor_decode,
+        (Output("entry", BF16, _rel(3 * _ONE, (
+            "the pool in fp32 (exp, sums: ~2^-20) rounded to bf16, then RMSNorm and RoPE, one bf16 rounding each: "
+            "|rel| <= 3 x 1.25u"))),
+         Output("carry_kv", FP32, _FP32_TOL), Output("carry_score", FP32, _FP32_TOL)),
+        "A compressor's decode step after its projections (spec §4-§5 Compressor.forward): score + ape[pos % r] and "
+        "kv into the carry's slot of pos, the per-channel softmax pool of the carried slots (overlap, r = 4: the "
+        "previous block's first halves then this block's second halves), stored bf16, RMSNorm and RoPE at the "
+        "block's first position; the overlap carry shifts where the block completes. The entry is the pool of the "
+        "slots as they stand: the compressed entry where the block completes."),
     "kv_norm_rope_fp8": OpContract(
         "kv_norm_rope_fp8", "tolerance", kv_norm_rope_fp8_inputs, _expected_kv_norm_rope_fp8,
         (Output("kv", BF16, Tolerance(bound=_kv_norm_rope_fp8_bound, why=(

@@ -192,6 +192,59 @@ def kv_round_inputs(max_rows: int = 16) -> st.SearchStrategy[Case]:
     return build()
 
 
+def indexer_round_inputs(dims: Sequence[int] = (64, 128), max_rows: int = 6,
+                         max_heads: int = 8) -> st.SearchStrategy[Case]:
+    """``indexer_round(x bf16 [n, d] (keys) or [n, h, d] (queries), fmt, rotate)``: rows of magnitude 2^-40..2^40,
+    all-zero rows and 32-blocks, a large outlier in a row half the time (its block's other values land on subnormal
+    e2m1 steps), fmt mostly "fp4" (also "fp8" and "bf16"), with and without the Hadamard rotation. No NaN is planted
+    (the CUDA amax may drop NaN, as for ``kv_round``)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, d = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        heads = draw(st.sampled_from((0, 1, draw(st.integers(2, max_heads)))))
+        g = _gen(draw)
+        lead = (n, heads) if heads else (n,)
+        x = _randn(g, *lead, d) * torch.exp2(_uniform(g, -40, 40, *lead, 1))
+        kind = torch.randint(0, 6, (*lead, 1), generator=g)
+        x = torch.where(kind == 0, 0.0, x)
+        blocks = x.unflatten(-1, (-1, 32))
+        blocks[..., 0, :] = torch.where((kind == 1), 0.0, blocks[..., 0, :])
+        x = blocks.flatten(-2)
+        x[..., 1] = torch.where(kind[..., 0] >= 4, x[..., 1] * 2.0**12, x[..., 1])
+        return Case({"x": x.to(BF16), "fmt": draw(st.sampled_from(("fp4", "fp4", "fp4", "fp8", "bf16"))),
+                     "rotate": draw(st.booleans())})
+
+    return build()
+
+
+def compressor_decode_inputs(dims: Sequence[int] = (64, 128, 512)) -> st.SearchStrategy[Case]:
+    """``compressor_decode(kv fp32 [1, w], score fp32 [1, w], ape fp32 [r, w], carry_kv fp32 [coff r, w],
+    carry_score fp32 [coff r, w], pos int64 [1], norm fp32 [d], freqs fp32 [32], eps)``: r = 4 with overlap (w = 2d,
+    the CSA main and indexer compressors) or 128 (HCA, w = d); positions up to 2^20, half of them completing a
+    block; a fresh carry (scores -inf, as ``CompressorCarry.empty``) a quarter of the time, else carried rows of
+    mixed magnitude; V4-Flash's RoPE frequencies of that ratio."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        ratio, d = draw(st.sampled_from((4, 4, 128))), draw(st.sampled_from(tuple(dims)))
+        coff = 2 if ratio == 4 else 1
+        w, g = coff * d, _gen(draw)
+        block = draw(st.integers(0, 2**20 // ratio - 1))
+        phase = ratio - 1 if draw(st.booleans()) else draw(st.integers(0, ratio - 1))
+        carry_kv = _randn(g, coff * ratio, w) * torch.exp2(_uniform(g, -4, 4, coff * ratio, 1))
+        carry_score = _randn(g, coff * ratio, w) * 3
+        if draw(st.integers(0, 3)) == 0:
+            carry_kv, carry_score = torch.zeros_like(carry_kv), torch.full_like(carry_score, float("-inf"))
+        return Case({"kv": _randn(g, 1, w) * 4, "score": _randn(g, 1, w) * 3, "ape": _randn(g, ratio, w) * 0.5,
+                     "carry_kv": carry_kv, "carry_score": carry_score,
+                     "pos": torch.tensor([block * ratio + phase]), "norm": 1 + 0.1 * _randn(g, d),
+                     "freqs": rope_oracle.inv_freq(_FLASH, ratio, FP32), "eps": EPS},
+                    note=f"ratio {ratio}, phase {phase}")
+
+    return build()
+
+
 def kv_norm_rope_fp8_inputs(dims: Sequence[int] = (512, 512, 128), max_rows: int = 8,
                             max_position: int = 2**20) -> st.SearchStrategy[Case]:
     """``kv_norm_rope_fp8(x bf16 [n, hd], weight fp32 [hd], eps, positions int64 [n], freqs fp32 [32], fmt)``:
@@ -529,6 +582,8 @@ strategies = SimpleNamespace(
     rms_norm_weightless_inputs=rms_norm_weightless_inputs,
     apply_rope_inputs=apply_rope_inputs,
     kv_round_inputs=kv_round_inputs,
+    compressor_decode_inputs=compressor_decode_inputs,
+    indexer_round_inputs=indexer_round_inputs,
     kv_norm_rope_fp8_inputs=kv_norm_rope_fp8_inputs,
     index_scores_inputs=index_scores_inputs,
     index_scores_fp4_inputs=index_scores_fp4_inputs,

@@ -1055,3 +1055,118 @@ def test_take_copies_the_slice_a_device_index_names(shape, dtype):
         assert got.is_contiguous() and torch.equal(got, stack[i])
     with pytest.raises(ValueError, match="one-element index"):
         take.take(stack, torch.tensor([0, 1], device=CUDA))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode-step element-wise kernels (indexer_round, apply_rope): the emulation's bits on the GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _decode_rows(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """bf16 rows of shape ``shape`` with magnitudes 2^-30..2^30 per row."""
+    return (torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-30, 31, (*shape[:-1], 1), generator=g))).to(
+        BF16)
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 128), (1, 128), (4, 64, 128), (3, 512)])
+@pytest.mark.parametrize("rotate", [True, False])
+def test_indexer_round_kernel_gives_the_emulations_bits_on_the_gpu(shape, rotate):
+    from fidelity.decoders.production.kernels.indexer_round import indexer_round_cuda
+
+    x = _decode_rows(torch.Generator().manual_seed(sum(shape)), *shape).to(CUDA)
+    x.view(-1, shape[-1])[0, :32] = -0.0
+    want = ops.indexer_round(x, "fp4", rotate)  # the torch emulation on the same device
+    assert torch.equal(indexer_round_cuda(x, "fp4", rotate).view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 512), (1, 512), (1, 64, 128), (1, 128), (5, 8, 512)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_rope_kernel_gives_the_emulations_bits_on_the_gpu(shape, inverse):
+    from fidelity.decoders.production.kernels.rope import apply_rope_cuda
+
+    g = torch.Generator().manual_seed(sum(shape) + inverse)
+    x = _decode_rows(g, *shape).to(CUDA)
+    freqs = (torch.rand(32, generator=g) * torch.exp2(-torch.arange(32) / 2)).to(CUDA)
+    positions = torch.randint(0, 2**20, (shape[0],), generator=g).to(CUDA)
+    want = ops.apply_rope(x, positions, freqs, inverse)
+    assert torch.equal(apply_rope_cuda(x, positions, freqs, inverse).view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 4096, 1024), (2, 1024, 4096), (1, 2048, 512)])
+def test_decode_gemvs_quantizing_in_their_launch_give_the_bits_of_a_separate_quantization(m, k, n):
+    g = torch.Generator().manual_seed(m + k + n)
+    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-8, 8, (m, k), generator=g))).to(BF16).to(CUDA)
+    codes = (torch.randn(n, k, generator=g) * 4).to(torch.float8_e4m3fn).to(CUDA)
+    scales = torch.exp2(torch.randint(-8, 2, ((n + 127) // 128, k // 128), generator=g).float()).to(CUDA)
+    want = weight_gemv.fp8_weight_linear(fake_quant_fp8(x, 128), codes, scales)  # formats' quantizer (torch)
+    assert torch.equal(weight_gemv.fp8_weight_linear_cuda(x, codes, scales), want)
+    packed = torch.randint(0, 256, (4, n, k // 2), generator=g, dtype=torch.uint8).to(CUDA)
+    fp4_scales = torch.exp2(torch.randint(-8, 2, (4, n, k // 32), generator=g).float()).to(CUDA)
+    picks = torch.tensor([3, 1, 3][: max(m, 2)], device=CUDA)
+    xs = x[torch.arange(len(picks), device=CUDA) % m]
+    want = weight_gemv.fp4_expert_linear(fake_quant_fp8(xs, 128), picks, packed, fp4_scales)
+    assert torch.equal(weight_gemv.fp4_picked_linear_cuda(xs, picks, packed, fp4_scales), want)
+
+
+@pytest.mark.parametrize(("ratio", "n_comp"), [(0, 0), (4, 512), (128, 1025)])
+def test_decode_slots_kernel_gives_the_references_rows_and_local_indices(ratio, n_comp):
+    from fidelity.decoders.production.decode_slots import decode_slots_reference
+    from fidelity.decoders.production.kernels.decode_slots import decode_slots_cuda
+
+    g = torch.Generator().manual_seed(ratio)
+    for t in (0, 3, 126, 127, 128, 2047, 131071):
+        pos = torch.tensor([t], device=CUDA)
+        picks = torch.randperm(4 * n_comp, generator=g)[:n_comp][None].to(CUDA) if ratio == 4 else None
+        want = decode_slots_reference(pos, picks, 128, ratio, n_comp)
+        got = decode_slots_cuda(pos, picks, 128, ratio, n_comp)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), t
+
+
+def test_gate_kernel_picks_the_emulations_experts_at_flash_width():
+    from fidelity.decoders.production.kernels.gate import gate_cuda
+    from fidelity.model.config import ModelConfig
+
+    cfg = ModelConfig.preset("flash")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, cfg.dim, generator=g).to(BF16).float().to(CUDA)
+    weight = (torch.randn(cfg.n_routed_experts, cfg.dim, generator=g) * cfg.dim**-0.5).to(CUDA)
+    bias = (torch.randn(cfg.n_routed_experts, generator=g) * 0.1).to(CUDA)
+    ids = torch.arange(8, device=CUDA)
+    want_w, want_e = ops.gate(x, weight, bias, None, ids, cfg)
+    got_w, got_e = gate_cuda(x, weight, bias, None, ids, cfg)
+    assert torch.equal(got_e, want_e)  # distinct scores: the same experts in the same (descending) order
+    torch.testing.assert_close(got_w, want_w, rtol=4 * 2.0**-24, atol=0)
+
+
+@pytest.mark.parametrize(("ratio", "d"), [(4, 512), (4, 128), (128, 512)])
+def test_compressor_decode_kernel_follows_the_emulation_over_consecutive_positions(ratio, d):
+    """Both carries step by step from one fresh carry: the carried rows stay bit-equal (copies and one fp32 add), the
+    entries where a block completes agree to the bf16 roundings (the contract pins them against the oracle)."""
+    from fidelity.decoders.production.kernels.compressor import compressor_decode_cuda
+    from fidelity.decoders.production.rope_freqs import rope_inv_freq
+    from fidelity.model.config import ModelConfig
+
+    coff = 2 if ratio == 4 else 1
+    w, g = coff * d, torch.Generator().manual_seed(ratio + d)
+    ape = torch.randn(ratio, w, generator=g).to(CUDA) * 0.5
+    norm = (1 + 0.1 * torch.randn(d, generator=g)).to(CUDA)
+    freqs = rope_inv_freq(ModelConfig.preset("flash"), ratio).to(CUDA)
+    carries = [(torch.zeros(coff * ratio, w, device=CUDA), torch.full((coff * ratio, w), float("-inf"), device=CUDA))
+               for _ in range(2)]
+    for t in range(3 * ratio):
+        kv, score = (torch.randn(1, w, generator=g) * 4).to(CUDA), (torch.randn(1, w, generator=g) * 3).to(CUDA)
+        pos = torch.tensor([t], device=CUDA)
+        want = ops.compressor_decode(kv, score, ape, *carries[0], pos, norm, freqs, 1e-6)
+        got = compressor_decode_cuda(kv, score, ape, *carries[1], pos, norm, freqs, 1e-6)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), t
+        if t % ratio == ratio - 1:
+            cos = torch.nn.functional.cosine_similarity(got[0].double(), want[0].double(), dim=-1)
+            assert cos.item() > 1 - 1e-4, (t, cos.item())
+
+
+def test_rms_norm_weightless_kernel_rounds_as_the_bf16_emulation():
+    from fidelity.decoders.production.kernels.rms_norm import rms_norm_weightless_cuda
+
+    q = (torch.randn(2, 64, 512, generator=torch.Generator().manual_seed(0)) * 3).to(BF16).to(CUDA)
+    same = rms_norm_weightless_cuda(q, 1e-6) == ops.rms_norm_weightless(q, 1e-6)
+    assert same.float().mean().item() >= 0.999  # the mean's fp32 sum order may flip a bf16 rounding

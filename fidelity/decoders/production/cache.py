@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fidelity.decoders.production import kernels
 from fidelity.decoders.production.profiles import Profile
 from fidelity.model.config import ModelConfig
 from fidelity.model.formats import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
@@ -33,8 +34,14 @@ class _RowStore:
 
     def write_if(self, slots: torch.Tensor, rows: torch.Tensor, cond: torch.Tensor) -> None:
         """``write(slots, rows)`` where ``cond`` (bool [1], on the store's device) holds, else the rows are left
-        as they are: a write decided on the device, with no host sync (graph decode)."""
+        as they are: a write decided on the device, with no host sync (graph decode); one row on a GPU is one
+        launch per storage tensor (``kernels.take.put_if``)."""
         for store, new in self._parts(rows):
+            if store.is_cuda and kernels.available() and new.shape[0] == 1 and slots.numel() == 1:
+                from fidelity.decoders.production.kernels.take import put_if
+
+                put_if(store, slots.reshape(1), new, cond.reshape(1))
+                continue
             if store.dtype.itemsize == 1 and store.dtype != torch.uint8:  # torch.where has no float8 kernels
                 store, new = store.view(torch.uint8), new.view(torch.uint8)
             store[slots] = torch.where(cond.view(-1, *([1] * (new.dim() - 1))), new, store[slots])

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from fidelity.decoders.production import ops
 from fidelity.decoders.production.cache import CompressorCarry
 from fidelity.decoders.production.faults import on
+from fidelity.decoders.production.registry import implementation
 
 BF16 = torch.bfloat16
 
@@ -27,8 +27,11 @@ def _overlap(t: torch.Tensor, ratio: int, d: int, fill: float) -> torch.Tensor:
 
 def _finish(pooled: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor,
             eps: float) -> torch.Tensor:
-    """pooled fp32 [b, d] -> bf16 entries: RMSNorm of the bf16 rows, RoPE at the block starts."""
-    return ops.apply_rope(ops.rms_norm(pooled.to(BF16), norm, eps), positions, freqs)
+    """pooled fp32 [b, d] -> bf16 entries: RMSNorm of the bf16 rows, RoPE at the block starts (ops ``rms_norm`` and
+    ``apply_rope`` as the registry resolves them for the device: the kernels on a GPU)."""
+    dev = pooled.device
+    y = implementation("rms_norm", dev)(pooled.to(BF16), norm, eps)
+    return implementation("apply_rope", dev)(y, positions, freqs)
 
 
 def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
@@ -71,53 +74,23 @@ def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: in
     return _finish(pooled, norm, freqs, starts, eps), first
 
 
-def _pool_carry(carry: CompressorCarry, ratio: int, d: int) -> torch.Tensor:
-    """Softmax-weighted pool of the carried block -> fp32 [1, d]; overlap (ratio 4): the previous block's first
-    half with this block's second half."""
-    if ratio != 4:
-        return (carry.kv * carry.score.softmax(dim=0)).sum(dim=0, keepdim=True)
-    kv = torch.cat((carry.kv[:ratio, :d], carry.kv[ratio:, d:]))
-    score = torch.cat((carry.score[:ratio, :d], carry.score[ratio:, d:]))
-    return (kv * score.softmax(dim=0)).sum(dim=0, keepdim=True)
-
-
 def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor | None, int]:
     """One token x [1, dim] at position t -> (the entry completed at t [1, d] or None, its id t // ratio)."""
-    wkv, wgate, ape, norm = weights
-    d, overlap = norm.numel(), ratio == 4
-    kv, score = _project(x, wkv, wgate)
-    score = score + ape[t % ratio]
-    slot = (ratio if overlap else 0) + t % ratio
-    carry.kv[slot], carry.score[slot] = kv[0], score[0]
-    if (t + 1) % ratio:
-        return None, 0
-    pooled = _pool_carry(carry, ratio, d)
-    if overlap:
-        carry.kv[:ratio], carry.score[:ratio] = carry.kv[ratio:].clone(), carry.score[ratio:].clone()
-    start = t if on("compressed-rope-last") else t + 1 - ratio
-    return _finish(pooled, norm, freqs, torch.tensor([start], device=x.device), eps), t // ratio
+    entry, complete, j = compress_decode_on_device(x, torch.tensor([t], device=x.device), weights, carry, ratio,
+                                                   freqs, eps)
+    return (entry, t // ratio) if (t + 1) % ratio == 0 else (None, 0)
 
 
 def compress_decode_on_device(x: torch.Tensor, pos: torch.Tensor, weights, carry: CompressorCarry, ratio: int,
                               freqs: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`compress_decode` with the position in a device tensor ``pos`` (int64 [1]) and no host branch, so
-    that a decode step can be captured in a CUDA graph. The carry is updated exactly as ``compress_decode``
-    does (the overlap shift where the block completes), and the entry of the block ending at ``pos`` is computed
-    every step. Returns (entry [1, d] bf16, complete bool [1], entry id int64 [1]): the entry equals
-    ``compress_decode``'s where ``complete``, and is meaningless (may be NaN) elsewhere."""
+    that a decode step can be captured in a CUDA graph: the projections, then op ``compressor_decode`` (the carry
+    updated in place, the entry of the block ending at ``pos`` computed every step). Returns (entry [1, d] bf16,
+    complete bool [1], entry id int64 [1]): the entry is the compressed entry where ``complete``, and meaningless
+    (may be NaN) elsewhere."""
     wkv, wgate, ape, norm = weights
-    d, overlap = norm.numel(), ratio == 4
     kv, score = _project(x, wkv, wgate)
-    phase = pos % ratio
-    score = score + ape.index_select(0, phase)
-    slot = phase + (ratio if overlap else 0)
-    carry.kv.index_copy_(0, slot, kv)
-    carry.score.index_copy_(0, slot, score)
-    complete = phase == ratio - 1
-    pooled = _pool_carry(carry, ratio, d)
-    if overlap:
-        for state in (carry.kv, carry.score):
-            state[:ratio] = torch.where(complete, state[ratio:], state[:ratio])
-    start = pos if on("compressed-rope-last") else pos + 1 - ratio
-    return _finish(pooled, norm, freqs, start, eps), complete, pos // ratio
+    step = implementation("compressor_decode", x.device)
+    entry, _, _ = step(kv, score, ape, carry.kv, carry.score, pos, norm, freqs, eps)
+    return entry, pos % ratio == ratio - 1, pos // ratio

@@ -37,6 +37,8 @@ IN_EMULATION: dict[str, str] = {
     "sink-dropped": "sparse_attention",
     "sinkhorn-3-iters": "hc_pre",
     "comb-transposed": "hc_pre",
+    "fp4-scale-floor": "indexer_round",
+    "compressed-rope-last": "compressor_decode",
 }
 
 _active: frozenset[str] = frozenset()

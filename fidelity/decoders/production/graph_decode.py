@@ -25,10 +25,13 @@ import torch
 from fidelity.decoders.production import faults, kernels, registry
 from fidelity.decoders.production.call_counts import counting
 from fidelity.decoders.production.compressor import compress_decode_on_device
+from fidelity.decoders.production.decode_slots import decode_slots, mask_past
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.model import ProductionModel, ProductionSession, _plain, _topk_cap
 from fidelity.decoders.production.topk import stable_topk
+
+SLOT_FAULTS = ("window-127", "window-no-self", "causal-off-by-one")  # faults that move the rows a decode step reads
 
 
 class GraphDecodeSession(ProductionSession):
@@ -116,15 +119,35 @@ class GraphDecodeSession(ProductionSession):
         return None
 
     def index_decode(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        picks = self.index_picks(i, x, qr, positions)
+        return torch.where(picks >= (self.pos_dev + 1) // 4, -1, picks)
+
+    def index_picks(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The indexer's top-k over every key slot with ``j >= (t+1)//4`` scored -inf [1, k]; picks of masked slots
+        (fewer visible entries than k) are still in it, at or past the limit."""
         cache = self.layers[i]
         q, weights = self.index_query(i, x, qr, positions)
         self.compress(i, x, positions, index=True)
         n = cache.keys.capacity
-        limit = (self.pos_dev + 1) // 4
-        scores = self._scorer(cache.keys, n)(q, weights)
-        scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= limit, float("-inf"))
-        picks = stable_topk(scores, min(_topk_cap(self.cfg.index_topk), n))
-        return torch.where(picks >= limit, -1, picks)
+        scores = mask_past(self._scorer(cache.keys, n)(q, weights), self.pos_dev, 4)
+        return stable_topk(scores, min(_topk_cap(self.cfg.index_topk), n))
+
+    def attend_decode(self, i, x, qr, q, kv, positions) -> torch.Tensor:
+        """``ProductionSession.attend_decode`` with the attended rows from :func:`decode_slots` (one launch on a
+        GPU); the torch path while a fault that moves those rows is injected."""
+        if any(on(f) for f in SLOT_FAULTS):
+            return super().attend_decode(i, x, qr, q, kv, positions)
+        cfg, cache, ratio = self.cfg, self.layers[i], self.cfg.ratio(i)
+        cache.kv.write(self.window_slot(cache.window), kv)
+        picks = None
+        if ratio:
+            self.compress(i, x, positions, index=False)
+            picks = self.index_picks(i, x, qr, positions) if ratio == 4 else None
+        rows, local = decode_slots(self.pos_dev, picks, cache.window, ratio, cache.n_compressed)
+        buf = cache.gather[: rows.shape[0]]
+        cache.kv.read_into(rows, buf)
+        sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
+        return self.op("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
 
     def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
         if h.shape[0] != 1 or self.m.stored_experts(i) is not None:  # the stored-FP4 path is sync-free already
@@ -140,7 +163,7 @@ class GraphDecodeSession(ProductionSession):
             e = experts[0].index_select(0, slot)
             y += expert(h, _take(w1, e), _take(w2, e), _take(w3, e), cfg.swiglu_limit,
                         weights.index_select(1, slot), act, self.linear).float()
-        y += self.shared_expert(i, h)
+        y += self.shared_expert(i, h).float()
         return y.to(torch.bfloat16)
 
 

@@ -328,7 +328,7 @@ class ProductionSession:
         if not index:
             return self.op("kv_round")(entries, self.cfg.rope_head_dim, self.p.kv_nope)
         rotate = self.p.hadamard == "on" and not on("hadamard-q-only")
-        entries = ops.indexer_round(entries, self.p.indexer_qk, rotate)
+        entries = self.op("indexer_round")(entries, self.p.indexer_qk, rotate)
         if on("indexer-key-width"):
             entries = entries.clone()
             entries[:, -self.cfg.rope_head_dim :] = 0
@@ -434,7 +434,7 @@ class ProductionSession:
         pre = f"layers.{i}.attn.indexer."
         q = self.linear(qr, pre + "wq_b.weight").unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
         q = self.op("apply_rope")(q, positions, self.m.freqs[4])
-        q = ops.indexer_round(q, prof.indexer_qk, prof.hadamard == "on")
+        q = self.op("indexer_round")(q, prof.indexer_qk, prof.hadamard == "on")
         self.emit(f"L{i}.indexer.q", lambda: _unrotated(q, prof))
         weights = (x @ w(pre + "weights_proj.weight").to(BF16).T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
         self.emit(f"L{i}.indexer.weights", weights)
@@ -505,9 +505,10 @@ class ProductionSession:
         return weights, experts
 
     def shared_expert(self, i: int, h: torch.Tensor | Fp8Input) -> torch.Tensor:
+        """The shared expert's output bf16 [n, dim]."""
         q = f"layers.{i}.ffn.shared_experts."
         return self.op("expert")(h, q + "w1.weight", q + "w2.weight", q + "w3.weight", self.cfg.swiglu_limit,
-                                 None, self.p.gemm_act, self.linear).float()
+                                 None, self.p.gemm_act, self.linear)
 
     def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
         """Routed experts in ascending expert id, then the shared expert; fp32 sum -> bf16 [n, dim]. h: the ffn
@@ -517,23 +518,22 @@ class ProductionSession:
         weights, experts = self.route(i, x, ids)
         stacks = self.m.stored_experts(i) if x.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
         if stacks is not None:
-            y = self.routed_on_stored(h, weights, experts, stacks)
-        else:
-            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            expert = self.op("expert")
-            for e, rows, slot in _by_expert(experts):
-                q = f"layers.{i}.ffn.experts.{e}."
-                y[rows] += expert(h[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
-                                  cfg.swiglu_limit, weights[rows, slot, None], act, self.linear).float()
-        y += self.shared_expert(i, h)
+            return _moe_sum(self.routed_on_stored(h, weights, experts, stacks), self.shared_expert(i, h))
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        expert = self.op("expert")
+        for e, rows, slot in _by_expert(experts):
+            q = f"layers.{i}.ffn.experts.{e}."
+            y[rows] += expert(h[rows], w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight"),
+                              cfg.swiglu_limit, weights[rows, slot, None], act, self.linear).float()
+        y += self.shared_expert(i, h).float()
         return y.to(BF16)
 
 
     def routed_on_stored(self, h: torch.Tensor | Fp8Input, weights: torch.Tensor, experts: torch.Tensor,
                          stacks) -> torch.Tensor:
         """The routed experts of a few tokens [n, k] on the stored FP4 weights (op ``fp4_picked_linear``: the
-        expert ids stay on the device, no weight is copied): fp32 [n, dim], each token's experts added in ascending
-        id as ``moe`` adds them. No host sync (graph decode runs it too)."""
+        expert ids stay on the device, no weight is copied): each token's expert outputs bf16 [n, k, dim] in
+        ascending expert id, the order ``moe`` adds them in. No host sync (graph decode runs it too)."""
         n, k = experts.shape
         order = experts.argsort(dim=1)
         picked = experts.gather(1, order).flatten()
@@ -544,11 +544,20 @@ class ProductionSession:
             return self.op("fp4_picked_linear")(x.xq if isinstance(x, Fp8Input) else x, picked, *w, act)
 
         out = self.op("expert")(hs, *stacks, self.cfg.swiglu_limit, slot_weights, self.p.gemm_act, linear)
-        out = out.float().unflatten(0, (n, k))
-        y = torch.zeros((n, out.shape[-1]), dtype=torch.float32, device=out.device)
-        for j in range(k):
-            y += out[:, j]
-        return y
+        return out.unflatten(0, (n, k))
+
+
+def _moe_sum(out: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """Routed slot outputs bf16 [n, k, dim] added in fp32 in slot order, then the shared expert's [n, dim], rounded
+    to bf16: one launch on a GPU (``kernels.moe_sum``, the same bits), the loop here otherwise."""
+    if out.is_cuda and kernels.available():
+        from fidelity.decoders.production.kernels.moe_sum import moe_sum
+
+        return moe_sum(out, shared)
+    y = torch.zeros((out.shape[0], out.shape[-1]), dtype=torch.float32, device=out.device)
+    for j in range(out.shape[1]):
+        y += out[:, j].float()
+    return (y + shared.float()).to(BF16)
 
 
 def _by_expert(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:

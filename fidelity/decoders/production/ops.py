@@ -118,6 +118,39 @@ def kv_norm_rope_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, position
     return kv_round(apply_rope(rms_norm(x, weight, eps), positions, freqs), 2 * freqs.numel(), fmt)
 
 
+def compressor_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, carry_kv: torch.Tensor,
+                      carry_score: torch.Tensor, pos: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode token through a compressor after its projections (spec §4-§5 ``Compressor.forward``, decode):
+    kv, score fp32 [1, w] (w = coff * d; score without ape) at position ``pos`` (int64 [1], a device tensor: no host
+    branch). ``score + ape[pos % r]`` and kv go to the carry's slot of pos (``carry_kv`` / ``carry_score`` fp32
+    [coff * r, w], updated in place; r = ``ape.shape[0]``, overlap when w == 2 d); the carried slots are pooled
+    (softmax over the slots per channel; with overlap the previous block's first halves, then this block's second
+    halves), the pool is stored bf16, RMSNorm'd (``norm`` [d]) and rotated at the block's first position
+    ``pos + 1 - r``; where the block completes (``pos % r == r - 1``) the overlap carry shifts (this block becomes
+    the previous one). Returns (entry bf16 [1, d]: the compressed entry where the block completes, the pool of the
+    slots as they stand elsewhere; carry_kv; carry_score)."""
+    r, d = ape.shape[0], norm.numel()
+    overlap = kv.shape[-1] == 2 * d
+    phase = pos % r
+    slot = phase + (r if overlap else 0)
+    carry_kv.index_copy_(0, slot, kv)
+    carry_score.index_copy_(0, slot, score + ape.index_select(0, phase))
+    if overlap:
+        slots_kv = torch.cat((carry_kv[:r, :d], carry_kv[r:, d:]))
+        slots_score = torch.cat((carry_score[:r, :d], carry_score[r:, d:]))
+    else:
+        slots_kv, slots_score = carry_kv, carry_score
+    pooled = (slots_kv * slots_score.softmax(dim=0)).sum(dim=0, keepdim=True)
+    if overlap:
+        complete = phase == r - 1
+        for state in (carry_kv, carry_score):
+            state[:r] = torch.where(complete, state[r:], state[:r])
+    start = pos if on("compressed-rope-last") else pos + 1 - r
+    entry = apply_rope(rms_norm(pooled.to(BF16), norm, eps), start, freqs)
+    return entry, carry_kv, carry_score
+
+
 def kv_round(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tensor:
     """Window / compressed KV [n, hd] bf16: nope dims FP8-rounded in 1x64 ue8m0 blocks (``act_quant(kv[..., :-rd],
     64, inplace=True)``) when ``fmt == "fp8"``; rope dims stay bf16."""
@@ -294,12 +327,24 @@ def expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
     ``act_linear`` implementation to use (default: this module's); w1, w2, w3 are handed to it as given (weight
     tensors, or whatever the caller's ``linear`` takes: a weight's name, a stored form)."""
     linear = linear or act_linear
-    g = linear(x, w1, act).float()
-    u = linear(x, w3, act).float()
-    if limit > 0 and not (weight is None and on("shared-clamp-missing")):
+    g, u = linear(x, w1, act), linear(x, w3, act)
+    return linear(swiglu(g, u, limit, weight, expert_clamps(limit, weight)), w2, act)
+
+
+def expert_clamps(limit: float, weight: torch.Tensor | None) -> bool:
+    """Whether ``expert`` clamps g and u: a positive ``swiglu_limit`` (the ``shared-clamp-missing`` fault drops it
+    from the shared expert, the one called without a routing weight)."""
+    return limit > 0 and not (weight is None and on("shared-clamp-missing"))
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor | None, clamp: bool) -> torch.Tensor:
+    """``expert``'s middle: the w1 / w3 outputs g, u bf16 [n, f] -> h bf16 [n, f] = ``weight * silu(g) * u`` in
+    fp32, u clamped to [-limit, limit] and g to at most limit first when ``clamp``."""
+    g, u = g.float(), u.float()
+    if clamp:
         u = u.clamp(min=-limit, max=limit)
         g = g.clamp(max=limit)
     h = F.silu(g) * u
     if weight is not None:
         h = weight * h
-    return linear(h.to(BF16), w2, act)
+    return h.to(BF16)

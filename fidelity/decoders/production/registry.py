@@ -80,6 +80,8 @@ for _name, _fn in {
     "rms_norm_weightless": ops.rms_norm_weightless,
     "apply_rope": ops.apply_rope,
     "kv_round": ops.kv_round,
+    "compressor_decode": ops.compressor_decode,
+    "indexer_round": ops.indexer_round,
     "index_scores": ops.index_scores,
     "index_scores_fp4": ops.index_scores_fp4,
     "sparse_attention": ops.sparse_attention,

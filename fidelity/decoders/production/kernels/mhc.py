@@ -55,8 +55,9 @@ def _split_collapse(m_pre, m_post, m_comb, toks, tmask, x_ptr, scale_ptr, base_p
 
 @triton.jit
 def _mix_chunk(x_ptr, fn_ptr, toks, tmask, k_lo, k_len, K, stride_xn, BT: tl.constexpr, BK: tl.constexpr,
-               PREC: tl.constexpr):
-    """Partial mixes [BT, 32] (rows 24..31 zero) and sum of squares [BT] over x columns k_lo .. k_lo+k_len-1."""
+               PREC: tl.constexpr, MIXES: tl.constexpr):
+    """Partial mixes [BT, 32] (fn's MIXES rows; the rest zero) and sum of squares [BT] over x columns k_lo ..
+    k_lo+k_len-1."""
     r32 = tl.arange(0, 32)
     mix = tl.zeros([BT, 32], tl.float32)
     mix_mid = tl.zeros([BT, 32], tl.float32)  # bf16x3: one total per part, three independent MMA chains
@@ -69,7 +70,7 @@ def _mix_chunk(x_ptr, fn_ptr, toks, tmask, k_lo, k_len, K, stride_xn, BT: tl.con
                      other=0.0)
         xf = xk.to(tl.float32)
         ssq += tl.sum(xf * xf, axis=1)
-        fk = tl.load(fn_ptr + r32[None, :] * K + ks[:, None], mask=(r32[None, :] < 24) & km[:, None], other=0.0)
+        fk = tl.load(fn_ptr + r32[None, :] * K + ks[:, None], mask=(r32[None, :] < MIXES) & km[:, None], other=0.0)
         if PREC == "bf16x3":
             # bf16 streams times fn as three bf16 parts (fn = f1 + f2 + f3 to ~2^-24 relative); every product is
             # exact in fp32. Each part's block of BK columns is summed by the tensor cores from zero, then added to
@@ -98,7 +99,7 @@ def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
     toks = (pid * BT + tl.arange(0, BT)).to(tl.int64)
     tmask = toks < n
     K = 4 * dim
-    mix, ssq = _mix_chunk(x_ptr, fn_ptr, toks, tmask, 0, K, K, stride_xn, BT, BK, PREC)
+    mix, ssq = _mix_chunk(x_ptr, fn_ptr, toks, tmask, 0, K, K, stride_xn, BT, BK, PREC, 24)
     rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ssq, K.to(tl.float32)) + norm_eps))
     mix = mix * rs[:, None]
     # split: one-hot selections (exact for finite mixes) of columns 0..3, 4..7, 8..23
@@ -117,14 +118,15 @@ def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
 
 @triton.jit(do_not_specialize=["n"])
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, ws_ptr, n, dim, k_per_split, stride_xn,
-                           BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """Split-K (few tokens): program (tile, s) writes partial mixes + sum of squares to ws [S, n, 33]."""
+                           BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, MIXES: tl.constexpr):
+    """Split-K (few tokens): program (tile, s) writes partial mixes (fn's MIXES rows) + sum of squares to ws
+    [S, n, 33]."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     toks = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
     tmask = toks < n
     mix, ssq = _mix_chunk(x_ptr, fn_ptr, toks, tmask, pid_s * k_per_split, k_per_split, 4 * dim, stride_xn, BT, BK,
-                          PREC)
+                          PREC, MIXES)
     row = (pid_s * n + toks) * 33
     tl.store(ws_ptr + row[:, None] + tl.arange(0, 32)[None, :], mix, mask=tmask[:, None])
     tl.store(ws_ptr + row + 32, ssq, mask=tmask)
@@ -213,7 +215,7 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int | None =
         return y, pre, post, comb
     ws = torch.empty((splits, n, 33), dtype=torch.float32, device=dev)
     _hc_mix_partial_kernel[(tiles, splits)](x, fn, ws, n, dim, per, x.stride(0), BT=bt, BK=bk, PREC=precision,
-                                            num_warps=num_warps)
+                                            MIXES=24, num_warps=num_warps)
     d_blocks = max(1, min(triton.cdiv(dim, bd), triton.cdiv(264, tiles)))
     d_per = triton.cdiv(triton.cdiv(dim, bd), d_blocks) * bd
     _hc_finish_kernel[(tiles, triton.cdiv(dim, d_per))](
@@ -224,6 +226,62 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int | None =
 
 hc_pre = device_transparent(hc_pre_cuda)
 hc_pre.__name__ = "triton_hc_pre"
+
+
+@triton.jit(do_not_specialize=["n", "n_splits"])
+def _hc_head_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, n, dim, n_splits, norm_eps, hc_eps, stride_xn,
+                           d_per_prog, BD: tl.constexpr):
+    """Token pid0: the split-K partials summed in split order, pre = sigmoid(mixes * rs * scale + base) + eps, then
+    y = sum_i pre_i x_i over the dims pid1 * d_per_prog .. (pid1 + 1) * d_per_prog - 1, rounded once to bf16."""
+    tok = tl.program_id(0).to(tl.int64)
+    r4 = tl.arange(0, 4)
+    mix = tl.zeros([4], tl.float32)
+    ssq = tl.zeros([4], tl.float32)  # the sum of squares, once per lane
+    for s in range(n_splits):
+        row = (s * n + tok) * 33
+        mix += tl.load(ws_ptr + row + r4)
+        ssq += tl.load(ws_ptr + row + 32 + 0 * r4)
+    rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ssq, (4 * dim).to(tl.float32)) + norm_eps))
+    pre = tl.sigmoid(mix * rs * tl.load(scale_ptr) + tl.load(base_ptr + r4)) + hc_eps
+    d_lo = tl.program_id(1) * d_per_prog
+    for d0 in range(0, d_per_prog, BD):
+        cols = d_lo + d0 + tl.arange(0, BD)
+        ok = cols < dim
+        x = tl.load(x_ptr + tok * stride_xn + r4[:, None] * dim + cols[None, :], mask=ok[None, :], other=0.0)
+        y = tl.sum(pre[:, None] * x.to(tl.float32), axis=0)
+        tl.store(y_ptr + tok * dim + cols, y.to(tl.bfloat16), mask=ok)
+
+
+def hc_head_cuda(x, fn, scale, base, norm_eps, hc_eps, *, bt: int = 16, bk: int = 128, bd: int = 512,
+                 num_warps: int = 4):
+    """Same signature and output as ``ops.hc_head``: x [n, 4, dim] streams on CUDA -> bf16 [n, dim]: the mixes of
+    ``hc_pre``'s split-K partial kernel with fn's 4 rows, then one launch for the sigmoid weights and the collapse
+    (tolerance contract of ``hc_head``: fp32 sums in another order)."""
+    if not (on_device(x) and x.dim() == 3 and x.shape[1] == 4 and fn.shape == (4, 4 * x.shape[2])
+            and x.dtype in (torch.bfloat16, torch.float32) and scale.numel() == 1):
+        fallbacks.note("hc_head", fallbacks.UNSUPPORTED)
+        return ops.hc_head(x, fn, scale, base, norm_eps, hc_eps)
+    n, _, dim = x.shape
+    x = x.contiguous()
+    y = torch.empty((n, dim), dtype=torch.bfloat16, device=x.device)
+    if n == 0:
+        return y
+    tiles, k_blocks = triton.cdiv(n, bt), triton.cdiv(4 * dim, bk)
+    per = triton.cdiv(k_blocks, max(1, min(k_blocks, triton.cdiv(264, tiles)))) * bk
+    splits = triton.cdiv(4 * dim, per)
+    ws = torch.empty((splits, n, 33), dtype=torch.float32, device=x.device)
+    precision = "bf16x3" if x.dtype == torch.bfloat16 else "tf32x3"
+    _hc_mix_partial_kernel[(tiles, splits)](x, fn.float().contiguous(), ws, n, dim, per, x.stride(0), BT=bt, BK=bk,
+                                            PREC=precision, MIXES=4, num_warps=num_warps)
+    d_per = triton.cdiv(triton.cdiv(dim, bd), max(1, min(triton.cdiv(dim, bd), triton.cdiv(132, n)))) * bd
+    _hc_head_finish_kernel[(n, triton.cdiv(dim, d_per))](
+        ws, x, scale.float().contiguous(), base.float().contiguous(), y, n, dim, splits, float(norm_eps),
+        float(hc_eps), x.stride(0), d_per, BD=bd, num_warps=num_warps)
+    return y
+
+
+hc_head = device_transparent(hc_head_cuda)
+hc_head.__name__ = "triton_hc_head"
 
 
 @triton.jit(do_not_specialize=["n"])

@@ -14,6 +14,10 @@ NaN included (a NaN block gets scale byte 0xFF and NaN codes, as in ``fidelity.m
 ``rms_norm_act_quant``: the same program storing, in place of codes and scale bytes, their product as bf16 (exact):
 ``y`` and ``formats.fake_quant_fp8(y, 128)``, what the production model's FP8 GEMMs multiply (profile ``fused-norm``).
 
+``rms_norm_weightless``: the per-head query norm with every step rounded to bf16 as torch's bf16 ops round it
+(``q * rsqrt(mean(q^2) + eps)``: the square, the mean of an fp32 sum, ``+ eps``, libdevice's ``rsqrtf``, the
+product), one row per program.
+
 Two launches: one-shot (one program per row group) and persistent (a few programs per SM loop over the row
 groups and load the next group before reducing and storing the current one). Both give the same bits for the same
 ``rows`` and ``num_warps``; prefill-sized FP8 inputs take the persistent one (H200 numbers in BENCHMARKS.md).
@@ -26,10 +30,20 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
-from fidelity.decoders.production.kernels._common import device_transparent, next_pow2, on_device
+from fidelity.decoders.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 x rounded to bf16 (ties to even) and back, from the bits (the hardware cvt.rn does the same; Triton's
+    CPU interpreter truncates, so the bits keep the kernels checkable there), NaN kept."""
+    bits = x.to(tl.int32, bitcast=True)
+    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r)
 
 
 @triton.jit
@@ -225,3 +239,38 @@ rms_norm_fp8 = device_transparent(rms_norm_fp8_cuda)
 rms_norm_fp8.__name__ = "triton_rms_norm_fp8"
 rms_norm_act_quant = device_transparent(rms_norm_act_quant_cuda)
 rms_norm_act_quant.__name__ = "triton_rms_norm_act_quant"
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _weightless_kernel(q_ptr, y_ptr, n_rows, eps, D: tl.constexpr, DP: tl.constexpr, LIBDEVICE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, DP)
+    ok = cols < D
+    q = tl.load(q_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
+    sq = _bf16_rne(q * q)
+    mean = _bf16_rne(tl.math.div_rn(tl.sum(sq, axis=0), D))
+    t = _bf16_rne(mean + eps)
+    if LIBDEVICE:
+        r = _bf16_rne(libdevice.rsqrt(t))
+    else:  # Triton's CPU interpreter has no libdevice
+        r = _bf16_rne(tl.math.div_rn(1.0, tl.sqrt_rn(t)))
+    tl.store(y_ptr + row * D + cols, _bf16_rne(q * r).to(tl.bfloat16), mask=ok)
+
+
+def rms_norm_weightless_cuda(q, eps):
+    """Same signature and result as ``ops.rms_norm_weightless`` for bf16 q [..., d] (d <= 8192); one launch."""
+    d = q.shape[-1]
+    if not on_device(q) or q.dtype != torch.bfloat16 or not 0 < d <= 8192:
+        fallbacks.note("rms_norm_weightless", fallbacks.UNSUPPORTED)
+        return ops.rms_norm_weightless(q, eps)
+    x = q.contiguous()
+    y = torch.empty_like(x)
+    rows = x.numel() // d
+    if rows:
+        _weightless_kernel[(rows,)](x, y, rows, float(eps), D=d, DP=next_pow2(d), LIBDEVICE=not INTERPRET,
+                                    num_warps=4)
+    return y
+
+
+rms_norm_weightless = device_transparent(rms_norm_weightless_cuda)
+rms_norm_weightless.__name__ = "triton_rms_norm_weightless"

@@ -1,12 +1,16 @@
-"""Copy one slice of a stacked tensor chosen by a device-side index (graph decode's expert weights): the index
-stays on the GPU, so the copy can sit inside a captured CUDA graph, at streaming-copy speed (torch's
-``index_select`` of one large slice runs at about half the HBM bandwidth on the H200)."""
+"""Copies addressed by device-side indices, so that they sit inside a captured CUDA graph: :func:`take` copies one
+slice of a stacked tensor (graph decode's expert weights) at streaming-copy speed (torch's ``index_select`` of one
+large slice runs at about half the HBM bandwidth on the H200); :func:`put_if` writes one row of a cache where a
+device-side condition holds (graph decode's compressed entries), one launch instead of torch's gather, ``where`` and
+scatter."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from fidelity.decoders.production.kernels._common import on_device
 
 BLOCK = 4096  # elements per program
 
@@ -31,3 +35,30 @@ def take(stack: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if n:
         _take_kernel[(triton.cdiv(n, BLOCK),)](stack, index, out, n, BLOCK=BLOCK, num_warps=4)
     return out
+
+
+@triton.jit
+def _put_if_kernel(store_ptr, slot_ptr, row_ptr, cond_ptr, n, BLOCK: tl.constexpr):
+    if tl.load(cond_ptr) != 0:
+        slot = tl.load(slot_ptr).to(tl.int64)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(store_ptr + slot * n + offs, tl.load(row_ptr + offs, mask=mask), mask=mask)
+
+
+def put_if(store: torch.Tensor, slot: torch.Tensor, row: torch.Tensor, cond: torch.Tensor) -> None:
+    """``store[slot[0]] = row[0]`` where ``cond[0]`` holds: store [capacity, ...] contiguous on CUDA, row [1, ...] of
+    its row shape and dtype, slot int [1] and cond bool [1] on its device (the slot is not range-checked, as that
+    would read it on the host)."""
+    if not (on_device(store) and store.is_contiguous() and row.shape == (1, *store.shape[1:])
+            and row.dtype == store.dtype and slot.numel() == 1 and cond.numel() == 1
+            and slot.device == cond.device == store.device):
+        raise ValueError(f"put_if: expected a contiguous CUDA store, a row [1, ...] of its row shape and dtype, a "
+                         f"one-element slot and condition on its device, found store {tuple(store.shape)} "
+                         f"{store.dtype} on {store.device}, row {tuple(row.shape)} {row.dtype}, slot numel "
+                         f"{slot.numel()}, cond numel {cond.numel()}")
+    flat = store.view(store.shape[0], -1).view(torch.uint8)
+    n = flat.shape[1]
+    if n:
+        _put_if_kernel[(triton.cdiv(n, BLOCK),)](flat, slot, row.contiguous().view(1, -1).view(torch.uint8), cond, n,
+                                                 BLOCK=BLOCK, num_warps=4)

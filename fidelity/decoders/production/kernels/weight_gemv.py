@@ -19,16 +19,30 @@ from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import device_transparent, next_pow2, on_device
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
+from fidelity.decoders.production.kernels.rms_norm import e4m3_blocks
 
 FP8_BLOCK = 128
 
 
 @triton.jit
+def _activation(x_ptr, N: tl.constexpr, QUANT: tl.constexpr):
+    """N activations from x_ptr as fp32; QUANT: bf16 ones quantized-dequantized in 1x128 e4m3 blocks (N a multiple
+    of 128 starting at a block boundary), bit for bit ``fake_quant_fp8(x, 128)`` (``e4m3_blocks``)."""
+    x = tl.load(x_ptr + tl.arange(0, N)).to(tl.float32)
+    if QUANT:
+        codes, _, s = e4m3_blocks(tl.reshape(x, [N // 128, 128]))
+        x = tl.reshape(codes.to(tl.float32) * s[:, None], [N])
+    return x
+
+
+@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k_split: tl.constexpr, stride_x, stride_w, stride_s,
-                     M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr):
+                     M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr,
+                     QUANT: tl.constexpr):
     """Rows pid0*BN .. +BN of all M outputs (MP: M rounded up to a power of two) over the pid1-th slice of k
     (``k_split`` columns, BK = a multiple of 128 per step): per 128-column block the products code x x are summed,
-    then scaled by the block's 2^e. FINAL: store bf16 y, else fp32 partial sums [splits, M, n]."""
+    then scaled by the block's 2^e. FINAL: store bf16 y, else fp32 partial sums [splits, M, n]. QUANT: x is the
+    bf16 activation, quantized here (``_activation``)."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     ok = rows < n
     cols = tl.arange(0, BK)
@@ -42,7 +56,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k_split: tl.constexpr, str
         s = tl.load(s_ptr + (rows // 128)[:, None] * stride_s + (k0 // 128 + blocks)[None, :], mask=ok[:, None],
                     other=0.0)
         for m in tl.static_range(M):
-            x = tl.load(x_ptr + m * stride_x + k0 + cols)
+            x = _activation(x_ptr + m * stride_x + k0, BK, QUANT)
             part = tl.sum(tl.reshape(wf * x[None, :], [BN, BK // 128, 128]), axis=2)  # per scale block
             acc = tl.where(tl.arange(0, MP)[:, None] == m, acc + tl.sum(part * s, axis=1)[None, :], acc)
     for m in tl.static_range(M):
@@ -82,18 +96,20 @@ def _finish(partials: torch.Tensor | None, y: torch.Tensor, splits: int) -> torc
     return y
 
 
-def fp8_weight_linear(xq: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bn: int = 16,
-                      bk: int = 512, splits: int | None = None, stages: int = 3, num_warps: int = 4) -> torch.Tensor:
-    """xq [m, k] (bf16 or fp32, on the e4m3 grid or not: multiplied as given) @ (codes [n, k] e4m3 / uint8 x
-    scales fp32 [n/128, k/128])^T -> bf16 [m, n]; k a multiple of 128, m <= 8. ``splits`` (default: enough for
-    about two programs per SM) slices k, each slice's fp32 partial sums then added in slice order."""
+def fp8_weight_linear(xq: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, quantize: bool = False,
+                      bn: int = 16, bk: int = 512, splits: int | None = None, stages: int = 3,
+                      num_warps: int = 4) -> torch.Tensor:
+    """xq [m, k] (bf16 or fp32, on the e4m3 grid or not: multiplied as given; ``quantize``: bf16 x quantized in
+    1x128 e4m3 blocks inside the kernel) @ (codes [n, k] e4m3 / uint8 x scales fp32 [n/128, k/128])^T -> bf16
+    [m, n]; k a multiple of 128, m <= 8. ``splits`` (default: enough for about two programs per SM) slices k, each
+    slice's fp32 partial sums then added in slice order."""
     m, k = xq.shape
     n = codes.shape[0]
     if codes.shape[1] != k or k % FP8_BLOCK or scales.shape != ((n + 127) // 128, k // 128) or not 1 <= m <= 8:
         raise ValueError(f"fp8_weight_linear: expected xq [m<=8, k], codes [n, k], scales [n/128, k/128] with k % 128 "
                          f"== 0, found xq {tuple(xq.shape)}, codes {tuple(codes.shape)}, scales {tuple(scales.shape)}")
     bk = bk if k % bk == 0 else FP8_BLOCK
-    x = xq.float().contiguous()
+    x = xq.contiguous() if quantize else xq.float().contiguous()
     w = codes.view(torch.uint8)
     s = scales.float().contiguous()
     programs = triton.cdiv(n, bn)
@@ -106,18 +122,21 @@ def fp8_weight_linear(xq: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     partials = torch.empty((splits, m, n), dtype=torch.float32, device=xq.device) if splits > 1 else None
     _fp8_gemv_kernel[(programs, splits)](x, w, s, y if partials is None else partials, n, k // splits, x.stride(0),
                                          w.stride(0), s.stride(0), M=m, MP=next_pow2(m), BN=bn, BK=bk,
-                                         FINAL=partials is None, num_stages=stages, num_warps=num_warps)
+                                         FINAL=partials is None, QUANT=quantize, num_stages=stages,
+                                         num_warps=num_warps)
     return _finish(partials, y, splits)
 
 
 @triton.jit
 def _fp4_expert_kernel(x_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: tl.constexpr, stride_x, stride_we,
-                       stride_wn, stride_se, stride_sn, BN: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr):
+                       stride_wn, stride_se, stride_sn, BN: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr,
+                       QUANT: tl.constexpr):
     """Rows pid0*BN .. +BN of slot pid1's output over the pid2-th slice of k (``k_split`` weights; BK packed bytes
     per step). Each nibble becomes the e4m3 byte of its value x 2^-6 by bit moves (e2m1 magnitude bits << 2, the
     sign to bit 7; e = 0 lands on e4m3's subnormals), converted by the hardware; x is read x 2^6, so every product
     is the exact code value x x. Per 32-weight block the products are summed, then scaled. FINAL: bf16 y, else
-    fp32 partial sums [splits, slots, n]."""
+    fp32 partial sums [splits, slots, n]. QUANT: x is the bf16 activation, quantized here (``_activation``; 2 BK a
+    multiple of 128)."""
     slot = tl.program_id(1)
     e = tl.load(e_ptr + slot).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
@@ -134,8 +153,7 @@ def _fp4_expert_kernel(x_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: t
         lo = (((byte & 7) << 2) | ((byte & 8) << 4)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         hi = (((byte >> 2) & 0x1C) | (byte & 0x80)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         s = tl.load(s_base + (b0 // 16 + blocks)[None, :], mask=ok[:, None], other=0.0)  # one per 16 bytes
-        x_lo = tl.load(x_ptr + slot * stride_x + 2 * (b0 + cols)) * 64.0
-        x_hi = tl.load(x_ptr + slot * stride_x + 2 * (b0 + cols) + 1) * 64.0
+        x_lo, x_hi = tl.split(tl.reshape(_activation(x_ptr + slot * stride_x + 2 * b0, 2 * BK, QUANT) * 64.0, [BK, 2]))
         part = tl.sum(tl.reshape(lo * x_lo[None, :] + hi * x_hi[None, :], [BN, BK // 16, 16]), axis=2)
         acc += tl.sum(part * s, axis=1)
     if FINAL:
@@ -145,11 +163,11 @@ def _fp4_expert_kernel(x_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: t
 
 
 def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *,
-                      bn: int = 16, bk: int = 256, splits: int | None = None, stages: int = 3,
-                      num_warps: int = 4) -> torch.Tensor:
+                      quantize: bool = False, bn: int = 16, bk: int = 256, splits: int | None = None,
+                      stages: int = 3, num_warps: int = 4) -> torch.Tensor:
     """For each slot s: xq[s] [k] @ W[experts[s]]^T -> bf16 [slots, n], W[e] = FP4 codes packed [E, n, k/2] (uint8)
-    x scales fp32 [E, n, k/32]. ``experts`` int [slots] on the device (not read on the host); ``splits`` as in
-    :func:`fp8_weight_linear`."""
+    x scales fp32 [E, n, k/32]. ``experts`` int [slots] on the device (not read on the host); ``quantize`` and
+    ``splits`` as in :func:`fp8_weight_linear` (``quantize`` needs k a multiple of 128)."""
     slots, k = xq.shape
     e_count, n, half = packed.shape
     if half * 2 != k or k % 32 or scales.shape != (e_count, n, k // 32) or experts.shape != (slots,):
@@ -158,11 +176,13 @@ def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Ten
                          f"packed {tuple(packed.shape)}, scales {tuple(scales.shape)}")
     while half % bk:
         bk //= 2
-    x = xq.float().contiguous()
+    if quantize and k % FP8_BLOCK:
+        raise ValueError(f"fp4_expert_linear: quantize needs k a multiple of 128, found {k}")
+    x = xq.contiguous() if quantize else xq.float().contiguous()
     w = packed.view(torch.uint8)
     programs = triton.cdiv(n, bn) * slots
     splits = splits or _splits(programs, half, bk, xq.device)
-    while half % (splits * bk) and bk > 16:
+    while half % (splits * bk) and bk > (64 if quantize else 16):
         bk //= 2
     if half % (splits * bk):
         raise ValueError(f"fp4_expert_linear: splits {splits} must divide k / 32 ({k // 32})")
@@ -171,19 +191,19 @@ def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Ten
     grid = (triton.cdiv(n, bn), slots, splits)
     _fp4_expert_kernel[grid](x, experts, w, scales, y if partials is None else partials, n, slots, k // splits,
                              x.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), BN=bn, BK=bk,
-                             FINAL=partials is None, num_stages=stages, num_warps=num_warps)
+                             FINAL=partials is None, QUANT=quantize, num_stages=stages, num_warps=num_warps)
     return _finish(partials, y, splits)
 
 
 def fp8_weight_linear_cuda(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act: str = "fp8"
                            ) -> torch.Tensor:
-    """Same signature and result (within the ``act_linear`` contract) as ``ops.fp8_weight_linear``: the 1x128
-    activation quantization in one launch, then the FP8 GEMV."""
+    """Same signature and result (within the ``act_linear`` contract) as ``ops.fp8_weight_linear``: the FP8 GEMV
+    with the 1x128 activation quantization in the same launch."""
     m, k = x.shape
     if act != "fp8" or x.dtype != torch.bfloat16 or not 1 <= m <= ops.GEMV_ROWS or k % FP8_BLOCK or not on_device(x):
         fallbacks.note("fp8_weight_linear", fallbacks.UNSUPPORTED)
         return ops.fp8_weight_linear(x, codes, scales, act)
-    return fp8_weight_linear(fake_quant_fp8(x, 128), codes, scales)
+    return fp8_weight_linear(x, codes, scales, quantize=True)
 
 
 def fp4_picked_linear_cuda(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -193,7 +213,9 @@ def fp4_picked_linear_cuda(x: torch.Tensor, experts: torch.Tensor, packed: torch
     if act != "fp8" or x.dtype != torch.bfloat16 or not 1 <= s <= 8 * ops.GEMV_ROWS or k % 32 or not on_device(x):
         fallbacks.note("fp4_picked_linear", fallbacks.UNSUPPORTED)
         return ops.fp4_picked_linear(x, experts, packed, scales, act)
-    return fp4_expert_linear(fake_quant_fp8(x, 128), experts, packed, scales)
+    if k % FP8_BLOCK:
+        return fp4_expert_linear(fake_quant_fp8(x, 128), experts, packed, scales)
+    return fp4_expert_linear(x, experts, packed, scales, quantize=True)
 
 
 fp8_weight_linear_op = device_transparent(fp8_weight_linear_cuda)

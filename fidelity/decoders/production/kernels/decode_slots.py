@@ -1,0 +1,67 @@
+"""``decode_slots`` in one launch: the window ring's slots and the visible compressed entries of a graph decode
+step, written as gather rows and local attention indices; ``mask_past``: the indexer scores past the causal limit
+set to -inf in place (``fidelity/decoders/production/decode_slots.py``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fidelity.decoders.production.kernels._common import next_pow2
+
+BLOCK = 1024  # slots per program
+
+
+@triton.jit(do_not_specialize=["window", "n_comp", "ratio"])
+def _decode_slots_kernel(pos_ptr, picks_ptr, rows_ptr, local_ptr, window, n_comp, ratio, BLOCK: tl.constexpr,
+                         PICKS: tl.constexpr):
+    """Slot s < window: the ring slot (oldest first) or -1; slot window + c: entry c (PICKS: picks[c]) if visible,
+    as a store row (+ window), else -1. rows = max(slot, 0); local = s where slot >= 0, else -1."""
+    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pos = tl.load(pos_ptr)
+    in_window = s < window
+    ring = (s + pos % window + 1) % window
+    win_slot = tl.where(pos >= window - 1, ring, tl.where(s <= pos, s, -1))
+    c = s - window
+    in_comp = (c >= 0) & (c < n_comp)
+    if PICKS:
+        entry = tl.load(picks_ptr + c, mask=in_comp, other=-1).to(tl.int64)
+    else:
+        entry = c.to(tl.int64)
+    limit = (pos + 1) // ratio
+    comp_slot = tl.where((entry >= limit) | (entry < 0), -1, entry + window)
+    slot = tl.where(in_window, win_slot, comp_slot)
+    ok = s < window + n_comp
+    tl.store(rows_ptr + s, tl.maximum(slot, 0), mask=ok)
+    tl.store(local_ptr + s, tl.where(slot >= 0, s.to(tl.int64), -1), mask=ok)
+
+
+def decode_slots_cuda(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
+                      n_compressed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same signature and integers as ``decode_slots_reference`` (pos int64 [1] on the GPU)."""
+    n_comp = (picks.shape[-1] if ratio == 4 else n_compressed) if ratio else 0
+    total = window + n_comp
+    rows = torch.empty(total, dtype=torch.int64, device=pos.device)
+    local = torch.empty((1, total), dtype=torch.int64, device=pos.device)
+    picks_arg = picks.contiguous() if ratio == 4 else rows
+    block = min(BLOCK, next_pow2(total))
+    _decode_slots_kernel[(triton.cdiv(total, block),)](pos, picks_arg, rows, local, window, n_comp, max(ratio, 1),
+                                                       BLOCK=block, PICKS=ratio == 4, num_warps=4)
+    return rows, local
+
+
+@triton.jit
+def _mask_past_kernel(s_ptr, pos_ptr, n, ratio, BLOCK: tl.constexpr):
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    limit = (tl.load(pos_ptr) + 1) // ratio
+    minus_inf = tl.full([BLOCK], float("-inf"), tl.float32).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + j, minus_inf, mask=(j < n) & (j >= limit))
+
+
+def mask_past_cuda(scores: torch.Tensor, pos: torch.Tensor, ratio: int) -> torch.Tensor:
+    """``decode_slots.mask_past`` in place on contiguous scores [1, n]; returns them."""
+    n = scores.shape[-1]
+    if n:
+        _mask_past_kernel[(triton.cdiv(n, BLOCK),)](scores, pos, n, ratio, BLOCK=BLOCK, num_warps=4)
+    return scores

@@ -1,0 +1,153 @@
+"""Checks of the decode step's element-wise kernels (``indexer_round``, ``apply_rope``) under Triton's CPU
+interpreter; run as ``TRITON_INTERPRET=1 python -m tests.interpreted.decode_kernel_checks``
+(``tests/test_decode_kernels_interpreted.py`` does so). Prints one JSON object: {check name: error text, empty when
+the check passed}."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from fidelity.decoders.production import ops
+from fidelity.decoders.production.decode_slots import decode_slots_reference
+from fidelity.decoders.production.kernels import weight_gemv
+from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
+from fidelity.decoders.production.kernels.compressor import compressor_decode_cuda
+from fidelity.decoders.production.kernels.decode_slots import decode_slots_cuda, mask_past_cuda
+from fidelity.decoders.production.kernels.expert import expert_cuda, swiglu
+from fidelity.decoders.production.kernels.gate import gate_cuda
+from fidelity.decoders.production.kernels.indexer_round import indexer_round_cuda
+from fidelity.decoders.production.kernels.moe_sum import moe_sum
+from fidelity.decoders.production.kernels.rms_norm import rms_norm_weightless_cuda
+from fidelity.decoders.production.kernels.rope import apply_rope_cuda
+from fidelity.decoders.production.kernels.take import put_if
+from fidelity.decoders.production.model import _moe_sum
+from fidelity.testing import check_against_oracle
+
+BF16 = torch.bfloat16
+
+
+def _bits_differ(x: torch.Tensor, rotate: bool) -> str:
+    """'' when the kernel's bits equal the emulation's (signed zeros included), else a count."""
+    want, got = ops.indexer_round(x, "fp4", rotate).view(torch.int16), indexer_round_cuda(x, "fp4", rotate).view(
+        torch.int16)
+    return "" if torch.equal(want, got) else f"{int((want != got).sum())} of {want.numel()} elements differ"
+
+
+def expert_on_emulated_gemms(x, w1, w2, w3, limit, weight, act, linear=None):
+    """The expert kernel's SwiGLU launch between the emulation's GEMMs (the interpreter's e4m3 conversion is not the
+    hardware's, so the GEMMs' activation quantization stays in torch here)."""
+    return expert_cuda(x, w1, w2, w3, limit, weight, act, linear or ops.act_linear)
+
+
+def _contract(op: str, fn) -> str:
+    try:
+        check_against_oracle(op, fn, max_examples=40)
+    except AssertionError as e:
+        return str(e)[-2000:]
+    return ""
+
+
+def main() -> dict[str, str]:
+    g = torch.Generator().manual_seed(0)
+    out = {"indexer_round_contract": _contract("indexer_round", indexer_round_cuda),
+           "apply_rope_contract": _contract("apply_rope", apply_rope_cuda),
+           "expert_contract": _contract("expert", expert_on_emulated_gemms),
+           "gate_contract": _contract("gate", gate_cuda),
+           "compressor_decode_contract": _contract("compressor_decode", compressor_decode_cuda)}
+    q = torch.randn(2, 64, 128, generator=g) * torch.exp2(torch.randint(-30, 30, (2, 64, 1), generator=g).float())
+    out["queries_64_heads"] = _bits_differ(q.to(BF16), True)
+    key = torch.randn(1, 128, generator=g)
+    key[0, :32] = -0.0  # a block of negative zeros, unrotated: -0 codes
+    out["key_signed_zeros_unrotated"] = _bits_differ(key.to(BF16), False)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 16).mul(torch.tensor([1.0, -1.0]).repeat(64))
+    out["e2m1_ties_to_even"] = _bits_differ(ties[None].to(BF16), False)
+    big = torch.randn(3, 128, generator=g)
+    big[0, 5], big[1, 7], big[2, :] = 3.0e38, 1e-38, 0.0  # a scale at 2^127, one of tiny values, a zero row
+    out["extreme_scales"] = _bits_differ(big.to(BF16), False) or _bits_differ(big.to(BF16), True)
+    x = torch.randn(2, 8, 512, generator=g).to(BF16)
+    rotated = apply_rope_cuda(x, torch.tensor([5, 70000]), torch.rand(32, generator=g), inverse=True)
+    out["rope_keeps_the_nope_dims"] = "" if torch.equal(rotated[..., :448], x[..., :448]) else "nope dims changed"
+    out["gemvs_quantize_in_kernel_as_the_separate_launch"] = _gemv_quantize_differs(g)
+    out["decode_slots_give_the_references_integers"] = _decode_slots_differ(g)
+    out["put_if_writes_the_row_only_where_the_condition_holds"] = _put_if_differs(g)
+    out["mask_past_hides_the_entries_past_the_limit"] = _mask_past_differs(g)
+    out["rms_norm_weightless_contract"] = _contract("rms_norm_weightless", rms_norm_weightless_cuda)
+    slots, shared = (torch.randn(3, 6, 700, generator=g) * 100).to(BF16), torch.randn(3, 700, generator=g).to(BF16)
+    out["moe_sum_gives_the_loops_bits"] = "" if torch.equal(moe_sum(slots, shared), _moe_sum(slots, shared)) else \
+        "differs from the torch loop"
+    gu = (torch.randn(2, 5, 300, generator=g) * 8).to(BF16)
+    weight = torch.rand(5, 1, generator=g)
+    same = [torch.equal(swiglu(gu[0], gu[1], 7.0, w, clamp).float(), ops.swiglu(gu[0], gu[1], 7.0, w, clamp).float())
+            for w in (weight, None) for clamp in (True, False)]
+    out["swiglu_close_to_the_emulation"] = "" if _swiglu_close(gu, weight) else f"bit-equal cases {same}"
+    return out
+
+
+def _decode_slots_differ(g: torch.Generator) -> str:
+    """Positions around the window filling and the compression boundaries; CSA picks past the causal limit."""
+    bad = []
+    for ratio, n_comp in ((0, 0), (4, 37), (128, 5)):
+        for t in (0, 1, 5, 126, 127, 128, 129, 130, 255, 256, 511, 640):
+            pos = torch.tensor([t])
+            picks = torch.randperm(n_comp + 20, generator=g)[:n_comp][None] if ratio == 4 else None
+            want = decode_slots_reference(pos, picks, 128, ratio, n_comp)
+            got = decode_slots_cuda(pos, picks, 128, ratio, n_comp)
+            if not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
+                bad.append(f"ratio {ratio} t {t}")
+    return ", ".join(bad)
+
+
+def _put_if_differs(g: torch.Generator) -> str:
+    bad = []
+    for dtype in (BF16, torch.float8_e4m3fn, torch.uint8):
+        store = torch.randn(6, 3, 40, generator=g).to(dtype) if dtype != torch.uint8 else \
+            torch.randint(0, 256, (6, 3, 40), generator=g, dtype=torch.uint8)
+        row = torch.randn(1, 3, 40, generator=g).to(dtype) if dtype != torch.uint8 else store[:1] ^ 0x5A
+        for flag in (True, False):
+            want, got = store.clone(), store.clone()
+            if flag:
+                want[4] = row[0]
+            put_if(got, torch.tensor([4]), row, torch.tensor([flag]))
+            if not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
+                bad.append(f"{dtype} cond {flag}")
+    return ", ".join(bad)
+
+
+def _mask_past_differs(g: torch.Generator) -> str:
+    bad = []
+    for t, ratio, n in ((0, 4, 40), (2, 4, 40), (3, 4, 40), (155, 4, 40), (9, 4, 1), (1000, 128, 9)):
+        scores = torch.randn(1, n, generator=g).to(BF16)
+        want = scores.masked_fill(torch.arange(n)[None] >= (t + 1) // ratio, float("-inf"))
+        if not torch.equal(mask_past_cuda(scores.clone(), torch.tensor([t]), ratio), want):
+            bad.append(f"t {t} ratio {ratio} n {n}")
+    return ", ".join(bad)
+
+
+def _swiglu_close(gu: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The interpreter's exp is numpy's, not libdevice's expf (the GPU test pins the bits): within one bf16 ulp."""
+    a, b = swiglu(gu[0], gu[1], 7.0, weight, True).float(), ops.swiglu(gu[0], gu[1], 7.0, weight, True).float()
+    return bool(((a - b).abs() <= 2.0**-7 * b.abs() + 1e-30).all())
+
+
+def _gemv_quantize_differs(g: torch.Generator) -> str:
+    """The decode GEMVs with the activation quantized in their own launch (``quantize=True``) give the bits of the
+    separate quantization kernel followed by the GEMV (the interpreter's e4m3 conversion is not the hardware's,
+    so both sides run the same kernels here; the GPU test compares with the emulation)."""
+    k, n, experts = 512, 256, 3
+    x = (torch.randn(2, k, generator=g) * torch.exp2(torch.randint(-8, 8, (2, k), generator=g).float())).to(BF16)
+    codes = (torch.randn(n, k, generator=g) * 4).to(torch.float8_e4m3fn)
+    scales = torch.exp2(torch.randint(-8, 2, (n // 128, k // 128), generator=g).float())
+    packed = torch.randint(0, 256, (experts, n, k // 2), generator=g, dtype=torch.uint8)
+    fp4_scales = torch.exp2(torch.randint(-8, 2, (experts, n, k // 32), generator=g).float())
+    picks = torch.tensor([2, 0])
+    same = [torch.equal(weight_gemv.fp8_weight_linear(fake_quant_fp8(x, 128), codes, scales),
+                        weight_gemv.fp8_weight_linear(x, codes, scales, quantize=True)),
+            torch.equal(weight_gemv.fp4_expert_linear(fake_quant_fp8(x, 128), picks, packed, fp4_scales),
+                        weight_gemv.fp4_expert_linear(x, picks, packed, fp4_scales, quantize=True))]
+    return "" if all(same) else f"equal (fp8, fp4): {same}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))

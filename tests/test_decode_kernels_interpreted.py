@@ -1,0 +1,40 @@
+"""The decode step's element-wise kernels without a GPU: Triton's CPU interpreter runs them (in a subprocess, since
+the interpreter is chosen when the kernels are defined): ``indexer_round`` against its bit-exact contract and the
+emulation's bits, ``apply_rope`` against its contract, the decode GEMVs' in-launch activation quantization against
+the separate one. Skipped where triton is not installed (the test extra installs
+it on Linux)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECKS = ["indexer_round_contract", "queries_64_heads", "key_signed_zeros_unrotated", "e2m1_ties_to_even",
+          "extreme_scales", "apply_rope_contract", "rope_keeps_the_nope_dims",
+          "gemvs_quantize_in_kernel_as_the_separate_launch", "expert_contract", "moe_sum_gives_the_loops_bits",
+          "swiglu_close_to_the_emulation", "gate_contract", "decode_slots_give_the_references_integers",
+          "compressor_decode_contract", "put_if_writes_the_row_only_where_the_condition_holds",
+          "mask_past_hides_the_entries_past_the_limit", "rms_norm_weightless_contract"]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    run = subprocess.run([sys.executable, "-m", "tests.interpreted.decode_kernel_checks"], env=env,
+                         capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_the_interpreted_run_reports_every_check(interpreted):
+    assert sorted(interpreted) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_interpreted_decode_kernel_check_passes(interpreted, check):
+    assert interpreted[check] == "", f"{check}: {interpreted[check]}"

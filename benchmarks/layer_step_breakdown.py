@@ -1,20 +1,22 @@
-"""Where one decode step of a V4-Flash CSA layer spends its GPU time, part by part, beside the bytes each part must
-read in the release formats (its memory floor).
+"""Where one decode step of a V4-Flash CSA layer spends its GPU time, kernel by kernel, each kernel attributed to the
+decoder line that launched it, beside the bytes each part must read in the release formats (its memory floor).
 
-    python benchmarks/layer_step_breakdown.py --out DIR [--context 131072] [--steps 6] [--profile reference]
+    python benchmarks/layer_step_breakdown.py --out DIR [--context 131072] [--steps 4] [--profile reference]
+                                              [--depth 3] [--emulate OP,...]
 
 The layer, its caches and its position are ``bench_layer_decode.py``'s (Flash widths, 16 routed experts stored,
-6 run per token). The eager kernel path (``triton``: the same kernels a graph replays) runs ``--steps`` profiled
-decode steps after a warm-up; each part of the step is a ``torch.profiler`` range set around the session's own
-methods, and each registered op one around its implementation, so a range's device time is the time of the
-kernels launched inside it, read from the profiler's event tree (inclusive: ``attention`` contains
-``index_decode`` and ``attend_decode``). On torch 2.11 / Triton 3.6 the tree does not link kernels that Triton
-launches through ``cuLaunchKernelEx`` to the enclosing ranges, so a range's time is a lower bound (torch's own
-kernels only); ``bench_layer_decode.py`` lists the graphed step's time by kernel instead. The floor of
-a part is the bytes it must read at the copy bandwidth measured in the same call: its weights as the release stores
-them (FP8 with 128x128 scales, FP4 with 1x32 scales, bf16, fp32), the KV rows it attends (window + top-k, 584 B per
-row in the FP8 layout) and the indexer keys at the context (FP4 + scales). Writes DIR/layer_breakdown.json and
-prints a markdown table.
+6 run per token). The graph decode step runs twice: once launch by launch (``GraphDecodeSession`` with graphs off:
+the same kernels in the same order) under ``torch.profiler`` with Python stacks, so each kernel is joined to its
+launch and the launch to the decoder frames open around it (``kernel_sites.py``: torch's event tree does not link
+Triton's ``cuLaunchKernelEx`` launches to ``record_function`` ranges, the trace's timestamps do); then as CUDA-graph
+replays, profiled for the kernels' durations in the replay (matched one to one with the first run's kernels by
+order and name; the first run's durations are used where they do not match, and the JSON says which). Reported:
+the graphed step by CUDA events (median of 12), the replay's span, kernels and GPU busy time per step, and a table
+of launch sites (the innermost ``--depth`` decoder frames) by device time. The floor of a part is the bytes it
+must read at the copy bandwidth measured in the same call: its weights as the release stores them (FP8 with
+128x128 scales, FP4 with 1x32 scales, bf16, fp32), the KV rows it attends (window + top-k, 584 B per row in the FP8
+layout) and the indexer keys at the context (FP4 + scales). Writes DIR/layer_breakdown.json (with every kernel of
+one step: name, device us, launch frames), DIR/trace_eager.json and DIR/trace_graph.json (chrome traces).
 """
 
 from __future__ import annotations

@@ -4,15 +4,11 @@ emulation's bits, ``apply_rope`` against its contract, the decode GEMVs' in-laun
 the separate one. Skipped where triton is not installed (the test extra installs
 it on Linux)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
+
+from tests.interpreted import run_checks  # noqa: E402
 
 CHECKS = ["indexer_round_contract", "queries_64_heads", "key_signed_zeros_unrotated", "e2m1_ties_to_even",
           "extreme_scales", "apply_rope_contract", "rope_keeps_the_nope_dims",
@@ -24,11 +20,7 @@ CHECKS = ["indexer_round_contract", "queries_64_heads", "key_signed_zeros_unrota
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    run = subprocess.run([sys.executable, "-m", "tests.interpreted.decode_kernel_checks"], env=env,
-                         capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_checks("decode_kernel_checks")
 
 
 def test_the_interpreted_run_reports_every_check(interpreted):

@@ -2,15 +2,11 @@
 interpreter is chosen when the kernels are defined) and every check must give exactly the CPU stable sort's picks.
 Skipped where triton is not installed (the test extra installs it on Linux)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
+
+from tests.interpreted import run_checks  # noqa: E402
 
 CHECKS = [f"{name}_{dtype}" for dtype in ("bfloat16", "float32")
           for name in ("random", "signed_zero_nan_inf_ties", "few_distinct_values", "strided_rows_and_leading_dims",
@@ -19,11 +15,7 @@ CHECKS = [f"{name}_{dtype}" for dtype in ("bfloat16", "float32")
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, list[str]]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    run = subprocess.run([sys.executable, "-m", "tests.interpreted.radix_topk_checks"], env=env, capture_output=True,
-                         text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_checks("radix_topk_checks")
 
 
 def test_the_interpreted_run_reports_every_check(interpreted):

@@ -32,6 +32,7 @@ hc_pre.pre/post/comb
 expert                 r = 2 x 2^-4 + 4u (two e4m3 activation roundings): calc_diff <= 9.9e-3, cos >= 0.990
 kv_round               bit-exact vs fake_quant_fp8(nope, 1x64) + unchanged rope dims
 indexer_round          bit-exact vs hadamard then fake_quant_fp4 (1x32; or the FP8 1x128 round)
+compressor_decode      entry: r = 3 x 1.25u (pool, norm, RoPE each rounded to bf16); carries: r = 2^-14 (fp32)
 rms_norm_fp8           codes: |code*s - y| <= half an e4m3 step + 1.25u|y|; scale bytes of the exact amax
 rms_norm_act_quant     y: as rms_norm; xq: rms_norm_fp8's bound on code * scale
 kv_norm_rope_fp8       nope: half an e4m3 step (1x64) + 1.25u|y|; rope: 2 x 1.25u (|y_2i| + |y_2i+1|) elementwise

@@ -77,8 +77,7 @@ def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: in
 def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor | None, int]:
     """One token x [1, dim] at position t -> (the entry completed at t [1, d] or None, its id t // ratio)."""
-    entry, complete, j = compress_decode_on_device(x, torch.tensor([t], device=x.device), weights, carry, ratio,
-                                                   freqs, eps)
+    entry, _, _ = compress_decode_on_device(x, torch.tensor([t], device=x.device), weights, carry, ratio, freqs, eps)
     return (entry, t // ratio) if (t + 1) % ratio == 0 else (None, 0)
 
 

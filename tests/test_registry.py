@@ -225,3 +225,23 @@ def test_select_forces_an_implementation_and_deselect_undoes_it():
         select("sparse_attention", "cuda-graph")
     with pytest.raises(KeyError, match="op 'flash_attention'"):
         select("flash_attention", "cpu")
+
+
+def test_every_fault_planted_in_the_emulations_routes_its_op_away_from_a_kernel():
+    """A fault that lives inside ``ops.py`` must be in ``faults.IN_EMULATION`` (so a GPU kernel of that op steps
+    aside while it is injected), unless the kernels call the very helper that reads it (``expert_clamps``)."""
+    import ast
+    import inspect
+
+    from fidelity.decoders.production.faults import IN_EMULATION
+
+    read_by_kernels = {"expert_clamps"}
+    planted = {}
+    for fn in ast.parse(inspect.getsource(ops)).body:
+        if isinstance(fn, ast.FunctionDef) and fn.name not in read_by_kernels:
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "on":
+                    planted[node.args[0].value] = fn.name
+    assert planted, "no fault found in ops.py: the scan is broken"
+    assert {f: op for f, op in planted.items() if f not in IN_EMULATION} == {}
+    assert all(op in REGISTRY for op in IN_EMULATION.values())

@@ -208,23 +208,38 @@ def _one_consumer(q_ptr, stride_qn, stride_qh, idx_row_ptr, sink_ptr, o_ptr, str
 
 
 @gluon.jit
-def _one_consumer_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
-                         stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
-                         D: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, CH: gl.constexpr,
-                         PW: gl.constexpr, PREGS: gl.constexpr, PARTS: gl.constexpr):
-    pid_n = gl.program_id(1).to(gl.int64)  # the head groups of a token are neighbouring CTAs (shared rows in L2)
-    h0 = gl.program_id(0) * BH
+def _one_consumer_buffers(NS: gl.constexpr, BN: gl.constexpr, BH: gl.constexpr, D: gl.constexpr):
+    """The one-consumer layout's shared buffers: NS bf16 half-row KV slots [BN, D/2], Q [BH, D], P^T [BN, BH] and the
+    column-maximum exchange [2, 4, BH]."""
     kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D // 2],
                                         gl.NVMMASharedLayout.get_default_for([BN, D // 2], gl.bfloat16))
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, D], gl.NVMMASharedLayout.get_default_for([BH, D], gl.bfloat16))
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BH],
                                        gl.NVMMASharedLayout.get_default_for([BN, BH], gl.bfloat16))
     red = gl.allocate_shared_memory(gl.float32, [2, 4, BH], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    return kv_smem, q_smem, p_smem, red
+
+
+@gluon.jit
+def _slot_barriers(NS: gl.constexpr, READY: gl.constexpr):
+    """The KV ring's mbarriers, initialized: ``ready`` (READY arrivals fill a slot), ``empty`` (one release)."""
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=PW * 32)  # every producer thread's cp.async arrival
+        mbarrier.init(ready.index(i), count=READY)
         mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def _one_consumer_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
+                         stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
+                         D: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, CH: gl.constexpr,
+                         PW: gl.constexpr, PREGS: gl.constexpr, PARTS: gl.constexpr):
+    pid_n = gl.program_id(1).to(gl.int64)  # the head groups of a token are neighbouring CTAs (shared rows in L2)
+    h0 = gl.program_id(0) * BH
+    kv_smem, q_smem, p_smem, red = _one_consumer_buffers(NS, BN, BH, D)
+    ready, empty = _slot_barriers(NS, PW * 32)  # ready: every producer thread's cp.async arrival
     n_blocks = gl.cdiv(topk, BN)
     idx_row_ptr = idx_ptr + pid_n * stride_in
     gl.warp_specialize([
@@ -354,11 +369,8 @@ def _two_consumer_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
     kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, W],
                                         gl.NVMMASharedLayout.get_default_for([BN, W], gl.bfloat16))
     q_h, p_buf, a_buf, l_buf, p_ready, p_free, q_ready, l_ready = _two_consumer_exchange(BH, BN, W)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=PW * 32)  # every producer thread's cp.async arrival
-        mbarrier.init(empty.index(i), count=1)  # slot 2j is released by the lead, 2j + 1 by the tail
+    # ready: every producer thread's cp.async arrival; empty: slot 2j is released by the lead, 2j + 1 by the tail
+    ready, empty = _slot_barriers(NS, PW * 32)
     n_blocks = gl.cdiv(topk, BN)
     idx_row_ptr = idx_ptr + pid_n * stride_in
     gl.warp_specialize([

@@ -38,6 +38,8 @@ from fidelity.decoders.production.kernels.sparse_attention_ws import (
     _block_ids,
     _lead,
     _one_consumer,
+    _one_consumer_buffers,
+    _slot_barriers,
     _tail,
     _two_consumer_exchange,
     consumer_layout,
@@ -158,11 +160,7 @@ def _rings(NS: gl.constexpr, NR: gl.constexpr, BN: gl.constexpr, PW: gl.constexp
     raw_tail = gl.allocate_shared_memory(gl.uint8, [NR, BN, 64], plain)
     raw_scales = gl.allocate_shared_memory(gl.uint8, [NR, BN, 8], plain)
     raw_ready = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _slot_barriers(NS, 1)
     for i in gl.static_range(NR):
         mbarrier.init(raw_ready.index(i), count=PW * 32)  # every producer thread's cp.async arrival
     return raw_codes, raw_tail, raw_scales, raw_ready, ready, empty
@@ -176,12 +174,7 @@ def _one_consumer_fp8_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scal
                              PARTS: gl.constexpr):
     pid_n = gl.program_id(1).to(gl.int64)
     h0 = gl.program_id(0) * BH
-    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D // 2],
-                                        gl.NVMMASharedLayout.get_default_for([BN, D // 2], gl.bfloat16))
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, D], gl.NVMMASharedLayout.get_default_for([BH, D], gl.bfloat16))
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BH],
-                                       gl.NVMMASharedLayout.get_default_for([BN, BH], gl.bfloat16))
-    red = gl.allocate_shared_memory(gl.float32, [2, 4, BH], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    kv_smem, q_smem, p_smem, red = _one_consumer_buffers(NS, BN, BH, D)
     raw_codes, raw_tail, raw_scales, raw_ready, ready, empty = _rings(NS, NR, BN, PW)
     n_blocks = gl.cdiv(topk, BN)
     idx_row_ptr = idx_ptr + pid_n * stride_in

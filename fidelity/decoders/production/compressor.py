@@ -76,9 +76,17 @@ def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: in
 
 def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor | None, int]:
-    """One token x [1, dim] at position t -> (the entry completed at t [1, d] or None, its id t // ratio)."""
+    """One token x [1, dim] at position t -> (the entry completed at t [1, d] or None, its id t // ratio). Before the
+    block completes only the carry slot is written (``compressor_decode``'s first step, the same bits: a copy and
+    one fp32 add), so the pool runs once per block."""
+    if (t + 1) % ratio:
+        wkv, wgate, ape, _ = weights
+        kv, score = _project(x, wkv, wgate)
+        slot = t % ratio + (ratio if ratio == 4 else 0)
+        carry.kv[slot], carry.score[slot] = kv[0], (score + ape[t % ratio])[0]
+        return None, 0
     entry, _, _ = compress_decode_on_device(x, torch.tensor([t], device=x.device), weights, carry, ratio, freqs, eps)
-    return (entry, t // ratio) if (t + 1) % ratio == 0 else (None, 0)
+    return entry, t // ratio
 
 
 def compress_decode_on_device(x: torch.Tensor, pos: torch.Tensor, weights, carry: CompressorCarry, ratio: int,

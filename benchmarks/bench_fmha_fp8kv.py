@@ -1,6 +1,7 @@
 """Sparse FMHA decode on the 584 B/token FP8 KV layout, in one run on one GPU: the warp-specialized route
-(``ws``, its ring depths swept), the Triton route, the bf16 ``ws`` kernel on the unpacked rows (1024 B a row), and
-optionally FlashMLA's sm90 MODEL1 sparse FP8 decode kernel (the peer) on the same timer.
+(``ws``, its ring depth and prefetch distance swept), the Triton route, the bf16 ``ws`` kernel
+on the unpacked rows (1024 B a row), and optionally FlashMLA's sm90 MODEL1 sparse FP8 decode kernel (the peer) on
+the same timer.
 
     python benchmarks/bench_fmha_fp8kv.py --out DIR [--peer PATH] [--quick] [--diag]
 
@@ -47,12 +48,11 @@ from fidelity.decoders.production.kernels.sparse_attention_ws_fp8kv import spars
 
 SCALE = 512**-0.5
 CASES = [("V4-Flash", 64, 512), ("V4-Pro", 128, 1024)]
-# (consumers, bf16 slots, raw slots, L2 prefetch distance in blocks, producer warps): rings that fit the shared
-# memory (227 KB)
-WS_RINGS = [(1, 3, 2, 0, 4), (1, 3, 2, 1, 4), (1, 3, 2, 2, 4), (1, 4, 1, 2, 4), (1, 3, 2, 1, 8), (1, 3, 2, 2, 8),
-            (1, 4, 1, 2, 8), (1, 2, 3, 2, 8), (2, 3, 1, 0, 4), (2, 3, 1, 1, 4), (2, 3, 1, 2, 4), (2, 2, 2, 2, 4)]
-# --diag: the kernel with parts switched off (wrong results by design): gathers, math (consumers), dequantization
-DIAG_PARTS = {"all": 7, "no dequant": 3, "gathers only": 1, "no gathers": 6, "math only": 2, "none": 0}
+# (consumers, bf16 slots, L2 prefetch distance in blocks): layouts that fit the shared memory
+WS_RINGS = [(1, 5, 0), (1, 5, 1), (1, 5, 2), (1, 4, 1), (1, 3, 1), (2, 4, 0), (2, 4, 1), (2, 4, 2), (2, 3, 1)]
+# --diag: the kernel with parts switched off (wrong results by design; PARTS bits of the kernel module): the
+# producers' loads (1), the consumers' math (2), dequantization and stores (4), the producers' proxy fence (8)
+DIAG_PARTS = {"all": 15, "no fence": 7, "no math": 13, "no gathers": 14, "math only": 10, "none": 8}
 ROWS: list[dict] = []
 
 
@@ -96,10 +96,9 @@ def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: boo
     args16 = [(s["q"], s["rows"], s["idx"], s["sink"]) for s in sets]
     variants = [("ws FP8 (default)", {"route": "ws"}, args8)]
     if not quick:
-        variants += [(f"ws FP8 c{c} slots {ns}/{nr} prefetch {pf} producers {pw}",
-                      {"route": "ws", "consumers": c, "slots": ns, "raw_slots": nr, "prefetch": pf,
-                       "producer_warps": pw}, args8)
-                     for c, ns, nr, pf, pw in WS_RINGS if heads % (32 * c) == 0]
+        variants += [(f"ws FP8 c{c} slots {ns} prefetch {pf}",
+                      {"route": "ws", "consumers": c, "slots": ns, "prefetch": pf}, args8)
+                     for c, ns, pf in WS_RINGS if heads % (32 * c) == 0]
     variants += [("Triton FP8", {"route": "triton"}, args8), ("ws bf16 rows (1024 B)", {"route": "ws"}, args16)]
     for label, cfg, args in variants:
         fn = (sparse_attention.sparse_attention_cuda if args is args16 else sparse_attention.sparse_attention_fp8kv)

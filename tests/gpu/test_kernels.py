@@ -358,13 +358,13 @@ def _packed_rows(g: torch.Generator, m: int, extreme: bool = False) -> torch.Ten
 @pytest.mark.skipif(not _ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
 @pytest.mark.parametrize("heads", [64, 128])
 @pytest.mark.parametrize("topk", [1, 63, 65, 130, 320, 1152])
-@pytest.mark.parametrize("ring", [(1, None, None), (1, 2, 3), (1, 4, 1), (2, None, None), (2, 2, 2)])
+@pytest.mark.parametrize("ring", [(1, None, None), (1, 2, 0), (1, 3, 2), (2, None, None), (2, 2, 0)])
 def test_fp8_kv_ws_route_equals_the_bf16_ws_kernel_on_the_unpacked_rows(heads, topk, ring):
-    """The FP8 layout's ``ws`` route dequantizes in its producer into the tiles the bf16 ``ws`` kernel reads from
-    ``unpack_kv_fp8`` rows, so each consumer layout and ring depth gives the same bits, over 1 to 18 blocks (the
-    raw and bf16 rings wrap), a ragged last block, 30% masked entries and a row with none valid (zero output);
-    and meets the emulation's contract."""
-    consumers, slots, raw_slots = ring
+    """The FP8 layout's ``ws`` route dequantizes in its producers into the tiles the bf16 ``ws`` kernel reads from
+    ``unpack_kv_fp8`` rows, so each consumer layout, ring depth and prefetch distance gives the same bits, over 1 to
+    18 blocks (the ring wraps; an odd count leaves the producers' two-block loop step half used), a ragged last
+    block, 30% masked entries and a row with none valid (zero output); and meets the emulation's contract."""
+    consumers, slots, prefetch = ring
     g = torch.Generator().manual_seed(heads * 10_000 + topk + 7 * consumers)
     q = (torch.randn(5, heads, 512, generator=g) * 2).to(BF16)
     packed = _packed_rows(g, 3000)
@@ -375,7 +375,7 @@ def test_fp8_kv_ws_route_equals_the_bf16_ws_kernel_on_the_unpacked_rows(heads, t
     args = [x.to(CUDA) for x in (q, packed, idx, sink)]
     routes.reset()
     got = sparse_attention.sparse_attention_fp8kv(*args, 512**-0.5, config={
-        "consumers": consumers, "slots": slots, "raw_slots": raw_slots})
+        "consumers": consumers, "slots": slots, "prefetch": prefetch})
     assert routes.counts("sparse_attention_fp8kv") == {"ws": 1}
     rows = sparse_attention.unpack_kv_fp8(args[1])
     bf16 = sparse_attention.sparse_attention_cuda(args[0], rows, *args[2:], 512**-0.5,
@@ -442,9 +442,8 @@ def test_fp8_kv_ws_route_replays_in_a_cuda_graph_and_refuses_what_it_cannot_run(
     assert routes.counts("sparse_attention_fp8kv") == {"triton": 1}
     with pytest.raises(ValueError, match="route 'ws' cannot run: needs a head count that is a multiple of 32"):
         sparse_attention.sparse_attention_fp8kv(q48, packed, idx, sink[:48], 0.04, config={"route": "ws"})
-    with pytest.raises(ValueError, match=r"\['raw_slots'\] is a parameter of route 'ws'"):
-        sparse_attention.sparse_attention_fp8kv(q, packed, idx, sink, 0.04, config={"route": "triton",
-                                                                                  "raw_slots": 2})
+    with pytest.raises(ValueError, match=r"\['slots'\] is a parameter of route 'ws'"):
+        sparse_attention.sparse_attention_fp8kv(q, packed, idx, sink, 0.04, config={"route": "triton", "slots": 2})
 
 
 def test_sparse_attention_route_refusals_say_why():

@@ -2,25 +2,27 @@
 ``sparse_attention_fp8kv`` on an H100 / H200, decode and prefill.
 
 The math partitions are those of the bf16 kernel (``kernels/sparse_attention_ws.py``: one consumer warpgroup with
-32 heads per CTA, or two with 64), reading bf16 half-tile slots [64 rows, 256 dims]; only the producer differs.
-A cache row is ``[448 e4m3 nope | 64 bf16 rope (128 B) | 7 ue8m0 scale bytes | 1 pad]`` (spec §3, the layout of
-:func:`kernels.sparse_attention.pack_kv_fp8`); rows are 8-byte aligned (584 = 8 x 73), so the producer (4 warps)
+32 heads per CTA, or two with 64), reading the same bf16 half-tile slots [64 rows, 256 dims] in the same rings (five
+slots with one consumer, four with two); only the producers differ. A cache row is ``[448 e4m3 nope | 64 bf16 rope
+(128 B) | 7 ue8m0 scale bytes | 1 pad]`` (spec §3, the layout of :func:`kernels.sparse_attention.pack_kv_fp8`),
+8-byte aligned (584 = 8 x 73). A producer partition (4 warps)
 
-1. gathers block j + NR's 64 rows with 8-byte ``cp.async`` into a raw ring of NR slots (bytes 0-511 of each row
-   as eight [64, 64] byte tiles: the 448 code bytes, then the first 64 rope bytes; bytes 512-575; the scale
-   bytes; one copy per buffer, zero-fill for a -1 index), arriving on the slot's ``raw_ready`` mbarrier, and
-   prefetches the rows of block j + NR + PF into L2 (``prefetch.global.L2``), while
-2. it dequantizes block j from its raw slot into the two bf16 slots of the block, one shared-memory store per
-   half: ``e4m3 * 2^(b - 127)`` in fp32, rounded to bf16 (exact: an e4m3 value times a power of two is a bf16
-   value, so the tile equals the bf16 rows of :func:`kernels.sparse_attention.unpack_kv_fp8`), the rope dims
-   copied; a proxy fence, one partition barrier, then the slot's ``ready`` arrival.
+1. loads its half of a block's 64 rows into registers as int32 words with 8-byte loads (half 0: code bytes 0-255;
+   half 1: code bytes 256-447 and the rope bytes), and each row's scale bytes as one int64 word; -1 rows load
+   nothing (zero codes). Words, not bytes, so that the loop carries them without a register per byte;
+2. waits for the half's slot, dequantizes (``e4m3 * 2^(b - 127)``: e4m3 -> f16 -> f32 exactly, one fp32 multiply,
+   rounded to bf16, four codes a word in one inline-assembly block; exact, since an e4m3 value times a power of
+   two is a bf16 value, so the tile equals :func:`kernels.sparse_attention.unpack_kv_fp8`'s rows), stores the tile
+   (the rope words copied), fences, meets its partition barrier and arrives on the slot's ``ready`` barrier.
 
-Shared memory bounds the rings: with Q (32 KB per 32 heads) and P, three bf16 half-tile slots (32 KB each) and two
-raw slots (36.5 KB each) fill the 227 KB of an H100 / H200 with one consumer, three and one with two; the bf16
-kernel keeps five slots of 1024 B rows in flight. BENCHMARKS.md has the measured consequences.
+With one consumer, two producer partitions take half 0 and half 1 of every block, each loading block j + 1 before
+it stores block j (the loop takes two blocks a step, so no loaded register is copied); with two consumers, whose
+warpgroups leave registers for one half, one partition loads and stores each half in turn. The partition with half
+0 prefetches rows into L2 (``prefetch.global.L2``) ``prefetch`` blocks ahead of its loads.
 
 The consumers see the same bf16 tiles as the bf16 kernel on the unpacked rows, in the same order, so the outputs
-are bit-identical to ``sparse_attention_ws(q, unpack_kv_fp8(kv), ...)`` with the same layout.
+are bit-identical to ``sparse_attention_ws(q, unpack_kv_fp8(kv), ...)`` with the same layout. BENCHMARKS.md has
+what bounds it.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from fidelity.decoders.production.kernels._common import hopper_gluon_refusal
 from fidelity.decoders.production.kernels.sparse_attention_ws import (
     BLOCK_H,
     BLOCK_N,
     HEAD_DIM,
+    PRODUCER_WARPS,
     _block_ids,
     _lead,
     _one_consumer,
@@ -46,168 +49,255 @@ from fidelity.decoders.production.kernels.sparse_attention_ws import (
 )
 
 ROW_BYTES = 584
-# consumers -> (heads per CTA, bf16 slots, raw slots, producer warps, producer registers, lead warpgroup's
-# registers); shared memory: a bf16 slot 32 KB, a raw slot 36.5 KB, Q 32 KB per 32 heads
-_LAYOUT = {1: (BLOCK_H, 3, 2, 4, 96, 0), 2: (2 * BLOCK_H, 3, 1, 4, 96, 192)}
-PREFETCH = 1  # blocks whose rows are prefetched into L2 beyond the raw ring (H200: 1 best of 0, 1, 2, 4)
-GATHER, MATH, DEQUANT = 1, 2, 4  # PARTS bits: which parts run (all by default; the diagnosis switches some off)
-
-
-@gluon.jit
-def _gather_raw(kv_ptr, idx_row_ptr, j, topk, raw_codes, raw_tail, raw_scales, raw_ready, r, L3: gl.constexpr,
-                L2: gl.constexpr, PARTS: gl.constexpr):
-    """cp.async (8 B per copy) of block j's rows (-1: zero-filled) into raw slot r, one copy per buffer (no
-    barriers between them): bytes 0-511 of each row into ``raw_codes[r]`` ([8 tiles, 64 rows, 64 B]: the 448 code
-    bytes, then the first 64 rope bytes), bytes 512-575 into ``raw_tail[r]``, the scale bytes into
-    ``raw_scales[r]``; every thread arrives on ``raw_ready[r]``."""
-    if PARTS & 1:
-        ids = _block_ids(idx_row_ptr, j, topk, 64, gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-        base = kv_ptr + gl.maximum(ids, 0).to(gl.int64) * 584
-        tile = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-        ptrs = base[None, :, None] + (tile[:, None, None] * 64 + col[None, None, :])
-        async_copy.async_copy_global_to_shared(raw_codes.index(r), ptrs, mask=(ids >= 0)[None, :, None])
-        ids = _block_ids(idx_row_ptr, j, topk, 64, gl.SliceLayout(1, L2))
-        base = kv_ptr + gl.maximum(ids, 0).to(gl.int64) * 584
-        valid = (ids >= 0)[:, None]
-        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, L2))
-        async_copy.async_copy_global_to_shared(raw_tail.index(r), base[:, None] + (512 + c64)[None, :], mask=valid)
-        c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))
-        async_copy.async_copy_global_to_shared(raw_scales.index(r), base[:, None] + (576 + c8)[None, :], mask=valid)
-    async_copy.mbarrier_arrive(raw_ready.index(r), increment_count=False)
+# consumers -> (heads per CTA, bf16 slots, registers of a producer partition, lead warpgroup's registers); shared
+# memory: a bf16 slot 32 KB, Q 32 KB per 32 heads (the bf16 kernel's rings). One consumer: two producer partitions
+# (one per half of a block); two consumers: one
+_LAYOUT = {1: (BLOCK_H, 5, 128, 0), 2: (2 * BLOCK_H, 4, 96, 192)}
+PREFETCH = 1  # blocks whose rows are prefetched into L2 ahead of the loads (H200: 1 best of 0-3)
+# PARTS bits: which parts run (all by default; the diagnosis switches some off): the producers' loads, the consumers'
+# math, the dequantization and stores, the producers' proxy fence
+GATHER, MATH, DEQUANT, FENCE = 1, 2, 4, 8
 
 
 @gluon.jit
 def _prefetch_rows(kv_ptr, ids, layout: gl.constexpr):
     """``prefetch.global.L2`` of every 128-byte line of the rows ``ids`` (offsets 0, 128, .., 512 and the last
-    byte; -1 prefetches row 0), so that their later ``cp.async`` reads L2 instead of waiting on HBM."""
+    byte; -1 prefetches row 0), so that their later loads read L2 instead of waiting on HBM."""
     offs = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, layout)) * 128, 583)
     ptrs = kv_ptr + gl.maximum(ids, 0).to(gl.int64)[:, None] * 584 + offs[None, :]
     gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
                               is_pure=False, pack=1)
 
 
-@gluon.jit
-def _dequant_half(raw_codes, raw_scales, r, h: gl.constexpr, L3: gl.constexpr):
-    """Code tiles 4h .. 4h + 3 of raw slot r times 2^(b - 127), b each row's scale byte of the tile (b = 0 gives
-    2^-127, as the emulation's exp2), as bf16 [64 rows, 256 dims] (for h = 1 the last 64 dims are garbage: tile 7
-    holds rope bytes)."""
-    codes = raw_codes.index(r).slice(4 * h, 4, dim=0).load(L3)  # [4 tiles, 64 rows, 64] e4m3 bits
-    b = raw_scales.index(r).slice(4 * h, 4, dim=1).permute((1, 0)).load(gl.SliceLayout(2, L3)).to(gl.int32)
-    scale = gl.where(b > 0, b << 23, 0x400000).to(gl.float32, bitcast=True)  # [4 tiles, 64 rows]
-    val = (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None]).to(gl.bfloat16)
-    return gl.reshape(gl.permute(val, (1, 0, 2)), [64, 256])
+# one word of four e4m3 codes ($2) times the fp32 scale ($3) -> two bf16 pairs ($0: codes 0-1, $1: 2-3): exact
+# e4m3 -> f16 -> f32, the product rounded once to bf16 (the emulation's fp32 product, rounded on the copy)
+_DEQUANT_WORD = gl.constexpr("""{
+.reg .b16 c01, c23, h0, h1, h2, h3;
+.reg .b32 p01, p23;
+.reg .f32 f0, f1, f2, f3;
+mov.b32 {c01, c23}, $2;
+cvt.rn.f16x2.e4m3x2 p01, c01;
+cvt.rn.f16x2.e4m3x2 p23, c23;
+mov.b32 {h0, h1}, p01;
+mov.b32 {h2, h3}, p23;
+cvt.f32.f16 f0, h0;
+cvt.f32.f16 f1, h1;
+cvt.f32.f16 f2, h2;
+cvt.f32.f16 f3, h3;
+mul.rn.f32 f0, f0, $3;
+mul.rn.f32 f1, f1, $3;
+mul.rn.f32 f2, f2, $3;
+mul.rn.f32 f3, f3, $3;
+cvt.rn.bf16x2.f32 $0, f1, f0;
+cvt.rn.bf16x2.f32 $1, f3, f2;
+}""")
 
 
 @gluon.jit
-def _rope_rows(raw_codes, raw_tail, r, RL: gl.constexpr):
-    """The 64 bf16 rope dims of raw slot r's rows: [64, 64] (tile 7's bytes, then the tail's)."""
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    lo = raw_codes.index(r).slice(7, 1, dim=0)._reinterpret(gl.bfloat16, [64, 32], plain).load(RL)
-    hi = raw_tail.index(r)._reinterpret(gl.bfloat16, [64, 32], plain).load(RL)
-    return gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [64, 64])
+def _code_words(kvi_ptr, rows, valid, T0: gl.constexpr, NT: gl.constexpr, L3: gl.constexpr, PARTS: gl.constexpr):
+    """Code tiles T0 ..+NT of ``rows`` (int64 [64]; invalid rows zero) as int32 words [NT, 64 rows, 16], four codes
+    a word: 8-byte loads (a row starts 8-byte aligned). Words, not bytes, so that a loop can carry them."""
+    tile = T0 + gl.arange(0, NT, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    col = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    ptrs = kvi_ptr + rows[None, :, None] * 146 + (tile[:, None, None] * 16 + col[None, None, :])
+    if PARTS & 1:
+        words = gl.load(ptrs, mask=valid[None, :, None], other=0)
+    else:
+        words = gl.zeros([NT, 64, 16], gl.int32, layout=L3)
+    return words
 
 
 @gluon.jit
-def _fp8_producer(kv_ptr, idx_row_ptr, topk, n_blocks, kv_smem, raw_codes, raw_tail, raw_scales, raw_ready, ready,
-                  empty, BN: gl.constexpr, NS: gl.constexpr, NR: gl.constexpr, PF: gl.constexpr, PW: gl.constexpr,
-                  PARTS: gl.constexpr):
-    """Gathers block j + NR while it dequantizes block j into slots 2j (dims [0, 256)) and 2j + 1 (mod NS), one
-    shared-memory store per half (and one for the rope dims); with PF > 0 the rows of block j + NR + PF are
-    prefetched into L2 (the gathers then wait on L2, not HBM)."""
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, PW, 1], [2, 1, 0])  # [tiles, rows, 64 B]
-    L2: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PW, 1], [1, 0])  # [rows, bytes]
-    RL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [PW, 1], [1, 0])  # bf16 [rows, 32], 16 B a thread
+def _dequant(words, sw, T0: gl.constexpr, NT: gl.constexpr):
+    """int32 [NT, 64 rows, 16] code words of tiles T0 ..+NT times 2^(b - 127), b the row's scale byte of the tile
+    (byte T0 + t of its int64 scale word ``sw`` [64]; b = 0 gives 2^-127, as the emulation's exp2), rounded to bf16
+    (exact: an e4m3 value times a power of two is a bf16 value) -> int32 [64, 32 NT], two bf16 a word."""
+    sw_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, words.type.layout))
+    shift = 8 * (T0 + gl.arange(0, NT, layout=gl.SliceLayout(1, gl.SliceLayout(2, words.type.layout))))
+    b = ((gl.convert_layout(sw, sw_l)[None, :] >> shift[:, None].to(gl.int64)) & 0xFF).to(gl.int32)
+    scale = gl.where(b > 0, b << 23, 0x400000)  # [NT, 64 rows], fp32 bits of 2^(b - 127)
+    lo, hi = gl.inline_asm_elementwise(_DEQUANT_WORD, "=r,=r,r,r", [words, scale[:, :, None]],
+                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    pairs = gl.reshape(gl.join(lo, hi), [NT, 64, 32])
+    return gl.reshape(gl.permute(pairs, (1, 0, 2)), [64, 32 * NT])
+
+
+@gluon.jit
+def _load_lo(kvi_ptr, kvw_ptr, ids, L3: gl.constexpr, PARTS: gl.constexpr):
+    """Half 0 of the rows ``ids`` (a block's 64 indices, -1: zero rows) in registers: code tiles 0-3 and each row's
+    scale word (int64 [64])."""
+    valid = ids >= 0
+    rows = gl.maximum(ids, 0).to(gl.int64)
+    sw = gl.load(kvw_ptr + rows * 73 + 72, mask=valid, other=0)
+    return _code_words(kvi_ptr, rows, valid, 0, 4, L3, PARTS), sw
+
+
+@gluon.jit
+def _load_hi(kvi_ptr, kvw_ptr, ids, L3: gl.constexpr, PARTS: gl.constexpr):
+    """Half 1 of the rows ``ids`` in registers: code tiles 4-5, tile 6, the rope dims' 32 words (bytes 448-575,
+    as [2, 64, 16] int32: two bf16 a word), the scale words."""
+    valid = ids >= 0
+    rows = gl.maximum(ids, 0).to(gl.int64)
+    sw = gl.load(kvw_ptr + rows * 73 + 72, mask=valid, other=0)
+    rope = gl.reshape(_code_words(kvi_ptr, rows, valid, 7, 2, L3, PARTS), [2, 64, 16])  # words 112-143
+    return (_code_words(kvi_ptr, rows, valid, 4, 2, L3, PARTS), _code_words(kvi_ptr, rows, valid, 6, 1, L3, PARTS),
+            rope, sw)
+
+
+@gluon.jit
+def _slot_words(kv_smem, s):
+    """Slot s ([64, 256] bf16, 128-byte swizzle) as int32 [64, 128] over the same bytes."""
+    return kv_smem.index(s)._reinterpret(gl.int32, [64, 128], gl.NVMMASharedLayout(128, 32))
+
+
+@gluon.jit
+def _fill(kv_smem, ready, empty, u, NS: gl.constexpr, PARTS: gl.constexpr, H: gl.constexpr, codes, sw, last, rope):
+    """Waits for slot u mod NS, stores half H's bf16 tile (H = 0: tiles 0-3 from ``codes``; H = 1: tiles 4-6 from
+    ``codes`` and ``last``, then the rope words), fences, meets the partition barrier, arrives on ``ready``."""
+    s = u % NS
+    mbarrier.wait(empty.index(s), ((u // NS) & 1) ^ 1)
+    if PARTS & 4:  # DEQUANT
+        slot = _slot_words(kv_smem, s)
+        if H == 0:
+            slot.store(_dequant(codes, sw, 0, 4))
+        else:
+            slot.slice(0, 64, dim=1).store(_dequant(codes, sw, 4, 2))
+            slot.slice(64, 32, dim=1).store(_dequant(last, sw, 6, 1))
+            slot.slice(96, 32, dim=1).store(gl.reshape(gl.permute(rope, (1, 0, 2)), [64, 32]))
+    if PARTS & 8:  # FENCE
+        fence_async_shared()
+    gl.thread_barrier()  # every thread's stores are done
+    mbarrier.arrive(ready.index(s), count=1)
+
+
+@gluon.jit
+def _load_half(kvi_ptr, kvw_ptr, ids, H: gl.constexpr, L3: gl.constexpr, PARTS: gl.constexpr):
+    """Half H of the rows ``ids`` in registers, as :func:`_fill` takes it: (codes, scale words, last, rope)."""
+    if H == 0:
+        codes, sw = _load_lo(kvi_ptr, kvw_ptr, ids, L3, PARTS)
+        last, rope = codes, codes
+    else:
+        codes, last, rope, sw = _load_hi(kvi_ptr, kvw_ptr, ids, L3, PARTS)
+    return codes, sw, last, rope
+
+
+@gluon.jit
+def _fill_halves_in_turn(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, pf_ids,
+                         BN: gl.constexpr, NS: gl.constexpr, PF: gl.constexpr, L3: gl.constexpr,
+                         PF_LAYOUT: gl.constexpr, PARTS: gl.constexpr):
+    """Both halves of every block, each loaded just before its store; block j + 1 + PF's rows prefetched."""
+    pf_rows: gl.constexpr = gl.SliceLayout(1, PF_LAYOUT)
+    rows_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L3))
+    for j in range(n_blocks):
+        if PF > 0:
+            if j + 1 + PF < n_blocks:
+                _prefetch_rows(kv_ptr, pf_ids, PF_LAYOUT)
+            pf_ids = _block_ids(idx_row_ptr, j + 2 + PF, topk, BN, pf_rows)
+        ids = _block_ids(idx_row_ptr, j, topk, BN, rows_l)
+        codes, sw, last, rope = _load_half(kvi_ptr, kvw_ptr, ids, 0, L3, PARTS)
+        _fill(kv_smem, ready, empty, 2 * j, NS, PARTS, 0, codes, sw, last, rope)
+        codes, sw, last, rope = _load_half(kvi_ptr, kvw_ptr, ids, 1, L3, PARTS)
+        _fill(kv_smem, ready, empty, 2 * j + 1, NS, PARTS, 1, codes, sw, last, rope)
+
+
+@gluon.jit
+def _fill_one_half_ahead(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, pf_ids,
+                         BN: gl.constexpr, NS: gl.constexpr, H: gl.constexpr, PF: gl.constexpr, L3: gl.constexpr,
+                         PF_LAYOUT: gl.constexpr, PARTS: gl.constexpr):
+    """Half H of every block, loads a block ahead of the stores, two blocks a loop step (two register sets, A and
+    B: load B's block j + 1, store A's block j, load block j + 2 into A, store B's), so that no loaded register is
+    copied (a copy waits for its load); half 0 prefetches blocks j + 1 + PF and j + 2 + PF."""
+    pf_rows: gl.constexpr = gl.SliceLayout(1, PF_LAYOUT)
+    rows_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L3))
+    pf_next = _block_ids(idx_row_ptr, 2 + PF, topk, BN, pf_rows)
+    a, a_sw, a_last, a_rope = _load_half(kvi_ptr, kvw_ptr, _block_ids(idx_row_ptr, 0, topk, BN, rows_l), H, L3,
+                                         PARTS)
+    ids_b = _block_ids(idx_row_ptr, 1, topk, BN, rows_l)
+    ids_a = _block_ids(idx_row_ptr, 2, topk, BN, rows_l)
+    for j in range(0, n_blocks, 2):
+        if PF > 0 and H == 0:
+            if j + 1 + PF < n_blocks:
+                _prefetch_rows(kv_ptr, pf_ids, PF_LAYOUT)
+            if j + 2 + PF < n_blocks:
+                _prefetch_rows(kv_ptr, pf_next, PF_LAYOUT)
+            pf_ids = _block_ids(idx_row_ptr, j + 3 + PF, topk, BN, pf_rows)
+            pf_next = _block_ids(idx_row_ptr, j + 4 + PF, topk, BN, pf_rows)
+        b, b_sw, b_last, b_rope = _load_half(kvi_ptr, kvw_ptr, ids_b, H, L3, PARTS)
+        _fill(kv_smem, ready, empty, 2 * j + H, NS, PARTS, H, a, a_sw, a_last, a_rope)
+        a, a_sw, a_last, a_rope = _load_half(kvi_ptr, kvw_ptr, ids_a, H, L3, PARTS)
+        if j + 1 < n_blocks:
+            _fill(kv_smem, ready, empty, 2 * j + 2 + H, NS, PARTS, H, b, b_sw, b_last, b_rope)
+        ids_b = _block_ids(idx_row_ptr, j + 3, topk, BN, rows_l)
+        ids_a = _block_ids(idx_row_ptr, j + 4, topk, BN, rows_l)
+
+
+@gluon.jit
+def _dequant_producer(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty,
+                      BN: gl.constexpr, NS: gl.constexpr, H0: gl.constexpr, NH: gl.constexpr, PF: gl.constexpr,
+                      PW: gl.constexpr, PARTS: gl.constexpr):
+    """Fills the bf16 slots of halves H0 ..+NH of every block (slot 2j + h mod NS) from the 584 B rows (8-byte
+    words loaded into registers): one half (NH = 1) with its loads a block ahead (:func:`_fill_one_half_ahead`),
+    or both (the two-consumer layout, whose warpgroups leave registers for one half) in turn. Half 0 holds code
+    tiles 0-3 (dims 0-255), half 1 tiles 4-6 and the rope dims. The partition with half 0 prefetches rows into L2,
+    PF blocks ahead of its loads."""
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 4, 8], [1, PW, 1], [2, 1, 0])  # [tiles, rows, 16 words]
     pf_layout: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [PW, 1], [1, 0])  # [64 rows, 8 lines], no copies
     pf_rows: gl.constexpr = gl.SliceLayout(1, pf_layout)
-    if PF > 0:
-        for j in range(NR, gl.minimum(n_blocks, NR + PF)):
+    if PF > 0 and H0 == 0:
+        for j in range(1, gl.minimum(n_blocks, 1 + PF)):
             _prefetch_rows(kv_ptr, _block_ids(idx_row_ptr, j, topk, BN, pf_rows), pf_layout)
-    pf_ids = _block_ids(idx_row_ptr, NR + PF, topk, BN, pf_rows)  # loaded an iteration before its prefetch
-    for j in range(gl.minimum(n_blocks, NR)):
-        _gather_raw(kv_ptr, idx_row_ptr, j, topk, raw_codes, raw_tail, raw_scales, raw_ready, j, L3, L2, PARTS)
-    for j in range(n_blocks):
-        r = j % NR
-        if PF > 0:
-            if j + NR + PF < n_blocks:
-                _prefetch_rows(kv_ptr, pf_ids, pf_layout)
-            pf_ids = _block_ids(idx_row_ptr, j + 1 + NR + PF, topk, BN, pf_rows)
-        mbarrier.wait(raw_ready.index(r), (j // NR) & 1)
-        for h in gl.static_range(2):
-            u = 2 * j + h
-            s = u % NS
-            mbarrier.wait(empty.index(s), ((u // NS) & 1) ^ 1)
-            if PARTS & 4:
-                slot = kv_smem.index(s)
-                slot.store(_dequant_half(raw_codes, raw_scales, r, h, L3))
-                if h == 1:
-                    slot.slice(192, 64, dim=1).store(_rope_rows(raw_codes, raw_tail, r, RL))
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's stores (and, after h = 1, its reads of raw slot r) are done
-            mbarrier.arrive(ready.index(s), count=1)
-        if j + NR < n_blocks:
-            _gather_raw(kv_ptr, idx_row_ptr, j + NR, topk, raw_codes, raw_tail, raw_scales, raw_ready, r, L3, L2,
-                        PARTS)
+    pf_ids = _block_ids(idx_row_ptr, 1 + PF, topk, BN, pf_rows)  # loaded a loop step before its prefetch
+    if NH == 2:
+        _fill_halves_in_turn(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, pf_ids,
+                             BN, NS, PF, L3, pf_layout, PARTS)
+    else:
+        _fill_one_half_ahead(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, pf_ids,
+                             BN, NS, H0, PF, L3, pf_layout, PARTS)
 
 
 @gluon.jit
-def _rings(NS: gl.constexpr, NR: gl.constexpr, BN: gl.constexpr, PW: gl.constexpr):
-    """The raw ring (NR slots: code tiles, rope tail, scale bytes, ``raw_ready``) and the bf16 ring's mbarriers
-    (``ready``: the producer's one arrival after its partition barrier; ``empty``: the reader's release), all
-    initialized."""
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    raw_codes = gl.allocate_shared_memory(gl.uint8, [NR, 8, BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    raw_tail = gl.allocate_shared_memory(gl.uint8, [NR, BN, 64], plain)
-    raw_scales = gl.allocate_shared_memory(gl.uint8, [NR, BN, 8], plain)
-    raw_ready = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
-    ready, empty = _slot_barriers(NS, 1)
-    for i in gl.static_range(NR):
-        mbarrier.init(raw_ready.index(i), count=PW * 32)  # every producer thread's cp.async arrival
-    return raw_codes, raw_tail, raw_scales, raw_ready, ready, empty
-
-
-@gluon.jit
-def _one_consumer_fp8_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
+def _one_consumer_fp8_kernel(q_ptr, kv_ptr, kvi_ptr, kvw_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
                              stride_qn, stride_qh, stride_in, stride_on, stride_oh,
                              D: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-                             NR: gl.constexpr, PF: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr,
-                             PARTS: gl.constexpr):
+                             PF: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, PARTS: gl.constexpr):
     pid_n = gl.program_id(1).to(gl.int64)
     h0 = gl.program_id(0) * BH
     kv_smem, q_smem, p_smem, red = _one_consumer_buffers(NS, BN, BH, D)
-    raw_codes, raw_tail, raw_scales, raw_ready, ready, empty = _rings(NS, NR, BN, PW)
+    ready, empty = _slot_barriers(NS, 1)  # ready: the filling partition's one arrival after its barrier
     n_blocks = gl.cdiv(topk, BN)
     idx_row_ptr = idx_ptr + pid_n * stride_in
     gl.warp_specialize([
         (_one_consumer, (q_ptr, stride_qn, stride_qh, idx_row_ptr, sink_ptr, o_ptr, stride_on, stride_oh, pid_n, h0,
                          topk, n_blocks, scale, kv_smem, q_smem, p_smem, red, ready, empty, D, BH, BN, NS, PARTS)),
-        (_fp8_producer, (kv_ptr, idx_row_ptr, topk, n_blocks, kv_smem, raw_codes, raw_tail, raw_scales, raw_ready,
-                         ready, empty, BN, NS, NR, PF, PW, PARTS)),
-    ], [PW], [PREGS])
+        (_dequant_producer, (kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, BN, NS,
+                             0, 1, PF, PW, PARTS)),
+        (_dequant_producer, (kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, BN, NS,
+                             1, 1, PF, PW, PARTS)),
+    ], [PW, PW], [PREGS, PREGS])
 
 
 @gluon.jit
-def _two_consumer_fp8_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
+def _two_consumer_fp8_kernel(q_ptr, kv_ptr, kvi_ptr, kvw_ptr, idx_ptr, sink_ptr, o_ptr, topk, scale,
                              stride_qn, stride_qh, stride_in, stride_on, stride_oh,
                              D: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-                             NR: gl.constexpr, PF: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr,
-                             CREGS: gl.constexpr, PARTS: gl.constexpr):
+                             PF: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, CREGS: gl.constexpr,
+                             PARTS: gl.constexpr):
     W: gl.constexpr = D // 2
     pid_n = gl.program_id(1).to(gl.int64)
     h0 = gl.program_id(0) * BH
     kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, W],
                                         gl.NVMMASharedLayout.get_default_for([BN, W], gl.bfloat16))
     q_h, p_buf, a_buf, l_buf, p_ready, p_free, q_ready, l_ready = _two_consumer_exchange(BH, BN, W)
-    raw_codes, raw_tail, raw_scales, raw_ready, ready, empty = _rings(NS, NR, BN, PW)
+    ready, empty = _slot_barriers(NS, 1)
     n_blocks = gl.cdiv(topk, BN)
     idx_row_ptr = idx_ptr + pid_n * stride_in
     gl.warp_specialize([
-        (_tail, (idx_row_ptr, sink_ptr, o_ptr, stride_on, stride_oh, pid_n, h0, topk, n_blocks, scale, kv_smem, q_h,
-                 p_buf, a_buf, l_buf, ready, empty, q_ready, p_ready, p_free, l_ready, BH, BN, W, NS, PARTS)),
-        (_lead, (q_ptr, stride_qn, stride_qh, o_ptr, stride_on, stride_oh, pid_n, h0, n_blocks, kv_smem, q_h, p_buf,
-                 a_buf, l_buf, empty, q_ready, p_ready, p_free, l_ready, BH, W, NS, PARTS)),
-        (_fp8_producer, (kv_ptr, idx_row_ptr, topk, n_blocks, kv_smem, raw_codes, raw_tail, raw_scales, raw_ready,
-                         ready, empty, BN, NS, NR, PF, PW, PARTS)),
+        (_tail, (idx_row_ptr, sink_ptr, o_ptr, stride_on, stride_oh, pid_n, h0, topk, n_blocks, scale, kv_smem,
+                 q_h, p_buf, a_buf, l_buf, ready, empty, q_ready, p_ready, p_free, l_ready, BH, BN, W, NS, PARTS)),
+        (_lead, (q_ptr, stride_qn, stride_qh, o_ptr, stride_on, stride_oh, pid_n, h0, n_blocks, kv_smem, q_h,
+                 p_buf, a_buf, l_buf, empty, q_ready, p_ready, p_free, l_ready, BH, W, NS, PARTS)),
+        (_dequant_producer, (kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, BN,
+                             NS, 0, 2, PF, PW, PARTS)),
     ], [4, PW], [CREGS, PREGS])
 
 
@@ -230,38 +320,29 @@ def takes(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> str | None:
 
 def sparse_attention_ws_fp8kv(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                               scale: float, *, consumers: int | None = None, slots: int | None = None,
-                              raw_slots: int | None = None, prefetch: int | None = None,
-                              producer_warps: int | None = None, parts: int = GATHER | MATH | DEQUANT
+                              prefetch: int | None = None, parts: int = GATHER | MATH | DEQUANT | FENCE
                               ) -> torch.Tensor:
     """q [n, H, 512] bf16, kv uint8 [m, 584] (the FP8 layout), idx [n, K] int (-1 = masked), sink [H] fp32 ->
     o [n, H, 512] bf16 (inputs as checked by :func:`takes`). ``consumers`` (1: 32 heads per CTA, 2: 64) defaults
-    to :func:`kernels.sparse_attention_ws.consumers_for`; ``slots`` / ``raw_slots`` override the bf16 and raw ring
-    depths of that layout (shared memory permitting), ``prefetch`` the L2 prefetch distance in blocks (0: none),
-    ``producer_warps`` 4, or 8 with one consumer;
-    ``parts`` other than all is for the diagnosis only (wrong results)."""
+    to :func:`kernels.sparse_attention_ws.consumers_for`; ``slots`` overrides the bf16 ring depth of that layout
+    (shared memory permitting), ``prefetch`` the L2 prefetch distance in blocks (0: none); ``parts`` other than all
+    is for the diagnosis only (wrong results)."""
     n, h, d = q.shape
     o = torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
     if n == 0:
         return o
     nc = consumer_layout("sparse_attention_ws_fp8kv", consumers, n, h, q.device)
-    bh, ns, nr, pw, pregs, cregs = _LAYOUT[nc]
-    ns, nr = slots or ns, raw_slots or nr
-    if producer_warps not in (None, pw):
-        if (nc, producer_warps) != (1, 8):
-            raise ValueError(f"sparse_attention_ws_fp8kv: producer_warps must be 4, or 8 with one consumer (the "
-                             f"registers of 8 warps do not fit beside two); found {producer_warps} with "
-                             f"consumers={nc}")
-        pw = producer_warps
+    bh, ns, pregs, cregs = _LAYOUT[nc]
+    ns = slots or ns
     q, kv = q.contiguous(), kv.contiguous()
     idx, sink = idx.to(torch.int32).contiguous(), sink.to(torch.float32).contiguous()
-    args = (q, kv, idx, sink, o, idx.shape[1], float(scale), q.stride(0), q.stride(1), idx.stride(0), o.stride(0),
-            o.stride(1))
+    # the rows as int32 words (codes, rope dims) and as int64 words (the scale bytes: word 72 of a row)
+    args = (q, kv, kv.view(torch.int32), kv.view(torch.int64), idx, sink, o, idx.shape[1], float(scale),
+            q.stride(0), q.stride(1), idx.stride(0), o.stride(0), o.stride(1))
     pf = PREFETCH if prefetch is None else prefetch
-    common = dict(D=d, BH=bh, BN=BLOCK_N, NS=ns, NR=nr, PF=pf, PW=pw, PREGS=pregs, PARTS=parts,
-                  num_warps=4)
+    common = dict(D=d, BH=bh, BN=BLOCK_N, NS=ns, PF=pf, PW=PRODUCER_WARPS, PREGS=pregs, PARTS=parts, num_warps=4)
     if nc == 1:
         _one_consumer_fp8_kernel[(h // bh, n)](*args, **common)
     else:
         _two_consumer_fp8_kernel[(h // bh, n)](*args, CREGS=cregs, **common)
     return o
-

@@ -21,6 +21,10 @@ build_ext --inplace`` when ``flash_mla.cuda`` does not import), timed on its own
 entries, FP8 584 B rows, fixed lengths so that every index is valid) at the same batch, heads, top-k and s_q,
 with the same ``time_fn``. The bundle stays out of the tree.
 
+Also, per shape, one decode token at batch 1 as the production decoder runs it with ``kv_storage=fp8``: the rows
+gathered and dequantized into a bf16 workspace, then the bf16 ``ws`` kernel, against ``sparse_attention_fp8kv`` on
+the packed store (bit-equality of the two checked).
+
 Writes DIR/bench_fmha_fp8kv.json; prints a markdown table last.
 """
 
@@ -41,10 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_kernels as bk  # noqa: E402
 
-from fidelity.decoders.production import ops  # noqa: E402
+from fidelity.decoders.production import kv_layout, ops  # noqa: E402
 from fidelity.decoders.production.kernels import sparse_attention  # noqa: E402
 from fidelity.decoders.production.kernels.sparse_attention_ws import sparse_attention_ws  # noqa: E402
 from fidelity.decoders.production.kernels.sparse_attention_ws_fp8kv import sparse_attention_ws_fp8kv  # noqa: E402
+from fidelity.model.formats import dequantize_fp8  # noqa: E402
 
 SCALE = 512**-0.5
 CASES = [("V4-Flash", 64, 512), ("V4-Pro", 128, 1024)]
@@ -124,6 +129,36 @@ def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: boo
     torch.cuda.empty_cache()
 
 
+def time_decode_step(name: str, heads: int, topk: int) -> None:
+    """One decode token (batch 1) of a layer with ``kv_storage=fp8``: the gather path (the visible rows gathered
+    and dequantized into a bf16 workspace as ``KVStore.read_into`` does, then the bf16 ``ws`` kernel on local
+    indices) against ``sparse_attention_fp8kv`` on the packed store with the cache slots (what decode runs)."""
+    sets, _ = bk.decode_sets(1, heads, topk, 16, 32768, fp8=True)
+    buf = torch.empty(128 + topk, 512, dtype=torch.bfloat16, device="cuda")
+    local = torch.arange(128 + topk, device="cuda")[None]
+
+    def gather_path(q, packed, idx, sink):
+        slots = idx[0].long()
+        codes, rope, scales = kv_layout.views(packed, 512, 64)
+        buf[:, :448] = dequantize_fp8(codes[slots], scales[slots], 64)
+        buf[:, 448:] = rope[slots]
+        return sparse_attention.sparse_attention_cuda(q, buf, local, sink, SCALE)
+
+    args = [(s["q"], s["packed"], s["idx"], s["sink"]) for s in sets]
+    same = torch.equal(gather_path(*args[0]), sparse_attention.sparse_attention_fp8kv(*args[0], SCALE))
+    def packed_path(q, packed, idx, sink):
+        return sparse_attention.sparse_attention_fp8kv(q, packed, idx, sink, SCALE)
+
+    for label, fn in (("decode b1: gather + dequantize, bf16 ws", gather_path),
+                      ("decode b1: ws FP8 on the packed rows", packed_path)):
+        t = bk.time_fn(fn, args)
+        fl = floor_us(1, heads, 128 + topk)
+        ROWS.append({"case": f"{name} b1 s_q=1", "variant": label, **t, "floor_us": fl["us"],
+                     "floor_bound": fl["bound"], "frac_of_floor": fl["us"] / t["us"], "bit_equal_paths": same})
+        print(f"[decode] {name} {label}: {t['us']:.2f} us (eager {t.get('eager_us', float('nan')):.2f}), "
+              f"bit-equal {same}", flush=True)
+
+
 def load_peer(path: Path):
     """Import FlashMLA from ``path`` (built in place when its extension does not import)."""
     sys.path[:0] = [str(path), str(path / "tests")]
@@ -187,6 +222,7 @@ def main() -> None:
     for name, heads, topk in CASES:
         for s_q in (1, 2):
             time_ours(name, heads, topk, s_q, a.quick, a.diag)
+        time_decode_step(name, heads, topk)
     if a.peer:
         try:
             time_peer(a.peer.resolve(), a.quick)

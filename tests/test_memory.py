@@ -11,7 +11,7 @@ from fidelity.model.config import ModelConfig
 from fidelity.model.synthesize import synthesize
 
 TINY = ModelConfig.preset("tiny")
-# Flash-shaped heads (512-d KV rows, 128-d indexer keys, top-512) at a tiny width: 583 B FP8 rows, 68 B FP4 keys
+# Flash-shaped heads (512-d KV rows, 128-d indexer keys, top-512) at a tiny width: 584 B FP8 rows, 68 B FP4 keys
 FLASH_HEADS = TINY.replace(
     vocab_size=256, dim=128, head_dim=512, n_heads=2, o_groups=1, q_lora_rank=128, o_lora_rank=128,
     moe_inter_dim=128, n_routed_experts=2, n_activated_experts=1, index_n_heads=2, index_head_dim=128,
@@ -43,7 +43,7 @@ def test_analytic_sizes_equal_the_session_allocation(cfg: ModelConfig, profile: 
 
 
 def test_row_sizes_and_formats():
-    assert [cache_bytes(FLASH_HEADS, 8, kv, ix).kv_row for kv, ix in [("bf16", "bf16"), ("fp8", "fp4")]] == [1024, 583]
+    assert [cache_bytes(FLASH_HEADS, 8, kv, ix).kv_row for kv, ix in [("bf16", "bf16"), ("fp8", "fp4")]] == [1024, 584]
     assert [cache_bytes(FLASH_HEADS, 8, "fp8", ix).key_row for ix in ("bf16", "fp4", "fp8")] == [256, 68, 129]
     assert profile_formats(get_profile("fp8-indexer")) == ("bf16", "bf16")  # fp8 values, bf16 rows
     assert profile_formats(get_profile("reference:kv_storage=fp8,indexer_storage=packed")) == ("fp8", "fp4")
@@ -59,43 +59,45 @@ def test_flash_at_1m_context_pinned():
     """Flash: 2 SWA, 21 CSA, 20 HCA layers; 1M = 2^20 tokens -> 262144 CSA entries, 8192 HCA entries.
 
     bf16: CSA 1024/4 + 256/4 = 320 B/token/layer, HCA 1024/128 = 8 -> 21*320 + 20*8 = 6880 B/token.
-    FP8 KV + FP4 keys: CSA 583/4 + 68/4 = 162.75, HCA 583/128 -> 3417.75 + 91.09375 = 3508.84375 B/token;
-    padded (584 B rows): 21*163 + 20*4.5625 = 3514.25. FP8 keys (129 B, padded 132): 3829.09375 / 3850.25.
+    FP8 KV (the 584 B packed row: 448 codes + 128 rope + 7 scales + 1 pad) + FP4 keys: CSA 584/4 + 68/4 = 163,
+    HCA 584/128 = 4.5625 -> 21*163 + 20*4.5625 = 3423 + 91.25 = 3514.25 B/token (padded the same). FP8 keys (129 B,
+    padded 132): 3834.5 / 3850.25.
     Totals add the window (128 rows), the fp32 carry (CSA 65536 + 16384, HCA 524288 B) and the gather buffers
     (a 1024 B bf16 row and an 8 B slot per visible row: CSA 128+512, HCA 128+8192, SWA 128 rows) per layer.
     """
     cfg, n = ModelConfig.preset("flash"), 1 << 20
     bf16, fp8 = cache_bytes(cfg, n, "bf16", "bf16"), cache_bytes(cfg, n, "fp8", "fp4")
     assert (bf16.per_token("csa"), bf16.per_token("hca"), bf16.per_token()) == (6720.0, 160.0, 6880.0)
-    assert (fp8.per_token("csa"), fp8.per_token("hca"), fp8.per_token()) == (3417.75, 91.09375, 3508.84375)
+    assert (fp8.per_token("csa"), fp8.per_token("hca"), fp8.per_token()) == (3423.0, 91.25, 3514.25)
     assert fp8.per_token(padded=True) == 3514.25
-    assert cache_bytes(cfg, n, "fp8", "fp8").per_token() == 3829.09375
+    assert cache_bytes(cfg, n, "fp8", "fp8").per_token() == 3834.5
     assert cache_bytes(cfg, n, "fp8", "fp8").per_token(padded=True) == 3850.25
     # per layer: SWA 128*1024 + 128*1032; CSA 131072 + 2^28 + 2^26 + 81920 + 640*1032; HCA 131072 + 2^23 + 2^19 +
     # 8320*1032
     assert bf16.total() == 2 * 263168 + 21 * 336417792 + 20 * 17630208 == 7417904128  # 6.91 GiB
-    # FP8: SWA 74624 + 132096; CSA 74624 + 262144*583 + 262144*68 + 81920 + 660480; HCA 74624 + 8192*583 + ...
-    assert fp8.total() == 2 * 206720 + 21 * 171472768 + 20 * 13961088 == 3880563328  # 3.61 GiB
-    assert fp8.total(padded=True) - fp8.total() == 128 * 43 + 262144 * 21 + 8192 * 20  # one byte per KV row
+    # FP8: SWA 74752 + 132096; CSA 74752 + 262144*584 + 262144*68 + 81920 + 660480; HCA 74752 + 8192*584 +
+    # 524288 + 8586240
+    assert fp8.total() == 2 * 206848 + 21 * 171735040 + 20 * 13969408 == 3886237696  # 3.62 GiB
+    assert fp8.total(padded=True) == fp8.total()  # 584 B KV rows and 68 B FP4 keys need no padding
 
 
 def test_pro_at_1m_context_pinned():
     """Pro: 30 CSA, 31 HCA (layers 0-1 are HCA), top-1024. bf16 30*320 + 31*8 = 9848 B/token; FP8 + FP4:
-    30*162.75 + 31*583/128 = 5023.6953125 B/token (padded 30*163 + 31*4.5625 = 5031.4375)."""
+    30*163 + 31*584/128 = 5031.4375 B/token (padded the same)."""
     cfg, n = ModelConfig.preset("pro"), 1 << 20
     bf16, fp8 = cache_bytes(cfg, n, "bf16", "bf16"), cache_bytes(cfg, n, "fp8", "fp4")
     assert "swa" not in bf16.layers and bf16.layers["hca"].layers == 31 and bf16.layers["csa"].layers == 30
-    assert (bf16.per_token(), fp8.per_token(), fp8.per_token(padded=True)) == (9848.0, 5023.6953125, 5031.4375)
+    assert (bf16.per_token(), fp8.per_token(), fp8.per_token(padded=True)) == (9848.0, 5031.4375, 5031.4375)
     assert bf16.total() == 30 * 336946176 + 31 * 17630208 == 10654921728  # 9.92 GiB
-    assert fp8.total() == 30 * 172001152 + 31 * 13961088 == 5592828288  # 5.21 GiB
+    assert fp8.total() == 30 * 172263424 + 31 * 13969408 == 5600954368  # 5.22 GiB
 
 
 def test_format_and_main():
     text = memory_main("flash", None, 1 << 20)
     assert "43 layers (2 swa, 21 csa, 20 hca)" in text
-    assert "KV fp8 (583 B/row, padded 584), indexer keys fp4 (68 B/row, padded 68)" in text
-    assert "6880.00" in text and "3508.84" in text and "3514.25" in text
-    assert "6.91 GiB" in text and "3.61 GiB" in text
+    assert "KV fp8 (584 B/row, padded 584), indexer keys fp4 (68 B/row, padded 68)" in text
+    assert "6880.00" in text and "3514.25" in text
+    assert "6.91 GiB" in text and "3.62 GiB" in text
     assert format_memory(cache_bytes(TINY, 300)).count("\n") >= 5
     with pytest.raises(ValueError, match="not both"):
         memory_main("flash", "config.json", 8)

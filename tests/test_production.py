@@ -104,14 +104,16 @@ def tiny_oracle(tiny):
 @pytest.mark.parametrize(("profile", "base"), [("fp8-kv-storage", "reference"), ("fp4-indexer-packed", "reference"),
                                                ("fp8-indexer:indexer_storage=packed", "fp8-indexer")])
 def test_packed_storage_is_bit_identical(tiny, tiny_decoded, profile, base):
-    """FP8 KV rows (e4m3 codes + ue8m0 scales) and packed FP4 / FP8 indexer keys hold exactly the values the
-    bf16 rows hold (already FP8 / FP4 grid values), so logits are bit-identical in prefill and in decode
+    """FP8 KV rows (packed e4m3 codes + ue8m0 scales + bf16 rope) and packed FP4 / FP8 indexer keys hold exactly
+    the values the bf16 rows hold (already FP8 / FP4 grid values), so logits are bit-identical in prefill and in decode
     (prefill 250, then 8 steps across a CSA entry and the HCA entry completed at position 255)."""
     packed = ProductionModel(tiny, profile, max_context=258).session()
     assert packed.cache_bytes() < ProductionModel(tiny, base, max_context=258).session().cache_bytes()
     assert torch.equal(_decode(packed, _ids(TINY, 258), 250), tiny_decoded(base))
     if profile == "fp4-indexer-packed":  # scored straight from the packed codes, not from dequantized rows
         assert implementations_used().get("index_scores_fp4") == "cpu"
+    if profile == "fp8-kv-storage":  # decode attends the packed rows in place, not a gathered bf16 copy
+        assert implementations_used().get("sparse_attention_fp8kv") == "cpu"
 
 
 # ---- production vs the fp32 oracle --------------------------------------------------------------------------

@@ -7,10 +7,10 @@ indexer), and the decode gather buffers (window + selected rows: bf16 rows and t
 :func:`fidelity.decoders.production.cache.kv_row_bytes` / :func:`key_row_bytes` (one source of truth).
 
 *Bytes per token* is the cache's context-proportional part (compressed KV + indexer keys) divided by the
-context. The *padded* figures round every KV / key row up to a multiple of ``PAD_BYTES``: our FP8 KV row is
-448 + 7 + 128 = 583 B, production engines lay it out as 584 B (FlashMLA); the packed FP8 key is 129 B here,
-132 B in DeepGEMM (fp32 scale). The gather buffer is a decode workspace: listed in the totals, not per token
-(for HCA it still grows as ``ceil(ctx / 128)`` bf16 rows).
+context. The *padded* figures round every KV / key row up to a multiple of ``PAD_BYTES``: the FP8 KV row is
+already the 584 B production layout (448 codes + 128 rope + 7 scales + 1 pad, as FlashMLA reads it); the packed
+FP8 key is 129 B here, 132 B in DeepGEMM (fp32 scale). The gather buffer is a decode workspace: listed in the
+totals, not per token (for HCA it still grows as ``ceil(ctx / 128)`` bf16 rows).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def format_memory(reports: MemoryReport | Sequence[MemoryReport]) -> str:
                    for row in rows)
         out.append("")
     out.append("B/token: compressed KV + indexer keys per context token (all layers); padded: rows rounded up to "
-               f"{PAD_BYTES} B (FP8 KV 583 -> 584 B as in FlashMLA). gather: bf16 decode workspace.")
+               f"{PAD_BYTES} B (packed FP8 keys 129 -> 132 B as in DeepGEMM). gather: bf16 decode workspace.")
     return "\n".join(out)
 
 

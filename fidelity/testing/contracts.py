@@ -52,6 +52,7 @@ from fidelity.testing.strategies import (
     rms_norm_inputs,
     rms_norm_weightless_inputs,
     sinkhorn_split_inputs,
+    sparse_attention_fp8kv_inputs,
     sparse_attention_inputs,
 )
 from oracles import attention as attention_oracle
@@ -242,6 +243,19 @@ def _expected_sparse_attention(c: Case) -> tuple[torch.Tensor, ...]:
     valid = idx >= 0
     rows = torch.where(valid[..., None], kv[idx.clamp(min=0)], 0.0)
     return (attention_oracle.sparse_attention(_d(c["q"]), rows, valid, _d(c["sink"]), c["scale"]),)
+
+
+def _expected_sparse_attention_fp8kv(c: Case) -> tuple[torch.Tensor, ...]:
+    """The packed rows decoded by their layout ([nope e4m3 codes | rope bf16 | nope/64 ue8m0 bytes | pad];
+    ``dequantize_fp8`` of the codes, rounded to bf16 as the cache's readers round them), then
+    :func:`_expected_sparse_attention`."""
+    packed, d, rope = c["kv_packed"], c["q"].shape[-1], c["rope_dims"]
+    nope = d - rope
+    codes = packed[:, :nope].contiguous().view(torch.float8_e4m3fn)
+    scales = packed[:, nope + 2 * rope : nope + 2 * rope + nope // 64]
+    rows = torch.cat((dequantize_fp8(codes, scales, 64).to(torch.bfloat16),
+                      packed[:, nope : nope + 2 * rope].contiguous().view(torch.bfloat16)), dim=1)
+    return _expected_sparse_attention(Case({**c.args, "kv": rows}))
 
 
 def _expected_hc_pre(c: Case) -> tuple[torch.Tensor, ...]:
@@ -439,6 +453,13 @@ CONTRACTS: dict[str, OpContract] = {
         "Online softmax over idx (-1: row zeroed, logit -inf), sink in the denominator only "
         "(exp(sink - m), no value row), fp32 logits x scale, P rounded to bf16 for P.V, bf16 output "
         "(spec §3 sparse_attn). Expected: oracles.attention.sparse_attention in fp64 on the gathered rows."),
+    "sparse_attention_fp8kv": OpContract(
+        "sparse_attention_fp8kv", "tolerance", sparse_attention_fp8kv_inputs, _expected_sparse_attention_fp8kv,
+        (Output("o", BF16, _rel(2 * SLACK * U_BF16, (
+            "sparse_attention's: the packed rows decode exactly, so the same two bf16 roundings"))),),
+        "sparse_attention over packed FP8 KV rows ([nope e4m3 codes | rope bf16 | ue8m0 scale bytes | pad], 584 B "
+        "at head_dim 512; spec §3 kv_cache with FP8 nope dims). Expected: the rows decoded, then "
+        "oracles.attention.sparse_attention in fp64 on the gathered rows."),
     "hc_pre": OpContract(
         "hc_pre", "tolerance", hc_pre_inputs, _expected_hc_pre,
         (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)), Output("pre", FP32, _FP32_TOL),

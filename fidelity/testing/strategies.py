@@ -14,6 +14,7 @@ from fidelity.model.config import ModelConfig
 from fidelity.model.formats import (
     dequantize_fp4,
     quantize_fp4,
+    quantize_fp8,
 )
 from fidelity.testing.cases import _FLASH, BF16, EPS, FP32, HC, SINKHORN_ITERS, Case, _at
 from oracles import mhc as mhc_oracle
@@ -374,6 +375,34 @@ def sparse_attention_inputs(head_dims: Sequence[int] = (64, 128, 512), max_heads
         return Case(args, note=_join(note, _plant_nan(draw, g, args, nan_inputs)))
 
     return build()
+
+
+KV_ROPE_DIMS = 64  # rope dims of a packed FP8 KV row (the production layout's)
+
+
+def _packed_fp8_kv(kv: torch.Tensor, rope_dims: int) -> torch.Tensor:
+    """kv [m, d] -> packed FP8 rows uint8 [m, bytes], assembled here from ``quantize_fp8`` (independent of the
+    production packer): [d - rope_dims e4m3 codes (1x64 ue8m0) | rope dims as raw bf16 | scale bytes | zero pad to
+    a multiple of 8]."""
+    nope = kv.shape[1] - rope_dims
+    codes, scales = quantize_fp8(kv[:, :nope], 64)
+    parts = [codes.view(torch.uint8), kv[:, nope:].contiguous().view(torch.uint8), scales]
+    used = nope + 2 * rope_dims + nope // 64
+    parts.append(torch.zeros(kv.shape[0], -used % 8, dtype=torch.uint8))
+    return torch.cat(parts, dim=1)
+
+
+def sparse_attention_fp8kv_inputs(head_dims: Sequence[int] = (128, 512)) -> st.SearchStrategy[Case]:
+    """``sparse_attention_fp8kv(q, kv_packed uint8 [m, bytes], idx, sink, scale, 64)``: the draws of
+    :func:`sparse_attention_inputs` (NaN planted in q or kv included) with kv stored as packed FP8 rows."""
+
+    def packed(case: Case) -> Case:
+        a = case.args
+        args = {"q": a["q"], "kv_packed": _packed_fp8_kv(a["kv"], KV_ROPE_DIMS), "idx": a["idx"], "sink": a["sink"],
+                "scale": a["scale"], "rope_dims": KV_ROPE_DIMS}
+        return Case(args, note=case.note)
+
+    return sparse_attention_inputs(head_dims=head_dims).map(packed)
 
 
 def _hc_weights(g: torch.Generator, rows: int, dim: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from fidelity.decoders.production import ProductionModel  # noqa: E402
+from fidelity.decoders.production import ProductionModel, routes  # noqa: E402
 from fidelity.decoders.production.faults import inject  # noqa: E402
 from fidelity.decoders.production.graph_decode import GraphDecodeSession  # noqa: E402
 from fidelity.decoders.production.kernels import fallbacks  # noqa: E402
@@ -123,6 +123,31 @@ def test_graph_decode_captures_the_packed_storage_profiles(tiny, profile):
         runs[name] = torch.stack([s.step(t) for t in ids[100:]]).cpu()
     assert s.replays == 11
     assert torch.equal(runs["eager"], runs["graph"])
+
+
+def test_fp8_stored_decode_attends_the_packed_rows_with_the_584_byte_kernel():
+    """``kv_storage=fp8`` on CUDA, tiny widened to the kernel's shapes (head_dim 512, 32 heads): decode attends the
+    packed cache rows through ``sparse_attention_fp8kv``'s ``ws`` route (no fallback), with the bits of the gather
+    path it replaces (the rows dequantized into the bf16 workspace, then the bf16 ``ws`` kernel; the
+    ``decode-buffer-kept`` fault still takes it), and graph replays give the eager steps' bits."""
+    cfg = ModelConfig.preset("tiny").replace(head_dim=512, n_heads=32, index_topk=1024, n_activated_experts=8,
+                                             n_hash_layers=0)
+    ckpt = synthesize(cfg, seed=0)
+    ids = default_prompt(4096, 140)
+    runs = {}
+    for name in ("packed", "gather", "graph"):
+        routes.reset()
+        fallbacks.reset()
+        model = ProductionModel(ckpt, "fp8-kv-storage", max_context=160, device="cuda")
+        s = GraphDecodeSession(model) if name == "graph" else model.session()
+        s.prefill(ids[:128])
+        with inject(*(("decode-buffer-kept",) if name == "gather" else ())):
+            runs[name] = torch.stack([s.step(t) for t in ids[128:]]).cpu()
+        if name == "packed":
+            assert set(routes.counts("sparse_attention_fp8kv")) == {"ws"}, routes.counts("sparse_attention_fp8kv")
+            assert "sparse_attention_fp8kv" not in fallbacks.counts(), fallbacks.counts()
+    assert torch.equal(runs["packed"], runs["gather"])
+    assert torch.equal(runs["packed"], runs["graph"])
 
 
 def test_fused_norm_profile_runs_both_fused_kernels_and_graph_decode_replays_them():

@@ -1,10 +1,11 @@
 """Preallocated caches, sized once from ``max_context`` (spec §5): no per-step growth.
 
 Per layer: the attention KV buffer ``[window | ceil(max_context/ratio) compressed entries]`` (the official
-``kv_cache`` layout), stored as bf16 rows or as e4m3 nope codes + ue8m0 1x64 scales + bf16 rope dims
-(584 bytes/token at head_dim 512); the indexer key cache ``[ceil(max_context/4), index_head_dim]`` as bf16 or
-packed (FP4 codes + ue8m0 1x32 scales, or e4m3 + ue8m0 scales); the compressors' fp32 carry state
-``[coff*ratio, coff*d]``; and the decode gather buffer for window + selected rows.
+``kv_cache`` layout), stored as bf16 rows or as packed FP8 rows (e4m3 nope codes, bf16 rope dims, ue8m0 1x64
+scales, pad: 584 bytes/token at head_dim 512, ``kv_layout``); the indexer key cache
+``[ceil(max_context/4), index_head_dim]`` as bf16 or packed (FP4 codes + ue8m0 1x32 scales, or e4m3 + ue8m0
+scales); the compressors' fp32 carry state ``[coff*ratio, coff*d]``; and the decode gather buffer for window +
+selected rows.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fidelity.decoders.production import kernels
+from fidelity.decoders.production import kernels, kv_layout
 from fidelity.decoders.production.profiles import Profile
 from fidelity.model.config import ModelConfig
 from fidelity.model.formats import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
@@ -48,22 +49,22 @@ class _RowStore:
 
 
 class KVStore(_RowStore):
-    """Rows [capacity, hd]: bf16, or FP8 (e4m3 nope codes, ue8m0 scales per 64, bf16 rope dims)."""
+    """Rows [capacity, hd]: bf16, or FP8 packed rows ``packed`` uint8 [capacity, row bytes] (``kv_layout``: e4m3
+    nope codes, bf16 rope dims, ue8m0 scale bytes, pad; 584 B at head_dim 512, the layout the FP8-layout attention
+    kernel reads), with ``codes`` / ``rope`` / ``scales`` views of their parts."""
 
     def __init__(self, capacity: int, hd: int, rd: int, fmt: str, device: torch.device | str = "cpu"):
         self.capacity, self.hd, self.rd, self.fmt = capacity, hd, rd, fmt
         if fmt == "fp8":
-            self.codes = torch.zeros(capacity, hd - rd, dtype=torch.float8_e4m3fn, device=device)
-            self.scales = torch.zeros(capacity, (hd - rd) // 64, dtype=torch.uint8, device=device)
-            self.rope = torch.zeros(capacity, rd, dtype=BF16, device=device)
+            self.packed = torch.zeros(capacity, kv_layout.row_bytes(hd, rd), dtype=torch.uint8, device=device)
+            self.codes, self.rope, self.scales = kv_layout.views(self.packed, hd, rd)
         else:
             self.rows = torch.zeros(capacity, hd, dtype=BF16, device=device)
 
     def _parts(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """rows [k, hd] bf16 whose nope dims are already FP8 values when fmt is fp8 (stored exactly)."""
         if self.fmt == "fp8":
-            codes, scales = quantize_fp8(rows[:, : self.hd - self.rd], 64)
-            return [(self.codes, codes), (self.scales, scales), (self.rope, rows[:, self.hd - self.rd :])]
+            return [(self.packed, kv_layout.pack(rows, self.rd))]
         return [(self.rows, rows)]
 
     def read(self, slots: torch.Tensor | slice) -> torch.Tensor:
@@ -84,8 +85,8 @@ class KVStore(_RowStore):
         return out
 
     def nbytes(self) -> int:
-        parts = (self.codes, self.scales, self.rope) if self.fmt == "fp8" else (self.rows,)
-        return sum(t.numel() * t.element_size() for t in parts)
+        store = self.packed if self.fmt == "fp8" else self.rows
+        return store.numel() * store.element_size()
 
 
 class KeyStore(_RowStore):
@@ -177,10 +178,10 @@ class LayerCache:
 
 
 def kv_row_bytes(cfg: ModelConfig, fmt: str) -> int:
-    """Bytes of one KV row: bf16 2*hd, or FP8 (hd - rd) codes + (hd - rd)/64 scales + 2*rd rope."""
+    """Bytes of one KV row: bf16 2*hd, or the packed FP8 row: (hd - rd) codes + 2*rd rope + (hd - rd)/64 scales,
+    padded to a multiple of 8 (``kv_layout.row_bytes``; 584 at head_dim 512)."""
     if fmt == "fp8":
-        nope = cfg.head_dim - cfg.rope_head_dim
-        return nope + nope // 64 + 2 * cfg.rope_head_dim
+        return kv_layout.row_bytes(cfg.head_dim, cfg.rope_head_dim)
     return 2 * cfg.head_dim
 
 

@@ -73,5 +73,6 @@ class ProductionDecoder(Decoder):
             "kernel_fallbacks": counts.get("kernel_fallbacks", {}),
             "topk_routes": taken.get("topk", {}),
             "index_routes": taken.get("index_scores_fp4", {}),
-            "attention_routes": taken.get("sparse_attention", {}),
+            "attention_routes": {**taken.get("sparse_attention", {}),  # the packed FP8 rows' op as "fp8 KV <route>"
+                                 **{f"fp8 KV {r}": n for r, n in taken.get("sparse_attention_fp8kv", {}).items()}},
         }

@@ -144,6 +144,8 @@ class GraphDecodeSession(ProductionSession):
             self.compress(i, x, positions, index=False)
             picks = self.index_picks(i, x, qr, positions) if ratio == 4 else None
         rows, local = decode_slots(self.pos_dev, picks, cache.window, ratio, cache.n_compressed)
+        if cache.kv.fmt == "fp8" and self.p.fmha == "bf16":
+            return self.attend_packed(i, q, torch.where(local >= 0, rows, -1))
         buf = cache.gather[: rows.shape[0]]
         cache.kv.read_into(rows, buf)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5

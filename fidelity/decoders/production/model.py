@@ -385,7 +385,8 @@ class ProductionSession:
 
     def attend_decode(self, i, x, qr, q, kv, positions) -> torch.Tensor:
         """One decode token at ``t = self.pos``. Every slot is gathered in place, a -1 slot as row 0, which the
-        attention never reads, so no host sync sizes the gather. The slots and the gathered rows go into the
+        attention never reads, so no host sync sizes the gather; rows stored packed FP8 are attended in place
+        (:meth:`attend_packed`) unless the profile rounds the FMHA inputs. The slots and the gathered rows go into the
         layer's preallocated ``slots`` / ``gather`` buffers; what still allocates here is eager mode's small
         temporaries (masks, the FP8 dequantization), which graph decode replays without allocating."""
         cfg, cache = self.cfg, self.layers[i]
@@ -401,6 +402,8 @@ class ProductionSession:
         if comp is not None:
             torch.add(comp, cache.window, out=slots[:, win:])
             slots[:, win:].masked_fill_(comp < 0, -1)
+        if cache.kv.fmt == "fp8" and self.p.fmha == "bf16" and not on("decode-buffer-kept"):
+            return self.attend_packed(i, q, slots)
         buf = cache.gather[:k]
         if on("decode-buffer-kept"):
             buf = torch.zeros(cache.kv.capacity, cfg.head_dim, dtype=torch.bfloat16, device=x.device)[:k]
@@ -409,6 +412,14 @@ class ProductionSession:
         local = torch.where(slots >= 0, torch.arange(k, device=x.device), -1)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
         return self.op("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
+
+    def attend_packed(self, i: int, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Decode attention on layer i's packed FP8 KV rows (op ``sparse_attention_fp8kv``; on an H100 / H200 the
+        584 B layout's kernel reads the rows in place, with no gather or dequantization pass): slots [1, k], the
+        cache slots the token sees, -1 masked. Same bits as dequantizing the gathered rows into bf16 first."""
+        sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), self.cfg.head_dim**-0.5
+        return self.op("sparse_attention_fp8kv")(q, self.layers[i].kv.packed, slots, sink, scale,
+                                                 self.cfg.rope_head_dim)
 
     def window_slot(self, win: int) -> slice:
         """The ring-buffer slot of the decode token (host int position)."""

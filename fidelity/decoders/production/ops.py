@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from fidelity.decoders.production import kv_layout
 from fidelity.decoders.production.faults import on
 from fidelity.model.formats import (
     decode_e8m0,
@@ -244,6 +245,19 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     if not on("sink-dropped"):
         total = total + share
     return (acc / total.unsqueeze(-1)).to(BF16)
+
+
+def sparse_attention_fp8kv(q: torch.Tensor, kv_packed: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                           scale: float, rope_dims: int = 64) -> torch.Tensor:
+    """``sparse_attention`` over packed FP8 KV rows (``kv_layout``: uint8 [m, row bytes], 584 B at head_dim 512;
+    q [n, H, d], idx [n, K] int, -1 = masked): the rows idx reads, unpacked exactly to bf16 (a -1 reads row 0,
+    which the attention never uses), then ``sparse_attention`` with their local indices, so the bits equal
+    ``sparse_attention`` on the dequantized rows in idx order."""
+    n, k = idx.shape
+    flat = idx.reshape(-1).long()
+    rows = kv_layout.unpack(kv_packed[flat.clamp(min=0)], q.shape[-1], rope_dims)
+    local = torch.where(flat >= 0, torch.arange(flat.numel(), device=idx.device), -1).view(n, k)
+    return sparse_attention(q, rows, local, sink, scale)
 
 
 def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,

@@ -85,6 +85,7 @@ for _name, _fn in {
     "index_scores": ops.index_scores,
     "index_scores_fp4": ops.index_scores_fp4,
     "sparse_attention": ops.sparse_attention,
+    "sparse_attention_fp8kv": ops.sparse_attention_fp8kv,
     "hc_pre": ops.hc_pre,
     "hc_post": ops.hc_post,
     "hc_head": ops.hc_head,

@@ -34,6 +34,7 @@ else:
 # op name -> (module, attribute) of the registered wrapper
 KERNELS = {
     "sparse_attention": ("sparse_attention", "sparse_attention"),
+    "sparse_attention_fp8kv": ("sparse_attention", "sparse_attention_fp8kv_op"),
     "index_scores": ("indexer", "index_scores"),
     "index_scores_fp4": ("indexer", "index_scores_packed"),
     "rms_norm": ("rms_norm", "rms_norm"),

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from fidelity.decoders.production import ops, routes
+from fidelity.decoders.production import kv_layout, ops, routes
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import (
     device_transparent,
@@ -47,7 +47,6 @@ from fidelity.decoders.production.kernels._common import (
     ws_refusal,
 )
 from fidelity.decoders.production.kernels.rms_norm import e4m3_blocks
-from fidelity.model.formats import quantize_fp8
 
 BLOCK_N = 64  # indices per online-softmax step: the reference's block (fixes where P is rounded)
 FP8_ROW_BYTES = 584
@@ -350,13 +349,10 @@ sparse_attention.__name__ = "triton_sparse_attention"
 
 def pack_kv_fp8(kv: torch.Tensor) -> torch.Tensor:
     """kv [m, 512] bf16 -> uint8 [m, 584]: e4m3 codes of the 448 nope dims (1x64 ue8m0 blocks, the in-place
-    ``act_quant`` of spec §3), the 64 rope dims as raw bf16, 7 scale bytes, 1 zero pad byte."""
+    ``act_quant`` of spec §3), the 64 rope dims as raw bf16, 7 scale bytes, 1 zero pad byte (``kv_layout.pack``)."""
     if kv.dim() != 2 or kv.shape[1] != FP8_NOPE + FP8_ROPE:
         raise ValueError(f"kv: expected [m, 512], found {list(kv.shape)}")
-    codes, scales = quantize_fp8(kv[:, :FP8_NOPE], 64)
-    rope = kv[:, FP8_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
-    pad = torch.zeros((kv.shape[0], 1), dtype=torch.uint8, device=kv.device)
-    return torch.cat((codes.view(torch.uint8), rope, scales, pad), dim=1).contiguous()
+    return kv_layout.pack(kv, FP8_ROPE)
 
 
 def unpack_kv_fp8(packed: torch.Tensor) -> torch.Tensor:
@@ -386,3 +382,20 @@ def sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, *, config=None):
         return sparse_attention_ws_fp8kv(q, kv_packed, idx, sink, scale, **launch)
     kv_packed = kv_packed.contiguous()
     return _launch(q, kv_packed, kv_packed.view(torch.bfloat16), idx, sink, float(scale), 512, True, launch)
+
+
+def sparse_attention_fp8kv_cuda(q, kv_packed, idx, sink, scale, rope_dims=FP8_ROPE):
+    """The registered kernel of op ``sparse_attention_fp8kv``: same signature and result as
+    ``ops.sparse_attention_fp8kv``. The 584 B layout (bf16 q with head_dim 512, 64 rope dims) runs
+    :func:`sparse_attention_fp8kv` (its ``ws`` route on sm_90, else the Triton kernel); other widths run the
+    emulation on the GPU, logged in ``kernel_fallbacks``."""
+    shaped = (on_device(q) and q.dim() == 3 and q.dtype == torch.bfloat16 and idx.dim() == 2
+              and kv_packed.dtype == torch.uint8 and kv_packed.dim() == 2)
+    if not shaped or (q.shape[-1], rope_dims, kv_packed.shape[1]) != (FP8_NOPE + FP8_ROPE, FP8_ROPE, FP8_ROW_BYTES):
+        fallbacks.note("sparse_attention_fp8kv", fallbacks.UNSUPPORTED)
+        return ops.sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, rope_dims)
+    return sparse_attention_fp8kv(q, kv_packed, idx, sink, scale)
+
+
+sparse_attention_fp8kv_op = device_transparent(sparse_attention_fp8kv_cuda)
+sparse_attention_fp8kv_op.__name__ = "triton_sparse_attention_fp8kv"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fidelity.decoders.production import ProductionModel, get_profile
+from fidelity.decoders.production.cache import decode_gathers
 from fidelity.harness.memory import cache_bytes, format_memory, memory_main, profile_formats
 from fidelity.model.config import ModelConfig
 from fidelity.model.synthesize import synthesize
@@ -17,7 +18,8 @@ FLASH_HEADS = TINY.replace(
     moe_inter_dim=128, n_routed_experts=2, n_activated_experts=1, index_n_heads=2, index_head_dim=128,
     index_topk=512,
 )  # fmt: skip
-PROFILES = ("reference", "fp8-kv-storage", "fp4-indexer-packed", "fp8-indexer:indexer_storage=packed")
+PROFILES = ("reference", "fp8-kv-storage", "fp4-indexer-packed", "fp8-indexer:indexer_storage=packed",
+            "fp8-fmha:kv_storage=fp8")  # the last gathers its packed FP8 rows (its FMHA rounds the inputs)
 CONTEXTS = (1, 3, 4, 127, 128, 129, 130, 1000, 4097)
 GiB = 1 << 30
 
@@ -30,7 +32,7 @@ def test_analytic_sizes_equal_the_session_allocation(cfg: ModelConfig, profile: 
     kv_fmt, index_fmt = profile_formats(prof)
     for n in CONTEXTS:
         session = ProductionModel(ckpt, prof, max_context=n).session()
-        report = cache_bytes(cfg, n, kv_fmt, index_fmt)
+        report = cache_bytes(cfg, n, kv_fmt, index_fmt, decode_gathers(prof))
         assert session.cache_bytes() == report.total(), f"{profile}, max_context {n}"
         for i, layer in enumerate(session.layers):
             m = report.layers[cfg.layer_kinds[i]]
@@ -62,8 +64,9 @@ def test_flash_at_1m_context_pinned():
     FP8 KV (the 584 B packed row: 448 codes + 128 rope + 7 scales + 1 pad) + FP4 keys: CSA 584/4 + 68/4 = 163,
     HCA 584/128 = 4.5625 -> 21*163 + 20*4.5625 = 3423 + 91.25 = 3514.25 B/token (padded the same). FP8 keys (129 B,
     padded 132): 3834.5 / 3850.25.
-    Totals add the window (128 rows), the fp32 carry (CSA 65536 + 16384, HCA 524288 B) and the gather buffers
-    (a 1024 B bf16 row and an 8 B slot per visible row: CSA 128+512, HCA 128+8192, SWA 128 rows) per layer.
+    Totals add the window (128 rows), the fp32 carry (CSA 65536 + 16384, HCA 524288 B) and the decode's slots per
+    visible row (CSA 128+512, HCA 128+8192, SWA 128 rows): an 8 B slot, plus a 1024 B bf16 gather row with bf16
+    KV (packed FP8 rows are attended in place).
     """
     cfg, n = ModelConfig.preset("flash"), 1 << 20
     bf16, fp8 = cache_bytes(cfg, n, "bf16", "bf16"), cache_bytes(cfg, n, "fp8", "fp4")
@@ -75,9 +78,9 @@ def test_flash_at_1m_context_pinned():
     # per layer: SWA 128*1024 + 128*1032; CSA 131072 + 2^28 + 2^26 + 81920 + 640*1032; HCA 131072 + 2^23 + 2^19 +
     # 8320*1032
     assert bf16.total() == 2 * 263168 + 21 * 336417792 + 20 * 17630208 == 7417904128  # 6.91 GiB
-    # FP8: SWA 74752 + 132096; CSA 74752 + 262144*584 + 262144*68 + 81920 + 660480; HCA 74752 + 8192*584 +
-    # 524288 + 8586240
-    assert fp8.total() == 2 * 206848 + 21 * 171735040 + 20 * 13969408 == 3886237696  # 3.62 GiB
+    # FP8: SWA 74752 + 1024; CSA 74752 + 262144*584 + 262144*68 + 81920 + 5120; HCA 74752 + 8192*584 + 524288 +
+    # 66560
+    assert fp8.total() == 2 * 75776 + 21 * 171079680 + 20 * 5449728 == 3701819392  # 3.45 GiB
     assert fp8.total(padded=True) == fp8.total()  # 584 B KV rows and 68 B FP4 keys need no padding
 
 
@@ -89,7 +92,7 @@ def test_pro_at_1m_context_pinned():
     assert "swa" not in bf16.layers and bf16.layers["hca"].layers == 31 and bf16.layers["csa"].layers == 30
     assert (bf16.per_token(), fp8.per_token(), fp8.per_token(padded=True)) == (9848.0, 5031.4375, 5031.4375)
     assert bf16.total() == 30 * 336946176 + 31 * 17630208 == 10654921728  # 9.92 GiB
-    assert fp8.total() == 30 * 172263424 + 31 * 13969408 == 5600954368  # 5.22 GiB
+    assert fp8.total() == 30 * 171083776 + 31 * 5449728 == 5301454848  # 4.94 GiB
 
 
 def test_format_and_main():
@@ -97,7 +100,7 @@ def test_format_and_main():
     assert "43 layers (2 swa, 21 csa, 20 hca)" in text
     assert "KV fp8 (584 B/row, padded 584), indexer keys fp4 (68 B/row, padded 68)" in text
     assert "6880.00" in text and "3514.25" in text
-    assert "6.91 GiB" in text and "3.62 GiB" in text
+    assert "6.91 GiB" in text and "3.45 GiB" in text
     assert format_memory(cache_bytes(TINY, 300)).count("\n") >= 5
     with pytest.raises(ValueError, match="not both"):
         memory_main("flash", "config.json", 8)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fidelity.decoders.production import PROFILES, ContextError, ProductionModel, ProductionSession, get_profile, ops
+from fidelity.decoders.production.faults import inject
 from fidelity.decoders.production.graph_decode import GraphDecodeSession
 from fidelity.decoders.production.profiles import load_profile
 from fidelity.decoders.production.registry import implementations_used
@@ -114,6 +115,22 @@ def test_packed_storage_is_bit_identical(tiny, tiny_decoded, profile, base):
         assert implementations_used().get("index_scores_fp4") == "cpu"
     if profile == "fp8-kv-storage":  # decode attends the packed rows in place, not a gathered bf16 copy
         assert implementations_used().get("sparse_attention_fp8kv") == "cpu"
+
+
+def test_packed_fp8_rows_are_attended_in_place_with_the_gather_paths_bits(tiny):
+    """``kv_storage=fp8`` decode reads the packed rows where they lie: no bf16 gather workspace is allocated (an
+    FMHA that rounds its inputs still gathers), and the logits equal those of the gather path (rows dequantized
+    into a bf16 buffer, which the ``decode-buffer-kept`` fault still takes) bit for bit."""
+    ids = _ids(TINY, 140)
+    assert ProductionModel(tiny, "fp8-fmha:kv_storage=fp8", max_context=140).session().layers[0].gather.shape[0]
+    runs = []
+    for faults in ((), ("decode-buffer-kept",)):
+        session = ProductionModel(tiny, "fp8-kv-storage", max_context=140).session()
+        assert all(layer.gather.shape[0] == 0 for layer in session.layers)
+        session.prefill(ids[:128])
+        with inject(*faults):
+            runs.append(torch.stack([session.step(int(t)) for t in ids[128:]]))
+    assert torch.equal(runs[0], runs[1])
 
 
 # ---- production vs the fp32 oracle --------------------------------------------------------------------------

@@ -3,14 +3,16 @@
 Per main layer (the MTP layer is not run): the window ring (``window_size`` KV rows), the compressed KV
 (``ceil(ctx / ratio)`` rows, CSA and HCA), the indexer keys (``ceil(ctx / 4)`` rows, CSA only), the
 compressors' fp32 carry state (``kv_state`` + ``score_state`` of ``[coff * ratio, coff * d]``, main and
-indexer), and the decode gather buffers (window + selected rows: bf16 rows and their int64 slots). Row sizes come from
-:func:`fidelity.decoders.production.cache.kv_row_bytes` / :func:`key_row_bytes` (one source of truth).
+indexer), and the decode's int64 cache slots of the window + selected rows, with their bf16 gather buffer where
+decode gathers (bf16 KV rows, or an FMHA that rounds its inputs; packed FP8 rows are attended in place). Row
+sizes come from :func:`fidelity.decoders.production.cache.kv_row_bytes` / :func:`key_row_bytes` (one source of
+truth).
 
 *Bytes per token* is the cache's context-proportional part (compressed KV + indexer keys) divided by the
 context. The *padded* figures round every KV / key row up to a multiple of ``PAD_BYTES``: the FP8 KV row is
 already the 584 B production layout (448 codes + 128 rope + 7 scales + 1 pad, as FlashMLA reads it); the packed
 FP8 key is 129 B here, 132 B in DeepGEMM (fp32 scale). The gather buffer is a decode workspace: listed in the
-totals, not per token (for HCA it still grows as ``ceil(ctx / 128)`` bf16 rows).
+totals, not per token (for HCA it still grows as ``ceil(ctx / 128)`` rows).
 """
 
 from __future__ import annotations
@@ -98,9 +100,12 @@ def profile_formats(profile: Profile) -> tuple[str, str]:
     return profile.kv_storage, index_fmt
 
 
-def cache_bytes(config: ModelConfig, max_context: int, kv_fmt: str = "bf16", index_fmt: str = "bf16") -> MemoryReport:
+def cache_bytes(config: ModelConfig, max_context: int, kv_fmt: str = "bf16", index_fmt: str = "bf16",
+                gathers: bool | None = None) -> MemoryReport:
     """Analytic cache bytes of a ``ProductionSession`` with ``max_context`` (kv_fmt: bf16 | fp8 rows; index_fmt:
-    bf16 rows, or packed fp4 | fp8 codes + ue8m0 scales)."""
+    bf16 rows, or packed fp4 | fp8 codes + ue8m0 scales). ``gathers``: whether decode gathers the visible rows into
+    a bf16 workspace (``cache.decode_gathers`` of the profile); by default for bf16 rows only, since packed FP8
+    rows are attended in place unless the FMHA rounds its inputs."""
     if kv_fmt not in KV_FORMATS:
         raise ValueError(f"kv_fmt: expected one of {KV_FORMATS}, found {kv_fmt!r}")
     if index_fmt not in INDEX_FORMATS:
@@ -110,7 +115,8 @@ def cache_bytes(config: ModelConfig, max_context: int, kv_fmt: str = "bf16", ind
     cfg, w = config, config.window_size
     kv_row = kv_row_bytes(cfg, kv_fmt)
     key_row = key_row_bytes(cfg, index_fmt, index_fmt != "bf16")
-    gather_row = BF16 * cfg.head_dim + 8  # a bf16 row and its int64 cache slot
+    gathers = kv_fmt != "fp8" if gathers is None else gathers
+    gather_row = BF16 * cfg.head_dim * gathers + 8  # an int64 cache slot, and a bf16 row where decode gathers
     layers: dict[str, LayerMemory] = {}
     counts = {k: cfg.layer_kinds.count(k) for k in KINDS}
     for kind, ratio in (("swa", 0), ("csa", 4), ("hca", 128)):
@@ -169,7 +175,8 @@ def format_memory(reports: MemoryReport | Sequence[MemoryReport]) -> str:
                    for row in rows)
         out.append("")
     out.append("B/token: compressed KV + indexer keys per context token (all layers); padded: rows rounded up to "
-               f"{PAD_BYTES} B (packed FP8 keys 129 -> 132 B as in DeepGEMM). gather: bf16 decode workspace.")
+               f"{PAD_BYTES} B (packed FP8 keys 129 -> 132 B as in DeepGEMM). gather: the decode's int64 cache slots, "
+               "with a bf16 workspace row each for bf16 KV (packed FP8 rows are attended in place).")
     return "\n".join(out)
 
 

@@ -4,8 +4,8 @@ Per layer: the attention KV buffer ``[window | ceil(max_context/ratio) compresse
 ``kv_cache`` layout), stored as bf16 rows or as packed FP8 rows (e4m3 nope codes, bf16 rope dims, ue8m0 1x64
 scales, pad: 584 bytes/token at head_dim 512, ``kv_layout``); the indexer key cache
 ``[ceil(max_context/4), index_head_dim]`` as bf16 or packed (FP4 codes + ue8m0 1x32 scales, or e4m3 + ue8m0
-scales); the compressors' fp32 carry state ``[coff*ratio, coff*d]``; and the decode gather buffer for window +
-selected rows.
+scales); the compressors' fp32 carry state ``[coff*ratio, coff*d]``; and the decode's cache slots for window +
+selected rows, with a bf16 gather buffer for them where decode gathers (:func:`decode_gathers`).
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ class LayerCache:
                                  profile.indexer_storage == "packed", device)
             self.index_carry = CompressorCarry.empty(4, cfg.index_head_dim, device)
         visible = w + (min(cfg.index_topk, self.n_compressed) if ratio == 4 else self.n_compressed)
-        self.gather = torch.zeros(visible, cfg.head_dim, dtype=BF16, device=device)
+        rows = visible if decode_gathers(profile) else 0  # packed FP8 rows are attended in place
+        self.gather = torch.zeros(rows, cfg.head_dim, dtype=BF16, device=device)
         self.slots = torch.zeros(1, visible, dtype=torch.long, device=device)  # decode: cache slot per gathered row
         self.spill: list[torch.Tensor] = []  # only the ``cache-concat-growth`` fault ever appends here
 
@@ -175,6 +176,12 @@ class LayerCache:
             out["indexer_keys"] = self.keys.nbytes()
             out["compressor_state"] += self.index_carry.nbytes()
         return out
+
+
+def decode_gathers(profile: Profile) -> bool:
+    """Does decode gather the visible KV rows into a bf16 workspace? Yes for bf16 rows and for an FMHA profile
+    that rounds its inputs; packed FP8 rows with the bf16 FMHA are attended in place (``attend_packed``)."""
+    return not (profile.kv_storage == "fp8" and profile.fmha == "bf16")
 
 
 def kv_row_bytes(cfg: ModelConfig, fmt: str) -> int:

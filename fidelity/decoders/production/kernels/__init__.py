@@ -5,7 +5,7 @@ Importing this package never fails: without triton the submodules are not import
 ``torch.cuda.is_available()``. Registered wrappers accept tensors on any device (CPU inputs are run on the current
 CUDA device and the results copied back), so the registry's contract tests apply unchanged.
 
-Ops: ``sparse_attention`` (bf16 KV; ``sparse_attention_fp8kv`` for the 584 B/token FP8 cache), ``index_scores``
+Ops: ``sparse_attention`` (bf16 KV), ``sparse_attention_fp8kv`` (the packed 584 B/token FP8 cache), ``index_scores``
 (bf16 keys), ``index_scores_fp4`` (packed FP4 keys; FP8 tensor cores for decode), ``rms_norm``, ``rms_norm_fp8``
 (fused RMSNorm + 1x128 e4m3 quantization; ``rms_norm_act_quant`` the same storing code x scale),
 ``rms_norm_weightless`` (the per-head query norm in bf16 steps), ``hc_pre`` (fused mixes + Sinkhorn + collapse),

@@ -52,7 +52,6 @@ BLOCK_N = 64  # indices per online-softmax step: the reference's block (fixes wh
 FP8_ROW_BYTES = 584
 FP8_NOPE = 448
 FP8_ROPE = 64
-FP8_SCALE_OFFSET = FP8_NOPE + 2 * FP8_ROPE  # 576: 7 scale bytes, then 1 pad byte
 
 
 @triton.jit
@@ -357,11 +356,9 @@ def pack_kv_fp8(kv: torch.Tensor) -> torch.Tensor:
 
 def unpack_kv_fp8(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [m, 584] -> bf16 [m, 512] (exact; equals ``ops.kv_round(kv, 64, "fp8")`` of the packed kv)."""
-    codes = packed[:, :FP8_NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-    sb = packed[:, FP8_SCALE_OFFSET : FP8_SCALE_OFFSET + 7].to(torch.int32)
-    scale = torch.exp2((sb - 127).to(torch.float32)).repeat_interleave(64, dim=1)
-    rope = packed[:, FP8_NOPE:FP8_SCALE_OFFSET].contiguous().view(torch.bfloat16)
-    return torch.cat(((codes * scale).to(torch.bfloat16), rope), dim=1)
+    codes, rope, sb = kv_layout.views(packed, FP8_NOPE + FP8_ROPE, FP8_ROPE)
+    scale = torch.exp2((sb.to(torch.int32) - 127).to(torch.float32)).repeat_interleave(64, dim=1)
+    return torch.cat(((codes.to(torch.float32) * scale).to(torch.bfloat16), rope), dim=1)
 
 
 def sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, *, config=None):

@@ -1,7 +1,8 @@
 """The decode GEMMs on the release formats (``kernels/weight_gemv.py``) against the emulation's fp32 GEMM on the
-dequantized weight, at V4-Flash's shapes, one token (and 2, for MTP).
+dequantized weight, at V4-Flash's shapes, one token (and 2, for MTP); then wo_a's grouped projection on its FP8
+codes against the bf16 einsum, and the compressors' stacked bf16 projections against their fp32 GEMMs.
 
-    python benchmarks/bench_weight_gemv.py --out DIR
+    python benchmarks/bench_weight_gemv.py --out DIR [--sections fp8,fp4,wo_a,compressor]
 
 Each row: the weight's shape, device time per call (CUDA-graph replay, rotating over enough weight copies to
 spill the L2, ``bench_kernels.time_fn``), the bytes the kernel must read (codes + scales + x), the resulting
@@ -24,7 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import _n_sets, time_fn  # noqa: E402
 
-from fidelity.decoders.production.kernels.weight_gemv import fp4_expert_linear, fp8_weight_linear  # noqa: E402
+from fidelity.decoders.production.kernels.weight_gemv import (  # noqa: E402
+    bf16_weight_linear_f32,
+    fp4_expert_linear,
+    fp8_weight_linear,
+)
+from fidelity.decoders.production.ops import grouped_out  # noqa: E402
 from fidelity.model.formats import decode_e8m0, dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8  # noqa: E402
 
 FP8_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
@@ -65,6 +71,50 @@ def bench_fp8(name, n, k, m, out):
     print(json.dumps(row), flush=True)
 
 
+def bench_grouped_wo_a(n, k, groups, out):
+    """wo_a's grouped projection: o bf16 [1, groups * k] as given (no activation quantization) against the FP8
+    codes [n, k]; beside it the bf16 einsum it replaces (``ops.grouped_out`` on the bf16 weight)."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    codes, sb = quantize_fp8(torch.randn(n, k, device="cuda", generator=g), (128, 128))
+    scales = decode_e8m0(sb)
+    o = torch.randn(1, groups * k, device="cuda", generator=g).to(torch.bfloat16)
+    wd = dequantize_fp8(codes, sb, (128, 128))
+    y = fp8_weight_linear(o, codes, scales, groups=groups)
+    ratio = max(_bound_ratio(y[:, j * (n // groups):(j + 1) * (n // groups)], o[:, j * k:(j + 1) * k],
+                             wd[j * (n // groups):(j + 1) * (n // groups)]) for j in range(groups))
+    nbytes = n * k + scales.numel() * 4 + o.numel() * 2
+    sets = [(o, codes.clone(), scales.clone()) for _ in range(_n_sets(nbytes))]
+    t = time_fn(lambda a, b, c: fp8_weight_linear(a, b, c, groups=groups), sets)
+    bf16 = wd.to(torch.bfloat16)
+    ein = time_fn(lambda a, b: grouped_out(a.unflatten(-1, (groups * 8, -1)), b, groups),
+                  [(o, bf16.clone()) for _ in range(_n_sets(bf16.numel() * 2))])
+    row = {"weight": "wo_a (grouped, bf16 o)", "fmt": "fp8", "n": n, "k": k, "groups": groups, "m": 1, "us": t["us"],
+           "bytes": nbytes, "TBps": nbytes / t["us"] / 1e6, "bf16_einsum_us": ein["us"], "error_over_bound": ratio}
+    out.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def bench_compressor(name, n, k, out):
+    """A compressor's stacked wkv / wgate (bf16 [n, k]) times one bf16 row -> fp32; beside it the two fp32 GEMMs on
+    the fp32 copies it replaces."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
+    exact = x.double() @ w.double().T
+    err = float(((bf16_weight_linear_f32(x, w).double() - exact).abs()
+                 / (k * 2.0**-23 * (x.double().abs() @ w.double().abs().T)).clamp_min(1e-30)).max())
+    nbytes = n * k * 2 + k * 2
+    t = time_fn(bf16_weight_linear_f32, [(x, w.clone()) for _ in range(_n_sets(nbytes))])
+    w32 = w.float()
+    half = n // 2
+    fp32 = time_fn(lambda a, b: (a.float() @ b[:half].T, a.float() @ b[half:].T),
+                   [(x, w32.clone()) for _ in range(_n_sets(n * k * 4))])
+    row = {"weight": name, "fmt": "bf16 -> fp32", "n": n, "k": k, "m": 1, "us": t["us"], "bytes": nbytes,
+           "TBps": nbytes / t["us"] / 1e6, "fp32_gemms_us": fp32["us"], "error_over_bound": err}
+    out.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def bench_fp4(name, n, k, m, out, n_experts=256, slots=6):
     g = torch.Generator(device="cuda").manual_seed(1)
     w = torch.randn(n_experts, n, k, device="cuda", generator=g)
@@ -93,14 +143,21 @@ def bench_fp4(name, n, k, m, out, n_experts=256, slots=6):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--sections", default="fp8,fp4,wo_a,compressor", help="comma-separated: which tables to time")
     a = ap.parse_args()
+    sections = set(a.sections.split(","))
     torch.backends.cuda.matmul.allow_tf32 = False
     rows: list[dict] = []
-    for m in (1, 2):
+    for m in (1, 2) if "fp8" in sections else ():
         for name, (n, k) in FP8_SHAPES.items():
             bench_fp8(name, n, k, m, rows)
-    for name, (n, k) in EXPERT_SHAPES.items():
+    for name, (n, k) in EXPERT_SHAPES.items() if "fp4" in sections else ():
         bench_fp4(name, n, k, 1, rows)
+    if "wo_a" in sections:
+        bench_grouped_wo_a(8192, 4096, 8, rows)
+    if "compressor" in sections:
+        bench_compressor("compressor wkv + wgate (main, ratio 4)", 2048, 4096, rows)
+        bench_compressor("compressor wkv + wgate (indexer)", 512, 4096, rows)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "weight_gemv.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))

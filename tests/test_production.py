@@ -567,6 +567,7 @@ def test_decode_on_stored_weights_gives_graph_and_eager_the_same_bits_and_the_de
     assert torch.equal(_decode(graph, ids, 32), stored)
     used = eager.counts["implementations"]
     assert used["fp8_weight_linear"]["cpu"] > 0 and used["fp4_picked_linear"]["cpu"] > 0
+    assert used["fp32_linear"]["cpu"] > 0  # the compressors' projections on the stacked bf16 wkv / wgate
     assert torch.equal(stored[0], plain[0])  # the prefill (32 rows) reads the dequantized weights
     assert _cos(stored[1:], plain[1:]).min() > 0.9999  # on this CPU the bits agree too (same products and sums)
 

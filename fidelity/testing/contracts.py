@@ -39,6 +39,7 @@ from fidelity.testing.strategies import (
     expert_inputs,
     fp4_picked_linear_inputs,
     fp8_weight_linear_inputs,
+    fp32_linear_inputs,
     gate_inputs,
     hc_head_inputs,
     hc_post_inputs,
@@ -312,12 +313,30 @@ def _fp4_picked_weights(c: Case) -> torch.Tensor:
     return (values.unflatten(-1, (-1, 32)) * c["scales"].index_select(0, c["experts"]).to(FP64)[..., None]).flatten(-2)
 
 
+def _per_group(c: Case, w: torch.Tensor, f) -> torch.Tensor:
+    """f(x_g, w_g) for each of ``c["groups"]`` groups (x [n, groups * k], w [m, k]: group g is x's g-th k columns
+    and w's g-th m / groups rows), concatenated over the output columns."""
+    groups, x = c["groups"], _d(c["x"])
+    xs, ws = x.unflatten(-1, (groups, -1)), w.unflatten(0, (groups, -1))
+    return torch.cat([f(xs[:, g], ws[g]) for g in range(groups)], dim=-1)
+
+
 def _expected_fp8_weight_linear(c: Case) -> tuple[torch.Tensor, ...]:
-    return (linear_oracle.act_linear(_d(c["x"]), _fp8_weight(c)),)
+    return (_per_group(c, _fp8_weight(c), linear_oracle.act_linear),)
 
 
 def _fp8_weight_linear_bound(c: Case) -> torch.Tensor:
-    return _linear_bound(_d(c["x"]), _fp8_weight(c), c["act"])
+    return _per_group(c, _fp8_weight(c), lambda x, w: _linear_bound(x, w, c["act"]))
+
+
+def _expected_fp32_linear(c: Case) -> tuple[torch.Tensor, ...]:
+    return (linear_oracle.act_linear(_d(c["x"]), _d(c["weight"])),)
+
+
+def _fp32_linear_bound(c: Case) -> torch.Tensor:
+    """|error| <= SLACK k 2^-23 sum_k |x_k| |w_jk|: fp32 accumulation of exact products, no output rounding."""
+    x, w = _d(c["x"]), _d(c["weight"])
+    return (SLACK * x.shape[-1] * 2.0**-23 * (x.abs() @ w.abs().T)).nan_to_num(0.0)
 
 
 def _expected_fp4_picked_linear(c: Case) -> tuple[torch.Tensor, ...]:
@@ -349,7 +368,14 @@ CONTRACTS: dict[str, OpContract] = {
         (Output("y", BF16, Tolerance(bound=_fp8_weight_linear_bound, why=(
             "act_linear's bound with the weight dequantized from its codes and 128x128 scales"))),),
         "act_linear on a weight given as stored (e4m3 codes and 128x128 power-of-two scales, spec §2): each "
-        "weight is its code times its block's scale exactly; the rest as act_linear (the decode GEMV path)."),
+        "weight is its code times its block's scale exactly; the rest as act_linear (the decode GEMV path). With "
+        "groups > 1, output row j multiplies x's group j // (m / groups) (wo_a's grouped projection, spec §4)."),
+    "fp32_linear": OpContract(
+        "fp32_linear", "tolerance", fp32_linear_inputs, _expected_fp32_linear,
+        (Output("y", torch.float32, Tolerance(bound=_fp32_linear_bound, why=(
+            "bf16 x bf16 products are exact in fp32; only the fp32 accumulation (k 2^-23 sum |x w|) rounds"))),),
+        "The compressors' projections: x.float() @ W^T in fp32 with the bf16-stored weight's exact values, fp32 "
+        "out (spec §4 Compressor; official fp32 Linear)."),
     "fp4_picked_linear": OpContract(
         "fp4_picked_linear", "tolerance", fp4_picked_linear_inputs, _expected_fp4_picked_linear,
         (Output("y", BF16, Tolerance(bound=_fp4_picked_linear_bound, why=(

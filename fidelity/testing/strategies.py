@@ -559,19 +559,38 @@ def act_linear_inputs(dims: Sequence[int] = (128, 256, 512), out_dims: Sequence[
 
 def fp8_weight_linear_inputs(dims: Sequence[int] = (128, 256, 512), out_dims: Sequence[int] = (128, 384),
                              max_rows: int = 6, nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
-    """``fp8_weight_linear(x bf16 [n, k], codes e4m3 [m, k], scales fp32 [m/128, k/128], act)``: the weight as
-    stored, 128x128 blocks with power-of-two scales (the decode GEMV path); x rows span 2^-8 .. 2^8."""
+    """``fp8_weight_linear(x bf16 [n, groups * k], codes e4m3 [m, k], scales fp32 [m/128, k/128], act, groups)``:
+    the weight as stored, 128x128 blocks with power-of-two scales (the decode GEMV path); x rows span 2^-8 .. 2^8;
+    a third of the cases grouped (wo_a: 2 groups of m / 2 rows, each reading its own k columns of x)."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, k, m = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims))), draw(st.sampled_from(out_dims))
+        groups = draw(st.sampled_from((1, 1, 2))) if m % 256 == 0 else 1
+        g = _gen(draw)
+        b = (_randn(g, m, k) * k**-0.5).reshape(m // 128, 128, k // 128, 128)
+        s = torch.exp2(torch.ceil(torch.log2(b.abs().amax(dim=(1, 3), keepdim=True).clamp(min=2.0**-100) / 448)))
+        codes = (b / s).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(m, k)
+        x = (_randn(g, n, groups * k) * torch.exp2(_uniform(g, -8, 8, n, 1))).to(BF16)
+        args = {"x": x, "codes": codes, "scales": s[:, 0, :, 0].contiguous(),
+                "act": draw(st.sampled_from(("fp8", "fp8", "bf16"))), "groups": groups}
+        return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
+
+    return build()
+
+
+def fp32_linear_inputs(dims: Sequence[int] = (128, 256, 512), out_dims: Sequence[int] = (16, 128, 200),
+                       max_rows: int = 6, nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
+    """``fp32_linear(x bf16 [n, k], weight bf16 [m, k])``: the compressors' stacked wkv / wgate at decode; rows of
+    x span 2^-8 .. 2^8, the weight's rows 2^-4 .. 2^4."""
 
     @st.composite
     def build(draw: Callable) -> Case:
         n, k, m = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims))), draw(st.sampled_from(out_dims))
         g = _gen(draw)
-        b = (_randn(g, m, k) * k**-0.5).reshape(m // 128, 128, k // 128, 128)
-        s = torch.exp2(torch.ceil(torch.log2(b.abs().amax(dim=(1, 3), keepdim=True).clamp(min=2.0**-100) / 448)))
-        codes = (b / s).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(m, k)
+        weight = (_randn(g, m, k) * k**-0.5 * torch.exp2(_uniform(g, -4, 4, m, 1))).to(BF16)
         x = (_randn(g, n, k) * torch.exp2(_uniform(g, -8, 8, n, 1))).to(BF16)
-        args = {"x": x, "codes": codes, "scales": s[:, 0, :, 0].contiguous(),
-                "act": draw(st.sampled_from(("fp8", "fp8", "bf16")))}
+        args = {"x": x, "weight": weight}
         return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
 
     return build()
@@ -605,6 +624,7 @@ def fp4_picked_linear_inputs(dims: Sequence[int] = (256, 512), out_dims: Sequenc
 strategies = SimpleNamespace(
     act_linear_inputs=act_linear_inputs,
     fp8_weight_linear_inputs=fp8_weight_linear_inputs,
+    fp32_linear_inputs=fp32_linear_inputs,
     fp4_picked_linear_inputs=fp4_picked_linear_inputs,
     rms_norm_inputs=rms_norm_inputs,
     rms_norm_fp8_inputs=rms_norm_fp8_inputs,

@@ -49,7 +49,7 @@ ROW_CALC_DIFF_E4M3 = (2 * 1.25 * 2.0**-4) ** 2 / 2  # the same rule with P on th
 PROPS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
                  suppress_health_check=list(HealthCheck))
 REGISTERED = ("sparse_attention", "index_scores", "index_scores_fp4", "rms_norm", "hc_pre", "hc_post", "act_linear",
-              "kv_round", "fp8_weight_linear", "fp4_picked_linear")
+              "kv_round", "fp8_weight_linear", "fp4_picked_linear", "fp32_linear")
 
 
 def _gen(draw) -> torch.Generator:
@@ -85,10 +85,14 @@ def test_kernel_meets_the_op_contract(op):
 
 
 def test_weight_gemvs_meet_their_contracts_where_the_row_blocks_overhang():
-    """Row blocks larger than the output (BN 256 over 128 / 384 rows; 256 over 64 / 128): the masked rows."""
-    def fp8(x, codes, scales, act):
-        return weight_gemv.fp8_weight_linear(fake_quant_fp8(x, 128), codes, scales, bn=256) if act == "fp8" else \
-            ops.fp8_weight_linear(x, codes, scales, act)
+    """Row blocks larger than the output (BN 256 over 128 / 384 rows; 256 over 64 / 128; 256 over 16 / 200 bf16
+    rows): the masked rows; grouped FP8 cases with 64-row blocks inside 64 / 192-row groups."""
+    def fp8(x, codes, scales, act, groups):
+        xq = fake_quant_fp8(x, 128) if act == "fp8" else x
+        return weight_gemv.fp8_weight_linear(xq, codes, scales, groups=groups, bn=256 if groups == 1 else 64)
+
+    def f32(x, weight):
+        return weight_gemv.bf16_weight_linear_f32(x, weight, bn=256)
 
     def fp4(x, experts, packed, scales, act):
         return weight_gemv.fp4_expert_linear(fake_quant_fp8(x, 128), experts, packed, scales, bn=256) \
@@ -96,6 +100,7 @@ def test_weight_gemvs_meet_their_contracts_where_the_row_blocks_overhang():
 
     check_against_oracle("fp8_weight_linear", fp8, max_examples=25, device=CUDA)
     check_against_oracle("fp4_picked_linear", fp4, max_examples=25, device=CUDA)
+    check_against_oracle("fp32_linear", f32, max_examples=25, device=CUDA)
 
 
 def test_sparse_attention_contract_wide_heads():

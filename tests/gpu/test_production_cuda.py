@@ -175,9 +175,10 @@ def test_fused_norm_profile_runs_both_fused_kernels_and_graph_decode_replays_the
 
 
 def test_decode_steps_read_the_stored_weights_and_graph_replays_give_their_bits(tiny):
-    """On the GPU a decode step reads the FP8 weights and FP4 routed experts as stored (the GEMV kernels
-    ``fp8_weight_linear`` / ``fp4_picked_linear``, no fallback); a CUDA-graph replay gives the eager steps'
-    bits; the logits agree with the same model with both ops on their emulations (the dequantized weights)."""
+    """On the GPU a decode step reads the FP8 weights (wo_a's grouped projection too) and FP4 routed experts as
+    stored, and the compressors' bf16 wkv / wgate as one stacked weight (the GEMV kernels ``fp8_weight_linear`` /
+    ``fp4_picked_linear`` / ``fp32_linear``, no fallback); a CUDA-graph replay gives the eager steps' bits; the
+    logits agree with the same model with the ops on their emulations (the dequantized weights)."""
     ids = default_prompt(4096, 48)
 
     def run(session) -> torch.Tensor:
@@ -190,15 +191,16 @@ def test_decode_steps_read_the_stored_weights_and_graph_replays_give_their_bits(
     kernels = run(eager)
     assert torch.equal(run(GraphDecodeSession(model)), kernels)
     used = eager.counts["implementations"]
-    assert set(used["fp8_weight_linear"]) == set(used["fp4_picked_linear"]) == {"triton"}
-    assert not {"fp8_weight_linear", "fp4_picked_linear"} & set(fallbacks.counts()), fallbacks.counts()
+    gemvs = ("fp8_weight_linear", "fp4_picked_linear", "fp32_linear")
+    assert all(set(used[op]) == {"triton"} for op in gemvs), used
+    assert not set(gemvs) & set(fallbacks.counts()), fallbacks.counts()
     try:
-        select("fp8_weight_linear", "cpu")
-        select("fp4_picked_linear", "cpu")
+        for op in gemvs:
+            select(op, "cpu")
         emulated = run(ProductionModel(tiny, max_context=64, device="cuda").session())
     finally:
-        deselect("fp8_weight_linear")
-        deselect("fp4_picked_linear")
+        for op in gemvs:
+            deselect(op)
     cos = torch.nn.functional.cosine_similarity(kernels[1:].double(), emulated[1:].double(), dim=-1)
     assert cos.min() > 0.999, cos
     assert torch.equal(kernels[0], emulated[0])  # the prefill (40 rows) reads the dequantized weights either way

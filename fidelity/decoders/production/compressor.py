@@ -3,18 +3,38 @@ decode, then ``norm(kv.to(bf16))`` and RoPE at the block's first position, in bf
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from fidelity.decoders.production.cache import CompressorCarry
 from fidelity.decoders.production.faults import on
+from fidelity.decoders.production.ops import GEMV_ROWS
 from fidelity.decoders.production.registry import implementation
 
 BF16 = torch.bfloat16
 
 
-def _project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class CompressorWeights(NamedTuple):
+    """A compressor's weights: wkv, wgate [coff * d, dim] held in fp32 (their exact bf16 values), ape fp32
+    [ratio, coff * d], the RMSNorm weight [d]; ``stacked``: wkv and wgate stored bf16 as one [2 coff d, dim] tensor
+    where the decode GEMV reads them (op ``fp32_linear``), else None."""
+
+    wkv: torch.Tensor
+    wgate: torch.Tensor
+    ape: torch.Tensor
+    norm: torch.Tensor
+    stacked: torch.Tensor | None = None
+
+
+def _project(x: torch.Tensor, weights: CompressorWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, dim] -> (kv, score) fp32 [n, coff * d]: ``x.float() @ W^T`` for wkv and wgate; a few rows with the
+    stacked bf16 weights in one ``fp32_linear`` (the GEMV kernel on a GPU), the fp32 GEMMs otherwise."""
+    if weights.stacked is not None and x.shape[0] <= GEMV_ROWS:
+        y = implementation("fp32_linear", x.device)(x, weights.stacked)
+        return y.split(weights.wkv.shape[0], dim=-1)
     xf = x.float()
-    return xf @ wkv.float().T, xf @ wgate.float().T
+    return xf @ weights.wkv.float().T, xf @ weights.wgate.float().T
 
 
 def _overlap(t: torch.Tensor, ratio: int, d: int, fill: float) -> torch.Tensor:
@@ -34,8 +54,8 @@ def _finish(pooled: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor, posit
     return implementation("apply_rope", dev)(y, positions, freqs)
 
 
-def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
-                     eps: float, start: int = 0) -> tuple[torch.Tensor | None, int]:
+def compress_prefill(x: torch.Tensor, weights: CompressorWeights, carry: CompressorCarry, ratio: int,
+                     freqs: torch.Tensor, eps: float, start: int = 0) -> tuple[torch.Tensor | None, int]:
     """A prefill chunk x [T, dim] at positions start..start+T-1 -> (the entries its tokens complete [k, d] bf16 or
     None, the first one's id).
 
@@ -43,10 +63,10 @@ def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: in
     pooled with the chunk's, and with overlap (ratio 4) the previous complete block fills the first half of the
     first new entry. The carry is left as decode expects it: the last complete block (overlap) and the tokens of
     the unfinished block. ``start = 0`` is the official prefill."""
-    wkv, wgate, ape, norm = weights
+    ape, norm = weights.ape, weights.norm
     d, overlap, t = norm.numel(), ratio == 4, x.shape[0]
     offset = ratio if overlap else 0
-    kv, score = _project(x, wkv, wgate)
+    kv, score = _project(x, weights)
     score = score + ape[(torch.arange(start, start + t, device=x.device) % ratio)]
     carried = start % ratio  # tokens of the unfinished block already in the carry
     kv = torch.cat((carry.kv[offset : offset + carried], kv))
@@ -74,14 +94,14 @@ def compress_prefill(x: torch.Tensor, weights, carry: CompressorCarry, ratio: in
     return _finish(pooled, norm, freqs, starts, eps), first
 
 
-def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ratio: int, freqs: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor | None, int]:
+def compress_decode(x: torch.Tensor, t: int, weights: CompressorWeights, carry: CompressorCarry, ratio: int,
+                    freqs: torch.Tensor, eps: float) -> tuple[torch.Tensor | None, int]:
     """One token x [1, dim] at position t -> (the entry completed at t [1, d] or None, its id t // ratio). Before the
     block completes only the carry slot is written (``compressor_decode``'s first step, the same bits: a copy and
     one fp32 add), so the pool runs once per block."""
     if (t + 1) % ratio:
-        wkv, wgate, ape, _ = weights
-        kv, score = _project(x, wkv, wgate)
+        ape = weights.ape
+        kv, score = _project(x, weights)
         slot = t % ratio + (ratio if ratio == 4 else 0)
         carry.kv[slot], carry.score[slot] = kv[0], (score + ape[t % ratio])[0]
         return None, 0
@@ -89,15 +109,16 @@ def compress_decode(x: torch.Tensor, t: int, weights, carry: CompressorCarry, ra
     return entry, t // ratio
 
 
-def compress_decode_on_device(x: torch.Tensor, pos: torch.Tensor, weights, carry: CompressorCarry, ratio: int,
-                              freqs: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compress_decode_on_device(x: torch.Tensor, pos: torch.Tensor, weights: CompressorWeights, carry: CompressorCarry,
+                              ratio: int, freqs: torch.Tensor, eps: float
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`compress_decode` with the position in a device tensor ``pos`` (int64 [1]) and no host branch, so
     that a decode step can be captured in a CUDA graph: the projections, then op ``compressor_decode`` (the carry
     updated in place, the entry of the block ending at ``pos`` computed every step). Returns (entry [1, d] bf16,
     complete bool [1], entry id int64 [1]): the entry is the compressed entry where ``complete``, and meaningless
     (may be NaN) elsewhere."""
-    wkv, wgate, ape, norm = weights
-    kv, score = _project(x, wkv, wgate)
+    ape, norm = weights.ape, weights.norm
+    kv, score = _project(x, weights)
     step = implementation("compressor_decode", x.device)
     entry, _, _ = step(kv, score, ape, carry.kv, carry.score, pos, norm, freqs, eps)
     return entry, pos % ratio == ratio - 1, pos // ratio

@@ -15,7 +15,7 @@ import torch
 from fidelity.decoders.production import kernels, ops
 from fidelity.decoders.production.cache import KeyStore, LayerCache
 from fidelity.decoders.production.call_counts import Counts, counting
-from fidelity.decoders.production.compressor import compress_decode, compress_prefill
+from fidelity.decoders.production.compressor import CompressorWeights, compress_decode, compress_prefill
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.profiles import Profile, get_profile
@@ -78,6 +78,17 @@ class ProductionModel:
             ok = st is not None and st.fmt == "fp8" and st.data.shape[1] % 128 == 0
             self._gemv[name] = (st.data.to(self.device), decode_e8m0(st.scale.to(self.device))) if ok else None
         return self._gemv[name]
+
+    def stacked_bf16(self, names: tuple[str, ...]) -> torch.Tensor | None:
+        """The bf16-stored weights ``names`` as one [sum of rows, in] bf16 tensor on the device, for one decode GEMV
+        over all of them (op ``fp32_linear``: the compressors' wkv and wgate); None where that path does not run
+        (no GPU kernels, or a weight not stored in bf16)."""
+        key = "+".join(names)
+        if key not in self._gemv:
+            stored = [self.ckpt.stored(n) for n in names] if self._gemv_ready() else None
+            ok = stored is not None and all(st.data.dtype == torch.bfloat16 for st in stored)
+            self._gemv[key] = torch.cat([st.data for st in stored]).to(self.device) if ok else None
+        return self._gemv[key]
 
     def stored_experts(self, i: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
         """Layer i's routed experts as stored, for ``fp4_picked_linear``: ((packed codes uint8 [E, out, in/2],
@@ -308,17 +319,22 @@ class ProductionSession:
         self.emit(f"L{i}.attn.core", o)
         if not on("no-inverse-rope"):
             o = rope(o, positions, freqs, inverse=True)
-        o = ops.grouped_out(o, self.m.w_as(pre + "wo_a.weight", BF16), cfg.o_groups)
+        stored = self.m.gemv_weight(pre + "wo_a.weight") if o.shape[0] <= ops.GEMV_ROWS else None
+        if stored is not None:  # the FP8-stored wo_a read as stored; bf16 o as given, as grouped_out
+            o = self.op("fp8_weight_linear")(o.flatten(1), *stored, "bf16", cfg.o_groups)
+        else:
+            o = ops.grouped_out(o, self.m.w_as(pre + "wo_a.weight", BF16), cfg.o_groups)
         return self.linear(o, pre + "wo_b.weight")
 
     def compressor(self, i: int, index: bool):
-        """(weights (wkv, wgate, ape, norm), fp32 carry, ratio, RoPE freqs) of layer i's main or indexer
+        """(:class:`CompressorWeights`, fp32 carry, ratio, RoPE freqs) of layer i's main or indexer
         compressor."""
         w, cache, ratio = self.m.w, self.layers[i], self.cfg.ratio(i)
         pre = f"layers.{i}.attn.indexer.compressor." if index else f"layers.{i}.attn.compressor."
         fp32 = torch.float32  # the compressor GEMMs run in fp32: the converted weights are kept
-        weights = (self.m.w_as(pre + "wkv.weight", fp32), self.m.w_as(pre + "wgate.weight", fp32), w(pre + "ape"),
-                   w(pre + "norm.weight"))
+        weights = CompressorWeights(self.m.w_as(pre + "wkv.weight", fp32), self.m.w_as(pre + "wgate.weight", fp32),
+                                    w(pre + "ape"), w(pre + "norm.weight"),
+                                    self.m.stacked_bf16((pre + "wkv.weight", pre + "wgate.weight")))
         carry = cache.index_carry if index else cache.carry
         return weights, carry, 4 if index else ratio, self.m.freqs[ratio]
 

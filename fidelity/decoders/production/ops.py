@@ -38,10 +38,23 @@ def act_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") -> torch
     return quantized_linear(fake_quant_fp8(x, 128) if act == "fp8" else x, weight)
 
 
-def fp8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act: str = "fp8") -> torch.Tensor:
+def fp8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act: str = "fp8",
+                      groups: int = 1) -> torch.Tensor:
     """``act_linear`` on a weight given as stored: e4m3 codes [m, k] and its 128x128 block scales decoded to fp32
-    [ceil(m/128), k/128] (the decode GEMV path reads these 1-byte codes, not a dequantized fp32 copy)."""
-    return act_linear(x, _block_dequantized(codes, scales), act)
+    [ceil(m/128), k/128] (the decode GEMV path reads these 1-byte codes, not a dequantized fp32 copy). ``groups``
+    > 1: x [n, groups * k] and output row j multiplies x's group j // (m / groups) (wo_a's grouped projection,
+    ``grouped_out``, with ``act == "bf16"``)."""
+    w = _block_dequantized(codes, scales)
+    if groups == 1:
+        return act_linear(x, w, act)
+    xs, ws = x.unflatten(-1, (groups, -1)), w.unflatten(0, (groups, -1))
+    return torch.cat([act_linear(xs[:, g], ws[g], act) for g in range(groups)], dim=-1)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The compressors' projections (spec §4 Compressor: an fp32 Linear of ``x.float()``; the weight is stored
+    bf16 and held as its exact fp32 value): x [n, k] bf16 / fp32, weight [m, k] -> fp32 [n, m]."""
+    return x.float() @ weight.float().T
 
 
 def fp4_picked_linear(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,

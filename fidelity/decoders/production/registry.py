@@ -73,6 +73,7 @@ for _name, _fn in {
     "act_linear": ops.act_linear,
     "fp8_weight_linear": ops.fp8_weight_linear,
     "fp4_picked_linear": ops.fp4_picked_linear,
+    "fp32_linear": ops.fp32_linear,
     "rms_norm": ops.rms_norm,
     "rms_norm_fp8": ops.rms_norm_fp8,
     "rms_norm_act_quant": ops.rms_norm_act_quant,

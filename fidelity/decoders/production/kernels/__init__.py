@@ -15,8 +15,9 @@ GEMM), ``kv_round`` (the 1x64 FP8 round of the KV nope dims), ``indexer_round`` 
 keys), ``apply_rope``, ``expert`` (its SwiGLU middle in one launch), ``gate`` (after its GEMM),
 ``compressor_decode`` (a compressor's decode step after its projections), ``kv_norm_rope_fp8`` (kv_norm + RoPE +
 that round in one pass, head_dim 512), ``fp8_weight_linear`` / ``fp4_picked_linear`` (decode GEMVs reading the
-stored FP8 / FP4 weights).
-"""
+stored FP8 / FP4 weights; the FP8 one also for wo_a's grouped bf16-input projection), ``fp32_linear`` (the
+compressors' fp32 projections at decode, one GEMV over the stored bf16 wkv and wgate). Every plain Triton kernel
+here is launched with programmatic dependent launch on sm_90 (``pdl.py``)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ KERNELS = {
     "kv_norm_rope_fp8": ("kv_path", "kv_path"),
     "fp8_weight_linear": ("weight_gemv", "fp8_weight_linear_op"),
     "fp4_picked_linear": ("weight_gemv", "fp4_picked_linear_op"),
+    "fp32_linear": ("weight_gemv", "fp32_linear_op"),
 }
 
 

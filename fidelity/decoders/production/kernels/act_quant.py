@@ -17,6 +17,7 @@ import triton.language as tl
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import device_transparent, next_pow2, on_device
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 from fidelity.decoders.production.kernels.rms_norm import e4m3_blocks
 
 
@@ -24,6 +25,7 @@ from fidelity.decoders.production.kernels.rms_norm import e4m3_blocks
 def _fake_quant_kernel(x_ptr, y_ptr, n_rows, n_cols, n_quant, stride_x, stride_y, NB: tl.constexpr,
                        B: tl.constexpr, ROWS: tl.constexpr):
     """Rows as [ROWS, NB, B] blocks: blocks below column ``n_quant`` are quantized-dequantized, the rest copied."""
+    wait_for_previous_kernel()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.arange(0, NB)
     cols = blk[:, None] * B + tl.arange(0, B)[None, :]
@@ -50,7 +52,7 @@ def fake_quant_fp8(x: torch.Tensor, block: int = 128, n_quant: int | None = None
     if x2.shape[0]:
         _fake_quant_kernel[(triton.cdiv(x2.shape[0], rows),)](
             x2, y, x2.shape[0], d, n_quant, x2.stride(0), y.stride(0), NB=next_pow2(triton.cdiv(d, block)),
-            B=block, ROWS=rows, num_warps=num_warps)
+            B=block, ROWS=rows, num_warps=num_warps, **PDL_LAUNCH)
     return y.reshape(x.shape)
 
 

@@ -20,6 +20,7 @@ from triton.language.extra import libdevice
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 from fidelity.decoders.production.kernels.rms_norm import _bf16_rne
 from fidelity.decoders.production.kernels.rope import ROTATION, _rotated
 
@@ -76,6 +77,7 @@ def _compressor_kernel(kv_ptr, sc_ptr, ape_ptr, ckv_ptr, csc_ptr, pos_ptr, norm_
                        W: tl.constexpr, WP: tl.constexpr, DP: tl.constexpr, RB: tl.constexpr, N_ROWS: tl.constexpr,
                        RP: tl.constexpr, FIRST: tl.constexpr, OVERLAP: tl.constexpr, LIBDEVICE: tl.constexpr,
                        ROTATION: tl.constexpr):
+    wait_for_previous_kernel()
     pos = tl.load(pos_ptr)
     phase = (pos % r).to(tl.int32)
     cols = tl.arange(0, DP)
@@ -139,7 +141,8 @@ def compressor_decode_cuda(kv: torch.Tensor, score: torch.Tensor, ape: torch.Ten
         kv.float().contiguous(), score.float().contiguous(), ape.float().contiguous(), carry_kv, carry_score, pos,
         norm.float().contiguous(), freqs.float().contiguous(), entry, r, d, float(eps), W=w, WP=next_pow2(w), DP=dp,
         RB=rows, N_ROWS=triton.cdiv(n_slots, rows) * rows, RP=next_pow2(r), FIRST=(d - 2 * freqs.numel()) // 2,
-        OVERLAP=overlap, LIBDEVICE=not INTERPRET, ROTATION=ROTATION, num_warps=num_warps, enable_fp_fusion=False)
+        OVERLAP=overlap, LIBDEVICE=not INTERPRET, ROTATION=ROTATION, num_warps=num_warps, enable_fp_fusion=False,
+        **PDL_LAUNCH)
     return entry, carry_kv, carry_score
 
 

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from fidelity.decoders.production.kernels._common import next_pow2
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 
 BLOCK = 1024  # slots per program
 
@@ -18,6 +19,7 @@ def _decode_slots_kernel(pos_ptr, picks_ptr, rows_ptr, local_ptr, window, n_comp
                          PICKS: tl.constexpr):
     """Slot s < window: the ring slot (oldest first) or -1; slot window + c: entry c (PICKS: picks[c]) if visible,
     as a store row (+ window), else -1. rows = max(slot, 0); local = s where slot >= 0, else -1."""
+    wait_for_previous_kernel()
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     pos = tl.load(pos_ptr)
     in_window = s < window
@@ -47,12 +49,13 @@ def decode_slots_cuda(pos: torch.Tensor, picks: torch.Tensor | None, window: int
     picks_arg = picks.contiguous() if ratio == 4 else rows
     block = min(BLOCK, next_pow2(total))
     _decode_slots_kernel[(triton.cdiv(total, block),)](pos, picks_arg, rows, local, window, n_comp, max(ratio, 1),
-                                                       BLOCK=block, PICKS=ratio == 4, num_warps=4)
+                                                       BLOCK=block, PICKS=ratio == 4, num_warps=4, **PDL_LAUNCH)
     return rows, local
 
 
 @triton.jit
 def _mask_past_kernel(s_ptr, pos_ptr, n, ratio, BLOCK: tl.constexpr):
+    wait_for_previous_kernel()
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     limit = (tl.load(pos_ptr) + 1) // ratio
     minus_inf = tl.full([BLOCK], float("-inf"), tl.float32).to(s_ptr.dtype.element_ty)
@@ -63,5 +66,5 @@ def mask_past_cuda(scores: torch.Tensor, pos: torch.Tensor, ratio: int) -> torch
     """``decode_slots.mask_past`` in place on contiguous scores [1, n]; returns them."""
     n = scores.shape[-1]
     if n:
-        _mask_past_kernel[(triton.cdiv(n, BLOCK),)](scores, pos, n, ratio, BLOCK=BLOCK, num_warps=4)
+        _mask_past_kernel[(triton.cdiv(n, BLOCK),)](scores, pos, n, ratio, BLOCK=BLOCK, num_warps=4, **PDL_LAUNCH)
     return scores

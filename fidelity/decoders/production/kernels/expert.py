@@ -21,6 +21,7 @@ from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
 from fidelity.decoders.production.kernels.act_quant import act_linear_cuda
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 from fidelity.decoders.production.kernels.rms_norm import _bf16_rne
 
 
@@ -37,6 +38,7 @@ def _nan_clamp(v, lo, hi, LOWER: tl.constexpr):
 def _swiglu_kernel(g_ptr, u_ptr, w_ptr, h_ptr, n_cols, limit, stride_g, stride_u, stride_h, BLOCK: tl.constexpr,
                    CLAMP: tl.constexpr, WEIGHTED: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Row pid0, columns pid1*BLOCK ..: h = (w_row *) silu(clamp(g)) * clamp(u) -> bf16."""
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -66,7 +68,7 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor 
         block = min(block, next_pow2(f))
         _swiglu_kernel[(n, triton.cdiv(f, block))](g, u, w, h, f, float(limit), g.stride(0), u.stride(0), h.stride(0),
                                                   BLOCK=block, CLAMP=clamp, WEIGHTED=weight is not None,
-                                                  LIBDEVICE=not INTERPRET, num_warps=num_warps)
+                                                  LIBDEVICE=not INTERPRET, num_warps=num_warps, **PDL_LAUNCH)
     return h
 
 

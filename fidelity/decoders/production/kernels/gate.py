@@ -18,6 +18,7 @@ from triton.language.extra import libdevice
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 
 
 @triton.jit
@@ -34,6 +35,7 @@ def _gate_kernel(l_ptr, b_ptr, t_ptr, ids_ptr, w_ptr, e_ptr, n_experts, route_sc
                  EP: tl.constexpr, KP: tl.constexpr, BIAS: tl.constexpr, HASH: tl.constexpr,
                  LIBDEVICE: tl.constexpr):
     """Token pid0: logits [n_experts] -> routing weights [K] fp32 and expert ids [K] int64."""
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, EP)
     ok = cols < n_experts
@@ -75,7 +77,7 @@ def gate_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         table = tid2eid.contiguous() if tid2eid is not None else experts
         _gate_kernel[(n,)](logits, b, table, ids.contiguous(), weights, experts, n_experts, float(cfg.route_scale),
                            K=k, EP=next_pow2(n_experts), KP=next_pow2(k), BIAS=bias is not None,
-                           HASH=tid2eid is not None, LIBDEVICE=not INTERPRET, num_warps=4)
+                           HASH=tid2eid is not None, LIBDEVICE=not INTERPRET, num_warps=4, **PDL_LAUNCH)
     return weights, experts
 
 

@@ -43,6 +43,7 @@ from fidelity.decoders.production.kernels._common import (
     with_overrides,
     ws_refusal,
 )
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 from fidelity.model.formats import dequantize_fp4
 
 # e2m1 nibbles ``s e1 e0 m`` -> e4m3 bytes ``s 0 0 e1 e0 m 0 0`` (value x 2^-6): 4 packed bytes in, the 4 low nibbles'
@@ -69,6 +70,7 @@ def _index_scores_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, n_q, n_k
                          stride_qn, stride_qh, stride_k, stride_ks, stride_wn, stride_on,
                          D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, Q_PER_PROG: tl.constexpr,
                          FP4: tl.constexpr, CAUSAL: tl.constexpr):
+    wait_for_previous_kernel()
     pid_e = tl.program_id(0)
     pid_q = tl.program_id(1)
     keys = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -294,6 +296,7 @@ def _index_scores_fp8mma_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, u
     a block 2^13 below its head's amax, extreme range) is scored on the bf16 path instead, so every query gets the
     bf16 kernel's result up to fp32 summation order. The branch is taken once per program, outside the tile
     loops, so each loop can be software-pipelined. ``used[i]`` = 1 where FP8 ran."""
+    wait_for_previous_kernel()
     pid_e = tl.program_id(0)
     pid_q = tl.program_id(1)
     heads = tl.arange(0, BLOCK_H)
@@ -367,7 +370,7 @@ def _launch(q, k, ks, weights, positions, ratio, d, fp4, cfg):
         q, k, ks, weights, pos, out, n, e, h, int(ratio),
         q.stride(0), q.stride(1), k.stride(0), ks.stride(0), weights.stride(0), out.stride(0),
         D=d, BLOCK_H=max(16, next_pow2(h)), BLOCK_E=c["block_e"], Q_PER_PROG=c["q_per_prog"], FP4=fp4,
-        CAUSAL=causal, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        CAUSAL=causal, num_warps=c["num_warps"], num_stages=c["num_stages"], **PDL_LAUNCH)
     return out
 
 
@@ -427,7 +430,7 @@ def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
         q.stride(0), q.stride(1), packed.stride(0), scales.stride(0), weights.stride(0), out.stride(0),
         BLOCK_H=max(16, next_pow2(h)), BLOCK_E=c["block_e"], TILES=c["tiles"], Q_PER_PROG=c["q_per_prog"],
         CAUSAL=causal, ASM=not INTERPRET, PACKED=c["packed"] and not INTERPRET,
-        SPAN=next_pow2(c["tiles"] * c["block_e"]), num_warps=c["num_warps"], num_stages=c["num_stages"])
+        SPAN=next_pow2(c["tiles"] * c["block_e"]), num_warps=c["num_warps"], num_stages=c["num_stages"], **PDL_LAUNCH)
     return out, used
 
 

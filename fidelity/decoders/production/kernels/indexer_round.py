@@ -17,6 +17,7 @@ import triton.language as tl
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import device_transparent, on_device
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 from fidelity.decoders.production.kernels.rms_norm import _bf16_rne, _max_nan
 
 
@@ -70,6 +71,7 @@ def _fp4_blocks(y):
 @triton.jit(do_not_specialize=["n_rows"])
 def _indexer_round_kernel(x_ptr, y_ptr, n_rows, stride_x, stride_y, ROWS: tl.constexpr, D: tl.constexpr,
                           SCALE: tl.constexpr, ROTATE: tl.constexpr):
+    wait_for_previous_kernel()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, D)
     mask = (rows < n_rows)[:, None]
@@ -93,7 +95,7 @@ def indexer_round_cuda(x: torch.Tensor, fmt: str, rotate: bool, *, rows: int = 4
     if x2.shape[0]:
         _indexer_round_kernel[(triton.cdiv(x2.shape[0], rows),)](
             x2, y, x2.shape[0], x2.stride(0), y.stride(0), ROWS=rows, D=d,
-            SCALE=float(torch.tensor(d**-0.5, dtype=torch.float32)), ROTATE=rotate, num_warps=num_warps)
+            SCALE=float(torch.tensor(d**-0.5, dtype=torch.float32)), ROTATE=rotate, num_warps=num_warps, **PDL_LAUNCH)
     return y.reshape(x.shape)
 
 indexer_round = device_transparent(indexer_round_cuda)

@@ -23,6 +23,7 @@ from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import device_transparent, on_device
 from fidelity.decoders.production.kernels.act_quant import kv_round_cuda
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 from fidelity.decoders.production.kernels.rms_norm import e4m3_blocks, rms_norm_cuda
 from fidelity.decoders.production.kernels.sparse_attention import pack_kv_fp8
 
@@ -31,6 +32,7 @@ from fidelity.decoders.production.kernels.sparse_attention import pack_kv_fp8
 def _kv_path_kernel(x_ptr, w_ptr, cis_ptr, y_ptr, p8_ptr, p16_ptr, n, eps, stride_x, stride_y,
                     ROWS: tl.constexpr, FP8: tl.constexpr, PACK: tl.constexpr):
     """Rows of 512 as [8 blocks, 32 pairs, 2]: blocks 0..6 = nope (FP8 blocks of 64), block 7 = rope."""
+    wait_for_previous_kernel()
     blk = tl.arange(0, 8)
     pair = tl.arange(0, 32)
     two = tl.arange(0, 2)
@@ -92,7 +94,7 @@ def kv_norm_rope_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, position
         cis = torch.view_as_real(ops.rope_table(freqs, positions)).contiguous()  # [n, 32, 2] fp32
         _kv_path_kernel[(triton.cdiv(n, rows),)](x, weight.contiguous(), cis, y, packed, p16, n, float(eps),
                                                  x.stride(0), y.stride(0), ROWS=rows, FP8=fmt == "fp8", PACK=pack,
-                                                 num_warps=num_warps)
+                                                 num_warps=num_warps, **PDL_LAUNCH)
     return (y, packed) if pack else y
 
 

@@ -18,6 +18,7 @@ import triton.language as tl
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import device_transparent, on_device
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 
 
 @triton.jit
@@ -95,6 +96,7 @@ def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
                    n, dim, norm_eps, hc_eps, iters, stride_xn,
                    BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
     """Fused: one program = BT tokens, all of K (one launch)."""
+    wait_for_previous_kernel()
     pid = tl.program_id(0)
     toks = (pid * BT + tl.arange(0, BT)).to(tl.int64)
     tmask = toks < n
@@ -121,6 +123,7 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, ws_ptr, n, dim, k_per_split, stride_xn
                            BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, MIXES: tl.constexpr):
     """Split-K (few tokens): program (tile, s) writes partial mixes (fn's MIXES rows) + sum of squares to ws
     [S, n, 33]."""
+    wait_for_previous_kernel()
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     toks = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
@@ -138,6 +141,7 @@ def _hc_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_p
                       BT: tl.constexpr, BD: tl.constexpr):
     """Sums the split-K partials in a fixed order (deterministic), then split + collapse; program (tile, j)
     collapses dims j*d_per_prog .. (j+1)*d_per_prog-1 (every program redoes the 4x4 Sinkhorn, j == 0 stores it)."""
+    wait_for_previous_kernel()
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
     toks = (pid * BT + tl.arange(0, BT)).to(tl.int64)
@@ -211,16 +215,16 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int | None =
     if splits == 1:
         _hc_pre_kernel[(tiles,)](
             x, fn, scale, base, y, pre, post, comb, n, dim, float(norm_eps), float(hc_eps), int(iters), x.stride(0),
-            BT=bt, BK=bk, BD=bd, PREC=precision, num_warps=num_warps)
+            BT=bt, BK=bk, BD=bd, PREC=precision, num_warps=num_warps, **PDL_LAUNCH)
         return y, pre, post, comb
     ws = torch.empty((splits, n, 33), dtype=torch.float32, device=dev)
     _hc_mix_partial_kernel[(tiles, splits)](x, fn, ws, n, dim, per, x.stride(0), BT=bt, BK=bk, PREC=precision,
-                                            MIXES=24, num_warps=num_warps)
+                                            MIXES=24, num_warps=num_warps, **PDL_LAUNCH)
     d_blocks = max(1, min(triton.cdiv(dim, bd), triton.cdiv(264, tiles)))
     d_per = triton.cdiv(triton.cdiv(dim, bd), d_blocks) * bd
     _hc_finish_kernel[(tiles, triton.cdiv(dim, d_per))](
         ws, x, scale, base, y, pre, post, comb, n, dim, splits, float(norm_eps), float(hc_eps), int(iters),
-        x.stride(0), d_per, BT=bt, BD=bd, num_warps=num_warps)
+        x.stride(0), d_per, BT=bt, BD=bd, num_warps=num_warps, **PDL_LAUNCH)
     return y, pre, post, comb
 
 
@@ -233,6 +237,7 @@ def _hc_head_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, n, dim, n_
                            d_per_prog, BD: tl.constexpr):
     """Token pid0: the split-K partials summed in split order, pre = sigmoid(mixes * rs * scale + base) + eps, then
     y = sum_i pre_i x_i over the dims pid1 * d_per_prog .. (pid1 + 1) * d_per_prog - 1, rounded once to bf16."""
+    wait_for_previous_kernel()
     tok = tl.program_id(0).to(tl.int64)
     r4 = tl.arange(0, 4)
     mix = tl.zeros([4], tl.float32)
@@ -272,11 +277,11 @@ def hc_head_cuda(x, fn, scale, base, norm_eps, hc_eps, *, bt: int = 16, bk: int 
     ws = torch.empty((splits, n, 33), dtype=torch.float32, device=x.device)
     precision = "bf16x3" if x.dtype == torch.bfloat16 else "tf32x3"
     _hc_mix_partial_kernel[(tiles, splits)](x, fn.float().contiguous(), ws, n, dim, per, x.stride(0), BT=bt, BK=bk,
-                                            PREC=precision, MIXES=4, num_warps=num_warps)
+                                            PREC=precision, MIXES=4, num_warps=num_warps, **PDL_LAUNCH)
     d_per = triton.cdiv(triton.cdiv(dim, bd), max(1, min(triton.cdiv(dim, bd), triton.cdiv(132, n)))) * bd
     _hc_head_finish_kernel[(n, triton.cdiv(dim, d_per))](
         ws, x, scale.float().contiguous(), base.float().contiguous(), y, n, dim, splits, float(norm_eps),
-        float(hc_eps), x.stride(0), d_per, BD=bd, num_warps=num_warps)
+        float(hc_eps), x.stride(0), d_per, BD=bd, num_warps=num_warps, **PDL_LAUNCH)
     return y
 
 
@@ -289,6 +294,7 @@ def _hc_post_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, o_ptr, n, dim, stride_fn, 
                     BT: tl.constexpr, BD: tl.constexpr):
     """Program (token tile, dim tile): ``out[t, k, d] = post[t, k] * f[t, d] + sum_j comb[t, j, k] * r[t, j, d]``
     in fp32 (j summed in ascending order, as the emulation), stored in the output's dtype."""
+    wait_for_previous_kernel()
     toks = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     ds = tl.program_id(1) * BD + tl.arange(0, BD)
     tm = toks < n
@@ -329,7 +335,7 @@ def hc_post_cuda(f, residual, post, comb, out_dtype=torch.bfloat16, *, bt: int =
     post, comb = post.float().contiguous(), comb.float().contiguous()
     grid = (triton.cdiv(n, bt), triton.cdiv(dim, bd))
     _hc_post_kernel[grid](f, residual, post, comb, out, n, dim, f.stride(0), residual.stride(0), out.stride(0),
-                          BT=bt, BD=bd, num_warps=num_warps)
+                          BT=bt, BD=bd, num_warps=num_warps, **PDL_LAUNCH)
     return out
 
 

@@ -8,11 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 from fidelity.decoders.production.kernels.rms_norm import _bf16_rne
 
 
 @triton.jit(do_not_specialize=["dim"])
 def _moe_sum_kernel(out_ptr, shared_ptr, y_ptr, dim, K: tl.constexpr, BLOCK: tl.constexpr):
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < dim
@@ -32,5 +34,5 @@ def moe_sum(out: torch.Tensor, shared: torch.Tensor, *, block: int = 1024) -> to
     y = torch.empty((n, dim), dtype=torch.bfloat16, device=out.device)
     if n and dim:
         _moe_sum_kernel[(n, triton.cdiv(dim, block))](out.contiguous(), shared.contiguous(), y, dim, K=k,
-                                                     BLOCK=block, num_warps=4)
+                                                     BLOCK=block, num_warps=4, **PDL_LAUNCH)
     return y

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from fidelity.decoders.production.kernels._common import next_pow2, with_overrides
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 
 MAX_K = 4096  # the final sort holds next_pow2(k) int64 keys in one program
 SCORE_DTYPES = (torch.bfloat16, torch.float32)  # taken as their raw bits: int16 / int32
@@ -77,6 +78,7 @@ def _histogram_kernel(s_ptr, stride_r, n, k, hist_ptr, chunk_ptr, n_chunks,
                       PASS: tl.constexpr, NBYTES: tl.constexpr, HIST_STRIDE: tl.constexpr, BLOCK: tl.constexpr):
     """Pass PASS: histogram of byte PASS (from the top) of the entries whose higher bytes match the threshold so
     far; added to the row's histogram, and on the last pass also stored per chunk."""
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     hist_row = hist_ptr + row * HIST_STRIDE
     u, offs, mask = _load_ordered(s_ptr, stride_r, n, BLOCK, NBYTES)
@@ -97,6 +99,7 @@ def _select_kernel(s_ptr, stride_r, n, k, hist_ptr, chunk_ptr, n_chunks, cand_pt
     """Writes the keys of this chunk's picks (the entries above the threshold, and its ties while the row needs
     them, in id order across chunks: only the chunk where the needed ties run out ranks its ties) to the row's
     candidate slots, claimed with one atomic per chunk."""
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     hist_row = hist_ptr + row * HIST_STRIDE
@@ -125,6 +128,7 @@ def _select_kernel(s_ptr, stride_r, n, k, hist_ptr, chunk_ptr, n_chunks, cand_pt
 
 @triton.jit
 def _sort_kernel(cand_ptr, stride_c, out_ptr, k, K_P2: tl.constexpr):
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, K_P2)
     key = tl.load(cand_ptr + row * stride_c + offs, mask=offs < k, other=-9223372036854775808)
@@ -173,8 +177,9 @@ def radix_topk(scores: torch.Tensor, k: int, config: dict | None = None) -> torc
     grid = (r, n_chunks)
     for p in range(nbytes):
         _histogram_kernel[grid](bits, rows.stride(0), n, k, hist, chunk_hist, n_chunks, PASS=p, NBYTES=nbytes,
-                                HIST_STRIDE=hist_stride, BLOCK=block, num_warps=num_warps)
+                                HIST_STRIDE=hist_stride, BLOCK=block, num_warps=num_warps, **PDL_LAUNCH)
     _select_kernel[grid](bits, rows.stride(0), n, k, hist, chunk_hist, n_chunks, cand, k_p2, NBYTES=nbytes,
-                         HIST_STRIDE=hist_stride, BLOCK=block, CHUNKS_P2=next_pow2(n_chunks), num_warps=num_warps)
-    _sort_kernel[(r,)](cand, k_p2, out, k, K_P2=k_p2, num_warps=c["sort_warps"])
+                         HIST_STRIDE=hist_stride, BLOCK=block, CHUNKS_P2=next_pow2(n_chunks), num_warps=num_warps,
+                         **PDL_LAUNCH)
+    _sort_kernel[(r,)](cand, k_p2, out, k, K_P2=k_p2, num_warps=c["sort_warps"], **PDL_LAUNCH)
     return out.reshape(*scores.shape[:-1], k)

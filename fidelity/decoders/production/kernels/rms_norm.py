@@ -35,6 +35,7 @@ from triton.language.extra import libdevice
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 
 
 @triton.jit
@@ -119,6 +120,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_cols, eps, str
                      WRITE_Q: tl.constexpr, STREAM: tl.constexpr, DQ: tl.constexpr = False):
     """``ROWS`` rows per program as one [ROWS, NB, QB] tile (QB = the quantization block), so that all the rows'
     loads are in flight together and the FP8 epilogue's per-block amax is a plain reduction (no re-layout)."""
+    wait_for_previous_kernel()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols, cmask, w = _row_cols(w_ptr, n_cols, NB, QB, STREAM)
     x, mask = _load_rows(x_ptr, rows, cols, cmask, n_rows, stride_x, STREAM)
@@ -134,6 +136,7 @@ def _rms_norm_persistent_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, n_rows, n_col
     """Persistent variant: program p normalizes row groups p, p + P, p + 2P, ... (P programs) and loads group
     i + 1 before it reduces and stores group i (a register double buffer), so each program's loads overlap its
     own epilogue instead of waiting behind it; w is loaded once per program."""
+    wait_for_previous_kernel()
     pid = tl.program_id(0)
     step = tl.num_programs(0).to(tl.int64) * ROWS
     cols, cmask, w = _row_cols(w_ptr, n_cols, NB, QB, STREAM)
@@ -179,9 +182,9 @@ def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, stream=
                     STREAM=rows > 1 and write_q if stream is None else stream, num_warps=warps)
         if per_sm:  # persistent: per_sm programs per SM, each looping over row groups
             grid = min(triton.cdiv(n, rows), per_sm * _sm_count(x.device))
-            _rms_norm_persistent_kernel[(grid,)](*args, **meta, num_stages=1)
+            _rms_norm_persistent_kernel[(grid,)](*args, **meta, num_stages=1, **PDL_LAUNCH)
         else:
-            _rms_norm_kernel[(triton.cdiv(n, rows),)](*args, **meta)
+            _rms_norm_kernel[(triton.cdiv(n, rows),)](*args, **meta, **PDL_LAUNCH)
     y = y.reshape(shape)
     if not write_q:
         return y
@@ -243,6 +246,7 @@ rms_norm_act_quant.__name__ = "triton_rms_norm_act_quant"
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _weightless_kernel(q_ptr, y_ptr, n_rows, eps, D: tl.constexpr, DP: tl.constexpr, LIBDEVICE: tl.constexpr):
+    wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, DP)
     ok = cols < D
@@ -268,7 +272,7 @@ def rms_norm_weightless_cuda(q, eps):
     rows = x.numel() // d
     if rows:
         _weightless_kernel[(rows,)](x, y, rows, float(eps), D=d, DP=next_pow2(d), LIBDEVICE=not INTERPRET,
-                                    num_warps=4)
+                                    num_warps=4, **PDL_LAUNCH)
     return y
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import device_transparent, next_pow2, on_device
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 from fidelity.decoders.production.kernels.rms_norm import _bf16_rne
 
 # How the complex product rounds: 0 every product rounded; 1 fma(a, c, -(b s)) / fma(a, s, b c); 2 fma(-b, s, a c) /
@@ -41,6 +42,7 @@ def _rope_kernel(x_ptr, pos_ptr, f_ptr, y_ptr, n_rows, heads, stride_x, stride_y
                  HALF: tl.constexpr, FIRST: tl.constexpr, ROWS: tl.constexpr, INVERSE: tl.constexpr,
                  ROTATION: tl.constexpr):
     """Rows [ROWS, HALF pairs, 2] of x [n_rows, D]; pairs from FIRST on rotate (row r at positions[r // heads])."""
+    wait_for_previous_kernel()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     pair = tl.arange(0, HALF)
     two = tl.arange(0, 2)
@@ -80,7 +82,8 @@ def apply_rope_cuda(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
         _rope_kernel[(triton.cdiv(x2.shape[0], rows),)](
             x2, positions.contiguous(), freqs.to(torch.float32).contiguous(), y, x2.shape[0], heads, x2.stride(0),
             y.stride(0), D=d, HALF=next_pow2(d // 2), FIRST=(d - rd) // 2, ROWS=rows, INVERSE=inverse,
-            ROTATION=ROTATION if rotation is None else rotation, num_warps=num_warps, enable_fp_fusion=False)
+            ROTATION=ROTATION if rotation is None else rotation, num_warps=num_warps, enable_fp_fusion=False,
+            **PDL_LAUNCH)
     return y.reshape(x.shape)
 
 

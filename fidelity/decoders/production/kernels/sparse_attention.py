@@ -46,6 +46,7 @@ from fidelity.decoders.production.kernels._common import (
     with_overrides,
     ws_refusal,
 )
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 from fidelity.decoders.production.kernels.rms_norm import e4m3_blocks
 
 BLOCK_N = 64  # indices per online-softmax step: the reference's block (fixes where P is rounded)
@@ -88,6 +89,7 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kv16_ptr, idx_ptr, sink_ptr, o_ptr, acc_p
                         stride_qn, stride_qh, stride_kv, stride_in, stride_on, stride_oh,
                         D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr, E4M3: tl.constexpr):
+    wait_for_previous_kernel()
     pid_n = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     pid_z = tl.program_id(2)
@@ -156,6 +158,7 @@ def _sparse_attn_kernel(q_ptr, kv_ptr, kv16_ptr, idx_ptr, sink_ptr, o_ptr, acc_p
 @triton.jit
 def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, n_tokens, n_heads, num_splits, stride_on, stride_oh,
                     D: tl.constexpr, BLOCK_H: tl.constexpr):
+    wait_for_previous_kernel()
     pid_n = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -250,14 +253,15 @@ def _launch(q, kv_main, kv16, idx, sink, scale, d, fp8, cfg, e4m3=False):
                 q, kv_main, kv16, idx, sink, o, acc, ml, n, h, topk, per_split, scale,
                 q.stride(0), q.stride(1), kv_main.stride(0), idx.stride(0), o.stride(0), o.stride(1),
                 D=d, DV=d // split_d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, FP8=fp8,
-                PREFETCH=bool(c["prefetch"]), E4M3=e4m3, num_warps=c["num_warps"], num_stages=stages)
+                PREFETCH=bool(c["prefetch"]), E4M3=e4m3, num_warps=c["num_warps"], num_stages=stages, **PDL_LAUNCH)
             break
         except OutOfResources:
             if stages == lowest:
                 raise
     if num_splits > 1:
         _combine_kernel[(n, triton.cdiv(h, block_h))](
-            acc, ml, sink, o, n, h, num_splits, o.stride(0), o.stride(1), D=d, BLOCK_H=block_h, num_warps=4)
+            acc, ml, sink, o, n, h, num_splits, o.stride(0), o.stride(1), D=d, BLOCK_H=block_h, num_warps=4,
+            **PDL_LAUNCH)
     return o
 
 

@@ -11,12 +11,14 @@ import triton
 import triton.language as tl
 
 from fidelity.decoders.production.kernels._common import on_device
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 
 BLOCK = 4096  # elements per program
 
 
 @triton.jit
 def _take_kernel(src_ptr, idx_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    wait_for_previous_kernel()
     i = tl.load(idx_ptr).to(tl.int64)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -33,12 +35,13 @@ def take(stack: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     out = torch.empty(stack.shape[1:], dtype=stack.dtype, device=stack.device)
     n = out.numel()
     if n:
-        _take_kernel[(triton.cdiv(n, BLOCK),)](stack, index, out, n, BLOCK=BLOCK, num_warps=4)
+        _take_kernel[(triton.cdiv(n, BLOCK),)](stack, index, out, n, BLOCK=BLOCK, num_warps=4, **PDL_LAUNCH)
     return out
 
 
 @triton.jit
 def _put_if_kernel(store_ptr, slot_ptr, row_ptr, cond_ptr, n, BLOCK: tl.constexpr):
+    wait_for_previous_kernel()
     if tl.load(cond_ptr) != 0:
         slot = tl.load(slot_ptr).to(tl.int64)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -61,4 +64,4 @@ def put_if(store: torch.Tensor, slot: torch.Tensor, row: torch.Tensor, cond: tor
     n = flat.shape[1]
     if n:
         _put_if_kernel[(triton.cdiv(n, BLOCK),)](flat, slot, row.contiguous().view(1, -1).view(torch.uint8), cond, n,
-                                                 BLOCK=BLOCK, num_warps=4)
+                                                 BLOCK=BLOCK, num_warps=4, **PDL_LAUNCH)

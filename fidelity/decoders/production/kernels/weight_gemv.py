@@ -4,6 +4,9 @@
   scales (decoded to fp32, [n/128, k/128]): 1 byte per weight read instead of the 4 of the dequantized fp32 copy.
   Each weight is dequantized exactly in registers (code x 2^e) and the products accumulate in fp32, as the
   emulation's fp32 GEMM does, in another order (tolerance contract of ``act_linear``).
+  ``groups``: wo_a's grouped projection (output row j reads x's group j // (n / groups)), bf16 x as given.
+* ``bf16_weight_linear_f32``: y [m, n] fp32 = x @ W^T with W the bf16 weight as stored (the compressors' fp32
+  projections: bf16 x bf16 products are exact in fp32, summed in fp32).
 * ``fp4_expert_linear``: for slots s, y [s, n] bf16 = xq[s] @ W[e_s]^T with W[e] the FP4 e2m1 codes of expert e
   (two per byte, low nibble first, [E, n, k/2]) and its 1x32 scales (fp32 [E, n, k/32]); the expert ids stay on
   the device, so a captured CUDA graph picks the experts without copying their weights.
@@ -19,6 +22,7 @@ from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import device_transparent, next_pow2, on_device
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
+from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 from fidelity.decoders.production.kernels.rms_norm import e4m3_blocks
 
 FP8_BLOCK = 128
@@ -36,46 +40,58 @@ def _activation(x_ptr, N: tl.constexpr, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k_split: tl.constexpr, stride_x, stride_w, stride_s,
-                     M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr,
-                     QUANT: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k_split: tl.constexpr, stride_x, stride_w, stride_s, group_rows,
+                 stride_group, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 FINAL: tl.constexpr, QUANT: tl.constexpr, CODES: tl.constexpr):
     """Rows pid0*BN .. +BN of all M outputs (MP: M rounded up to a power of two) over the pid1-th slice of k
-    (``k_split`` columns, BK = a multiple of 128 per step): per 128-column block the products code x x are summed,
-    then scaled by the block's 2^e. FINAL: store bf16 y, else fp32 partial sums [splits, M, n]. QUANT: x is the
-    bf16 activation, quantized here (``_activation``)."""
+    (``k_split`` columns, BK = a multiple of 128 per step). CODES: w holds e4m3 codes, and per 128-column block
+    the products code x x are summed, then scaled by the block's 2^e; else w is bf16 and the products are summed
+    as they are. Output row j reads x's columns from (j // group_rows) * stride_group on (grouped projections;
+    group_rows a multiple of BN). FINAL: store y in out's dtype, else fp32 partial sums [splits, M, n]. QUANT: x
+    is the bf16 activation, quantized here (``_activation``)."""
+    wait_for_previous_kernel()
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     ok = rows < n
     cols = tl.arange(0, BK)
     blocks = tl.arange(0, BK // 128)
     k_begin = tl.program_id(1) * k_split
+    x_ptr += (tl.program_id(0) * BN // group_rows).to(tl.int64) * stride_group
     acc = tl.zeros([MP, BN], dtype=tl.float32)
     for kk in range(0, k_split, BK):
         k0 = k_begin + kk
         w = tl.load(w_ptr + rows[:, None] * stride_w + (k0 + cols)[None, :], mask=ok[:, None], other=0)
-        wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        s = tl.load(s_ptr + (rows // 128)[:, None] * stride_s + (k0 // 128 + blocks)[None, :], mask=ok[:, None],
-                    other=0.0)
+        if CODES:
+            wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            s = tl.load(s_ptr + (rows // 128)[:, None] * stride_s + (k0 // 128 + blocks)[None, :],
+                        mask=ok[:, None], other=0.0)
+        else:
+            wf = w.to(tl.float32)
         for m in tl.static_range(M):
             x = _activation(x_ptr + m * stride_x + k0, BK, QUANT)
-            part = tl.sum(tl.reshape(wf * x[None, :], [BN, BK // 128, 128]), axis=2)  # per scale block
-            acc = tl.where(tl.arange(0, MP)[:, None] == m, acc + tl.sum(part * s, axis=1)[None, :], acc)
+            if CODES:
+                part = tl.sum(tl.reshape(wf * x[None, :], [BN, BK // 128, 128]), axis=2)  # per scale block
+                dot = tl.sum(part * s, axis=1)
+            else:
+                dot = tl.sum(wf * x[None, :], axis=1)
+            acc = tl.where(tl.arange(0, MP)[:, None] == m, acc + dot[None, :], acc)
     for m in tl.static_range(M):
         y = tl.sum(tl.where(tl.arange(0, MP)[:, None] == m, acc, 0.0), axis=0)
         if FINAL:
-            tl.store(out_ptr + m * n + rows, y.to(tl.bfloat16), mask=ok)
+            tl.store(out_ptr + m * n + rows, y.to(out_ptr.dtype.element_ty), mask=ok)
         else:
             tl.store(out_ptr + (tl.program_id(1) * M + m) * n + rows, y, mask=ok)
 
 
 @triton.jit
 def _sum_splits_kernel(p_ptr, y_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """y = sum over the splits of p [SPLITS, total] in split order (deterministic) -> bf16."""
+    """y = sum over the splits of p [SPLITS, total] in split order (deterministic), stored in y's dtype."""
+    wait_for_previous_kernel()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     y = tl.load(p_ptr + offs, mask=ok, other=0.0)
     for i in tl.static_range(1, SPLITS):
         y += tl.load(p_ptr + i * total + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, y.to(tl.bfloat16), mask=ok)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def _splits(programs: int, k: int, bk: int, device: torch.device) -> int:
@@ -89,42 +105,72 @@ def _splits(programs: int, k: int, bk: int, device: torch.device) -> int:
     return splits
 
 
+def _as_loaded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels read it (bf16 or fp32 rows, converted to fp32 on load): no conversion launch for those."""
+    return x.contiguous() if x.dtype in (torch.bfloat16, torch.float32) else x.float().contiguous()
+
+
 def _finish(partials: torch.Tensor | None, y: torch.Tensor, splits: int) -> torch.Tensor:
     if partials is not None:
         total = y.numel()
-        _sum_splits_kernel[(triton.cdiv(total, 1024),)](partials, y, total, SPLITS=splits, BLOCK=1024, num_warps=4)
+        _sum_splits_kernel[(triton.cdiv(total, 1024),)](partials, y, total, SPLITS=splits, BLOCK=1024, num_warps=4,
+                                                         **PDL_LAUNCH)
     return y
 
 
-def fp8_weight_linear(xq: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, quantize: bool = False,
-                      bn: int = 16, bk: int = 512, splits: int | None = None, stages: int = 3,
-                      num_warps: int = 4) -> torch.Tensor:
-    """xq [m, k] (bf16 or fp32, on the e4m3 grid or not: multiplied as given; ``quantize``: bf16 x quantized in
-    1x128 e4m3 blocks inside the kernel) @ (codes [n, k] e4m3 / uint8 x scales fp32 [n/128, k/128])^T -> bf16
-    [m, n]; k a multiple of 128, m <= 8. ``splits`` (default: enough for about two programs per SM) slices k, each
-    slice's fp32 partial sums then added in slice order."""
-    m, k = xq.shape
-    n = codes.shape[0]
-    if codes.shape[1] != k or k % FP8_BLOCK or scales.shape != ((n + 127) // 128, k // 128) or not 1 <= m <= 8:
-        raise ValueError(f"fp8_weight_linear: expected xq [m<=8, k], codes [n, k], scales [n/128, k/128] with k % 128 "
-                         f"== 0, found xq {tuple(xq.shape)}, codes {tuple(codes.shape)}, scales {tuple(scales.shape)}")
+def _gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, *, quantize: bool, groups: int,
+          out_dtype: torch.dtype, bn: int, bk: int, splits: int | None, stages: int, num_warps: int) -> torch.Tensor:
+    """y [m, n] = x @ W^T over a weight w [n, k] of e4m3 codes (with 128x128 scales s) or bf16 (s None); x [m,
+    groups * k], output row j reading x's group j // (n / groups)."""
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
     bk = bk if k % bk == 0 else FP8_BLOCK
-    x = xq.contiguous() if quantize else xq.float().contiguous()
-    w = codes.view(torch.uint8)
-    s = scales.float().contiguous()
     programs = triton.cdiv(n, bn)
-    splits = splits or _splits(programs, k, bk, xq.device)
+    splits = splits or _splits(programs, k, bk, x.device)
     while k % (splits * bk) and bk > FP8_BLOCK:
         bk //= 2
     if k % (splits * bk):
-        raise ValueError(f"fp8_weight_linear: splits {splits} must divide k / 128 ({k // 128})")
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
-    partials = torch.empty((splits, m, n), dtype=torch.float32, device=xq.device) if splits > 1 else None
-    _fp8_gemv_kernel[(programs, splits)](x, w, s, y if partials is None else partials, n, k // splits, x.stride(0),
-                                         w.stride(0), s.stride(0), M=m, MP=next_pow2(m), BN=bn, BK=bk,
-                                         FINAL=partials is None, QUANT=quantize, num_stages=stages,
-                                         num_warps=num_warps)
+        raise ValueError(f"weight GEMV: splits {splits} must divide k / 128 ({k // 128})")
+    if groups > 1 and (n // groups) % bn:
+        raise ValueError(f"weight GEMV: a group's {n // groups} rows must be a multiple of the row block {bn}")
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    partials = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else None
+    _gemv_kernel[(programs, splits)](x, w, w if s is None else s, y if partials is None else partials, n, k // splits,
+                                     x.stride(0), w.stride(0), 0 if s is None else s.stride(0), n // groups,
+                                     k if groups > 1 else 0, M=m, MP=next_pow2(m), BN=bn, BK=bk,
+                                     FINAL=partials is None, QUANT=quantize, CODES=s is not None, num_stages=stages,
+                                     num_warps=num_warps, **PDL_LAUNCH)
     return _finish(partials, y, splits)
+
+
+def fp8_weight_linear(xq: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, quantize: bool = False,
+                      groups: int = 1, bn: int = 16, bk: int = 512, splits: int | None = None, stages: int = 3,
+                      num_warps: int = 4) -> torch.Tensor:
+    """xq [m, groups * k] (bf16 or fp32, on the e4m3 grid or not: multiplied as given; ``quantize``: bf16 x
+    quantized in 1x128 e4m3 blocks inside the kernel) @ (codes [n, k] e4m3 / uint8 x scales fp32 [n/128,
+    k/128])^T -> bf16 [m, n]; k a multiple of 128, m <= 8. ``groups`` > 1: output row j multiplies x's group
+    j // (n / groups) (wo_a's grouped projection). ``splits`` (default: enough for about two programs per SM)
+    slices k, each slice's fp32 partial sums then added in slice order."""
+    m, n, k = xq.shape[0], codes.shape[0], codes.shape[1]
+    if xq.shape[1] != groups * k or k % FP8_BLOCK or scales.shape != ((n + 127) // 128, k // 128) or \
+            not 1 <= m <= 8 or n % groups:
+        raise ValueError(f"fp8_weight_linear: expected xq [m<=8, groups * k], codes [n, k], scales [n/128, k/128] "
+                         f"with k % 128 == 0 and n % groups == 0, found xq {tuple(xq.shape)}, codes "
+                         f"{tuple(codes.shape)}, scales {tuple(scales.shape)}, groups {groups}")
+    x = xq.contiguous() if quantize else _as_loaded(xq)
+    return _gemv(x, codes.view(torch.uint8), scales.float().contiguous(), quantize=quantize, groups=groups,
+                 out_dtype=torch.bfloat16, bn=bn, bk=bk, splits=splits, stages=stages, num_warps=num_warps)
+
+
+def bf16_weight_linear_f32(x: torch.Tensor, weight: torch.Tensor, *, bn: int = 16, bk: int = 512,
+                           splits: int | None = None, stages: int = 3, num_warps: int = 4) -> torch.Tensor:
+    """x [m, k] (bf16 or fp32) @ W^T with W bf16 [n, k] as stored -> fp32 [m, n]: the products (exact in fp32)
+    summed in fp32, m <= 8 and k a multiple of 128 (the compressors' fp32 projections at decode)."""
+    m, k = x.shape
+    if weight.dtype != torch.bfloat16 or weight.shape[1] != k or k % FP8_BLOCK or not 1 <= m <= 8:
+        raise ValueError(f"bf16_weight_linear_f32: expected x [m<=8, k], weight bf16 [n, k] with k % 128 == 0, found "
+                         f"x {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    return _gemv(_as_loaded(x), weight.contiguous(), None, quantize=False, groups=1,
+                 out_dtype=torch.float32, bn=bn, bk=bk, splits=splits, stages=stages, num_warps=num_warps)
 
 
 @triton.jit
@@ -137,6 +183,7 @@ def _fp4_expert_kernel(x_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: t
     is the exact code value x x. Per 32-weight block the products are summed, then scaled. FINAL: bf16 y, else
     fp32 partial sums [splits, slots, n]. QUANT: x is the bf16 activation, quantized here (``_activation``; 2 BK a
     multiple of 128)."""
+    wait_for_previous_kernel()
     slot = tl.program_id(1)
     e = tl.load(e_ptr + slot).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
@@ -178,7 +225,7 @@ def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Ten
         bk //= 2
     if quantize and k % FP8_BLOCK:
         raise ValueError(f"fp4_expert_linear: quantize needs k a multiple of 128, found {k}")
-    x = xq.contiguous() if quantize else xq.float().contiguous()
+    x = xq.contiguous() if quantize else _as_loaded(xq)
     w = packed.view(torch.uint8)
     programs = triton.cdiv(n, bn) * slots
     splits = splits or _splits(programs, half, bk, xq.device)
@@ -191,19 +238,30 @@ def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Ten
     grid = (triton.cdiv(n, bn), slots, splits)
     _fp4_expert_kernel[grid](x, experts, w, scales, y if partials is None else partials, n, slots, k // splits,
                              x.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), BN=bn, BK=bk,
-                             FINAL=partials is None, QUANT=quantize, num_stages=stages, num_warps=num_warps)
+                             FINAL=partials is None, QUANT=quantize, num_stages=stages, num_warps=num_warps,
+                             **PDL_LAUNCH)
     return _finish(partials, y, splits)
 
 
-def fp8_weight_linear_cuda(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act: str = "fp8"
-                           ) -> torch.Tensor:
+def fp8_weight_linear_cuda(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act: str = "fp8",
+                           groups: int = 1) -> torch.Tensor:
     """Same signature and result (within the ``act_linear`` contract) as ``ops.fp8_weight_linear``: the FP8 GEMV
-    with the 1x128 activation quantization in the same launch."""
-    m, k = x.shape
-    if act != "fp8" or x.dtype != torch.bfloat16 or not 1 <= m <= ops.GEMV_ROWS or k % FP8_BLOCK or not on_device(x):
+    with the 1x128 activation quantization in the same launch (``act == "fp8"``; ``"bf16"``: x as given)."""
+    m, n = x.shape[0], codes.shape[0]
+    if act not in ("fp8", "bf16") or x.dtype != torch.bfloat16 or not 1 <= m <= ops.GEMV_ROWS or \
+            codes.shape[1] % FP8_BLOCK or n % groups or (n // groups) % 16 or not on_device(x):
         fallbacks.note("fp8_weight_linear", fallbacks.UNSUPPORTED)
-        return ops.fp8_weight_linear(x, codes, scales, act)
-    return fp8_weight_linear(x, codes, scales, quantize=True)
+        return ops.fp8_weight_linear(x, codes, scales, act, groups)
+    return fp8_weight_linear(x, codes, scales, quantize=act == "fp8", groups=groups)
+
+
+def fp32_linear_cuda(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Same signature and result (within its contract) as ``ops.fp32_linear``: one GEMV over the bf16 weight."""
+    m, k = x.shape
+    if weight.dtype != torch.bfloat16 or not 1 <= m <= ops.GEMV_ROWS or k % FP8_BLOCK or not on_device(x):
+        fallbacks.note("fp32_linear", fallbacks.UNSUPPORTED)
+        return ops.fp32_linear(x, weight)
+    return bf16_weight_linear_f32(x, weight)
 
 
 def fp4_picked_linear_cuda(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -222,3 +280,5 @@ fp8_weight_linear_op = device_transparent(fp8_weight_linear_cuda)
 fp8_weight_linear_op.__name__ = "triton_fp8_weight_linear"
 fp4_picked_linear_op = device_transparent(fp4_picked_linear_cuda)
 fp4_picked_linear_op.__name__ = "triton_fp4_picked_linear"
+fp32_linear_op = device_transparent(fp32_linear_cuda)
+fp32_linear_op.__name__ = "triton_fp32_linear"

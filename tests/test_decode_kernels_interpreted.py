@@ -12,9 +12,12 @@ from tests.interpreted import run_checks  # noqa: E402
 
 CHECKS = ["indexer_round_contract", "queries_64_heads", "key_signed_zeros_unrotated", "e2m1_ties_to_even",
           "extreme_scales", "apply_rope_contract", "rope_keeps_the_nope_dims",
-          "gemvs_quantize_in_kernel_as_the_separate_launch", "expert_contract", "moe_sum_gives_the_loops_bits",
+          "gemvs_quantize_in_kernel_as_the_separate_launch",
+          "k_sliced_gemv_adds_the_slices_in_order_and_resets_its_counts",
+          "expert_w1_w3_in_one_launch_give_the_two_launches_bits", "expert_contract",
+          "moe_sum_gives_the_loops_bits",
           "swiglu_close_to_the_emulation", "gate_contract", "decode_slots_give_the_references_integers",
-          "compressor_decode_contract", "put_if_writes_the_row_only_where_the_condition_holds",
+          "compressor_decode_contract", "put_at_block_end_writes_the_row_only_where_the_block_completes",
           "mask_past_hides_the_entries_past_the_limit", "rms_norm_weightless_contract"]
 
 

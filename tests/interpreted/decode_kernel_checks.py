@@ -21,7 +21,7 @@ from fidelity.decoders.production.kernels.indexer_round import indexer_round_cud
 from fidelity.decoders.production.kernels.moe_sum import moe_sum
 from fidelity.decoders.production.kernels.rms_norm import rms_norm_weightless_cuda
 from fidelity.decoders.production.kernels.rope import apply_rope_cuda
-from fidelity.decoders.production.kernels.take import put_if
+from fidelity.decoders.production.kernels.take import put_at_block_end
 from fidelity.decoders.production.model import _moe_sum
 from fidelity.testing import check_against_oracle
 
@@ -70,8 +70,10 @@ def main() -> dict[str, str]:
     rotated = apply_rope_cuda(x, torch.tensor([5, 70000]), torch.rand(32, generator=g), inverse=True)
     out["rope_keeps_the_nope_dims"] = "" if torch.equal(rotated[..., :448], x[..., :448]) else "nope dims changed"
     out["gemvs_quantize_in_kernel_as_the_separate_launch"] = _gemv_quantize_differs(g)
+    out["k_sliced_gemv_adds_the_slices_in_order_and_resets_its_counts"] = _k_slices_differ(g)
+    out["expert_w1_w3_in_one_launch_give_the_two_launches_bits"] = _expert_pair_differs(g)
     out["decode_slots_give_the_references_integers"] = _decode_slots_differ(g)
-    out["put_if_writes_the_row_only_where_the_condition_holds"] = _put_if_differs(g)
+    out["put_at_block_end_writes_the_row_only_where_the_block_completes"] = _put_at_block_end_differs(g)
     out["mask_past_hides_the_entries_past_the_limit"] = _mask_past_differs(g)
     out["rms_norm_weightless_contract"] = _contract("rms_norm_weightless", rms_norm_weightless_cuda)
     slots, shared = (torch.randn(3, 6, 700, generator=g) * 100).to(BF16), torch.randn(3, 700, generator=g).to(BF16)
@@ -99,19 +101,62 @@ def _decode_slots_differ(g: torch.Generator) -> str:
     return ", ".join(bad)
 
 
-def _put_if_differs(g: torch.Generator) -> str:
+def _k_slices_differ(g: torch.Generator) -> str:
+    """A GEMV over 4 slices of k: the last slice to arrive adds the slices' fp32 partial sums in slice order, so the
+    result is the fp32 sum of the four quarter-k GEMVs in that order, bit for bit; the arrival counts are back at
+    zero afterwards (a CUDA-graph replay finds them as the capture did)."""
+    k, n = 1024, 80
+    x = (torch.randn(3, k, generator=g) * 4).to(BF16)
+    w = torch.randn(n, k, generator=g).to(BF16)
+    got = weight_gemv.bf16_weight_linear_f32(x, w, splits=4, bk=128)
+    q = k // 4
+    want = weight_gemv.bf16_weight_linear_f32(x[:, :q], w[:, :q], splits=1, bk=128)
+    for i in range(1, 4):
+        want = want + weight_gemv.bf16_weight_linear_f32(x[:, i * q:(i + 1) * q], w[:, i * q:(i + 1) * q], splits=1,
+                                                        bk=128)
+    counts = weight_gemv._split_counts(x.device, 1)
+    bad = [] if torch.equal(got, want) else ["sum of the slices"]
+    if counts.any():
+        bad.append(f"counts left at {counts.nonzero().flatten().tolist()}")
+    return ", ".join(bad)
+
+
+def _expert_pair_differs(g: torch.Generator) -> str:
+    """The routed experts on FP4 stacks (w1 and w3 as views of one stacked pair): ``expert_cuda`` with a linear
+    offering ``pair`` (w1 and w3 in one launch) gives the bits of the two separate launches."""
+    e_count, n, k, slots = 3, 128, 256, 4
+    stack = torch.randint(0, 256, (e_count, 2 * n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.exp2(torch.randint(-8, 2, (e_count, 2 * n, k // 32), generator=g).float())
+    w2 = (torch.randint(0, 256, (e_count, k, n // 2), generator=g, dtype=torch.uint8),
+          torch.exp2(torch.randint(-8, 2, (e_count, k, n // 32), generator=g).float()))
+    w1, w3 = (stack[:, :n], scales[:, :n]), (stack[:, n:], scales[:, n:])
+    picks = torch.tensor([2, 0, 1, 2])
+    x = (torch.randn(1, k, generator=g) * 4).to(BF16).expand(slots, -1)
+    weight = torch.rand(slots, 1, generator=g)
+
+    def linear(xs, w, act):
+        return weight_gemv.fp4_picked_linear_cuda(xs, picks, *w, act)
+
+    two = expert_cuda(x, w1, w2, w3, 7.0, weight, "fp8", linear)
+    linear.pair = lambda xs, act: linear(xs, (stack, scales), act).split(n, dim=-1)
+    one = expert_cuda(x, w1, w2, w3, 7.0, weight, "fp8", linear)
+    return "" if torch.equal(one, two) else "differ"
+
+
+def _put_at_block_end_differs(g: torch.Generator) -> str:
+    """The row lands at pos // ratio + offset exactly where pos completes a block, nowhere otherwise."""
     bad = []
     for dtype in (BF16, torch.float8_e4m3fn, torch.uint8):
-        store = torch.randn(6, 3, 40, generator=g).to(dtype) if dtype != torch.uint8 else \
-            torch.randint(0, 256, (6, 3, 40), generator=g, dtype=torch.uint8)
+        store = torch.randn(9, 3, 40, generator=g).to(dtype) if dtype != torch.uint8 else \
+            torch.randint(0, 256, (9, 3, 40), generator=g, dtype=torch.uint8)
         row = torch.randn(1, 3, 40, generator=g).to(dtype) if dtype != torch.uint8 else store[:1] ^ 0x5A
-        for flag in (True, False):
+        for pos, ratio, offset in ((3, 4, 0), (7, 4, 2), (4, 4, 0), (6, 4, 1), (0, 1, 3), (255, 128, 5), (254, 128, 5)):
             want, got = store.clone(), store.clone()
-            if flag:
-                want[4] = row[0]
-            put_if(got, torch.tensor([4]), row, torch.tensor([flag]))
+            if pos % ratio == ratio - 1:
+                want[pos // ratio + offset] = row[0]
+            put_at_block_end(got, torch.tensor([pos]), ratio, offset, row)
             if not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
-                bad.append(f"{dtype} cond {flag}")
+                bad.append(f"{dtype} pos {pos} ratio {ratio} offset {offset}")
     return ", ".join(bad)
 
 
@@ -134,7 +179,8 @@ def _swiglu_close(gu: torch.Tensor, weight: torch.Tensor) -> bool:
 def _gemv_quantize_differs(g: torch.Generator) -> str:
     """The decode GEMVs with the activation quantized in their own launch (``quantize=True``) give the bits of the
     separate quantization kernel followed by the GEMV (the interpreter's e4m3 conversion is not the hardware's,
-    so both sides run the same kernels here; the GPU test compares with the emulation)."""
+    so both sides run the same kernels here; the GPU test compares with the emulation); a token's row repeated
+    for its expert slots as a stride-0 view gives the bits of the copied rows."""
     k, n, experts = 512, 256, 3
     x = (torch.randn(2, k, generator=g) * torch.exp2(torch.randint(-8, 8, (2, k), generator=g).float())).to(BF16)
     codes = (torch.randn(n, k, generator=g) * 4).to(torch.float8_e4m3fn)
@@ -145,8 +191,10 @@ def _gemv_quantize_differs(g: torch.Generator) -> str:
     same = [torch.equal(weight_gemv.fp8_weight_linear(fake_quant_fp8(x, 128), codes, scales),
                         weight_gemv.fp8_weight_linear(x, codes, scales, quantize=True)),
             torch.equal(weight_gemv.fp4_expert_linear(fake_quant_fp8(x, 128), picks, packed, fp4_scales),
-                        weight_gemv.fp4_expert_linear(x, picks, packed, fp4_scales, quantize=True))]
-    return "" if all(same) else f"equal (fp8, fp4): {same}"
+                        weight_gemv.fp4_expert_linear(x, picks, packed, fp4_scales, quantize=True)),
+            torch.equal(weight_gemv.fp4_expert_linear(x[:1].expand(2, -1), picks, packed, fp4_scales, quantize=True),
+                        weight_gemv.fp4_expert_linear(x[:1].repeat(2, 1), picks, packed, fp4_scales, quantize=True))]
+    return "" if all(same) else f"equal (fp8, fp4, fp4 on one row repeated as a stride-0 view): {same}"
 
 
 if __name__ == "__main__":

@@ -33,16 +33,18 @@ class _RowStore:
         for store, new in self._parts(rows):
             store[slots] = new
 
-    def write_if(self, slots: torch.Tensor, rows: torch.Tensor, cond: torch.Tensor) -> None:
-        """``write(slots, rows)`` where ``cond`` (bool [1], on the store's device) holds, else the rows are left
-        as they are: a write decided on the device, with no host sync (graph decode); one row on a GPU is one
-        launch per storage tensor (``kernels.take.put_if``)."""
+    def write_at_block_end(self, pos: torch.Tensor, ratio: int, offset: int, rows: torch.Tensor) -> None:
+        """``write(pos // ratio + offset, rows)`` where the token at ``pos`` (int64 [1], on the store's device)
+        completes a block (``pos % ratio == ratio - 1``), else the rows are left as they are: a write decided on
+        the device, with no host sync (graph decode's compressed entries); one row on a GPU is one launch per
+        storage tensor (``kernels.take.put_at_block_end``)."""
         for store, new in self._parts(rows):
-            if store.is_cuda and kernels.available() and new.shape[0] == 1 and slots.numel() == 1:
-                from fidelity.decoders.production.kernels.take import put_if
+            if store.is_cuda and kernels.available() and new.shape[0] == 1 and pos.numel() == 1:
+                from fidelity.decoders.production.kernels.take import put_at_block_end
 
-                put_if(store, slots.reshape(1), new, cond.reshape(1))
+                put_at_block_end(store, pos.reshape(1), ratio, offset, new)
                 continue
+            cond, slots = pos % ratio == ratio - 1, pos // ratio + offset
             if store.dtype.itemsize == 1 and store.dtype != torch.uint8:  # torch.where has no float8 kernels
                 store, new = store.view(torch.uint8), new.view(torch.uint8)
             store[slots] = torch.where(cond.view(-1, *([1] * (new.dim() - 1))), new, store[slots])

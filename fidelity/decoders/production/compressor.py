@@ -105,20 +105,18 @@ def compress_decode(x: torch.Tensor, t: int, weights: CompressorWeights, carry: 
         slot = t % ratio + (ratio if ratio == 4 else 0)
         carry.kv[slot], carry.score[slot] = kv[0], (score + ape[t % ratio])[0]
         return None, 0
-    entry, _, _ = compress_decode_on_device(x, torch.tensor([t], device=x.device), weights, carry, ratio, freqs, eps)
+    entry = compress_decode_on_device(x, torch.tensor([t], device=x.device), weights, carry, ratio, freqs, eps)
     return entry, t // ratio
 
 
 def compress_decode_on_device(x: torch.Tensor, pos: torch.Tensor, weights: CompressorWeights, carry: CompressorCarry,
-                              ratio: int, freqs: torch.Tensor, eps: float
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              ratio: int, freqs: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`compress_decode` with the position in a device tensor ``pos`` (int64 [1]) and no host branch, so
     that a decode step can be captured in a CUDA graph: the projections, then op ``compressor_decode`` (the carry
-    updated in place, the entry of the block ending at ``pos`` computed every step). Returns (entry [1, d] bf16,
-    complete bool [1], entry id int64 [1]): the entry is the compressed entry where ``complete``, and meaningless
-    (may be NaN) elsewhere."""
-    ape, norm = weights.ape, weights.norm
+    updated in place, the entry of the block ending at ``pos`` computed every step). Returns the entry [1, d] bf16:
+    the compressed entry ``pos // ratio`` where the token completes its block (``pos % ratio == ratio - 1``; the
+    caller's ``write_at_block_end``), meaningless (may be NaN) elsewhere."""
     kv, score = _project(x, weights)
     step = implementation("compressor_decode", x.device)
-    entry, _, _ = step(kv, score, ape, carry.kv, carry.score, pos, norm, freqs, eps)
-    return entry, pos % ratio == ratio - 1, pos // ratio
+    entry, _, _ = step(kv, score, weights.ape, carry.kv, carry.score, pos, weights.norm, freqs, eps)
+    return entry

@@ -4,7 +4,8 @@ a device tensor, so that the step has no host sync and, on CUDA, is captured onc
 Same numerics as :class:`~fidelity.decoders.production.model.ProductionSession` (tested bit for bit on the CPU):
 
 * the compressors run every step and the entry of the block ending at the token is written only where the
-  block completes (``write_if``: a device-side condition), so the caches hold exactly the eager session's bytes;
+  block completes (``write_at_block_end``: a device-side condition), so the caches hold exactly the eager
+  session's bytes;
 * the indexer scores every key slot of the cache and masks ``j >= (t+1)//4`` to -inf before the same stable
   top-k, so it picks the same entries; where fewer than ``index_topk`` entries are visible the extra picks are
   -1 (masked), which adds fully masked 64-entry blocks at the end of the attention's online softmax: those
@@ -109,13 +110,12 @@ class GraphDecodeSession(ProductionSession):
             return super().compress(i, x, positions, index)
         cache = self.layers[i]
         weights, carry, ratio, freqs = self.compressor(i, index)
-        entry, complete, j = compress_decode_on_device(x, self.pos_dev, weights, carry, ratio, freqs,
-                                                       self.cfg.norm_eps)
+        entry = compress_decode_on_device(x, self.pos_dev, weights, carry, ratio, freqs, self.cfg.norm_eps)
         entry = self.round_entries(entry, index)
         if index:
-            cache.keys.write_if(j, entry, complete)
+            cache.keys.write_at_block_end(self.pos_dev, ratio, 0, entry)
         else:
-            cache.kv.write_if(j + cache.window, entry, complete)
+            cache.kv.write_at_block_end(self.pos_dev, ratio, cache.window, entry)
         return None
 
     def index_decode(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

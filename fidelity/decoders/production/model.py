@@ -92,8 +92,9 @@ class ProductionModel:
 
     def stored_experts(self, i: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
         """Layer i's routed experts as stored, for ``fp4_picked_linear``: ((packed codes uint8 [E, out, in/2],
-        1x32 scales decoded to fp32 [E, out, in/32]) for w1, w2, w3), stacked once and kept on the device; None
-        where that path does not run (no GPU kernels, or experts not stored in FP4)."""
+        1x32 scales decoded to fp32 [E, out, in/32]) for w1, w2, w3, then w1 and w3 stacked [E, 2 out, ...]), kept
+        on the device once; w1 and w3 are views of the stacked pair (one launch can run both). None where that
+        path does not run (no GPU kernels, or experts not stored in FP4)."""
         key = f"layers.{i}.experts:fp4"
         if key not in self._gemv:
             stacks = None
@@ -102,9 +103,12 @@ class ProductionModel:
                          for m in ("w1", "w2", "w3")]
                 stored = [[self.ckpt.stored(n) for n in group] for group in names]
                 if all(st.fmt == "fp4" for group in stored for st in group):
-                    stacks = tuple((torch.stack([st.data.view(torch.uint8).to(self.device) for st in group]),
-                                    torch.stack([decode_e8m0(st.scale.to(self.device)) for st in group]))
-                                   for group in stored)
+                    stacks = [(torch.stack([st.data.view(torch.uint8).to(self.device) for st in group]),
+                               torch.stack([decode_e8m0(st.scale.to(self.device)) for st in group]))
+                              for group in stored]
+                    n = stacks[0][0].shape[1]
+                    w13 = tuple(torch.cat((a, b), dim=1) for a, b in zip(stacks[0], stacks[2], strict=True))
+                    stacks = ((w13[0][:, :n], w13[1][:, :n]), stacks[1], (w13[0][:, n:], w13[1][:, n:]), w13)
             self._gemv[key] = stacks
         return self._gemv[key]
 
@@ -562,15 +566,21 @@ class ProductionSession:
         expert ids stay on the device, no weight is copied): each token's expert outputs bf16 [n, k, dim] in
         ascending expert id, the order ``moe`` adds them in. No host sync (graph decode runs it too)."""
         n, k = experts.shape
-        order = experts.argsort(dim=1)
-        picked = experts.gather(1, order).flatten()
+        picked, order = experts.sort(dim=1)  # a token's k expert ids are distinct: no ties to order
+        picked = picked.flatten()
         slot_weights = weights.gather(1, order).flatten()[:, None]
-        hs = h[torch.arange(n, device=picked.device).repeat_interleave(k)]
+        hs = _repeat_rows(h, k)
+
+        w1, w2, w3, w13 = stacks
 
         def linear(x, w, act):
             return self.op("fp4_picked_linear")(x.xq if isinstance(x, Fp8Input) else x, picked, *w, act)
 
-        out = self.op("expert")(hs, *stacks, self.cfg.swiglu_limit, slot_weights, self.p.gemm_act, linear)
+        def pair(x, act):  # w1 and w3 in one launch over their stacked rows (expert_cuda uses it)
+            return linear(x, w13, act).split(w1[0].shape[1], dim=-1)
+
+        linear.pair = pair
+        out = self.op("expert")(hs, w1, w2, w3, self.cfg.swiglu_limit, slot_weights, self.p.gemm_act, linear)
         return out.unflatten(0, (n, k))
 
 
@@ -602,6 +612,14 @@ def _by_expert(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Ten
         groups.append((e, flat // k, flat % k))
         start += size
     return groups
+
+
+def _repeat_rows(h: torch.Tensor | Fp8Input, k: int) -> torch.Tensor | Fp8Input:
+    """Each row of h [n, d] k times in a row [n k, d]: one token's as a stride-0 view (no copy; the GEMV kernels
+    read it as it is), several tokens' copied."""
+    if isinstance(h, Fp8Input):
+        return Fp8Input(_repeat_rows(h.y, k), _repeat_rows(h.xq, k))
+    return h.expand(k, -1) if h.shape[0] == 1 else h.repeat_interleave(k, dim=0)
 
 
 def _plain(h: torch.Tensor | Fp8Input) -> torch.Tensor:

@@ -139,7 +139,7 @@ def compressor_decode_cuda(kv: torch.Tensor, score: torch.Tensor, ape: torch.Ten
     dp = next_pow2(d)
     _compressor_kernel[(1,)](
         kv.float().contiguous(), score.float().contiguous(), ape.float().contiguous(), carry_kv, carry_score, pos,
-        norm.float().contiguous(), freqs.float().contiguous(), entry, r, d, float(eps), W=w, WP=next_pow2(w), DP=dp,
+        norm.contiguous(), freqs.float().contiguous(), entry, r, d, float(eps), W=w, WP=next_pow2(w), DP=dp,
         RB=rows, N_ROWS=triton.cdiv(n_slots, rows) * rows, RP=next_pow2(r), FIRST=(d - 2 * freqs.numel()) // 2,
         OVERLAP=overlap, LIBDEVICE=not INTERPRET, ROTATION=ROTATION, num_warps=num_warps, enable_fp_fusion=False,
         **PDL_LAUNCH)

@@ -74,10 +74,12 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor 
 
 def expert_cuda(x: torch.Tensor, w1, w2, w3, limit: float, weight: torch.Tensor | None, act: str,
                 linear: Callable | None = None) -> torch.Tensor:
-    """Same signature and result as ``ops.expert`` (``linear`` defaults to the ``act_linear`` kernel); the middle
-    runs in :func:`swiglu` where g and u are bf16 matrices on the device, else as ``ops.swiglu``."""
+    """Same signature and result as ``ops.expert`` (``linear`` defaults to the ``act_linear`` kernel; one with a
+    ``pair(x, act) -> (g, u)`` attribute runs w1 and w3 in one call); the middle runs in :func:`swiglu` where g and
+    u are bf16 matrices on the device, else as ``ops.swiglu``."""
     linear = linear or act_linear_cuda
-    g, u = linear(x, w1, act), linear(x, w3, act)
+    pair = getattr(linear, "pair", None)
+    g, u = pair(x, act) if pair is not None else (linear(x, w1, act), linear(x, w3, act))
     clamp = ops.expert_clamps(limit, weight)
     rows_weight = weight is None or (weight.dim() == 2 and weight.shape == (g.shape[0], 1))
     if on_device(g) and g.dim() == 2 and g.dtype == u.dtype == torch.bfloat16 and g.shape == u.shape and rows_weight:

@@ -1,8 +1,8 @@
 """Copies addressed by device-side indices, so that they sit inside a captured CUDA graph: :func:`take` copies one
 slice of a stacked tensor (graph decode's expert weights) at streaming-copy speed (torch's ``index_select`` of one
-large slice runs at about half the HBM bandwidth on the H200); :func:`put_if` writes one row of a cache where a
-device-side condition holds (graph decode's compressed entries), one launch instead of torch's gather, ``where`` and
-scatter."""
+large slice runs at about half the HBM bandwidth on the H200); :func:`put_at_block_end` writes one row of a cache
+where the device-side position completes a block (graph decode's compressed entries), one launch instead of torch's
+position arithmetic, gather, ``where`` and scatter."""
 
 from __future__ import annotations
 
@@ -40,28 +40,27 @@ def take(stack: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _put_if_kernel(store_ptr, slot_ptr, row_ptr, cond_ptr, n, BLOCK: tl.constexpr):
+def _put_at_block_end_kernel(store_ptr, pos_ptr, row_ptr, n, ratio, offset, BLOCK: tl.constexpr):
     wait_for_previous_kernel()
-    if tl.load(cond_ptr) != 0:
-        slot = tl.load(slot_ptr).to(tl.int64)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    if pos % ratio == ratio - 1:
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        tl.store(store_ptr + slot * n + offs, tl.load(row_ptr + offs, mask=mask), mask=mask)
+        tl.store(store_ptr + (pos // ratio + offset) * n + offs, tl.load(row_ptr + offs, mask=mask), mask=mask)
 
 
-def put_if(store: torch.Tensor, slot: torch.Tensor, row: torch.Tensor, cond: torch.Tensor) -> None:
-    """``store[slot[0]] = row[0]`` where ``cond[0]`` holds: store [capacity, ...] contiguous on CUDA, row [1, ...] of
-    its row shape and dtype, slot int [1] and cond bool [1] on its device (the slot is not range-checked, as that
-    would read it on the host)."""
+def put_at_block_end(store: torch.Tensor, pos: torch.Tensor, ratio: int, offset: int, row: torch.Tensor) -> None:
+    """``store[pos // ratio + offset] = row[0]`` where ``pos % ratio == ratio - 1`` (the token at ``pos`` completes a
+    block of ``ratio``): store [capacity, ...] contiguous on CUDA, row [1, ...] of its row shape and dtype, pos int
+    [1] on its device (read there: the slot is not range-checked, as that would read it on the host)."""
     if not (on_device(store) and store.is_contiguous() and row.shape == (1, *store.shape[1:])
-            and row.dtype == store.dtype and slot.numel() == 1 and cond.numel() == 1
-            and slot.device == cond.device == store.device):
-        raise ValueError(f"put_if: expected a contiguous CUDA store, a row [1, ...] of its row shape and dtype, a "
-                         f"one-element slot and condition on its device, found store {tuple(store.shape)} "
-                         f"{store.dtype} on {store.device}, row {tuple(row.shape)} {row.dtype}, slot numel "
-                         f"{slot.numel()}, cond numel {cond.numel()}")
+            and row.dtype == store.dtype and pos.numel() == 1 and pos.device == store.device and ratio >= 1):
+        raise ValueError(f"put_at_block_end: expected a contiguous CUDA store, a row [1, ...] of its row shape and "
+                         f"dtype, a one-element position on its device and ratio >= 1, found store "
+                         f"{tuple(store.shape)} {store.dtype} on {store.device}, row {tuple(row.shape)} {row.dtype}, "
+                         f"pos numel {pos.numel()} on {pos.device}, ratio {ratio}")
     flat = store.view(store.shape[0], -1).view(torch.uint8)
     n = flat.shape[1]
     if n:
-        _put_if_kernel[(triton.cdiv(n, BLOCK),)](flat, slot, row.contiguous().view(1, -1).view(torch.uint8), cond, n,
-                                                 BLOCK=BLOCK, num_warps=4, **PDL_LAUNCH)
+        _put_at_block_end_kernel[(triton.cdiv(n, BLOCK),)](flat, pos, row.contiguous().view(1, -1).view(torch.uint8),
+                                                           n, ratio, offset, BLOCK=BLOCK, num_warps=4, **PDL_LAUNCH)

@@ -20,12 +20,13 @@ import triton.language as tl
 
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.kernels import fallbacks
-from fidelity.decoders.production.kernels._common import device_transparent, next_pow2, on_device
+from fidelity.decoders.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
 from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
 from fidelity.decoders.production.kernels.rms_norm import e4m3_blocks
 
 FP8_BLOCK = 128
+_FENCE = tl.constexpr(not INTERPRET)
 
 
 @triton.jit
@@ -40,15 +41,26 @@ def _activation(x_ptr, N: tl.constexpr, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k_split: tl.constexpr, stride_x, stride_w, stride_s, group_rows,
-                 stride_group, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 FINAL: tl.constexpr, QUANT: tl.constexpr, CODES: tl.constexpr):
-    """Rows pid0*BN .. +BN of all M outputs (MP: M rounded up to a power of two) over the pid1-th slice of k
-    (``k_split`` columns, BK = a multiple of 128 per step). CODES: w holds e4m3 codes, and per 128-column block
-    the products code x x are summed, then scaled by the block's 2^e; else w is bf16 and the products are summed
-    as they are. Output row j reads x's columns from (j // group_rows) * stride_group on (grouped projections;
-    group_rows a multiple of BN). FINAL: store y in out's dtype, else fp32 partial sums [splits, M, n]. QUANT: x
-    is the bf16 activation, quantized here (``_activation``)."""
+def _gpu_fence():
+    """``fence.acq_rel.gpu`` in every thread (this thread's writes before it are visible device-wide to a thread
+    that acquires after observing a later write of this CTA); nothing under the interpreter (one program at a time)."""
+    if _FENCE:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, n, k_split: tl.constexpr, stride_x, stride_w,
+                 stride_s, group_rows, stride_group, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr, CODES: tl.constexpr):
+    """Rows pid0*BN .. +BN of all M outputs (MP: M rounded up to a power of two) over the pid1-th of SPLITS slices
+    of k (``k_split`` columns, BK = a multiple of 128 per step). CODES: w holds e4m3 codes, and per 128-column
+    block the products code x x are summed, then scaled by the block's 2^e; else w is bf16 and the products are
+    summed as they are. Output row j reads x's columns from (j // group_rows) * stride_group on (grouped
+    projections; group_rows a multiple of BN). QUANT: x is the bf16 activation, quantized here (``_activation``).
+    y goes to out in its dtype; with SPLITS > 1 each slice stores its fp32 partial sums (part [SPLITS, M, n]) and
+    counts itself in count[pid0] (zero on entry), and the slice that counts last adds the partials in slice order
+    (deterministic: the same sums whichever slice finishes last), stores y and sets the count back to zero."""
     wait_for_previous_kernel()
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     ok = rows < n
@@ -74,12 +86,24 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k_split: tl.constexpr, stride_
             else:
                 dot = tl.sum(wf * x[None, :], axis=1)
             acc = tl.where(tl.arange(0, MP)[:, None] == m, acc + dot[None, :], acc)
-    for m in tl.static_range(M):
-        y = tl.sum(tl.where(tl.arange(0, MP)[:, None] == m, acc, 0.0), axis=0)
-        if FINAL:
+    if SPLITS == 1:
+        for m in tl.static_range(M):
+            y = tl.sum(tl.where(tl.arange(0, MP)[:, None] == m, acc, 0.0), axis=0)
             tl.store(out_ptr + m * n + rows, y.to(out_ptr.dtype.element_ty), mask=ok)
-        else:
-            tl.store(out_ptr + (tl.program_id(1) * M + m) * n + rows, y, mask=ok)
+    else:
+        for m in tl.static_range(M):
+            y = tl.sum(tl.where(tl.arange(0, MP)[:, None] == m, acc, 0.0), axis=0)
+            tl.store(part_ptr + (tl.program_id(1) * M + m) * n + rows, y, mask=ok)
+        _gpu_fence()
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            _gpu_fence()
+            for m in tl.static_range(M):
+                y = tl.load(part_ptr + m * n + rows, mask=ok, other=0.0, cache_modifier=".cg")
+                for i in tl.static_range(1, SPLITS):
+                    y += tl.load(part_ptr + (i * M + m) * n + rows, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + m * n + rows, y.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(count_ptr + tl.program_id(0), 0)
 
 
 @triton.jit
@@ -105,9 +129,27 @@ def _splits(programs: int, k: int, bk: int, device: torch.device) -> int:
     return splits
 
 
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counts(device: torch.device, programs: int) -> torch.Tensor:
+    """The per-row-block arrival counts of the k-sliced GEMVs on ``device``: int32 zeros, allocated once (and grown
+    outside a CUDA-graph capture); each launch leaves the counts it used at zero. Launches on one stream only (two
+    GEMVs running at once on one device would share them)."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < programs:
+        counts = _COUNTS[device] = torch.zeros(max(programs, 4096), dtype=torch.int32, device=device)
+    return counts
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x with unit column stride, as the kernels index it (row stride as given: 0 for one row repeated)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _as_loaded(x: torch.Tensor) -> torch.Tensor:
     """x as the kernels read it (bf16 or fp32 rows, converted to fp32 on load): no conversion launch for those."""
-    return x.contiguous() if x.dtype in (torch.bfloat16, torch.float32) else x.float().contiguous()
+    return _rows(x) if x.dtype in (torch.bfloat16, torch.float32) else x.float().contiguous()
 
 
 def _finish(partials: torch.Tensor | None, y: torch.Tensor, splits: int) -> torch.Tensor:
@@ -133,13 +175,14 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, *, quantize:
     if groups > 1 and (n // groups) % bn:
         raise ValueError(f"weight GEMV: a group's {n // groups} rows must be a multiple of the row block {bn}")
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    partials = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else None
-    _gemv_kernel[(programs, splits)](x, w, w if s is None else s, y if partials is None else partials, n, k // splits,
-                                     x.stride(0), w.stride(0), 0 if s is None else s.stride(0), n // groups,
-                                     k if groups > 1 else 0, M=m, MP=next_pow2(m), BN=bn, BK=bk,
-                                     FINAL=partials is None, QUANT=quantize, CODES=s is not None, num_stages=stages,
-                                     num_warps=num_warps, **PDL_LAUNCH)
-    return _finish(partials, y, splits)
+    partials = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    counts = _split_counts(x.device, programs) if splits > 1 else y
+    _gemv_kernel[(programs, splits)](x, w, w if s is None else s, y, partials, counts, n, k // splits, x.stride(0),
+                                     w.stride(0), 0 if s is None else s.stride(0), n // groups,
+                                     k if groups > 1 else 0, M=m, MP=next_pow2(m), BN=bn, BK=bk, SPLITS=splits,
+                                     QUANT=quantize, CODES=s is not None, num_stages=stages, num_warps=num_warps,
+                                     **PDL_LAUNCH)
+    return y
 
 
 def fp8_weight_linear(xq: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, quantize: bool = False,
@@ -156,7 +199,7 @@ def fp8_weight_linear(xq: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
         raise ValueError(f"fp8_weight_linear: expected xq [m<=8, groups * k], codes [n, k], scales [n/128, k/128] "
                          f"with k % 128 == 0 and n % groups == 0, found xq {tuple(xq.shape)}, codes "
                          f"{tuple(codes.shape)}, scales {tuple(scales.shape)}, groups {groups}")
-    x = xq.contiguous() if quantize else _as_loaded(xq)
+    x = _rows(xq) if quantize else _as_loaded(xq)
     return _gemv(x, codes.view(torch.uint8), scales.float().contiguous(), quantize=quantize, groups=groups,
                  out_dtype=torch.bfloat16, bn=bn, bk=bk, splits=splits, stages=stages, num_warps=num_warps)
 
@@ -225,7 +268,7 @@ def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Ten
         bk //= 2
     if quantize and k % FP8_BLOCK:
         raise ValueError(f"fp4_expert_linear: quantize needs k a multiple of 128, found {k}")
-    x = xq.contiguous() if quantize else _as_loaded(xq)
+    x = _rows(xq) if quantize else _as_loaded(xq)
     w = packed.view(torch.uint8)
     programs = triton.cdiv(n, bn) * slots
     splits = splits or _splits(programs, half, bk, xq.device)

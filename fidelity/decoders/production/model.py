@@ -79,6 +79,20 @@ class ProductionModel:
             self._gemv[name] = (st.data.to(self.device), decode_e8m0(st.scale.to(self.device))) if ok else None
         return self._gemv[name]
 
+    def stacked_gemv_weight(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """FP8-stored weights ``names`` with the same input width as one weight for the decode GEMV (codes and
+        decoded 128x128 scales stacked along the rows; each weight's rows a multiple of 128, so no scale block
+        straddles two weights), kept on the device; None where :meth:`gemv_weight` would give None for one of them
+        or a row count is not a multiple of 128."""
+        key = "+".join(names)
+        if key not in self._gemv:
+            parts = [self.gemv_weight(n) for n in names]
+            ok = all(p is not None and p[0].shape[0] % 128 == 0 for p in parts)
+            self._gemv[key] = tuple(torch.cat(t) for t in zip(*parts, strict=True)) if ok else None
+            for n in names:  # the stacked copy serves these weights from now on
+                self._gemv.pop(n, None)
+        return self._gemv[key]
+
     def stacked_bf16(self, names: tuple[str, ...]) -> torch.Tensor | None:
         """The bf16-stored weights ``names`` as one [sum of rows, in] bf16 tensor on the device, for one decode GEMV
         over all of them (op ``fp32_linear``: the compressors' wkv and wgate); None where that path does not run
@@ -538,8 +552,17 @@ class ProductionSession:
     def shared_expert(self, i: int, h: torch.Tensor | Fp8Input) -> torch.Tensor:
         """The shared expert's output bf16 [n, dim]."""
         q = f"layers.{i}.ffn.shared_experts."
-        return self.op("expert")(h, q + "w1.weight", q + "w2.weight", q + "w3.weight", self.cfg.swiglu_limit,
-                                 None, self.p.gemm_act, self.linear)
+        w1, w3 = q + "w1.weight", q + "w3.weight"
+        pair = self.m.stacked_gemv_weight((w1, w3)) if h.shape[0] <= ops.GEMV_ROWS and self.p.gemm_act == "fp8" \
+            else None
+
+        def linear(x, w, act):
+            return self.linear(x, w, act)
+
+        if pair is not None:  # w1 and w3 in one FP8 GEMV over their stacked rows (expert_cuda uses it)
+            linear.pair = lambda x, act: self.op("fp8_weight_linear")(
+                x.xq if isinstance(x, Fp8Input) else x, *pair, act).split(pair[0].shape[0] // 2, dim=-1)
+        return self.op("expert")(h, w1, q + "w2.weight", w3, self.cfg.swiglu_limit, None, self.p.gemm_act, linear)
 
     def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
         """Routed experts in ascending expert id, then the shared expert; fp32 sum -> bf16 [n, dim]. h: the ffn

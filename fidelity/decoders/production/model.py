@@ -89,7 +89,7 @@ class ProductionModel:
             parts = [self.gemv_weight(n) for n in names]
             ok = all(p is not None and p[0].shape[0] % 128 == 0 for p in parts)
             self._gemv[key] = tuple(torch.cat(t) for t in zip(*parts, strict=True)) if ok else None
-            for n in names:  # the stacked copy serves these weights from now on
+            for n in names if ok else ():  # the stacked copy serves these weights from now on
                 self._gemv.pop(n, None)
         return self._gemv[key]
 

@@ -86,14 +86,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, n, k_split: 
             else:
                 dot = tl.sum(wf * x[None, :], axis=1)
             acc = tl.where(tl.arange(0, MP)[:, None] == m, acc + dot[None, :], acc)
-    if SPLITS == 1:
-        for m in tl.static_range(M):
-            y = tl.sum(tl.where(tl.arange(0, MP)[:, None] == m, acc, 0.0), axis=0)
+    for m in tl.static_range(M):
+        y = tl.sum(tl.where(tl.arange(0, MP)[:, None] == m, acc, 0.0), axis=0)
+        if SPLITS == 1:
             tl.store(out_ptr + m * n + rows, y.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        for m in tl.static_range(M):
-            y = tl.sum(tl.where(tl.arange(0, MP)[:, None] == m, acc, 0.0), axis=0)
+        else:
             tl.store(part_ptr + (tl.program_id(1) * M + m) * n + rows, y, mask=ok)
+    if SPLITS > 1:
         _gpu_fence()
         tl.debug_barrier()
         if tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu") == SPLITS - 1:

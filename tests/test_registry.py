@@ -170,6 +170,18 @@ def fp8kv_scale_bytes_without_pad(q, kv_packed, idx, sink, scale, rope_dims):
     return ops.sparse_attention_fp8kv(q, shifted, idx, sink, scale, rope_dims)
 
 
+def fp32_linear_in_bf16(x, weight):
+    """The compressors' projections as transformers computes them: a bf16 GEMM (output rounded to bf16), not the
+    official fp32 Linear."""
+    return (x.to(BF16) @ weight.to(BF16).T).float()
+
+
+def fp8_weight_linear_groups_ignored(x, codes, scales, act="fp8", groups=1):
+    """wo_a's grouped projection with every output group reading x's first group."""
+    k = codes.shape[1]
+    return ops.fp8_weight_linear(x[:, :k].repeat(1, groups), codes, scales, act, groups)
+
+
 BROKEN = [
     ("sparse_attention", sink_with_value_row, "cos|calc_diff"),
     ("sparse_attention", sink_dropped, "cos|calc_diff"),
@@ -191,6 +203,8 @@ BROKEN = [
     ("rms_norm_fp8", rms_norm_fp8_scale_floor, "error bound"),
     ("rms_norm_act_quant", rms_norm_act_quant_scale_floor, "error bound"),
     ("act_linear", act_linear_scale_floor, "error bound"),
+    ("fp32_linear", fp32_linear_in_bf16, "error bound"),
+    ("fp8_weight_linear", fp8_weight_linear_groups_ignored, "error bound"),
 ]
 
 

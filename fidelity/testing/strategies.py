@@ -557,11 +557,11 @@ def act_linear_inputs(dims: Sequence[int] = (128, 256, 512), out_dims: Sequence[
     return build()
 
 
-def fp8_weight_linear_inputs(dims: Sequence[int] = (128, 256, 512), out_dims: Sequence[int] = (128, 384),
+def fp8_weight_linear_inputs(dims: Sequence[int] = (128, 256, 512), out_dims: Sequence[int] = (128, 256, 384),
                              max_rows: int = 6, nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
     """``fp8_weight_linear(x bf16 [n, groups * k], codes e4m3 [m, k], scales fp32 [m/128, k/128], act, groups)``:
     the weight as stored, 128x128 blocks with power-of-two scales (the decode GEMV path); x rows span 2^-8 .. 2^8;
-    a third of the cases grouped (wo_a: 2 groups of m / 2 rows, each reading its own k columns of x)."""
+    with m = 256, a third of the cases grouped (wo_a: 2 groups of 128 rows, each reading its own k columns of x)."""
 
     @st.composite
     def build(draw: Callable) -> Case:

@@ -86,7 +86,7 @@ def test_kernel_meets_the_op_contract(op):
 
 def test_weight_gemvs_meet_their_contracts_where_the_row_blocks_overhang():
     """Row blocks larger than the output (BN 256 over 128 / 384 rows; 256 over 64 / 128; 256 over 16 / 200 bf16
-    rows): the masked rows; grouped FP8 cases with 64-row blocks inside 64 / 192-row groups."""
+    rows): the masked rows; grouped FP8 cases with 64-row blocks inside 128-row groups."""
     def fp8(x, codes, scales, act, groups):
         xq = fake_quant_fp8(x, 128) if act == "fp8" else x
         return weight_gemv.fp8_weight_linear(xq, codes, scales, groups=groups, bn=256 if groups == 1 else 64)

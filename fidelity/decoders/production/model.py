@@ -556,10 +556,11 @@ class ProductionSession:
         pair = self.m.stacked_gemv_weight((w1, w3)) if h.shape[0] <= ops.GEMV_ROWS and self.p.gemm_act == "fp8" \
             else None
 
-        def linear(x, w, act):
-            return self.linear(x, w, act)
-
+        linear = self.linear
         if pair is not None:  # w1 and w3 in one FP8 GEMV over their stacked rows (expert_cuda uses it)
+            def linear(x, w, act):
+                return self.linear(x, w, act)
+
             linear.pair = lambda x, act: self.op("fp8_weight_linear")(
                 x.xq if isinstance(x, Fp8Input) else x, *pair, act).split(pair[0].shape[0] // 2, dim=-1)
         return self.op("expert")(h, w1, q + "w2.weight", w3, self.cfg.swiglu_limit, None, self.p.gemm_act, linear)

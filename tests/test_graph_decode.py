@@ -16,6 +16,7 @@ from fidelity.decoders.production.faults import inject
 from fidelity.decoders.production.graph_decode import GraphDecodeSession, window_idx_on_device
 from fidelity.decoders.production.model import _window_decode_idx
 from fidelity.model.config import ModelConfig
+from fidelity.model.sites import Recorder
 from fidelity.model.synthesize import synthesize
 
 TINY = ModelConfig.preset("tiny")  # window 128, index_topk 32, ratios (0, 0, 4, 128, 4, 128), hash layers
@@ -31,9 +32,10 @@ def _ids(n: int) -> torch.Tensor:
     return torch.randint(2, TINY.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
 
 
-def _decode(session, ids: torch.Tensor) -> torch.Tensor:
-    out = [session.prefill(ids[:PROMPT])[-1]]
-    return torch.stack(out + [session.step(int(t)) for t in ids[PROMPT:]])
+def _decode(session, ids: torch.Tensor, prompt: int = PROMPT) -> torch.Tensor:
+    """The prefill's last logits, then each decode step's: [1 + len(ids) - prompt, vocab]."""
+    out = [session.prefill(ids[:prompt])[-1]]
+    return torch.stack(out + [session.step(int(t)) for t in ids[prompt:]])
 
 
 def _state(session) -> dict[str, torch.Tensor]:
@@ -73,9 +75,16 @@ def clean_steps(tiny) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fault", ["causal-off-by-one", "window-127", "window-no-self", "topk-cap-half",
-                                   "compressed-rope-last", "indexer-key-width", "routing-bias-in-weights"])
+                                   "compressed-rope-last", "routing-bias-in-weights"])
 def test_graph_decode_carries_the_decode_faults(tiny, clean_steps, fault):
-    """Each injected port bug changes the graph session's logits exactly as it changes the eager session's."""
+    """Each injected port bug changes the graph session's logits exactly as it changes the eager session's. Each
+    acts on these steps directly, not through a selection among near ties: an extra or a missing attended row at
+    every step (causal-off-by-one: an HCA entry not yet written; window-no-self; window-127 from t = 127), only
+    16 of the 30-33 compressed entries attended (topk-cap-half), the RoPE of the compressed entries the decode
+    steps write, which the attention reads (compressed-rope-last: every CSA entry while at most 32 are visible,
+    the HCA entry of t = 127), the routing weights of the non-hash layers (routing-bias-in-weights).
+    ``indexer-key-width`` acts only through the indexer's picks: its own test below builds the case in which they
+    must differ."""
     ids = _ids(TOTAL)
     eager = ProductionModel(tiny, "reference", max_context=TOTAL + 2).session()
     graph = GraphDecodeSession(ProductionModel(tiny, "reference", max_context=TOTAL + 2), graphs=False)
@@ -86,6 +95,57 @@ def test_graph_decode_carries_the_decode_faults(tiny, clean_steps, fault):
         b = torch.stack([graph.step(int(t)) for t in ids[PROMPT:]])
     assert torch.equal(a, b)
     assert not torch.equal(a, clean_steps)  # the fault shows in these steps
+
+
+KEY_PROMPT, KEY_TOTAL = 200, 208  # 50 indexer entries after the prompt; the decode steps write entries 50 and 51
+INDEXER_SITES = r"L\d+\.indexer\.(scores|topk)"
+SCORE_MARGIN_ULPS = 16  # bf16 ulps of the row's largest score: far beyond any machine's rounding of the scores
+
+
+def _csa_layers() -> list[int]:
+    return [i for i, kind in enumerate(TINY.layer_kinds) if kind == "csa"]
+
+
+def _decode_records(rec: Recorder, layer: int, name: str) -> list[torch.Tensor]:
+    """The decode steps' records of ``L{layer}.indexer.{name}`` (the prefill's, the first, left out)."""
+    return [t for _, t in rec.records[f"L{layer}.indexer.{name}"][1:]]
+
+
+def _outranking_margin(scores: torch.Tensor, k: int) -> float:
+    """How far the best entry with id >= k scores above the worst with id < k: positive means the top-k of
+    ``scores`` [n] is not the k lowest ids."""
+    return float(scores[k:].max() - scores[:k].min())
+
+
+def test_graph_decode_carries_the_indexer_key_width_fault(tiny):
+    """``indexer-key-width`` zeroes the rope dims of every indexer key written while it is injected, and the tiny
+    shape's indexer keys are rope dims only (index_head_dim = rope_head_dim = 64): injected from the prefill on,
+    every key is zero, every index score exactly 0, and the top-k keeps the 32 lowest of the 50-52 entry ids
+    whatever the rounding. The clean scores rank an entry past id 31 above one below it by far more than
+    rounding at every decode step, so the picks differ; then the logits must differ too."""
+    assert TINY.index_head_dim == TINY.rope_head_dim  # the fault zeroes whole keys
+    ids, k = _ids(KEY_TOTAL), TINY.index_topk
+    clean_rec, fault_rec = Recorder([INDEXER_SITES]), Recorder([INDEXER_SITES])
+    clean_session = ProductionModel(tiny, "reference", max_context=KEY_TOTAL + 2).session(clean_rec)
+    clean = _decode(clean_session, ids, KEY_PROMPT)
+    graph = GraphDecodeSession(ProductionModel(tiny, "reference", max_context=KEY_TOTAL + 2), graphs=False)
+    with inject("indexer-key-width"):
+        a = _decode(ProductionModel(tiny, "reference", max_context=KEY_TOTAL + 2).session(fault_rec), ids, KEY_PROMPT)
+        b = _decode(graph, ids, KEY_PROMPT)
+    for layer in _csa_layers():
+        for scores, faulted, picks in zip(_decode_records(clean_rec, layer, "scores"),
+                                          _decode_records(fault_rec, layer, "scores"),
+                                          _decode_records(fault_rec, layer, "topk"), strict=True):
+            assert scores.shape[1] > k  # the top-k selects among more entries than it keeps
+            assert torch.equal(faulted, torch.zeros_like(faulted)) and torch.equal(picks[0], torch.arange(k))
+            margin = SCORE_MARGIN_ULPS * torch.finfo(torch.bfloat16).eps * float(scores.abs().max())
+            assert _outranking_margin(scores[0], k) > margin, (layer, scores)
+    written = slice(KEY_PROMPT // 4, KEY_TOTAL // 4)  # the entries the decode steps wrote
+    for layer in _csa_layers():
+        assert not graph.layers[layer].keys.read(written).any()
+        assert clean_session.layers[layer].keys.read(written).any(dim=1).all()
+    assert torch.equal(a, b)
+    assert not torch.equal(a[1:], clean[1:])  # the fault shows in the decode steps
 
 
 @contextmanager

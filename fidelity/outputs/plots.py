@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from fidelity.harness.thresholds import MODES, SINKHORN_DEV
+from fidelity.harness.judgement import run_rules
+from fidelity.harness.thresholds import COMB_SITES, MODES, Threshold, apply_thresholds, fmt_num
 
 DPI = 100
 FLOOR = 1e-16  # 1 - cos of exactly equal tensors, drawn at the bottom of log axes
@@ -150,27 +152,63 @@ def plot_residual_norms(df: pd.DataFrame) -> Figure | None:
     return fig
 
 
-def plot_sinkhorn(df: pd.DataFrame) -> Figure | None:
-    """Worst Sinkhorn row/column deviation from 1 of production's comb per layer, both mHC mixers (attention
-    solid, FFN dashed, so that neither hides the other), with the threshold line."""
-    sel = df[df["site"].str.fullmatch(r"L\d+\.mhc_(attn|ffn)\.comb") & df["metric"].isin(["row_dev", "col_dev"])]
-    sel, mode = _one_mode(_finite(sel[sel["layer"] >= 0]))
-    if sel.empty:
+SINKHORN_METRICS = ("row_dev_excess", "col_dev", "row_dev")  # the sums' deviations a rule may judge
+MIXER_STYLES = {"mhc_attn.comb": {"ls": "-", "marker": "o", "ms": 5, "color": "tab:blue"},
+                "mhc_ffn.comb": {"ls": "--", "marker": "s", "ms": 3, "color": "tab:orange"}}
+
+
+def judged_sinkhorn(df: pd.DataFrame, rules: Sequence[Threshold]) -> pd.DataFrame:
+    """The comb rows a '<=' rule of ``rules`` judges for a Sinkhorn deviation metric, with the rule's ``limit``
+    (rows of the modes and sites the rules leave unjudged are left out)."""
+    sel = df[df["site"].str.fullmatch(COMB_SITES) & df["metric"].isin(SINKHORN_METRICS) & (df["layer"] >= 0)]
+    judged = apply_thresholds(_finite(sel), rules)
+    return judged[judged["op"] == "<="]
+
+
+def plot_sinkhorn(df: pd.DataFrame, rules: Sequence[Threshold] | None = None) -> Figure | None:
+    """What the rules judge of production's Sinkhorn combs, against their limits: a panel per judged deviation
+    metric (by default row_dev_excess in op and layer mode, col_dev in every mode), the worst value per layer over
+    the judged steps and modes for each mHC mixer (attention solid, FFN dashed, so that neither hides the other).
+    ``rules``: the run's (None: the defaults of the rows' profile)."""
+    judged = judged_sinkhorn(df, run_rules({}, df)[0] if rules is None else rules)
+    if judged.empty:
         return None
-    fig, (ax,) = _figure()
-    family = sel["site"].str.replace(r"^L\d+\.", "", regex=True)
-    styles = {"mhc_attn.comb": {"ls": "-", "marker": "o", "ms": 5},
-              "mhc_ffn.comb": {"ls": "--", "marker": "s", "ms": 3}}
-    colours = {"row_dev": "tab:orange", "col_dev": "tab:blue"}
-    for (fam, metric), g in sel.assign(family=family).groupby(["family", "metric"]):
-        worst = g.groupby("layer")["value"].max().clip(lower=FLOOR)
-        ax.plot(worst.index, worst.to_numpy(), lw=1, color=colours.get(metric), label=f"{fam} {metric}",
-                **styles.get(fam, {}))
-    ax.axhline(SINKHORN_DEV, color="red", ls=":", lw=1, label="threshold")
-    ax.set(yscale="log", xlabel="layer", ylabel="max |sum - 1|")
-    ax.set_title(f"Sinkhorn deviation of production's comb ({mode} mode rows)", fontsize=10)
-    _legend(fig, ax, "mixer, sums")
+    metrics = [m for m in SINKHORN_METRICS if m in set(judged["metric"])]
+    fig, axes = _figure(len(metrics))
+    for ax, metric in zip(axes, metrics, strict=True):
+        rows = judged[judged["metric"] == metric]
+        family = rows["site"].str.replace(r"^L\d+\.", "", regex=True)
+        for fam, g in rows.assign(family=family).groupby("family"):
+            worst = g.groupby("layer")["value"].max()
+            ax.plot(worst.index, worst.to_numpy(), lw=1, label=fam, **MIXER_STYLES.get(fam, {}))
+        limit = _limit_line(ax, rows)
+        modes = ", ".join(m for m in MODES if m in set(rows["mode"]))
+        ax.set(xlabel="layer", title=f"{metric} {limit} ({modes} mode)")
+    _symlog_axis(axes[0], judged)
+    axes[0].set_ylabel("worst over judged steps")
+    fig.suptitle("Sinkhorn deviations of production's comb as judged", fontsize=10)
+    _legend(fig, axes[-1], "mixer")
     return fig
+
+
+def _symlog_axis(ax, judged: pd.DataFrame) -> None:
+    """A symlog y axis (0 and the negative row excesses of a row nearer 1 than the oracle's stay visible), log
+    over the four decades below the largest limit, reaching past the limits and the values."""
+    top = max(float(judged["limit"].max()), float(judged["value"].max()))
+    linthresh = max(top * 1e-4, 1e-12)
+    ax.set_yscale("symlog", linthresh=linthresh)
+    ax.set_ylim(min(float(judged["value"].min()) * 3, -linthresh), top * 3)
+
+
+def _limit_line(ax, rows: pd.DataFrame) -> str:
+    """Draw the rules' limit for ``rows`` (a horizontal line, or a line over the layers where it differs by layer);
+    returns it as text ('<= 0.01')."""
+    limit = rows.groupby("layer")["limit"].min()
+    if limit.nunique() == 1:
+        ax.axhline(float(limit.iloc[0]), color="red", ls=":", lw=1, label="limit")
+    else:
+        ax.plot(limit.index, limit.to_numpy(), color="red", ls=":", lw=1, drawstyle="steps-mid", label="limit")
+    return "<= " + "/".join(fmt_num(v) for v in sorted(set(limit)))
 
 
 def plot_recall(df: pd.DataFrame) -> Figure | None:
@@ -188,21 +226,33 @@ def plot_recall(df: pd.DataFrame) -> Figure | None:
     return fig
 
 
-PLOTS: dict[str, Callable[[pd.DataFrame], Figure | None]] = {
-    "cos_over_steps.png": plot_cos_over_steps,
-    "heatmap_1mcos.png": plot_heatmap,
-    "residual_norms.png": plot_residual_norms,
+Plot = Callable[[pd.DataFrame, Sequence[Threshold] | None], Figure | None]
+# every plot gets the run's rows and rules; only the Sinkhorn plot draws what the rules judge
+PLOTS: dict[str, Plot] = {
+    "cos_over_steps.png": lambda df, _rules: plot_cos_over_steps(df),
+    "heatmap_1mcos.png": lambda df, _rules: plot_heatmap(df),
+    "residual_norms.png": lambda df, _rules: plot_residual_norms(df),
     "sinkhorn.png": plot_sinkhorn,
-    "recall.png": plot_recall,
+    "recall.png": lambda df, _rules: plot_recall(df),
 }
 
 
-def make_plots(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
-    """Write every plot that has data to ``out_dir``; returns the written paths (possibly none)."""
+def run_dir_rules(df: pd.DataFrame, out_dir: Path) -> list[Threshold]:
+    """The rules stored in the manifest.json of the run directory holding ``out_dir`` (its parent), else the
+    defaults of the rows' profile."""
+    path = out_dir.parent / "manifest.json"
+    manifest = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return run_rules(manifest if isinstance(manifest, dict) else {}, df)[0]
+
+
+def make_plots(df: pd.DataFrame, out_dir: str | Path, rules: Sequence[Threshold] | None = None) -> list[Path]:
+    """Write every plot that has data to ``out_dir``; returns the written paths (possibly none). ``rules``: those
+    that judged the run (None: :func:`run_dir_rules`)."""
     out_dir = Path(out_dir)
+    rules = run_dir_rules(df, out_dir) if rules is None else rules
     written = []
     for name, build in PLOTS.items():
-        fig = build(df)
+        fig = build(df, rules)
         if fig is None:
             continue
         out_dir.mkdir(parents=True, exist_ok=True)

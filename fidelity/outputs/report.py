@@ -1,7 +1,8 @@
 """Run report: ``report.md`` and a self-contained ``report.html`` (inline CSS, plots as base64 PNG).
 
-Sections: verdict and first divergence, per-layer local (op/layer mode) vs inherited (free mode) error, Sinkhorn,
-indexer recall, visible range, anomalies, token agreement, memory flatness, plots, the thresholds applied.
+Sections: verdict and first divergence (the report's first lines), what ran, per-layer local (op/layer mode) vs
+inherited (free mode) error, Sinkhorn, indexer recall, visible range, anomalies, token agreement, memory flatness,
+plots, the thresholds applied.
 Tables are rendered here from pandas (no tabulate); every string taken from data is escaped for both formats.
 """
 
@@ -23,6 +24,7 @@ import pandas as pd
 from fidelity.atomic_write import write_text_atomic
 from fidelity.harness.judgement import Judgement, judge, run_rules
 from fidelity.harness.thresholds import (
+    COMB_SITES,
     EXPECTED_NONFINITE,
     MODES,
     TOKEN_FLIP_MARGIN,
@@ -35,15 +37,16 @@ from fidelity.harness.thresholds import (
     token_flip_rows,
     wide,
 )
-from fidelity.outputs.plots import loop_onset_step, make_plots
+from fidelity.outputs.plots import SINKHORN_METRICS, loop_onset_step, make_plots
 from probes.memory import WARMUP_DECODE_CALLS
+from probes.metrics import METRICS
 
 FAILURE_ROWS = 25
 PLOT_CAPTIONS = {
     "cos_over_steps.png": "Per-layer worst 1 - cos over steps",
     "heatmap_1mcos.png": "Layer x step heatmap of 1 - cos (log colour scale)",
     "residual_norms.png": "Residual stream RMS per layer",
-    "sinkhorn.png": "Sinkhorn row / column deviation per layer",
+    "sinkhorn.png": "Sinkhorn deviations as judged (row excess over the oracle's, columns) per layer, with limits",
     "recall.png": "Indexer recall@k over steps",
 }
 
@@ -60,6 +63,7 @@ class Section:
     details: str = ""  # preformatted text shown collapsed in HTML only
     details_title: str = "details"
     blocks: list[tuple[str, str]] = field(default_factory=list)  # (caption, preformatted text), side by side in HTML
+    tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)  # (caption, table) after ``table``
 
 
 # ---- value formatting and tables -------------------------------------------------------------------------------
@@ -206,7 +210,9 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
     if parts:
         facts["time by part"] = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
     for key, v in manifest.items():
-        if isinstance(v, list | tuple) and all(isinstance(x, str | int | float) for x in v):
+        if key == "generated" and isinstance(v, list):
+            v = f"{len(v)} tokens (ids in manifest.json)"
+        elif isinstance(v, list | tuple) and all(isinstance(x, str | int | float) for x in v):
             v = " ".join(map(str, v))  # e.g. the command line
         if isinstance(v, str | int | float | bool) and key not in facts:
             facts[key] = v
@@ -253,9 +259,11 @@ def verdict_section(judgement: Judgement) -> Section:
     failures = sort_divergence(judged[~judged["passed"]])
     n, bad = len(judged), len(failures)
     if n == 0:
-        return Section("Verdict", ["NO CHECKS: no metric row has a threshold rule."], css="fail")
+        return Section("Verdict", ["NO CHECKS: no metric row has a threshold rule.", "first divergence: none"],
+                       css="fail")
     if bad == 0:
-        return Section("Verdict", [f"PASS: all {n} checked values are within their thresholds."], css="pass")
+        return Section("Verdict", [f"PASS: all {n} checked values are within their thresholds.",
+                                   "first divergence: none"], css="pass")
     pairs = failures[["site", "metric"]].drop_duplicates()
     text = [f"FAIL: {bad} of {n} checked values fail ({len(pairs)} site/metric pairs at "
             f"{pairs['site'].nunique()} sites).", f"first divergence: {judgement.first_divergence}"]
@@ -327,8 +335,9 @@ def _with_first(table: pd.DataFrame, loc: pd.Series, label: str) -> pd.DataFrame
     return table.merge(loc_df[[*on, label]], on=on, how="left").fillna({label: "-"})
 
 
-def sinkhorn_section(df: pd.DataFrame) -> Section:
-    """mHC mixing matrices: doubly-stochastic deviation, non-negativity and orientation."""
+def sinkhorn_section(df: pd.DataFrame, judgement: Judgement) -> Section:
+    """mHC mixing matrices: doubly-stochastic deviation, non-negativity and orientation; the limits as the run's
+    rules set them."""
     table = site_table(df, r"L\d+\.mhc_(attn|ffn)\.comb", [
         ("row_dev", "max", "row_dev max"), ("row_dev_excess", "max", "row excess max"),
         ("col_dev", "max", "col_dev max"), ("min_value", "min", "min value"), ("negative_count", "sum", "negatives"),
@@ -336,11 +345,24 @@ def sinkhorn_section(df: pd.DataFrame) -> Section:
         ("orientation_flip", "sum", "orientation flips")])
     if table is None:
         return Section("Sinkhorn (mHC comb)", ["No mHC comb rows in this run."])
-    text = ["Column sums should be 1 to within 1e-2: 20 Sinkhorn iterations end on a column normalisation. Rows of "
-            "peaky matrices stay off in the oracle too (up to ~0.1 on a trained model), so a row may deviate at most "
-            "1e-2 beyond the oracle's own (row excess). A flip means production's matrix is closer to the oracle's "
-            "transpose: still doubly stochastic, but mixing the streams the wrong way round."]
+    text = ["20 Sinkhorn iterations end on a column normalisation, so columns sum to 1 up to rounding, but rows of "
+            "peaky matrices stay off in the oracle too (up to ~0.1 on a trained model): rows are judged by their "
+            "deviation beyond the oracle's own (row excess), columns absolutely. A flip means production's matrix is "
+            "closer to the oracle's transpose: still doubly stochastic, but mixing the streams the wrong way round.",
+            "Judged in this run: " + (_judged_text(judgement, COMB_SITES, SINKHORN_METRICS) or "nothing") + "."]
     return Section("Sinkhorn (mHC comb)", text, table)
+
+
+def _judged_text(judgement: Judgement, site_regex: str, metrics: Sequence[str]) -> str:
+    """'row_dev_excess <= 0.01 (op, layer mode), col_dev <= 0.01 (op, layer, free mode)': the limits and modes
+    that judged ``metrics`` at the sites matching ``site_regex`` in this run."""
+    judged = judgement.judged
+    rows = judged[judged["site"].str.fullmatch(site_regex) & judged["metric"].isin(list(metrics))]
+    parts = []
+    for metric in metrics:
+        for threshold, g in rows[rows["metric"] == metric].groupby("threshold", sort=False):
+            parts.append(f"{metric} {threshold} ({', '.join(m for m in MODES if m in set(g['mode']))} mode)")
+    return ", ".join(parts)
 
 
 def indexer_section(df: pd.DataFrame) -> Section:
@@ -499,53 +521,109 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.3f} MiB"
 
 
-MEMORY_METRICS = {"allocated_bytes": "allocated", "reserved_bytes": "reserved", "cache_bytes": "cache",
-                  "held_bytes": "held by the decoder"}
-# per decode call after the warm-up: the allocator probe's sums (probes.memory)
-GROWTH_METRICS = ("held_growth", "retained_growth", "reserved_growth", "host_retained_growth")
+MEMORY_METRICS = ("allocated_bytes", "reserved_bytes", "cache_bytes", "held_bytes")  # bytes over decode
+UNJUDGED_GROWTH = "host_retained_growth"  # malloc's count, the CPU kernels' caches included
 CALL_METRICS = ("alloc_calls", "free_calls", "device_mallocs")
+CUDA_ONLY = ("retained_growth", "reserved_growth", "new_device_mallocs")  # the CUDA allocator's counters
+BYTE_SUFFIXES = ("_bytes", "_growth", "_delta")  # memory metrics counted in bytes (the rest count calls)
 
 
-def memory_section(df: pd.DataFrame) -> Section:
-    """Allocated / reserved bytes, the bytes the decoder holds and its caches over decode steps (flat = no growth),
-    then what the decoder's own calls did to the allocator after the warm-up."""
-    decode = df[(df["site"] == "memory") & (df["phase"] == "decode")]
-    mem = decode[decode["metric"].isin(list(MEMORY_METRICS))]
-    if mem.empty:
-        return Section("Memory flatness", ["No decode-step memory rows in this run."])
+def _memory_amount(metric: str, v: float) -> str:
+    """Bytes in MiB (0 as '0'), counts as they are."""
+    if math.isnan(v) or v == 0 or not metric.endswith(BYTE_SUFFIXES):
+        return fmt_value(v)
+    return _mib(v)
+
+
+def _band(rule: Threshold) -> str:
+    """'<= 50 MiB' for a byte metric's rule, '<= 0' for a count's or a zero band."""
+    if rule.value and rule.metric.endswith(BYTE_SUFFIXES):
+        return f"{rule.op} {fmt_num(rule.value / 2**20)} MiB"
+    return f"{rule.op} {fmt_value(rule.value)}"
+
+
+def _memory_rule_row(rule: Threshold, judged: pd.DataFrame) -> dict[str, object]:
+    """One judged memory quantity: its band, the values the rule checked, the worst of them (NaN if any is) and
+    whether they are all within the band."""
+    row = {"quantity": rule.metric, "band": _band(rule), "values checked": len(judged)}
+    if judged.empty:
+        cuda = " (CUDA only)" if rule.metric in CUDA_ONLY else ""
+        return {**row, "worst": "-", "flat": f"not measured{cuda}"}
+    values = judged["value"]
+    worst_value = math.nan if values.isna().any() else float(values.max() if rule.op == "<=" else values.min())
+    return {**row, "worst": _memory_amount(rule.metric, worst_value), "flat": "yes" if judged["passed"].all() else "no"}
+
+
+def memory_rule_table(judgement: Judgement) -> pd.DataFrame | None:
+    """A row per memory quantity a rule judges (the last rule for its metric, unless off), in rule order."""
+    last = {r.metric: k for k, r in enumerate(judgement.rules)
+            if METRICS.get(r.metric, "").startswith("memory:") and re.fullmatch(r.site_regex, "memory")}
+    judged = judgement.judged[judgement.judged["site"] == "memory"]
+    rows = [_memory_rule_row(judgement.rules[k], judged[judged["rule_index"] == k]) for k in last.values()
+            if judgement.rules[k].op != "off"]
+    return pd.DataFrame(rows) if rows else None
+
+
+def memory_bytes_table(decode: pd.DataFrame) -> pd.DataFrame | None:
+    """Informational byte counts over the decode steps: min, max and spread per metric."""
     rows = []
-    for metric in MEMORY_METRICS:
-        g = mem[mem["metric"] == metric]
-        if g.empty:
-            continue
-        per_step = g.groupby("step")["value"].max()
-        spread = float(per_step.max() - per_step.min())
-        rows.append({"metric": metric, "decode steps": len(per_step), "min": _mib(per_step.min()),
-                     "max": _mib(per_step.max()), "max - min": _mib(spread), "flat": spread == 0})
-    for metric in GROWTH_METRICS:
-        g = decode[decode["metric"] == metric].groupby("step")["value"].max()
-        if len(g):
-            rows.append({"metric": metric, "decode steps": len(g), "min": _mib(g.min()), "max": _mib(g.max()),
-                         "max - min": _mib(g.max() - g.min()), "flat": bool(g.max() == 0)})
+    for metric in (*MEMORY_METRICS, UNJUDGED_GROWTH):
+        per_step = decode[decode["metric"] == metric].groupby("step")["value"].max()
+        if len(per_step):
+            rows.append({"metric": metric, "decode steps": len(per_step), "min": _mib(per_step.min()),
+                         "max": _mib(per_step.max()), "max - min": _mib(per_step.max() - per_step.min())})
+    return pd.DataFrame(rows) if rows else None
+
+
+def _flatness_text(table: pd.DataFrame | None) -> str:
+    """'Flat: yes (...)' or 'Flat: no: <quantity> reaches <worst> against <band>'; the memory rules' verdict."""
+    if table is None:
+        return "Flat: not judged (no memory rule applies to this run)."
+    measured = table[table["values checked"] > 0]
+    if measured.empty:
+        return "Flat: not judged (no value of a memory rule's quantity in this run)."
+    bad = measured[measured["flat"] == "no"]
+    if bad.empty:
+        return f"Flat: yes. Every judged quantity is within its band ({', '.join(measured['quantity'])})."
+    return "Flat: no. " + "; ".join(f"{r['quantity']} reaches {r['worst']} against {r['band']}"
+                                    for _, r in bad.iterrows()) + "."
+
+
+def memory_section(df: pd.DataFrame, judgement: Judgement) -> Section:
+    """Whether memory stays flat as the run's rules judge it (per judged quantity: value and band), then the
+    informational byte counts over decode and what the decoder's own calls did to the allocator."""
+    decode = df[(df["site"] == "memory") & (df["phase"] == "decode")]
+    rules = memory_rule_table(judgement)
+    if decode.empty and (rules is None or not rules["values checked"].any()):
+        return Section("Memory flatness", ["No decode-step memory rows in this run."])
+    text = [_flatness_text(rules),
+            "Preallocated caches keep memory flat across decode; growth means allocations inside the step. The "
+            f"growth quantities sum each decode call after the first {WARMUP_DECODE_CALLS} (the warm-up): held = "
+            "tensor bytes reachable from the decoder object; retained / reserved = CUDA bytes the decoder's calls "
+            "kept beyond their outputs / reserved; cache = the caches' bytes since the prefill; new device mallocs = "
+            "cudaMallocs after the warm-up."]
     calls = decode[decode["metric"].isin(CALL_METRICS)]
-    rss = df[(df["site"] == "memory") & (df["metric"] == "memory_is_rss")]["value"]
-    text = ["Preallocated caches keep memory flat across decode; growth means allocations inside the step. The "
-            f"growth rows sum each decode call after the first {WARMUP_DECODE_CALLS} (the warm-up): held = tensor "
-            "bytes reachable from the decoder object; retained / reserved = CUDA bytes the decoder's calls kept "
-            "beyond their outputs / reserved; host_retained = the same from malloc on the CPU, which also counts "
-            "the CPU kernels' caches (oneDNN keeps ~0.5 MiB per new bf16 matmul shape), so it is not judged."]
     if not calls.empty:
         per_call = calls.groupby("metric")["value"].agg(["min", "max", "mean"])
         text.append("CUDA allocator calls per decode call (min / mean / max): " + "; ".join(
             f"{m} {per_call.loc[m, 'min']:.0f} / {per_call.loc[m, 'mean']:.1f} / {per_call.loc[m, 'max']:.0f}"
-            for m in CALL_METRICS if m in per_call.index) + ". A device malloc after the warm-up fails the run.")
-    if len(rss) and rss.max() > 0:
-        text.append("On the CPU, allocated and reserved are the process's resident set (oracle and harness "
-                    "included), not allocator counters: read their spread as an upper bound. cache_bytes is the "
-                    "production caches' own size.")
-    if mem["step"].nunique() < 2:
-        text.append("Only one decode step: flatness cannot be judged.")
-    return Section("Memory flatness", text, pd.DataFrame(rows))
+            for m in CALL_METRICS if m in per_call.index) + ".")
+    tables = []
+    info = memory_bytes_table(decode)
+    if info is not None:
+        tables.append((f"Not judged, over the decode steps: {UNJUDGED_GROWTH} is malloc's count on the CPU, which "
+                       "also holds the CPU kernels' caches (oneDNN keeps ~0.5 MiB per new bf16 matmul shape)."
+                       + _rss_note(df), info))
+    return Section("Memory flatness", text, rules, tables=tables)
+
+
+def _rss_note(df: pd.DataFrame) -> str:
+    """What allocated / reserved bytes mean where the memory probe reads the process's resident set (the CPU)."""
+    rss = df[(df["site"] == "memory") & (df["metric"] == "memory_is_rss")]["value"]
+    if not len(rss) or rss.max() <= 0:
+        return ""
+    return (" On the CPU, allocated and reserved are the process's resident set (oracle and harness included), not "
+            "allocator counters: read their spread as an upper bound. cache_bytes is the production caches' own size.")
 
 
 CLASS_TEXT = {
@@ -582,10 +660,11 @@ def threshold_section(judgement: Judgement) -> Section:
 def build_sections(df: pd.DataFrame, manifest: dict, judgement: Judgement,
                    token_margin: float = TOKEN_FLIP_MARGIN) -> list[Section]:
     """All report sections in reading order, plots excluded."""
-    return [header_section(df, manifest), modes_section(df, manifest), verdict_section(judgement),
-            layer_error_section(df), sinkhorn_section(df),
+    return [verdict_section(judgement), header_section(df, manifest), modes_section(df, manifest),
+            layer_error_section(df), sinkhorn_section(df, judgement),
             indexer_section(df), visible_section(df), anomaly_section(df), token_section(df, token_margin),
-            *filter(None, [repetition_section(df, manifest), continuation_section(manifest)]), memory_section(df),
+            *filter(None, [repetition_section(df, manifest), continuation_section(manifest)]),
+            memory_section(df, judgement),
             threshold_section(judgement)]
 
 
@@ -617,6 +696,8 @@ def render_markdown(title: str, sections: Sequence[Section], base: Path) -> str:
         out += [x for line in s.text for x in ("", md_escape(line))]
         if s.table is not None:
             out += ["", md_table(s.table)]
+        for caption, table in s.tables:
+            out += ["", md_escape(caption), "", md_table(table)]
         for caption, block in s.blocks:
             fence = "~~~~" if "~~~" in block else "~~~"
             out += ["", f"{md_escape(caption)}:", "", fence, block, fence]
@@ -641,6 +722,8 @@ def render_html(title: str, sections: Sequence[Section]) -> str:
         body += [f"<p>{html.escape(line)}</p>" for line in s.text]
         if s.table is not None:
             body.append(html_table(s.table))
+        for caption, table in s.tables:
+            body += [f"<p>{html.escape(caption)}</p>", html_table(table)]
         if s.blocks:
             body.append('<div class="blocks">' + "".join(
                 f"<div><p>{html.escape(c)}</p><pre>{html.escape(b)}</pre></div>" for c, b in s.blocks) + "</div>")
@@ -664,7 +747,7 @@ def write_report(run_dir: str | Path, df: pd.DataFrame, manifest: dict,
     if not isinstance(judgement, Judgement):
         rules, klass = run_rules(manifest, df)
         judgement = judge(df, rules if judgement is None else judgement, klass, token_margin)
-    plots = make_plots(df, run_dir / "plots") if plots is None else [Path(p) for p in plots]
+    plots = make_plots(df, run_dir / "plots", judgement.rules) if plots is None else [Path(p) for p in plots]
     sections = build_sections(df, manifest, judgement, token_margin)
     sections.insert(len(sections) - 1, Section("Plots", [] if plots else ["No plot had data."], images=list(plots)))
     run_ids = [str(r) for r in df["run_id"].unique()]

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -15,14 +16,15 @@ import torch
 from fidelity.decoders.base import Decoder
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.trace import TraceDecoder
-from fidelity.decoders.trace_file import TraceError
+from fidelity.decoders.trace_file import MANIFEST, TraceError
 from fidelity.decoders.transformers import TransformersDecoder
 from fidelity.harness.oracle_run import ORACLE_DTYPES
-from fidelity.harness.runner import RunSpec, checkpoint_info
+from fidelity.harness.runner import RunSpec, checkpoint_info, config_difference
 from fidelity.job import RunResult, run_job
 from fidelity.model import text
-from fidelity.model.checkpoint import Checkpoint
-from fidelity.model.default import default_checkpoint, prompt_for
+from fidelity.model.checkpoint import Checkpoint, CheckpointError
+from fidelity.model.config import ModelConfig
+from fidelity.model.default import default_checkpoint, is_default, prompt_for
 from fidelity.model.load import load_checkpoint
 from fidelity.model.synthesize import synthesize
 
@@ -30,19 +32,21 @@ DECODERS = ("production", "transformers", "trace:DIR")
 
 
 def open_checkpoint(checkpoint: Checkpoint | str | Path | None, trace: TraceDecoder | None = None) -> Checkpoint:
-    """A checkpoint object, a directory, or None: the trace's recorded checkpoint, else the trained default."""
+    """A checkpoint object, a directory, or None: the trace's recorded checkpoint, else the trained default (for a
+    trace, with a warning saying so)."""
     if isinstance(checkpoint, Checkpoint):
         return checkpoint
     if checkpoint is not None:
         return load_checkpoint(checkpoint)
-    recorded = trace.manifest.get("checkpoint", {}) if trace is not None else {}
+    recorded = (trace.manifest.get("checkpoint") or {}) if trace is not None else {}
     if recorded.get("path"):
-        return load_checkpoint(recorded["path"])
+        return load_trace_checkpoint(trace)
     if not recorded.get("preset"):
+        if trace is not None:
+            warnings.warn(no_checkpoint_note(trace), UserWarning, stacklevel=3)
         return load_checkpoint(default_checkpoint())
-    from fidelity.model.config import ModelConfig
-
     preset = recorded["preset"]
+    check_trace_config(trace, ModelConfig.preset(preset), recorded_checkpoint(trace))  # before the synthesis
     ckpt = synthesize(ModelConfig.preset(preset), seed=int(recorded.get("seed", 0)))
     ckpt.origin["preset"] = preset
     return ckpt
@@ -62,9 +66,50 @@ def open_decoder(decoder: Decoder | str, ckpt: Checkpoint, profile="reference", 
     raise ValueError(f"decoder: expected one of {DECODERS} or a Decoder, found {decoder!r}")
 
 
+def load_trace_checkpoint(trace: TraceDecoder) -> Checkpoint:
+    """The checkpoint at trace.json's ``checkpoint.path`` (read from the trace's folder); errors name trace.json."""
+    path = trace.checkpoint_path()
+    try:
+        return load_checkpoint(path)
+    except CheckpointError as err:
+        raise TraceError(f"{trace.dir / MANIFEST}: checkpoint.path: {err}") from None
+
+
+def no_checkpoint_note(trace: TraceDecoder) -> str:
+    """What a replay of a trace that names no checkpoint is compared with, in one line."""
+    return f"{trace.dir / MANIFEST} names no checkpoint: compared with the trained default checkpoint " \
+           f"{default_checkpoint()}"
+
+
+def in_words(ckpt: Checkpoint) -> str:
+    """A checkpoint in words: the trained default or a directory with its path, else synthetic weights."""
+    if ckpt.path:
+        return f"{'the trained default checkpoint' if is_default(ckpt.path) else 'checkpoint'} {ckpt.path}"
+    origin = ckpt.origin
+    return f"synthetic weights (preset {origin.get('preset', '?')!r}, seed {origin.get('seed', '?')})"
+
+
+def recorded_checkpoint(trace: TraceDecoder) -> str:
+    """The checkpoint a replay of ``trace`` uses when none is given, in words, with where it comes from."""
+    recorded = trace.manifest.get("checkpoint") or {}
+    if recorded.get("path"):
+        return f"checkpoint {trace.checkpoint_path()} (trace.json's checkpoint.path)"
+    if recorded.get("preset"):
+        return f"preset '{recorded['preset']}' seed {int(recorded.get('seed', 0))} (trace.json's checkpoint)"
+    return f"the trained default checkpoint {default_checkpoint()} (trace.json names no checkpoint)"
+
+
+def check_trace_config(trace: TraceDecoder, config: ModelConfig, checkpoint: str) -> None:
+    """A trace whose model differs from ``config`` (the config of ``checkpoint``: which one, in words) is
+    refused, before any work."""
+    if diff := config_difference(trace.config, config):
+        raise TraceError(f"trace {trace.dir}: its config differs from the checkpoint's ({diff}); the checkpoint is "
+                         f"{checkpoint}")
+
+
 def check_trace_checkpoint(trace: TraceDecoder, ckpt: Checkpoint) -> None:
     """A trace recorded on another checkpoint (its content hash differs) is refused."""
-    recorded = trace.manifest.get("checkpoint", {}).get("hash")
+    recorded = (trace.manifest.get("checkpoint") or {}).get("hash")
     if recorded and (found := checkpoint_info(ckpt)["hash"]) != recorded:
         raise TraceError(f"trace {trace.dir}: recorded on a checkpoint with hash {recorded}, this one has {found}")
 
@@ -89,6 +134,8 @@ def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | str | Pa
     ckpt = open_checkpoint(checkpoint, replay)
     if replay is not None:
         check_trace_checkpoint(replay, ckpt)
+        which = recorded_checkpoint(replay) if checkpoint is None else f"{in_words(ckpt)} (given)"
+        check_trace_config(replay, ckpt.config, which)
         if prompt is not None and list(torch.as_tensor(prompt).flatten().tolist()) != replay.prompt.tolist():
             raise TraceError(f"trace {replay.dir}: the prompt given differs from the trace's; leave it out to replay")
         prompt, decode_steps = replay.prompt, len(replay.generated)

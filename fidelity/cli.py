@@ -37,6 +37,8 @@ EXAMPLES = """examples:
 """
 
 SYNTH_LIMIT_BYTES = 4 << 30
+SAMPLER_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "repetition_penalty": "--repetition-penalty",
+                 "seed": "--sample-seed"}
 DEFAULT_PROMPT_LEN = RANDOM_PROMPT_LEN
 SMALL_MODEL_DIM = 1024  # --threads auto: one intra-op thread on the CPU up to this hidden size
 
@@ -67,22 +69,42 @@ def _synth_bytes(cfg: ModelConfig) -> int:
 
 
 def _open(args, replay=None) -> tuple[ModelConfig, object | None]:
-    """(config, checkpoint or None): ``--checkpoint`` (or a replayed trace's recorded checkpoint path) is opened
-    (headers only, cheap); for a preset only the config is made, so that every argument is checked before the
-    weights are synthesized (``_ready``)."""
+    """(config, checkpoint or None): ``--checkpoint`` (or a replayed trace's recorded checkpoint, a relative path
+    read from the trace's folder) is opened (headers only, cheap); for a preset only the config is made, so that
+    every argument is checked before the weights are synthesized (``_ready``). A replayed trace's config must be
+    the checkpoint's; one that names no checkpoint is compared with the trained default, said in a note."""
+    from fidelity.api import (
+        check_trace_config,
+        in_words,
+        load_trace_checkpoint,
+        no_checkpoint_note,
+        recorded_checkpoint,
+    )
     from fidelity.model.default import default_checkpoint
     from fidelity.model.load import load_checkpoint
 
-    recorded = replay.manifest.get("checkpoint", {}) if replay is not None and not args.preset else {}
-    path = args.checkpoint or recorded.get("path")
-    if not (path or args.preset or recorded.get("preset") or getattr(args, "layers", None)):
-        path = default_checkpoint()  # no source named: the trained default
-    if path:
-        ckpt = load_checkpoint(path)
-        return ckpt.config, ckpt
-    if recorded.get("preset"):
+    recorded = (replay.manifest.get("checkpoint") or {}) if replay is not None and not args.preset else {}
+    default = not (args.checkpoint or recorded.get("path") or args.preset or recorded.get("preset")
+                   or getattr(args, "layers", None))  # no source named: the trained default
+    ckpt, named = None, False  # named: the checkpoint was named on the command line
+    if args.checkpoint:
+        ckpt, named = load_checkpoint(args.checkpoint), True
+    elif recorded.get("path"):
+        ckpt = load_trace_checkpoint(replay)
+    elif default:
+        ckpt = load_checkpoint(default_checkpoint())
+    elif not args.preset and recorded.get("preset"):
         args.preset, args.seed = recorded["preset"], int(recorded.get("seed", 0))
-    return _config(args), None
+    else:
+        named = True
+    cfg = ckpt.config if ckpt is not None else _config(args)
+    if replay is not None:
+        given = f"{in_words(ckpt)} (--checkpoint)" if ckpt is not None else \
+            f"preset '{_preset(args)}' seed {args.seed} (--preset)"
+        check_trace_config(replay, cfg, given if named else recorded_checkpoint(replay))
+        if default:
+            print(f"fidelity: note: {no_checkpoint_note(replay)}", file=sys.stderr)
+    return cfg, ckpt
 
 
 def _ready(args, ckpt, replay=None) -> tuple[object, str]:
@@ -183,15 +205,19 @@ def cmd_run(args) -> int:
     from fidelity.atomic_write import check_new_dir
     from fidelity.decoders.production import get_profile
     from fidelity.harness.thresholds import load_thresholds
-    from fidelity.model.sampling import SamplerConfig
+    from fidelity.model.sampling import SamplerConfig, sampler_problems
     from fidelity.outputs.rundir import check_output, new_run_id
     from fidelity.progress import Progress
 
     try:  # everything a user can get wrong is checked before the checkpoint is synthesized or read
         profile = get_profile(args.profile)
-        sampler = SamplerConfig(args.temperature, args.top_p, args.repetition_penalty, args.sample_seed)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    given = {"temperature": args.temperature, "top_p": args.top_p, "repetition_penalty": args.repetition_penalty,
+             "seed": args.sample_seed}
+    if problems := sampler_problems(**given):
+        raise UsageError("; ".join(f"{SAMPLER_FLAGS[field]}: {what}" for field, what in problems.items()))
+    sampler = SamplerConfig(**given)
     if args.thresholds:
         load_thresholds(args.thresholds)
     run_id = args.run_id or new_run_id()
@@ -200,6 +226,7 @@ def cmd_run(args) -> int:
         check_new_dir(args.write_trace, args.overwrite, "--write-trace")
     if args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
+    _require_transformers(args)
     replay = _trace(args)
     cfg, ckpt = _open(args, replay)
     prompt = _run_prompt(args, cfg, ckpt, replay)
@@ -209,6 +236,7 @@ def cmd_run(args) -> int:
     max_context = args.max_context or len(prompt) + decode
     if len(prompt) + decode > max_context:
         raise UsageError(f"prompt: {len(prompt)} tokens + {decode} decode steps exceeds --max-context {max_context}")
+    _warn_past_max_seq_len(cfg, len(prompt), decode)
     threads = _threads(args, cfg, args.device)
     ckpt, what = _ready(args, ckpt, replay)
     extra = {} if replay is not None else {"stream": args.stream, "continuation": continuation,
@@ -217,12 +245,15 @@ def cmd_run(args) -> int:
         extra["tokenizer"] = str(tok)
     t0 = time.perf_counter()
     progress = Progress()
-    res = run(replay or args.decoder, ckpt, prompt, decode, tuple(args.mode or ("free", "layer", "op")), args.out,
-              run_id=run_id, profile=profile, decoder_dtype=args.decoder_dtype, device=args.device,
-              oracle_dtype=args.oracle_dtype, thresholds=args.thresholds, trace=args.write_trace,
-              overwrite=args.overwrite, progress=progress, sampler=sampler, stop_ids=_stops(args, cfg),
-              max_context=max_context, sample_queries=args.sample_queries, oracle_device=args.oracle_device, **extra)
-    progress.close()  # a run that stopped on a stop token ends its decode bar here
+    try:
+        res = run(replay or args.decoder, ckpt, prompt, decode, tuple(args.mode or ("free", "layer", "op")),
+                  args.out, run_id=run_id, profile=profile, decoder_dtype=args.decoder_dtype, device=args.device,
+                  oracle_dtype=args.oracle_dtype, thresholds=args.thresholds, trace=args.write_trace,
+                  overwrite=args.overwrite, progress=progress, sampler=sampler, stop_ids=_stops(args, cfg),
+                  max_context=max_context, sample_queries=args.sample_queries, oracle_device=args.oracle_device,
+                  **extra)
+    finally:
+        progress.close()  # ends a bar (a run that stopped on a stop token, or one interrupted) on its own line
     steps, modes = res.manifest["decode_steps"], res.manifest["modes"]
     print(f"dsv4-fidelity {__version__}: {res.manifest['decoder']} vs oracle on {what}, modes {'+'.join(modes)}")
     for mode, why in res.manifest["modes_skipped"].items():
@@ -234,6 +265,25 @@ def cmd_run(args) -> int:
     if args.write_trace:
         print(f"trace: {args.write_trace}")
     return 1 if args.gate and not res.passed else 0
+
+
+def _warn_past_max_seq_len(cfg: ModelConfig, prompt_len: int, decode: int) -> None:
+    """One warning line when the run reaches positions past the config's max_seq_len (it still runs)."""
+    if prompt_len + decode > cfg.max_seq_len:
+        steps = f" + {_plural(decode, 'decode step')}" if decode else ""
+        print(f"fidelity: warning: prompt {_plural(prompt_len, 'token')}{steps} goes past the config's max_seq_len "
+              f"{cfg.max_seq_len}; running anyway", file=sys.stderr)
+
+
+def _require_transformers(args) -> None:
+    """``--decoder transformers`` without transformers installed: one line saying what to install."""
+    from fidelity.decoders.transformers import TransformersMissing, require_transformers
+
+    if args.decoder == "transformers":
+        try:
+            require_transformers("--decoder transformers")
+        except TransformersMissing as err:
+            raise UsageError(str(err)) from None
 
 
 def _trace(args):
@@ -342,6 +392,7 @@ def cmd_mutants(args) -> int:
 
     if args.decoder not in ("production", "transformers"):
         raise UsageError(f"--decoder: expected production or transformers, found {args.decoder!r}")
+    _require_transformers(args)
     known = HF_FAULTS if args.decoder == "transformers" else None
     try:
         check_names(args.only, known)
@@ -384,6 +435,7 @@ def cmd_oracle(args) -> int:
     if args.held_out:
         return _held_out(args, cfg, ckpt)
     prompt = _prompt(args, cfg, ckpt)
+    _warn_past_max_seq_len(cfg, len(prompt), args.decode)
     _threads(args, cfg)
     ckpt, what = _ready(args, ckpt)
     tok = _text_tokenizer(args, ckpt)
@@ -518,9 +570,11 @@ def cmd_config(args) -> int:
 
 def _source_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", help="checkpoint directory (config.json + *.safetensors)")
-    src.add_argument("--preset", help="synthesize this preset instead (default: tiny; on --device cuda it is "
-                                      "generated on the GPU)")
+    src.add_argument("--checkpoint", help="checkpoint directory (config.json + *.safetensors; default: the trained "
+                                          "default checkpoint)")
+    src.add_argument("--preset", help="synthesize this preset's random weights instead of the trained default "
+                                      "checkpoint: tiny, flash or pro (--layers alone takes tiny; on --device cuda "
+                                      "it is generated on the GPU)")
     p.add_argument("--layers", type=int, help="keep the preset's first N layers (a slice: widths unchanged)")
     p.add_argument("--seed", type=int, default=0, help="synthetic weights and default prompt seed")
     p.add_argument("--prompt-len", type=int, help="cut the prompt to this many tokens (the default prompt: the trained "
@@ -684,6 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from fidelity.atomic_write import OutputError
+    from fidelity.decoders.base import DecoderError
     from fidelity.decoders.production import ContextError
     from fidelity.decoders.trace_file import TraceError
     from fidelity.harness.runner import RunError
@@ -702,10 +757,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (UsageError, ConfigError, CheckpointError, RunDirError, ThresholdError, RunError, ContextError,
-            TokenizerFileError, OutputError, CompareError, TraceError, CorpusError,
-            TextError) as err:
+            TokenizerFileError, OutputError, CompareError, TraceError, CorpusError, TextError,
+            DecoderError) as err:
         print(f"fidelity: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a place that could not be read or written
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"fidelity: error: {where}{err.strerror or err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the temporary folders of what was being written are gone already
+        print("fidelity: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

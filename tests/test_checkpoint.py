@@ -252,7 +252,7 @@ def test_load_what_hf_save_pretrained_writes(tmp_path: Path) -> None:
 
     _rewrite(raw / "model.safetensors", plant)
     msg = _problems(raw)  # a fused tensor is reported once, not once per expert
-    assert "2 problem(s)" in msg
+    assert "2 problems" in msg
     shape = "wrong shape for fused 'model.layers.1.mlp.experts.down_proj' in model.safetensors: expected [4, 256, 128]"
     assert shape + ", found [3, 256, 128]" in msg
     dtype = "wrong dtype for fused 'model.layers.2.mlp.experts.gate_up_proj' in model.safetensors: expected F32/BF16"
@@ -311,7 +311,7 @@ def test_every_tensor_problem_in_one_error(saved: dict[str, Path], tmp_path: Pat
 
     _rewrite(path / "model.safetensors", plant)
     msg = _problems(path)
-    assert "6 problem(s)" in msg
+    assert "6 problems" in msg
     assert "missing tensor 'layers.1.attn.wq_b.weight': expected [512, 128] F8_E4M3" in msg
     assert "unexpected tensor 'layers.0.attn.bogus.weight' in model.safetensors: [3] F32" in msg
     assert "wrong shape for 'layers.0.attn_norm.weight'" in msg and "expected [256], found [100]" in msg

@@ -3,15 +3,20 @@ what is wrong once, one spelling per option, progress without a terminal, thread
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import sys
+import tomllib
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
 from fidelity import cli
+from fidelity.harness.runner import Runner
 from fidelity.model.config import ModelConfig
 from fidelity.model.synthesize import synthesize
 
@@ -27,10 +32,11 @@ def no_synthesis(monkeypatch):
     monkeypatch.setattr(sys.modules["fidelity.model.synthesize"], "synthesize", refuse)
 
 
-def _error(capsys, argv: list[str]) -> str:
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("fidelity: error: "), err
+def _error(capsys, argv: list[str], code: int = 2) -> str:
+    """The one line a failed command writes on stderr besides its progress lines."""
+    assert cli.main(argv) == code
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith(("prefill ", "decode "))]
+    assert len(err) == 1 and err[0].startswith("fidelity: "), err
     return err[0]
 
 
@@ -44,7 +50,41 @@ def test_an_out_that_is_a_file_is_refused_before_the_run(tmp_path, capsys, no_sy
     f = tmp_path / "file"
     f.write_text("x")
     assert f"--out {f}: is a file, expected a folder" in _error(capsys, ["run", "--out", str(f)])
-    assert "is a file, expected a folder" in _error(capsys, ["run", "--out", str(f / "below")])
+    line = _error(capsys, ["run", "--out", str(f / "below")])
+    assert line == f"fidelity: error: --out {f / 'below'}: {f} is a file, expected a folder"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root, permission bits allow writing anywhere")
+@pytest.mark.parametrize("out", ["/proc/fidelity-runs", "/sys/fidelity-runs"])
+def test_an_out_that_root_cannot_create_is_refused_before_the_run(out, capsys, no_synthesis):
+    line = _error(capsys, ["run", *SMALL, "--out", out])
+    assert line.startswith(f"fidelity: error: --out {out}: cannot create {out}: "), line
+
+
+def test_a_failed_write_ends_in_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    def full(self, path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", full)
+    line = _error(capsys, ["run", *SMALL, "--out", str(tmp_path), "--run-id", "r"])
+    assert line == f"fidelity: error: {tmp_path / 'r'}: cannot write metrics.parquet: No space left on device"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_ends_in_one_line_with_exit_130_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """Interrupted at the first decode step, after the prefill was recorded into the trace's temporary folder."""
+    step = Runner.step
+
+    def interrupted(self, call, ids):
+        if call == 1:
+            assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".trace.partial-")]
+            raise KeyboardInterrupt
+        return step(self, call, ids)
+
+    monkeypatch.setattr(Runner, "step", interrupted)
+    argv = ["run", *SMALL, "--out", str(tmp_path / "runs"), "--write-trace", str(tmp_path / "trace")]
+    assert _error(capsys, argv, 130) == "fidelity: interrupted"
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"] and list((tmp_path / "runs").iterdir()) == []
 
 
 def test_an_out_that_is_not_writable_is_refused_before_the_run(tmp_path, capsys, no_synthesis, monkeypatch):
@@ -88,16 +128,18 @@ def saved(tmp_path_factory):
     return {layout: save_checkpoint(ckpt, root / layout, layout=layout) for layout in ("deepseek", "transformers")}
 
 
-def test_a_truncated_file_is_reported_once_not_tensor_by_tensor(saved, tmp_path, capsys):
+@pytest.mark.parametrize(("layout", "first"), [("deepseek", "embed.weight"),
+                                               ("transformers", "model.embed_tokens.weight")])
+def test_a_truncated_file_is_reported_once_not_tensor_by_tensor(saved, tmp_path, capsys, layout, first):
+    """One line, in the layout the file's surviving header names, with that layout's tensor names."""
     broken = tmp_path / "broken"
-    shutil.copytree(saved["deepseek"], broken)
+    shutil.copytree(saved[layout], broken)
     f = next(broken.glob("*.safetensors"))
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    assert cli.main(["inspect", str(broken)]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 3 and "2 problem(s)" in lines[0]
-    assert "model.safetensors: unreadable safetensors file (truncated or corrupt)" in lines[1]
-    assert "304 tensors not found ('embed.weight', " in lines[2] and "unreadable file(s) model.safetensors" in lines[2]
+    line = _error(capsys, ["inspect", str(broken)])
+    assert f"checkpoint {broken} (layout {layout}): 2 problems: " in line
+    assert "model.safetensors: unreadable safetensors file (truncated or corrupt)" in line
+    assert f"; 304 tensors not found ('{first}', " in line and "unreadable file(s) model.safetensors" in line
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
@@ -111,9 +153,61 @@ def test_a_config_error_names_the_key_as_written(saved, tmp_path, capsys, key, v
     raw = json.loads((ckpt / "config.json").read_text())
     raw[key] = value
     (ckpt / "config.json").write_text(json.dumps(raw))
-    assert cli.main(["inspect", str(ckpt)]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2 and lines[1] == f"  - config.json: {message}"
+    assert _error(capsys, ["inspect", str(ckpt)]).endswith(f"(layout transformers): config.json: {message}")
+
+
+def test_a_config_with_several_problems_and_an_unknown_preset_end_in_one_line(saved, tmp_path, capsys,
+                                                                             no_synthesis):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["transformers"], ckpt)
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw.update(hidden_size="256", rms_norm_eps="small")
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    line = _error(capsys, ["inspect", str(ckpt)])
+    assert ": 2 problems: config.json: hidden_size: expected an integer, found '256'; config.json: rms_norm_eps" in line
+    line = _error(capsys, ["run", "--preset", "tinier", "--out", str(tmp_path)])
+    assert line.endswith("preset: expected one of ['flash', 'pro', 'tiny'], found 'tinier'")
+
+
+def test_sampler_errors_name_the_flag(tmp_path, capsys, no_synthesis):
+    line = _error(capsys, ["run", "--temperature", "-1", "--top-p", "0", "--out", str(tmp_path)])
+    assert line == ("fidelity: error: --temperature: expected a finite number >= 0, found -1.0; --top-p: expected a "
+                    "number in (0, 1], found 0.0")
+
+
+def test_run_help_names_the_trained_default_as_the_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split()).split("options:")[1]
+    preset = text.split("--preset PRESET")[1].split("--layers LAYERS")[0]
+    assert "default: tiny" not in preset and "instead of the trained default checkpoint" in preset
+
+
+def test_a_run_past_the_configs_max_seq_len_warns_in_one_line(tmp_path, capsys):
+    from fidelity.model.save import save_checkpoint
+
+    cfg = ModelConfig.preset("tiny").replace(max_seq_len=32)
+    save_checkpoint(synthesize(cfg, seed=0), tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg.to_official_dict()))  # the spelling with the field
+    assert cli.main(["run", "--checkpoint", str(tmp_path / "ckpt"), *SMALL, "--out", str(tmp_path)]) == 0
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert warnings == ["fidelity: warning: prompt 40 tokens + 1 decode step goes past the config's max_seq_len 32; "
+                        "running anyway"]
+
+
+def test_the_transformers_decoder_without_transformers_says_what_to_install(tmp_path, capsys, no_synthesis,
+                                                                           monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    install = "pip install 'dsv4-fidelity[transformers]' (in a checkout: pip install -e '.[transformers]')"
+    for command in ("run", "mutants"):
+        line = _error(capsys, [command, "--decoder", "transformers", "--out", str(tmp_path)])
+        assert line == f"fidelity: error: --decoder transformers needs transformers>=5.23, which is not installed: " \
+                       f"{install}"
+    assert list(tmp_path.iterdir()) == []
+    root = Path(cli.__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["transformers"] == ["transformers>=5.23"]
+    assert "pip install -e '.[transformers]'" in (root / "README.md").read_text()
 
 
 def test_run_speaks_one_spelling_and_counts_its_steps(tmp_path, capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pandas as pd
 import pytest
@@ -14,10 +15,11 @@ from safetensors.torch import load_file, save_file
 
 import fidelity
 from fidelity import cli
-from fidelity.decoders import TransformersDecoder
+from fidelity.decoders import Decoder, ProductionDecoder, TraceDecoder, TransformersDecoder
 from fidelity.decoders.trace_file import TraceError, TraceWriter
 from fidelity.decoders.transformers import FAULTS, hf_model
 from fidelity.model.config import ModelConfig
+from fidelity.model.save import save_checkpoint
 from fidelity.mutants import BY_NAME, MutantSettings, gate_failures, run_mutants
 from fidelity.outputs.rundir import read_run
 from tests.hf_reference import random_hf_model
@@ -195,3 +197,141 @@ def test_the_command_line_runs_transformers_records_a_trace_and_replays_it(hf_di
     out = capsys.readouterr().out
     assert "trace (transformers DeepseekV4ForCausalLM (fp32)) vs oracle" in out and "verdict: PASS" in out
     assert "2 decode steps" in out
+
+
+@pytest.fixture
+def no_synthesis(monkeypatch):
+    """Fail the test if a checkpoint is synthesized: a refusal must come before that work."""
+    def refuse(*_a, **_k):
+        raise AssertionError("synthesized before the error")
+
+    monkeypatch.setattr(sys.modules["fidelity.model.synthesize"], "synthesize", refuse)
+
+
+def _refused_by_the_command(tmp_path, round_trip, capsys, edit) -> str:
+    """The command's one error line for the round trip's trace edited by ``edit``; no run directory is left."""
+    trace = tmp_path / "t"
+    shutil.copytree(round_trip[0] / "trace", trace)
+    edit(trace)
+    assert cli.main(["run", "--decoder", f"trace:{trace}", "--out", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fidelity: error: "), err
+    assert not any((tmp_path / "runs").iterdir())
+    return err[0]
+
+
+def _drop(trace, site: str, file: bool = True, listed: bool = True) -> None:
+    """Remove ``site`` from step 1's file and/or from trace.json's list of its sites."""
+    if file:
+        f = trace / "step-00001.safetensors"
+        t = load_file(f)
+        del t[site]
+        save_file(t, f)
+    if listed:
+        _json(trace, lambda m: m["steps"][1]["sites"].remove(site))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: _drop(t, "L1.attn.q", listed=False),
+     "step-00001.safetensors: L1.attn.q: trace.json lists it for this step, the file does not hold it"),
+    (lambda t: _drop(t, "L1.attn.q"),
+     "step-00001.safetensors: L1.attn.q: expected (the trace reports every input of op mode, read at every call "
+     "in each layer that has it), found none"),
+    (lambda t: _drop(t, "L2.indexer.topk"),
+     "step-00001.safetensors: L2.indexer.topk: expected (step-00000.safetensors holds it, read at every call), "
+     "found none"),
+    (lambda t: _drop(t, "L3.moe.out", file=False),
+     "step-00001.safetensors: L3.moe.out: the file holds it, trace.json does not list it for this step"),
+    (lambda t: _tensor(t, "L0.moe.experts", lambda x: x.float()),
+     "step-00001.safetensors: L0.moe.experts: expected an integer dtype, found F32"),
+    (lambda t: _tensor(t, "L2.attn.q", lambda x: x.long()),
+     "step-00001.safetensors: L2.attn.q: expected a float dtype, found I64"),
+    (lambda t: _tensor(t, "logits", lambda x: x.long()), "step-00001.safetensors: logits: expected a float dtype"),
+])
+def test_a_trace_whose_step_files_miss_a_site_is_refused_in_one_line_before_any_work(
+        tmp_path, round_trip, capsys, no_synthesis, edit, message):
+    assert message in _refused_by_the_command(tmp_path, round_trip, capsys, edit)
+
+
+def test_a_traces_relative_checkpoint_path_is_read_from_the_trace_folder(tmp_path, monkeypatch, capsys):
+    """The writer records a relative --checkpoint relative to the trace's folder, and a replay from another
+    directory reads it from there; a path that holds no checkpoint is named with trace.json."""
+    work = tmp_path / "work"
+    save_checkpoint(fidelity.synthesize(ModelConfig.preset("tiny"), seed=0), work / "ckpt")
+    monkeypatch.chdir(work)
+    small = ["--prompt-len", "40", "--decode", "1", "--mode", "op"]
+    assert cli.main(["run", "--checkpoint", "ckpt", *small, "--write-trace", "trace", "--out", "runs"]) == 0
+    assert json.loads((work / "trace" / "trace.json").read_text())["checkpoint"]["path"] == "../ckpt"
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["run", "--decoder", "trace:work/trace", "--out", "runs", "--run-id", "replay"]) == 0
+    assert json.loads((tmp_path / "runs" / "replay" / "manifest.json").read_text())["verdict"]["passed"]
+    capsys.readouterr()
+    _json(work / "trace", lambda m: m["checkpoint"].update(path="gone"))
+    line = _error_line(capsys, ["run", "--decoder", "trace:work/trace", "--out", "runs"])
+    assert "work/trace/trace.json: checkpoint.path 'gone': expected a checkpoint directory at work/trace/gone" in line
+
+
+def _error_line(capsys, argv: list[str]) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fidelity: error: "), err
+    return err[0]
+
+
+def test_a_trace_without_a_checkpoint_says_it_is_compared_with_the_trained_default(tmp_path, round_trip, capsys):
+    trace = tmp_path / "t"
+    shutil.copytree(round_trip[0] / "trace", trace)
+    _json(trace, lambda m: m.pop("checkpoint"))
+    assert cli.main(["run", "--decoder", f"trace:{trace}", "--mode", "free", "--out", str(tmp_path / "runs")]) == 0
+    err = capsys.readouterr().err
+    note = f"fidelity: note: {trace}/trace.json names no checkpoint: compared with the trained default checkpoint "
+    assert note + str(fidelity.default_checkpoint()) in err
+    with pytest.warns(UserWarning, match="names no checkpoint: compared with the trained default checkpoint"):
+        fidelity.run(f"trace:{trace}", modes=("free",), out=tmp_path / "runs")
+    _json(trace, lambda m: m["config"].update(rope_theta=5000.0))
+    line = _error_line(capsys, ["run", "--decoder", f"trace:{trace}", "--out", str(tmp_path / "runs")])
+    assert ("its config differs from the checkpoint's (rope_theta: 5000.0 vs 10000.0); the checkpoint is the "
+            f"trained default checkpoint {fidelity.default_checkpoint()} (trace.json names no checkpoint)") in line
+
+
+def _without_memory(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["site"] != "memory"].reset_index(drop=True)  # process memory differs between two runs
+
+
+def _twice(decoder, checkpoint, out, **kwargs) -> None:
+    """Two runs of one decoder object give the same metrics: the second starts at position 0."""
+    runs = [fidelity.run(decoder, checkpoint, out=out, run_id=f"run{n}", **kwargs) for n in range(2)]
+    a, b = (_without_memory(read_run(r.run_dir)[0]).drop(columns="run_id") for r in runs)
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_a_decoder_object_runs_twice_from_position_zero(hf_dir, round_trip, tmp_path):
+    small = {"prompt": 40, "decode_steps": 1, "modes": ("op",)}
+    _twice(TransformersDecoder.from_pretrained(hf_dir, "fp32"), hf_dir, tmp_path / "hf", **small)
+    ckpt = fidelity.synthesize(ModelConfig.preset("tiny"), seed=0)
+    production = ProductionDecoder(ckpt, max_context=41)
+    _twice(production, ckpt, tmp_path / "production", **small)
+    assert production.pos == 41
+    _twice(TraceDecoder(round_trip[0] / "trace"), None, tmp_path / "trace", modes=("free",))
+
+
+def test_a_decoder_that_cannot_reset_is_refused_once_used(tmp_path):
+    from fidelity.decoders.base import DecoderError
+
+    class Used(Decoder):
+        label, config, profile, pos = "my engine", ModelConfig.preset("tiny"), {"name": "mine"}, 5
+
+        def prefill(self, ids):
+            raise AssertionError("a used decoder ran")
+
+        step = prefill
+
+        def sites(self):
+            return frozenset({"logits"})
+
+    with pytest.raises(DecoderError) as err:
+        fidelity.run(Used(), fidelity.synthesize(ModelConfig.preset("tiny")), prompt=20, decode_steps=0,
+                     out=tmp_path)
+    assert str(err.value) == ("my engine: has consumed 5 tokens and cannot start a new run: it does not implement "
+                              "Decoder.reset; pass a new decoder to each run")
+    assert list(tmp_path.iterdir()) == []

@@ -25,12 +25,16 @@ OP_INPUTS_COMPRESSED = ("L{i}.attn.compressed_kv",)  # HCA and CSA layers
 OP_INPUTS_INDEXER = ("L{i}.indexer.q", "L{i}.indexer.weights", "L{i}.indexer.keys")  # CSA layers
 
 
+class DecoderError(ValueError):
+    """A decoder that cannot do what a run asks of it; the message names the decoder and what is wrong."""
+
+
 class Decoder(ABC):
     """A decoder under test: ``prefill(ids) -> logits [T, V]``, ``step(id) -> logits [V]``, sites into ``rec``.
 
     ``label`` names it in reports; ``profile`` is what the manifest records as the profile (format fields where
     known; ``precision`` = exact / bf16 / quantized picks the default thresholds otherwise); ``pos`` counts the
-    tokens consumed.
+    tokens consumed. Every run starts with ``reset()``, so one decoder object can serve several runs.
     """
 
     label: str
@@ -50,6 +54,14 @@ class Decoder(ABC):
     @abstractmethod
     def sites(self) -> frozenset[str]:
         """Site templates (``L{i}.attn.q``, ``logits``, ...) this decoder reports."""
+
+    def reset(self) -> None:
+        """Forget every token consumed (caches emptied, ``pos`` 0): the start of a run. This default has nothing to
+        forget while ``pos`` is 0 and raises DecoderError otherwise; a decoder that serves several runs overrides
+        it."""
+        if self.pos:
+            raise DecoderError(f"{self.label}: has consumed {self.pos} tokens and cannot start a new run: it does "
+                               "not implement Decoder.reset; pass a new decoder to each run")
 
     def cache_bytes(self) -> int | None:
         """Bytes the decoder's caches hold (None when it cannot say): the memory probe's cache_growth."""

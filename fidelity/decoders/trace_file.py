@@ -4,12 +4,16 @@ A trace is a directory:
 
 - ``trace.json``: ``{"format": "dsv4-fidelity-trace", "version": 1, "decoder": label, "config": {...} (the
   official ``config.json`` fields), "profile": {...} (the decoder's numerics: a profile's fields, or ``name`` and
-  ``precision``: exact / bf16 / quantized), "checkpoint": {...} (optional: path, or preset and seed, and hash),
-  "prompt": [ids], "generated": [ids fed at the decode steps], "steps": [{"file", "positions": [first, last + 1],
-  "sites": [names]}]}``
+  ``precision``: exact / bf16 / quantized), "checkpoint": {...} (optional: path, a relative one read from the
+  trace's folder, or preset and seed, and hash; without one a replay uses the trained default), "prompt": [ids],
+  "generated": [ids fed at the decode steps], "steps": [{"file", "positions": [first, last + 1], "sites": [the
+  file's site names]}]}``
 - ``step-00000.safetensors`` (one file per model call: the prefill, then one per decode step): ``ids`` int64 [n]
   (the tokens of the call), ``positions`` int64 [n] (their positions), ``logits`` float [n, vocab], and any site
-  of ``fidelity/model/sites.py`` under its name (``L3.attn.out`` ...), rows in the call's token order.
+  of ``fidelity/model/sites.py`` under its name (``L3.attn.out`` ...), rows in the call's token order, floats
+  except the integer ``indexer.topk``, ``attn.visible`` and ``moe.experts``. A site reported in one call is
+  reported in every call, in each layer that has it (a site compared in the prefill only that no mode reads later,
+  such as ``mhc_attn.pre``, in the prefill's calls only).
 
 ``TraceWriter`` writes one from a plain PyTorch decode loop (README "Test your own decoder"); ``TraceDecoder``
 (``fidelity.decoders.trace``) replays it. The directory is written under a temporary name and renamed when
@@ -19,6 +23,7 @@ A trace is a directory:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -53,8 +58,10 @@ class TraceWriter:
         self.prompt = [int(t) for t in torch.as_tensor(prompt).flatten().tolist()]
         self.decoder, self.checkpoint, self.overwrite = decoder, dict(checkpoint or {}), overwrite
         self.profile = dict(profile or {"name": decoder, "precision": "bf16"})
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.partial-", dir=self.target.parent))
+        try:
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.partial-", dir=self.target.parent))
+        except OSError as err:
+            raise OutputError(f"trace {self.target}: cannot write in {self.target.parent}: {err.strerror}") from None
         self.steps: list[dict] = []
         self.pending: dict[str, torch.Tensor] = {}
         self.pos = 0
@@ -91,7 +98,10 @@ class TraceWriter:
         name = f"step-{len(self.steps):05d}.safetensors"
         tensors = {"ids": ids, "positions": positions, "logits": logits,
                    **{k: v.contiguous() for k, v in sites.items() if k != "logits"}}
-        save_file(tensors, str(self.tmp / name), metadata={"format": "pt"})
+        try:
+            save_file(tensors, str(self.tmp / name), metadata={"format": "pt"})
+        except OSError as err:
+            raise OutputError(f"trace {self.target}: cannot write {name}: {err.strerror}") from None
         self.steps.append({"file": name, "positions": [int(positions[0]), int(positions[-1]) + 1],
                            "sites": sorted(sites)})
         self.pos += len(ids)
@@ -107,18 +117,32 @@ class TraceWriter:
             raise TraceError("trace: no step was recorded")
         if generated is None:
             generated = [int(i) for s in self.steps[1:] for i in _ids_of(self.tmp / s["file"])]
+        recorded = {**self.checkpoint, **(checkpoint or {})}
+        if recorded.get("path"):
+            recorded["path"] = self._relative(recorded["path"])
         manifest = {"format": FORMAT, "version": VERSION, "decoder": self.decoder, "profile": self.profile,
-                    "config": self.config.to_official_dict(), "checkpoint": {**self.checkpoint, **(checkpoint or {})},
+                    "config": self.config.to_official_dict(), "checkpoint": recorded,
                     "prompt": self.prompt, "generated": [int(t) for t in generated], "steps": self.steps}
-        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-        self.tmp.chmod(0o755)
-        if self.target.exists():
-            if not self.overwrite:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                raise OutputError(f"trace {self.target}: appeared while writing; not replaced")
-            shutil.rmtree(self.target)
-        self.tmp.rename(self.target)
+        try:
+            (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+            self.tmp.chmod(0o755)
+            if self.target.exists():
+                if not self.overwrite:
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+                    raise OutputError(f"trace {self.target}: appeared while writing; not replaced")
+                shutil.rmtree(self.target)
+            self.tmp.rename(self.target)
+        except OSError as err:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise OutputError(f"trace {self.target}: cannot write: {err.strerror}") from None
         return self.target
+
+    def _relative(self, path: str | Path) -> str:
+        """A checkpoint path as trace.json holds it: an absolute one as it is, a relative one (to the current
+        directory) made relative to the trace's folder, where a replay reads it from."""
+        if Path(path).is_absolute():
+            return str(path)
+        return os.path.relpath(Path(path).resolve(), self.target.resolve())
 
 
 def _ids_of(path: Path) -> list[int]:

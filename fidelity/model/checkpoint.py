@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from fidelity.model import formats
-from fidelity.model.config import ModelConfig
+from fidelity.model.config import ModelConfig, problems_line
 from fidelity.model.weights import FP4_BLOCK, FP8_BLOCK, QUANTIZED, TensorSpec, expected_tensors, fp4_shapes
 
 MAX_LISTED = 200  # problems shown in the message; all of them stay in CheckpointError.problems
@@ -26,14 +26,12 @@ _PLAIN_FMT.update({torch.int64: "int64", torch.int32: "int32"})
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; ``problems`` lists every problem found (tensor, expected, found, file)."""
+    """A checkpoint that cannot be used; ``problems`` lists every problem found (tensor, expected, found, file).
+    The message is one line."""
 
     def __init__(self, problems: list[str], source: str = "checkpoint"):
         self.problems = list(problems)
-        shown = [f"  - {p}" for p in self.problems[:MAX_LISTED]]
-        if len(self.problems) > MAX_LISTED:
-            shown.append(f"  ... and {len(self.problems) - MAX_LISTED} more (see CheckpointError.problems)")
-        super().__init__(f"{source}: {len(self.problems)} problem(s)\n" + "\n".join(shown))
+        super().__init__(problems_line(source, self.problems, MAX_LISTED, " (see CheckpointError.problems)"))
 
 
 

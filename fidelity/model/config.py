@@ -24,13 +24,23 @@ HF_LAYER_TYPES = {
 }
 
 
+def problems_line(source: str, problems: list[str], limit: int | None = None, more: str = "") -> str:
+    """One line: ``source: problem``, or ``source: N problems: a; b; c`` (the first ``limit`` of them, then how
+    many more, ``more`` saying where they are listed)."""
+    if len(problems) == 1:
+        return f"{source}: {problems[0]}"
+    shown = problems if limit is None else problems[:limit]
+    rest = f"; ... and {len(problems) - len(shown)} more{more}" if len(shown) < len(problems) else ""
+    return f"{source}: {len(problems)} problems: " + "; ".join(shown) + rest
+
+
 class ConfigError(ValueError):
-    """A config that cannot describe a DSv4 model; ``problems`` lists every field at fault."""
+    """A config that cannot describe a DSv4 model; ``problems`` lists every field at fault. The message is one
+    line."""
 
     def __init__(self, problems: list[str], source: str = "config"):
         self.problems = problems
-        head = f"{source}: {len(problems)} problem(s)"
-        super().__init__(head + "\n" + "\n".join(f"  - {p}" for p in problems))
+        super().__init__(problems_line(source, problems))
 
 
 @dataclass(frozen=True)

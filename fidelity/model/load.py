@@ -29,6 +29,8 @@ from fidelity.model.layouts import (
 )
 from fidelity.model.weights import QUANTIZED, StoredForm, TensorSpec, expected_tensors, stored_forms
 
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a file's JSON header
+
 # ---- reading -----------------------------------------------------------------------------------------------
 
 
@@ -102,8 +104,12 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     files, index = _list_files(root, problems)
     infos, unreadable = _read_headers(root, files, problems)
     _check_index(index, infos, [f for f in files if f not in unreadable], problems)
-    wo_a = next((i.dtype for k, i in infos.items() if k.endswith("attn.wo_a.weight")), None)
-    layout = detect_layout(infos, [p.name for p in root.glob("*.safetensors")], wo_a)
+    # the layout is told by the key names, an unreadable file's included where its header survives
+    names = {k: i.dtype for k, i in infos.items()}
+    for f in sorted(unreadable):
+        names.update(_header_names(root / f))
+    wo_a = next((dtype for k, dtype in names.items() if k.endswith("attn.wo_a.weight")), None)
+    layout = detect_layout(names, [p.name for p in root.glob("*.safetensors")], wo_a)
     plan: dict[str, _Located] = {}
     if config is not None:
         absent = set(index.values()) - set(files) if index else set()  # shards the index names, not on disk
@@ -194,6 +200,20 @@ def _read_headers(root: Path, files: list[str], problems: list[str]) -> tuple[di
     return infos, unreadable
 
 
+def _header_names(path: Path) -> dict[str, str]:
+    """{key: dtype} from a safetensors file's JSON header, read without the safetensors reader (a truncated
+    file's header usually survives); empty when the header itself is cut or malformed."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size)) if 0 < size <= MAX_HEADER_BYTES else None
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(header, dict):
+        return {}
+    return {k: str(v.get("dtype", "")) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+
+
 def _key_info(file: str, sl: Any) -> _KeyInfo:
     return _KeyInfo(file, sl.get_dtype(), _header_shape(sl.get_dtype(), sl.get_shape()))
 
@@ -256,7 +276,7 @@ class _Matcher:
     ):
         self.config, self.layout, self.infos, self.index, self.problems = config, layout, infos, index, problems
         self.unreadable = unreadable
-        self.in_unreadable: list[str] = []  # missing tensors that an unreadable file may hold
+        self.in_unreadable: list[str] = []  # stored keys of missing tensors that an unreadable file may hold
         self.claimed: set[str] = set()
         self.fused_checked: set[str] = set()
 
@@ -282,7 +302,7 @@ class _Matcher:
         if has_scale:  # an orphaned scale is part of this problem, not an unexpected tensor
             self.claimed.update(k for k in release_scale_aliases(name) if k in self.infos)
         if self.unreadable and (self.index is None or self.index.get(key) in self.unreadable):
-            self.in_unreadable.append(name)
+            self.in_unreadable.append(key)  # the layout's name (a fused transformers tensor holds several)
             return
         hint = ""
         if self.index is not None and key in self.index:
@@ -291,12 +311,13 @@ class _Matcher:
 
     def report_unreadable(self) -> None:
         """One line for the tensors that an unreadable file may hold."""
-        if self.in_unreadable:
-            shown = ", ".join(repr(n) for n in self.in_unreadable[:3])
-            more = f" and {len(self.in_unreadable) - 3} more" if len(self.in_unreadable) > 3 else ""
-            self.problems.append(f"{len(self.in_unreadable)} tensors not found ({shown}{more}): they would be in the "
-                                 f"missing or unreadable file(s) {', '.join(sorted(self.unreadable))}; repair or "
-                                 "replace those first")
+        keys = list(dict.fromkeys(self.in_unreadable))
+        if keys:
+            shown = ", ".join(repr(k) for k in keys[:3])
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            self.problems.append(f"{len(keys)} tensors not found ({shown}{more}): they would be in the missing or "
+                                 f"unreadable file(s) {', '.join(sorted(self.unreadable))}; repair or replace those "
+                                 "first")
 
     def _check_weight(self, name: str, src: Source, want: StoredForm, info: _KeyInfo) -> bool:
         """Dtype and shape of one stored weight; a fused HF expert tensor is checked (and reported) once."""

@@ -47,18 +47,24 @@ class SamplerConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        p: list[str] = []
-        t, tp, rp, s = self.temperature, self.top_p, self.repetition_penalty, self.seed
-        if not _is_real(t) or not math.isfinite(t) or t < 0:
-            p.append(f"temperature: expected a finite number >= 0, found {t!r}")
-        if not _is_real(tp) or not 0 < tp <= 1:
-            p.append(f"top_p: expected a number in (0, 1], found {tp!r}")
-        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
-            p.append(f"repetition_penalty: expected a finite number > 0, found {rp!r}")
-        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-            p.append(f"seed: expected an integer >= 0, found {s!r}")
+        p = sampler_problems(self.temperature, self.top_p, self.repetition_penalty, self.seed)
         if p:
-            raise ValueError("SamplerConfig: " + "; ".join(p))
+            raise ValueError("SamplerConfig: " + "; ".join(f"{field}: {what}" for field, what in p.items()))
+
+
+def sampler_problems(temperature: Any, top_p: Any, repetition_penalty: Any, seed: Any) -> dict[str, str]:
+    """{field: 'expected ..., found ...'} for each ``SamplerConfig`` field whose value is out of range."""
+    p: dict[str, str] = {}
+    t, tp, rp, s = temperature, top_p, repetition_penalty, seed
+    if not _is_real(t) or not math.isfinite(t) or t < 0:
+        p["temperature"] = f"expected a finite number >= 0, found {t!r}"
+    if not _is_real(tp) or not 0 < tp <= 1:
+        p["top_p"] = f"expected a number in (0, 1], found {tp!r}"
+    if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
+        p["repetition_penalty"] = f"expected a finite number > 0, found {rp!r}"
+    if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+        p["seed"] = f"expected an integer >= 0, found {s!r}"
+    return p
 
 
 def _is_real(x: Any) -> bool:

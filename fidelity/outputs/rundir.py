@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from fidelity.atomic_write import OutputError, check_new_dir, write_dir_atomic, write_text_atomic
+from fidelity.atomic_write import OutputError, check_new_dir, ensure_folder, write_dir_atomic, write_text_atomic
 from fidelity.harness.judgement import Judgement, judge, run_rules
 from fidelity.harness.thresholds import COLUMNS, Threshold
 from fidelity.outputs.plots import make_plots
@@ -61,12 +61,12 @@ def _manifest_json(manifest: dict) -> str:
 
 
 def check_output(out_root: str | Path, run_id: str, overwrite: bool = False) -> Path:
-    """The run directory ``out_root/run_id``, checked before any work: a valid id, a parent that is (or can be
-    made) a writable folder, and no existing run unless ``overwrite``. Raises OutputError saying what is wrong."""
+    """The run directory ``out_root/run_id``, checked before any work: a valid id, ``out_root`` created and
+    written to (a probe file, removed), and no existing run unless ``overwrite``. Raises OutputError saying what
+    is wrong."""
     if not _RUN_ID.fullmatch(run_id):
         raise OutputError(f"--run-id: expected letters, digits, '.', '_', '+', '-' (not leading), found {run_id!r}")
-    if Path(out_root).exists() and not Path(out_root).is_dir():
-        raise OutputError(f"--out {out_root}: is a file, expected a folder")
+    ensure_folder(out_root, f"--out {out_root}")
     return check_new_dir(Path(out_root) / run_id, overwrite, "--run-id")
 
 

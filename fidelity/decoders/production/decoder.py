@@ -25,6 +25,15 @@ class ProductionDecoder(Decoder):
         self.profile = profile_dict(self.model.profile)
         self.label = f"production ({self.model.profile.name})"
         self.prompt_len = 0  # tokens prefilled (the prompt, however many chunks)
+        self.used = False  # a call reached the session since it was made
+
+    def reset(self) -> None:
+        """A fresh session (new caches at position 0) once the current one was used; the old one is dropped first,
+        so that the caches are never held twice."""
+        if self.used:
+            recorder, self.session = self.session.rec, None
+            self.session = self.model.session(recorder)
+            self.prompt_len, self.used = 0, False
 
     @property
     def rec(self):
@@ -39,11 +48,13 @@ class ProductionDecoder(Decoder):
         return self.session.pos
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        self.used = True
         logits = self.session.prefill(ids)
         self.prompt_len += len(ids)
         return logits
 
     def step(self, token: int) -> torch.Tensor:
+        self.used = True
         return self.session.step(token)
 
     def sites(self) -> frozenset[str]:

@@ -10,9 +10,9 @@ import pandas as pd
 from fidelity.decoders.base import Decoder
 from fidelity.decoders.production.profiles import get_profile, profile_dict
 from fidelity.decoders.trace_file import TraceWriter
-from fidelity.harness.judgement import Judgement, csa_layers, judge, run_rules
+from fidelity.harness.judgement import Judgement, judge, rules_for, run_rules
 from fidelity.harness.runner import Runner, RunSpec
-from fidelity.harness.thresholds import COLUMNS, Divergence, profile_class, thresholds_for
+from fidelity.harness.thresholds import COLUMNS, Divergence, profile_class
 from fidelity.outputs.rundir import check_output, new_run_id, read_run, write_run
 
 
@@ -56,11 +56,14 @@ def run_job(checkpoint, spec: RunSpec, out_root: str | Path = "runs", run_id: st
             decoder: Decoder | None = None, trace: str | Path | None = None) -> RunResult:
     """Run ``spec`` on ``decoder`` (default: the production decoder with ``spec.profile``), judge it once and
     write the run directory; ``trace``: also record the decoder's calls as a trace directory there. Thresholds,
-    the profile and the output places are checked before the long work."""
+    the profile and the output places are checked before the long work; a decoder object starts from position 0
+    (``Decoder.reset``: one that consumed tokens and cannot reset is refused)."""
     profile = decoder.profile if decoder is not None else profile_dict(get_profile(spec.profile))
-    rules = thresholds_for(profile, thresholds_path, csa_layers(checkpoint.config))
+    rules = rules_for(profile, checkpoint.config, decoder.sites() if decoder is not None else None, thresholds_path)
     run_id = run_id or new_run_id()
     check_output(out_root, run_id, overwrite)
+    if decoder is not None:
+        decoder.reset()
     writer = None
     if trace is not None:
         label = decoder.label if decoder is not None else f"production ({profile['name']})"

@@ -31,15 +31,17 @@ from fidelity.outputs.rundir import check_output, new_run_id
 
 if TYPE_CHECKING:
     from fidelity.decoders.base import Decoder
-from fidelity.harness.thresholds import apply_thresholds, first_divergence, sort_divergence, thresholds_for
+from fidelity.harness.judgement import rules_for
+from fidelity.harness.thresholds import apply_thresholds, first_divergence, sort_divergence
 
 PROBE_OF_METRIC = {
     "cos": "similarity", "calc_diff": "similarity", "nonfinite_mismatch": "similarity",
     "row_dev": "sinkhorn", "row_dev_excess": "sinkhorn", "col_dev": "sinkhorn", "min_value": "sinkhorn",
     "negative_count": "sinkhorn", "orientation_flip": "sinkhorn", "orientation_err": "sinkhorn",
-    "recall": "indexer", "true_miss": "indexer",
+    "recall": "indexer", "true_miss": "indexer", "miss_gap": "indexer",
     "missing": "visible", "extra": "visible",
-    "weight_max_err": "routing",
+    "weight_max_err": "routing", "routing_gap": "routing",
+    "rows_missing": "rows", "rows_extra": "rows", "shape_mismatch": "rows",
     "token_flip_with_margin": "tokens", "pick_flip_with_margin": "sampler", "sampler_impl_mismatch": "sampler",
     "stop_mismatch": "stops",
     "cache_growth": "memory",
@@ -48,7 +50,7 @@ PROBE_OF_METRIC = {
     "held_growth": "memory",
     "new_device_mallocs": "memory",
 }  # fmt: skip
-PROBES = ("similarity", "sinkhorn", "indexer", "visible", "routing", "tokens", "sampler", "stops", "memory")
+PROBES = ("similarity", "sinkhorn", "indexer", "visible", "routing", "rows", "tokens", "sampler", "stops", "memory")
 
 
 def _kind(*kinds: str) -> Callable[[ModelConfig], set[int]]:
@@ -147,14 +149,13 @@ def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings,
             decoder: DecoderFactory | None = None) -> pd.DataFrame:
     """Judged metric rows of one run (the clean decoder when ``mutant`` is None) on a fresh decoder from
     ``decoder()`` (default: the production decoder)."""
-    cfg = checkpoint.config
     spec = _spec(checkpoint, s, mutant.options if mutant else {})
     names = (mutant.name,) if mutant else ()
+    dec = decoder() if decoder else None
     with inject(*names):
-        df, manifest = Runner(checkpoint, spec, decoder=decoder() if decoder else None).run()
-    csa = [i for i, k in enumerate(cfg.layer_kinds) if k == "csa"]
+        df, manifest = Runner(checkpoint, spec, decoder=dec).run()
     df = tidy(df, mutant.name if mutant else "clean", str(manifest["profile"]["name"]))
-    return apply_thresholds(df, thresholds_for(manifest["profile"], None, csa))
+    return apply_thresholds(df, rules_for(manifest["profile"], checkpoint.config, dec.sites() if dec else None))
 
 
 def _split_site(site: str) -> tuple[int, str]:

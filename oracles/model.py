@@ -152,30 +152,38 @@ class OracleSession:
         return logits
 
     @torch.no_grad()
-    def forward_layers(self, input_ids: torch.Tensor, layer_input, rows: torch.Tensor | None = None) -> None:
+    def forward_layers(self, input_ids: torch.Tensor, layer_input, rows: torch.Tensor | None = None,
+                       layer_picks=None) -> None:
         """Layer mode: layer i runs on ``layer_input(i)`` [n, hc, dim] (another model's input to that layer)
-        and keeps its own exact caches; ``rows`` restricts attention/MoE to sampled query rows."""
+        and keeps its own exact caches; ``rows`` restricts attention/MoE to sampled query rows.
+        ``layer_picks(i)``: the other model's top-k [n, k] of CSA layer i (None: the oracle's own), which the
+        attention then reads instead of the oracle's selection; the indexer still runs and reports its own."""
         ids = torch.as_tensor(input_ids).long().flatten().to(self.m.device)
         if self.rec is not None:
             self.rec.step = self.calls
         positions = torch.arange(self.pos, self.pos + ids.numel(), device=self.m.device)
         rows = rows.to(self.m.device) if rows is not None else None
         for i in range(self.cfg.n_layers):
-            self.block(i, layer_input(i).to(self.m.device, self.m.dtype), positions, ids, rows)
+            picks = layer_picks(i) if layer_picks is not None and self.cfg.ratio(i) == 4 else None
+            if picks is not None:
+                picks = picks.to(self.m.device).long()
+                picks = picks[rows] if rows is not None and len(picks) != len(rows) else picks
+            self.block(i, layer_input(i).to(self.m.device, self.m.dtype), positions, ids, rows, picks)
         self.pos += ids.numel()
         self.calls += 1
 
     # ---- one block ------------------------------------------------------------------------
     def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor,
-              rows: torch.Tensor | None = None) -> torch.Tensor:
+              rows: torch.Tensor | None = None, picks: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i on streams x [n, hc, dim] -> [n, hc, dim], or [len(rows), hc, dim] for the query rows
         ``rows`` only: KV and compressed entries are still computed for every row (later queries need them),
-        attention, MoE and the mixing only for the selected ones (sampled-query evaluation)."""
+        attention, MoE and the mixing only for the selected ones (sampled-query evaluation). ``picks``: a CSA
+        layer's selection [n_queries, k] given from outside (layer mode), attended instead of the indexer's."""
         w, cfg = self.m.w, self.cfg
         y = self.hc_pre(i, "attn", x)
         h = rms_norm(y[0], w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps)
         self.emit(f"L{i}.attn.in", h)
-        f = self.attention(i, h, positions, rows)
+        f = self.attention(i, h, positions, rows, picks)
         self.emit(f"L{i}.attn.out", f)
         if rows is not None:
             x, y, ids = x[rows], tuple(t[rows] for t in y), ids[rows]
@@ -211,8 +219,9 @@ class OracleSession:
 
     # ---- attention ------------------------------------------------------------------------
     def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
-        """x [n, dim] (normed) -> [n, dim], or [len(rows), dim] for the selected query rows."""
+                  rows: torch.Tensor | None = None, given: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, dim] (normed) -> [n, dim], or [len(rows), dim] for the selected query rows; ``given`` [nq, k]:
+        the compressed entries a CSA layer attends (picks that are not causally visible read nothing)."""
         w, cfg, st = self.m.w, self.cfg, self.layers[i]
         ratio, p = cfg.ratio(i), f"layers.{i}.attn."
         freqs = self.m.freqs[ratio]
@@ -232,6 +241,9 @@ class OracleSession:
             self.emit(f"L{i}.attn.compressed_kv", new)
             entries = all_entries(st.comp, cfg.head_dim, x)
         picks = self.indexer(i, x, qr, positions, rows) if ratio == 4 else None
+        if given is not None:
+            limit = torch.clamp((qpos + 1) // ratio, max=entries.shape[0])[:, None]
+            picks = torch.where((given >= 0) & (given < limit), given, -1)
         o = self.attend(i, q, qpos, st, entries, picks)
         self.emit(f"L{i}.attn.core", o)
         keep = max(0, int(positions[-1]) + 1 - (cfg.window_size - 1))
@@ -299,8 +311,12 @@ class OracleSession:
         w, cfg = self.m.w, self.cfg
         p = f"layers.{i}.ffn."
         hashed = cfg.is_hash_layer(i)
-        weights, experts = moe_ops.gate(x, w(p + "gate.weight"), None if hashed else w(p + "gate.bias"),
-                                        w(p + "gate.tid2eid") if hashed else None, ids, cfg)
+        bias = None if hashed else w(p + "gate.bias")
+        weights, experts = moe_ops.gate(x, w(p + "gate.weight"), bias, w(p + "gate.tid2eid") if hashed else None,
+                                        ids, cfg)
+        if not hashed and self.rec is not None and self.rec.wants(f"L{i}.moe.scores"):
+            self.emit(f"L{i}.moe.scores", moe_ops.selection_scores(moe_ops.gate_scores(x, w(p + "gate.weight"), cfg),
+                                                                  bias))
         self.emit(f"L{i}.moe.experts", experts)
         self.emit(f"L{i}.moe.weights", weights)
 

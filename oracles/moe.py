@@ -10,6 +10,21 @@ import torch.nn.functional as F
 from fidelity.model.config import ModelConfig
 
 
+def gate_scores(x: torch.Tensor, weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """x [n, dim] -> s [n, n_routed_experts] = score_func(x @ W^T)."""
+    logits = x @ weight.to(x.dtype).T
+    if cfg.score_func == "softmax":
+        return logits.softmax(dim=-1)
+    if cfg.score_func == "sigmoid":
+        return logits.sigmoid()
+    return F.softplus(logits).sqrt()
+
+
+def selection_scores(scores: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What a score-routed layer takes the top-k of: ``s + bias`` (the bias selects only)."""
+    return scores + bias.to(scores.dtype) if bias is not None else scores
+
+
 def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
          ids: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, dim] -> (weights [n, k], expert ids [n, k]).
@@ -18,18 +33,11 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2e
     ``tid2eid[token id]`` on hash layers; weights are the unbiased s gathered, normalised (no eps) for
     non-softmax scores, times route_scale.
     """
-    logits = x @ weight.to(x.dtype).T
-    if cfg.score_func == "softmax":
-        scores = logits.softmax(dim=-1)
-    elif cfg.score_func == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        scores = F.softplus(logits).sqrt()
+    scores = gate_scores(x, weight, cfg)
     if tid2eid is not None:
         indices = tid2eid[ids].long()
     else:
-        biased = scores + bias.to(x.dtype) if bias is not None else scores
-        indices = biased.topk(cfg.n_activated_experts, dim=-1).indices
+        indices = selection_scores(scores, bias).topk(cfg.n_activated_experts, dim=-1).indices
     weights = scores.gather(1, indices)
     if cfg.score_func != "softmax":
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -9,6 +9,11 @@ Definitions (per query q; ids < 0 are ignored, duplicates count once):
   (Ref picks score >= kth, so the gap is s - kth; exact
   ties, including the all-zero ReLU scores, are always near-ties.) Extras (test picks absent from ref) are
   classified the same way with the oracle score of the test pick.
+  miss_gap = the largest oracle-score inversion in the test picks: per query, (largest oracle score of a miss -
+  smallest oracle score of an extra) / max(|kth|, scale), +inf where the test picks fewer valid entries than it
+  misses (an entry dropped for nothing) or picks an entry the oracle scores -inf; 0 without a miss. A decoder
+  ranks every extra above every miss, so its score error is at least this gap: thresholds hold it to the score
+  precision of the decoder's class (the near-tie margin lives in the rule, not in the probe).
   Rank displacement, for each test pick visible to the oracle (finite oracle score): the test rank i is its
   column among q's valid test picks (0 = first); the oracle rank is the tie interval
   [#{scores > s}, #{scores >= s} - 1]; displacement = distance from i to that interval (0 inside it).
@@ -26,6 +31,20 @@ def _near_tie(s: torch.Tensor, kth: torch.Tensor, margin: float, scale: torch.Te
     """float64 [n, k], kth [n, 1], scale [n, 1] -> bool: s is within ``margin * max(|kth|, scale)`` of kth,
     exact ties included."""
     return (s == kth) | ((s - kth).abs() <= margin * torch.maximum(kth.abs(), scale))
+
+
+def _inversion_gap(miss: torch.Tensor, miss_s: torch.Tensor, extra: torch.Tensor, extra_s: torch.Tensor,
+                   kth: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per query [n] float64: (max miss score - min extra score) / max(|kth|, scale), +inf where misses outnumber
+    extras or an extra has no finite oracle score, 0 without a miss (see the module docstring)."""
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=miss_s.device)
+    top_miss = torch.where(miss, miss_s, -inf).amax(dim=-1)
+    extra_s = torch.where(extra_s.isnan(), -inf, extra_s)
+    low_extra = torch.where(extra, extra_s, inf).amin(dim=-1)
+    unit = torch.maximum(kth.abs(), scale).squeeze(-1).clamp(min=torch.finfo(torch.float64).tiny)
+    gap = torch.clamp((top_miss - low_extra) / unit, min=0)
+    gap = torch.where(miss.sum(-1) > extra.sum(-1), inf, gap)
+    return torch.where(miss.any(-1), gap, 0.0)
 
 
 def _rank_displacement(test: torch.Tensor, scores: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -53,8 +72,8 @@ def indexer_recall(test_topk: torch.Tensor, ref_topk: torch.Tensor, ref_scores: 
                    margin: float = 0.0) -> dict[str, torch.Tensor]:
     """test_topk [n, k'], ref_topk [n, k] entry ids (-1 = none), ref_scores [n, e] oracle scores (-inf =
     invisible) -> 0-d metrics: recall (float64), recall_queries, hits, near_tie_miss, true_miss,
-    first_true_miss_query (row, -1 none), near_tie_extra, true_extra, test_invisible (test picks out of range
-    or with -inf/NaN oracle score), rank_disp_mean, rank_disp_max (float64), ranked (int64)."""
+    first_true_miss_query (row, -1 none), miss_gap (float64), near_tie_extra, true_extra, test_invisible (test
+    picks out of range or with -inf/NaN oracle score), rank_disp_mean, rank_disp_max (float64), ranked (int64)."""
     dev = ref_scores.device
     ref, test = ref_topk.to(dev, torch.int64), test_topk.to(dev, torch.int64)
     e = ref_scores.shape[-1]
@@ -74,6 +93,7 @@ def indexer_recall(test_topk: torch.Tensor, ref_topk: torch.Tensor, ref_scores: 
     scale = torch.where(finite, ref_scores.abs(), 0).amax(dim=-1, keepdim=True).to(torch.float64)
     near_miss = miss & _near_tie(miss_s, kth, margin, scale)
     true_miss = miss & ~near_miss
+    gaps = _inversion_gap(miss, miss_s, extra, extra_s, kth, scale)
     near_extra = extra & _near_tie(extra_s, kth, margin, scale)
 
     has_ref = count > 0
@@ -88,6 +108,7 @@ def indexer_recall(test_topk: torch.Tensor, ref_topk: torch.Tensor, ref_scores: 
         "near_tie_miss": near_miss.sum(),
         "true_miss": true_miss.sum(),
         "first_true_miss_query": first_true(true_miss.any(dim=-1)),
+        "miss_gap": torch.cat((gaps, gaps.new_zeros(1))).amax(),
         "near_tie_extra": near_extra.sum(),
         "true_extra": (extra & ~near_extra).sum(),
         "test_invisible": (valid & ~test_sc.isfinite()).sum(),

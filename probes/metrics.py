@@ -37,6 +37,7 @@ METRICS: dict[str, str] = {
     "near_tie_miss": "indexer: misses within the tie margin of the k-th oracle score",
     "true_miss": "indexer: the other misses",
     "first_true_miss_query": "indexer: row of the first true miss (-1 none)",
+    "miss_gap": "indexer: largest (k-th oracle score - missed pick's) / the query's score scale (0 no miss)",
     "near_tie_extra": "indexer: extra picks within the tie margin",
     "true_extra": "indexer: the other extra picks",
     "test_invisible": "indexer: production picks the oracle scores -inf or NaN",
@@ -59,6 +60,16 @@ METRICS: dict[str, str] = {
     "routing_agree": "routing: share of tokens routed to the same experts",
     "routing_flips": "routing: tokens routed differently",
     "weight_max_err": "routing: max |w_test - w_oracle| on tokens routed alike",
+    "routing_gap": "routing: largest oracle selection-score gap a flip inverts, over the token's largest score "
+                   "(+inf: a hash layer's flip, or fewer experts)",
+    # rows (every site)
+    "rows_missing": "rows: oracle rows (tokens, entries) the decoder did not report at this site and step",
+    "rows_extra": "rows: rows the decoder reported beyond the oracle's",
+    "shape_mismatch": "rows: 1 when a row's trailing shape differs from the oracle's (the site is not compared)",
+    "ambiguous_tokens": "routing (no decoder experts): tokens whose oracle routing is a near-tie, left out of the "
+                        "comparison of the MoE output and the streams after it",
+    "ambiguous_queries": "indexer (layer mode, no decoder top-k): queries whose oracle selection is a near-tie, "
+                         "left out of the comparison of the sites after it",
     # tokens (free mode, logits)
     "agree": "tokens: 1 when the greedy tokens agree",
     "ref_token": "tokens: the oracle's greedy token",

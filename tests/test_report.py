@@ -104,14 +104,15 @@ def test_clean_run_passes(clean):
     assert first_divergence(evaluate(clean)) is None
 
 
-def test_first_divergence_is_named_exactly(failing):
+def test_first_divergence_is_the_earliest_site_that_fails_locally_at_its_first_step(failing):
     failures = evaluate(failing)
     div = first_divergence(failures)
-    assert (div.step, div.site, div.metric, div.mode) == (3, "L2.attn.out", "cos", "op")
-    assert str(div) == "step 3 (decode), L2.attn.out cos 0.95 < 0.99 (op mode)"
+    # layer 0 (step 4) comes before layer 2 (step 3) in data-flow order: a local failure there is not inherited
+    assert (div.step, div.site, div.metric, div.mode) == (4, "L0.attn.out", "cos", "op")
+    assert str(div) == "step 4 (decode), L0.attn.out cos 0.9 < 0.99 (op mode)"
     assert set(failures["site"]) == {"L2.attn.out", "L2.moe.out", "L3.attn.out", "L0.attn.out", "L1.mhc_ffn.comb",
                                      "L3.attn.visible"}
-    assert failures["site"].tolist()[-2:] == ["L1.mhc_ffn.comb", "L3.attn.visible"]  # step 5, data-flow order
+    assert failures["site"].tolist()[-2:] == ["L3.attn.visible", "L3.attn.out"]  # data-flow order within a layer
     flip = failures[failures["metric"] == "orientation_flip"]
     assert flip["threshold"].tolist() == ["<= 0"]
 
@@ -137,7 +138,7 @@ def test_nan_is_a_failure_and_an_anomaly(nan_df, tmp_path):
 def test_profile_defaults():
     cos = {p: next(t.value for t in default_thresholds(p) if t.metric == "cos") for p in ("bf16", "fp8-kv", "fp32")}
     assert cos["bf16"] == 0.999 and cos["fp8-kv"] == 0.99 and cos["fp32"] > 0.999999
-    assert any(t.metric == "true_miss" for t in default_thresholds("fp64"))
+    assert any(t.metric == "miss_gap" and not t.modes for t in default_thresholds("fp64"))
     assert any(t.metric == "recall" and t.op == ">=" for t in default_thresholds("reference"))
 
 
@@ -205,7 +206,7 @@ def written(failing, tmp_path_factory):
 def test_report_contents(written):
     path, _ = written
     md, page = (path / "report.md").read_text(), (path / "report.html").read_text()
-    assert "FAIL:" in md and "first divergence: step 3 (decode), L2.attn.out cos 0.95 < 0.99 (op mode)" in md
+    assert "FAIL:" in md and "first divergence: step 4 (decode), L0.attn.out cos 0.9 < 0.99 (op mode)" in md
     for title in ("Per-layer error", "Sinkhorn", "Indexer recall", "Visible range", "Anomalies", "Token agreement",
                   "Memory flatness", "Thresholds"):
         assert f"## {title}" in md and f"<h2>{title}" in page
@@ -246,7 +247,7 @@ def test_read_run_round_trip(written, failing):
     path, manifest = written
     df, got = read_run(path)
     pd.testing.assert_frame_equal(df, rundir.check_metrics(failing))
-    assert {k: got[k] for k in manifest} == manifest and got["thresholds"][0]["metric"] == "nonfinite_mismatch"
+    assert {k: got[k] for k in manifest} == manifest and got["thresholds"][0]["metric"] == "rows_missing"
     assert sorted(p.name for p in (path / "plots").iterdir()) == sorted(
         ["cos_over_steps.png", "heatmap_1mcos.png", "residual_norms.png", "sinkhorn.png", "recall.png"])
     assert [p.name for p in path.parent.iterdir()] == ["failing-run"]

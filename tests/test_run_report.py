@@ -1,18 +1,29 @@
-"""Reports and thresholds on real (small) runs of the tiny checkpoint: the memory section, the metric names a
-threshold file may use, rules that match nothing, a re-rendered report equal to the run's, the thresholds table,
-the checkpoint's identity, defaults that follow a profile's fields, and per-run implementation records."""
+"""Reports and thresholds on real (small) runs of the tiny checkpoint: the verdict first, the memory section, the
+Sinkhorn plot's judged quantities and limits, the metric names a threshold file may use, rules that match nothing,
+a re-rendered report equal to the run's, the thresholds table, the checkpoint's identity, defaults that follow a
+profile's fields, and per-run implementation records."""
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import shutil
 
 import pytest
 
 from fidelity import cli
 from fidelity.decoders.production.profiles import get_profile
+from fidelity.harness.judgement import judge, run_rules
 from fidelity.harness.runner import RunSpec
-from fidelity.harness.thresholds import CORE_GAP, CORE_GAP_FP8, ThresholdError, default_thresholds, load_thresholds
+from fidelity.harness.thresholds import (
+    CORE_GAP,
+    CORE_GAP_FP8,
+    MEMORY_GROWTH_BAND,
+    ThresholdError,
+    default_thresholds,
+    load_thresholds,
+)
 from fidelity.harness.thresholds import profile_class as klass
 from fidelity.job import run_job
 from fidelity.model.config import ModelConfig
@@ -47,11 +58,83 @@ def _section(md: str, title: str) -> str:
 def test_memory_section_shows_the_bytes_the_memory_probe_writes(run):
     memory = _section(_report(run), "Memory flatness")
     assert "No decode-step memory rows" not in memory
-    for metric in ("allocated_bytes", "reserved_bytes", "cache_bytes"):
-        assert f"| {metric} | 3 |" in memory
+    for metric in ("allocated_bytes", "reserved_bytes", "cache_bytes", "held_bytes", "host_retained_growth"):
+        assert f"| {metric} | 3 |" in memory or f"| {metric} | 1 |" in memory
     assert "process's resident set" in memory  # on the CPU the allocator counters are the RSS
     mib = f"{run.manifest['cache_bytes'] / 2**20:.3f} MiB"
-    assert f"| cache_bytes | 3 | {mib} | {mib} | 0.000 MiB | yes |" in memory
+    assert f"| cache_bytes | 3 | {mib} | {mib} | 0.000 MiB |" in memory  # informational: no 'flat' verdict
+
+
+def _rows(table: str) -> dict[str, list[str]]:
+    """A markdown table's rows by their first cell."""
+    cells = [[c.strip() for c in ln.strip("|").split(" | ")] for ln in table.splitlines() if ln.startswith("| ")]
+    return {r[0]: r[1:] for r in cells[1:]}
+
+
+def test_the_memory_table_gives_each_judged_quantity_its_value_band_and_the_rules_verdict(run, tmp_path):
+    memory = _section(_report(run), "Memory flatness")
+    judged = memory.split("Not judged")[0]
+    band = f"<= {MEMORY_GROWTH_BAND / 2**20:g} MiB"
+    rows = _rows(judged)
+    assert rows["held_growth"] == [band, "1", "0", "yes"]  # 3 decode calls, 2 of them the warm-up
+    assert rows["cache_growth"] == ["<= 0", "4", "0", "yes"]
+    for metric in ("retained_growth", "reserved_growth"):
+        assert rows[metric] == [band, "0", "-", "not measured (CUDA only)"]
+    assert rows["new_device_mallocs"] == ["<= 0", "0", "-", "not measured (CUDA only)"]
+    assert "host_retained_growth" not in rows  # malloc's count is not judged
+    assert "Flat: yes. Every judged quantity is within its band (cache_growth, held_growth)." in memory
+    df, manifest = read_run(run.run_dir)
+    judgement = judge(df, *run_rules(manifest, df))
+    verdict = judgement.judged[judgement.judged["site"] == "memory"].groupby("metric")["passed"].all()
+    assert {m: r[-1] for m, r in rows.items() if r[1] != "0"} == {m: "yes" if ok else "no" for m, ok in verdict.items()}
+    copy = tmp_path / "copy"
+    shutil.copytree(run.run_dir, copy)
+    th = tmp_path / "th.toml"
+    th.write_text(f"[memory]\nheld_growth = \"<={-2**20}\"\n")
+    assert cli.main(["report", str(copy), "--thresholds", str(th)]) == 0
+    md = _report_of(copy)
+    memory = _section(md, "Memory flatness")
+    assert _rows(memory.split("Not judged")[0])["held_growth"] == ["<= -1 MiB", "1", "0", "no"]
+    assert "Flat: no. held_growth reaches 0 against <= -1 MiB." in memory
+    assert "held_growth" in _section(md, "Verdict").split("first divergence:")[1].splitlines()[0]
+
+
+def test_the_report_opens_with_the_verdict_and_the_first_divergence(run):
+    md = _report(run)
+    verdict = "PASS: all " if run.passed else "FAIL: "
+    divergence = f"first divergence: {run.first_divergence or 'none'}"
+    text = [ln for ln in md.splitlines() if ln and not ln.startswith("#")]
+    assert text[0].startswith(verdict) and text[1] == divergence
+    assert [ln for ln in md.splitlines() if ln.startswith("## ")][:2] == ["## Verdict", "## Run"]
+    body = (run.run_dir / "report.html").read_text().split("<body>")[1]
+    paragraphs = re.findall(r"<p>(.*?)</p>", body)
+    assert paragraphs[0].startswith(verdict) and paragraphs[1] == html.escape(divergence)
+    assert body.index("<h2>Verdict") < body.index("<h2>Run") < body.index("<table>")
+    ids = " ".join(map(str, run.manifest["generated"]))
+    assert ids not in md and f"| generated | {len(run.manifest['generated'])} tokens (ids in manifest.json) |" in md
+
+
+def test_the_sinkhorn_plot_draws_what_the_stored_rules_judge_against_their_limits(run, tmp_path):
+    from fidelity.outputs.plots import plot_sinkhorn, run_dir_rules
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run.run_dir, copy)
+    th = tmp_path / "th.toml"
+    th.write_text("['L\\d+\\.mhc_(attn|ffn)\\.comb']\ncol_dev = \"<=0.05\"\n")
+    assert cli.main(["report", str(copy), "--thresholds", str(th)]) == 0
+    assert (copy / "plots" / "sinkhorn.png").read_bytes() != (run.run_dir / "plots" / "sinkhorn.png").read_bytes()
+    df, manifest = read_run(copy)
+    excess = next(r["value"] for r in manifest["thresholds"] if r["metric"] == "row_dev_excess")
+    fig = plot_sinkhorn(df, run_dir_rules(df, copy / "plots"))
+    assert [ax.get_title() for ax in fig.axes] == [f"row_dev_excess <= {excess:g} (op, layer mode)",
+                                                   "col_dev <= 0.05 (op, layer, free mode)"]
+    for ax, (metric, modes, limit) in zip(fig.axes, [("row_dev_excess", ("op", "layer"), excess),
+                                                     ("col_dev", ("op", "layer", "free"), 0.05)], strict=True):
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        assert set(lines["limit"].get_ydata()) == {limit}
+        for family in ("mhc_attn.comb", "mhc_ffn.comb"):
+            rows = df[(df["metric"] == metric) & df["site"].str.endswith(family) & df["mode"].isin(modes)]
+            assert list(lines[family].get_ydata()) == rows.groupby("layer")["value"].max().tolist(), (metric, family)
 
 
 def test_every_metric_a_run_writes_is_a_known_metric(run):
@@ -64,7 +147,8 @@ def test_every_metric_a_run_writes_is_a_known_metric(run):
                  "retained_growth", "reserved_delta", "reserved_growth"}  # the CUDA allocator's counters
     assert set(METRICS) - written <= {"token_flip_with_margin", "max_abs_index", "nonfinite_first", "nonfinite",
                                       "pick_flip_with_margin", "routing_agree", "routing_flips", "test_invisible",
-                                      "first_row"} | cuda_only | written
+                                      "first_row", "miss_gap", "rows_missing", "rows_extra", "shape_mismatch",
+                                      "ambiguous_queries", "ambiguous_tokens"} | cuda_only | written
 
 
 def test_threshold_files_take_the_memory_probes_names_and_refuse_the_old_ones(tmp_path):
@@ -107,12 +191,22 @@ def test_rerendering_a_run_reproduces_its_report_and_verdict(run, tmp_path, caps
     assert f"all {checked} checked values" in before[0] or f"of {checked} checked values" in before[0]
 
 
-def test_the_csa_rule_names_the_configs_csa_layers(run):
-    rules = json.loads((run.run_dir / "manifest.json").read_text())["thresholds"]
-    csa = [r for r in rules if "attn\\.(core|out)" in r["site_regex"] and r["modes"] == ["layer"]
-           and r["metric"] == "cos" and r["op"] == ">="]
+def test_a_csa_floor_holds_only_a_quantized_decoder_reporting_no_top_k_and_names_the_configs_csa_layers(run, tiny):
+    """The built-in decoder reports its top-k, which layer mode attends: its CSA layers take the layer rules. A
+    quantized decoder without a top-k gets the floor, on the config's CSA layers."""
+    from fidelity.harness.judgement import rules_for
+    from fidelity.harness.thresholds import CSA_LAYER_COS
+
+    def floors(rules):
+        return [r for r in rules if "attn\\.(core|out)" in r["site_regex"] and r["modes"] == ["layer"]
+                and r["metric"] == "cos" and r["op"] == ">="]
+
+    assert floors(json.loads((run.run_dir / "manifest.json").read_text())["thresholds"]) == []
+    residuals = frozenset({"logits", "embed", "L{i}.residual"})
+    csa = floors([r.to_dict() | {"modes": list(r.modes)} for r in rules_for("reference", tiny.config, residuals)])
     assert [r["site_regex"] for r in csa] == ["L(2|4)\\.(attn\\.(core|out)|moe\\.out|residual)"]
-    assert csa[0]["value"] == 0.5
+    assert csa[0]["value"] == CSA_LAYER_COS
+    assert floors([r.to_dict() | {"modes": list(r.modes)} for r in rules_for("bf16", tiny.config, residuals)]) == []
 
 
 def test_the_thresholds_table_shows_modes_class_and_what_each_rule_checked(run):
@@ -121,10 +215,9 @@ def test_the_thresholds_table_shows_modes_class_and_what_each_rule_checked(run):
     assert "| rule | site regex | metric | modes | threshold | source | checked | failed |" in table
     rows = [ln.split(" | ") for ln in table.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
     by_rule = {(r[2], r[3], r[4]): (r[6], r[7].rstrip(" |")) for r in rows}  # (metric, modes, threshold)
-    assert by_rule[("true_miss", "op", "<= 0")] == ("8", "0")  # 2 CSA layers x 4 steps, op mode only
+    assert by_rule[("miss_gap", "op", "<= 0.03")] == ("8", "0")  # 2 CSA layers x 4 steps, op mode only
     assert by_rule[("recall", "layer", ">= 0.46875")] == ("8", "0")
-    assert by_rule[("cos", "layer", ">= 0.5")] == ("32", "0")  # CSA attention on: 2 layers x 4 sites x 4 steps
-    assert by_rule[("calc_diff", "layer", "off")] == ("-", "-")
+    assert by_rule[("routing_gap", "all", "<= 0")][1] == "0"  # the hash layers, every mode
     assert by_rule[("nonfinite_mismatch", "all", "<= 0")][0] != "0"
 
 
@@ -186,18 +279,19 @@ def test_run_plots_keep_their_text_inside_and_say_which_mode_they_show(run):
 
     from fidelity.outputs.plots import PLOTS
 
-    df, _ = read_run(run.run_dir)
+    df, manifest = read_run(run.run_dir)
+    rules = run_rules(manifest, df)[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. constrained_layout giving up
-        figures = {name: build(df) for name, build in PLOTS.items()}
+        figures = {name: build(df, rules) for name, build in PLOTS.items()}
         for name, fig in figures.items():
             assert _text_outside(fig) == [], name
     assert all(fig.legends for name, fig in figures.items() if name != "heatmap_1mcos.png")  # outside the axes
     assert not any(ax.get_legend() for fig in figures.values() for ax in fig.axes)  # none over the data
-    for name in ("sinkhorn.png", "residual_norms.png"):
-        assert "(free mode rows)" in figures[name].axes[0].get_title()
-    lines = {ln.get_label(): ln for ln in figures["sinkhorn.png"].axes[0].get_lines()}
-    attn, ffn = lines["mhc_attn.comb col_dev"], lines["mhc_ffn.comb col_dev"]
+    assert "(free mode rows)" in figures["residual_norms.png"].axes[0].get_title()
+    assert [ax.get_title().endswith(" mode)") for ax in figures["sinkhorn.png"].axes] == [True, True]
+    lines = {ln.get_label(): ln for ln in figures["sinkhorn.png"].axes[1].get_lines()}
+    attn, ffn = lines["mhc_attn.comb"], lines["mhc_ffn.comb"]
     assert (attn.get_linestyle(), attn.get_marker()) != (ffn.get_linestyle(), ffn.get_marker())
 
 

@@ -36,10 +36,31 @@ FAULTS = ("sink-dropped", "window-127", "window-no-self", "no-inverse-rope", "co
           "routing-bias-in-weights", "topk-cap-half", "causal-off-by-one", "sinkhorn-3-iters",
           "shared-clamp-missing", "yarn-on-swa")
 NOT_REPORTED = ("L{i}.mhc_attn.pre", "L{i}.mhc_ffn.pre")
+REQUIREMENT = "transformers>=5.23"
+INSTALL = "pip install 'dsv4-fidelity[transformers]' (in a checkout: pip install -e '.[transformers]')"
+
+
+class TransformersMissing(ImportError):
+    """transformers, or its DeepseekV4ForCausalLM, is not installed; the message says what to install."""
+
+
+def require_transformers(what: str = "TransformersDecoder") -> None:
+    """Raise TransformersMissing (one line: ``what`` needs, what is installed, what to install) unless transformers
+    with ``DeepseekV4ForCausalLM`` imports."""
+    try:
+        import transformers
+    except ImportError:
+        raise TransformersMissing(f"{what} needs {REQUIREMENT}, which is not installed: {INSTALL}") from None
+    try:
+        from transformers import DeepseekV4ForCausalLM  # noqa: F401
+    except ImportError:
+        raise TransformersMissing(f"{what} needs {REQUIREMENT} (DeepseekV4ForCausalLM), found transformers "
+                                  f"{transformers.__version__}: {INSTALL}") from None
 
 
 def hf_config(cfg: ModelConfig):
     """transformers' ``DeepseekV4Config`` for ``cfg``."""
+    require_transformers()
     from transformers import DeepseekV4Config
 
     d = cfg.to_hf_dict()
@@ -52,6 +73,7 @@ def hf_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: str |
     """A ``DeepseekV4ForCausalLM`` holding ``ckpt``'s weights, built in memory (any layout the loader reads;
     FP8/FP4 weights dequantized exactly), in ``dtype`` as ``from_pretrained(dtype=...)`` leaves it: the modules
     transformers keeps in fp32 and the RoPE frequencies stay fp32."""
+    require_transformers()
     from transformers import DeepseekV4ForCausalLM
 
     cfg = ckpt.config
@@ -83,6 +105,7 @@ class TransformersDecoder(Decoder):
     ``from_pretrained(dir, dtype, device)`` for a checkpoint directory in any layout the loader reads."""
 
     def __init__(self, model, config: ModelConfig | None = None):
+        require_transformers()
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -98,13 +121,17 @@ class TransformersDecoder(Decoder):
         AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
         self.model.set_attn_implementation(ATTENTION)
         self.rec = None
+        self.reset()
+        self._hook_handles = self._instrument()
+
+    def reset(self) -> None:
+        """A new cache at position 0, and the per-layer entry counts of the hooks emptied."""
         self.pos = 0
         self.calls = 0
         self.cache = None
         self._entries: dict[str, int] = {}  # compressed entries / indexer keys emitted so far, per layer
         self._layer_entries: dict[int, int] = {}  # compressed entries the attention of a layer sees this call
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._hook_handles = self._instrument()
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | str = torch.bfloat16,
@@ -223,6 +250,8 @@ class TransformersDecoder(Decoder):
             if on("routing-bias-in-weights") and hasattr(module, "e_score_correction_bias"):
                 biased = (module.score_fn(logits) + module.e_score_correction_bias).gather(1, indices)
                 weights = biased / (biased.sum(dim=-1, keepdim=True) + 1e-20) * module.routed_scaling_factor
+            if hasattr(module, "e_score_correction_bias"):  # score-routed: what its top-k selects from
+                self.emit(f"L{i}.moe.scores", (module.score_fn(logits) + module.e_score_correction_bias).float())
             self.emit(f"L{i}.moe.experts", indices)
             self.emit(f"L{i}.moe.weights", weights)
             return logits, weights, indices

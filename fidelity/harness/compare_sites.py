@@ -8,8 +8,11 @@ also ``residual_norms``; every other float site -> ``similarity``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from fidelity.harness.thresholds import LAYER_SITE_ORDER
 from fidelity.model.config import ModelConfig
 from fidelity.model.sites import Recorder, site_of
 from probes import (
@@ -60,21 +63,69 @@ def _same_routing(site: str, r: torch.Tensor, t: torch.Tensor, ref: Recorder, te
     if experts not in ref.records or experts not in test.records:
         return torch.ones(len(r), dtype=torch.bool)
     re_ = ref.get(experts)
-    te = _align(re_, test.get(experts), rows)
-    return (re_.sort(-1).values == te.sort(-1).values).all(-1)
+    te = _align(re_, test.get(experts), rows).to(re_.device)
+    n, width = min(len(re_), len(te)), max(re_.shape[-1], te.shape[-1])
+    same = (_pad_ids(re_[:n], width).sort(-1).values == _pad_ids(te[:n], width).sort(-1).values).all(-1)
+    return torch.cat((same, same.new_zeros(len(r) - n))) if n < len(r) else same[: len(r)]
 
 
 def _routing_weights(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict) -> dict:
     """Routing weights compared per expert id on the tokens whose expert sets agree (flips are counted by
     ``moe.experts``): weight_max_err = max |w_test - w_ref|."""
     experts = site.replace("weights", "experts")
-    re_, te = ctx["ref"].get(experts), ctx["test"].get(experts)
-    te = _align(re_, te, ctx["rows"])
+    re_ = ctx["ref"].get(experts)
+    te = _align(re_, ctx["test"].get(experts), ctx["rows"]).to(re_.device)
+    n = min(len(re_), len(te))
+    re_, te = re_[:n], te[:n]
+    if ctx.get("keep") is not None:
+        re_, te = re_[ctx["keep"]], te[ctx["keep"]]
+    if re_.shape != ref.shape or te.shape != test.shape:
+        return {}
     ro, to = re_.sort(-1), te.sort(-1)
     same = (ro.values == to.values).all(-1, keepdim=True)
     rw, tw = ref.gather(-1, ro.indices).double(), test.gather(-1, to.indices).double()
     err = torch.where(same, (rw - tw).abs(), 0.0)
     return {"weight_max_err": err.amax() if err.numel() else torch.zeros((), dtype=torch.float64)}
+
+
+def _routing(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict) -> dict:
+    """Expert sets per token: routing_agree, routing_flips, and routing_gap, the largest oracle selection-score
+    gap a flip inverts (``_inversion_gap``), +inf for a flip where the oracle has no scores (hash layers: a
+    lookup has no near-tie) or where the test routes to fewer experts."""
+    width = max(ref.shape[-1], test.shape[-1])
+    ref, test = _pad_ids(ref, width), _pad_ids(test, width)
+    agree = (test.sort(-1).values == ref.sort(-1).values).all(-1)
+    scores_site = site.replace("experts", "scores")
+    if scores_site in ctx["ref"].records and len(agree):
+        scores = ctx["ref"].get(scores_site).to(ref.device)
+        scores = scores[ctx["keep"]] if ctx.get("keep") is not None else scores
+        gap = _inversion_gap(ref, test, scores.double())
+    else:
+        gap = torch.where(agree, 0.0, float("inf")).double()
+    out = agree.double()
+    return {"routing_agree": out.mean() if len(out) else torch.ones((), dtype=torch.float64),
+            "routing_flips": (1 - out).sum(), "routing_gap": torch.cat((gap, gap.new_zeros(1))).amax()}
+
+
+def _pad_ids(ids: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(ids.long(), (0, width - ids.shape[-1]), value=-1)
+
+
+def _inversion_gap(ref: torch.Tensor, test: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """ids [n, k] (-1 = none), oracle scores [n, E] -> [n] float64: (largest score of an id only ref has - smallest
+    score of an id only test has) / the token's largest |score|; +inf where test has fewer valid ids; 0 when the
+    sets agree."""
+    ref_only = (ref[:, :, None] != test[:, None, :]).all(-1) & (ref >= 0)
+    test_only = (test[:, :, None] != ref[:, None, :]).all(-1) & (test >= 0)
+    inf = float("inf")
+    rs = scores.gather(1, ref.clamp(min=0))
+    ts = scores.gather(1, test.clamp(min=0, max=scores.shape[1] - 1))
+    top = torch.where(ref_only, rs, -inf).amax(-1)
+    low = torch.where(test_only, ts, inf).amin(-1)
+    unit = scores.abs().amax(-1).clamp(min=torch.finfo(torch.float64).tiny)
+    gap = torch.clamp((top - low) / unit, min=0)
+    gap = torch.where(ref_only.sum(-1) > test_only.sum(-1), inf, gap)
+    return torch.where(ref_only.any(-1), gap, 0.0)
 
 
 def compare_site(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict, per_position: bool) -> list[dict]:
@@ -91,8 +142,7 @@ def compare_site(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict, pe
     elif entry.probe == "routing_weights":
         out += to_rows(site, layer, _routing_weights(site, ref, test, ctx))
     elif entry.probe == "routing":
-        agree = (test.sort(-1).values == ref.sort(-1).values).all(-1).double()
-        out += to_rows(site, layer, {"routing_agree": agree.mean(), "routing_flips": (1 - agree).sum()})
+        out += to_rows(site, layer, _routing(site, ref, test, ctx))
     elif ref.is_floating_point():
         out += to_rows(site, layer, similarity(ref, test))
         if entry.probe == "residual":
@@ -105,27 +155,115 @@ def compare_site(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict, pe
     return out
 
 
+def _rows_matched(site: str, r: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A different number of rows (tokens, entries) or of trailing elements (experts) at a site is counted, not
+    raised: rows_missing / rows_extra (and shape_mismatch for other trailing dims); the common leading rows are
+    compared."""
+    counts = {}
+    if r.shape[0] != t.shape[0]:
+        counts = {"rows_missing": torch.tensor(max(0, r.shape[0] - t.shape[0])),
+                  "rows_extra": torch.tensor(max(0, t.shape[0] - r.shape[0]))}
+        n = min(r.shape[0], t.shape[0])
+        r, t = r[:n], t[:n]
+    if r.shape[1:] != t.shape[1:] and not site.endswith(RAGGED) and site_of(site).probe != "routing":
+        counts["shape_mismatch"] = torch.tensor(1)
+    return r, t, counts
+
+
+RAGGED = (".topk", ".visible", ".scores")  # widths that vary with the call (compared through their probes)
+
+
+def _unambiguous(picks: torch.Tensor, scores: torch.Tensor, margin: float) -> torch.Tensor:
+    """picks [n, k] (-1 = none), scores [n, e] (-inf = not visible) -> bool [n]: the selection cannot flip under
+    a score error below ``margin`` times the row's largest |score|: no more candidates than picks, or the k-th
+    and the next score apart by more than that."""
+    s = scores.double()
+    k = (picks >= 0).sum(-1)
+    ordered = s.sort(-1, descending=True).values
+    kth = ordered.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1)
+    nxt = ordered.gather(1, k.clamp(max=s.shape[1] - 1)[:, None]).squeeze(1)
+    unit = torch.where(s.isfinite(), s.abs(), 0.0).amax(-1)
+    return (s.isfinite().sum(-1) <= k) | (k == 0) | ((kth - nxt) > margin * unit)
+
+
+def _decided_rows(layer: int, what: str, ref: Recorder, test: Recorder, margin: float | None, n: int,
+                  device: torch.device) -> torch.Tensor | None:
+    """bool [n] rows of ``layer`` whose oracle selection (``what``: ``indexer.topk`` over ``indexer.scores``, or
+    ``moe.experts`` over ``moe.scores``) is unambiguous at ``margin`` (``_unambiguous``); None where the decoder
+    reports that selection itself (it is then compared directly, or attended as the decoder's), where the
+    oracle recorded no scores (a hash layer: its lookup is exact) or no margin applies."""
+    picks = f"L{layer}.{what}"
+    scores = picks.replace("topk", "scores").replace("experts", "scores")
+    if margin is None or picks in test.records or picks not in ref.records or scores not in ref.records:
+        return None
+    agree = _unambiguous(ref.get(picks).to(device), ref.get(scores).to(device), margin)
+    return agree if len(agree) == n else None
+
+
+@dataclass(frozen=True)
+class Margins:
+    """Score margins under which a selection the decoder does not report counts as its own (``_unambiguous``):
+    ``selection`` for a CSA layer's top-k (layer mode), ``routing`` for the experts."""
+
+    selection: float | None = None
+    routing: float | None = None
+
+
 def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, cfg: ModelConfig,
-                       rows: torch.Tensor | None = None, per_position: bool = False) -> list[dict]:
-    """Every site recorded by both: pending probe rows (no host transfer yet)."""
+                       rows: torch.Tensor | None = None, per_position: bool = False,
+                       margins: Margins = Margins()) -> list[dict]:
+    """Every site recorded by both: pending probe rows (no host transfer yet). Where the decoder does not report
+    a layer's top-k (or its experts), the sites after that selection are compared on the rows whose oracle
+    selection is unambiguous at ``margins`` (``_decided_rows``); the others are counted as ``ambiguous_queries``
+    at ``indexer.topk`` (``ambiguous_tokens`` at ``moe.experts``)."""
     pending: list[dict] = []
     device = next((recs[0][1].device for recs in test.records.values() if recs), positions.device)
     positions, rows = positions.to(device), rows.to(device) if rows is not None else None  # the decoder's device
     sel = positions if rows is None else positions[rows]
     ctx = {"positions": sel, "window": cfg.window_size, "ref": ref, "test": test, "rows": rows,
            "ratios": cfg.compress_ratios}
+    selections, routings = {}, {}
+    for i in range(cfg.n_layers):
+        agree = _decided_rows(i, "indexer.topk", ref, test, margins.selection, len(sel), device)
+        if agree is not None:
+            selections[i] = agree
+            pending += to_rows(f"L{i}.indexer.topk", i, {"ambiguous_queries": (~agree).sum()})
+        routed = _decided_rows(i, "moe.experts", ref, test, margins.routing, len(sel), device)
+        if routed is not None:
+            routings[i] = routed
+            pending += to_rows(f"L{i}.moe.experts", i, {"ambiguous_tokens": (~routed).sum()})
     for site in ref.records:
         if site not in test.records or (not per_position and not site_of(site).every_step):
             continue
         r = ref.get(site)
         t = _align(r, test.get(site), rows)
+        r, t, counts = _rows_matched(site, r.to(t.device), t)
+        pending += to_rows(site, _layer(site), counts)
         site_ctx = ctx
-        if site_of(site).after_routing:
-            same = _same_routing(site, r, t, ref, test, rows)
-            r, t, site_ctx = r[same], t[same], {**ctx, "positions": ctx["positions"][same]}
-        if r.shape != t.shape and not site.endswith((".topk", ".visible", ".scores")):
-            raise ValueError(f"site {site}: oracle shape {tuple(r.shape)} != production shape {tuple(t.shape)}")
-        if site.endswith(".scores") and r.shape != t.shape:
-            continue  # compared through indexer recall; widths differ when the oracle pads
-        pending += compare_site(site, r.to(t.device), t, site_ctx, per_position)
+        keep = _comparable_rows(site, r, t, ref, test, rows, selections, routings)
+        if keep is not None:
+            r, t, site_ctx = r[keep], t[keep], {**ctx, "positions": ctx["positions"][keep], "keep": keep}
+        if counts.get("shape_mismatch") is not None or (site.endswith(".scores") and r.shape != t.shape):
+            continue  # scores are compared through indexer recall (widths differ when the oracle pads)
+        pending += compare_site(site, r, t, site_ctx, per_position)
     return pending
+
+
+AFTER_SELECTION = LAYER_SITE_ORDER[LAYER_SITE_ORDER.index("attn.visible") + 1:]  # a CSA layer's sites after the top-k
+
+
+def _comparable_rows(site: str, r: torch.Tensor, t: torch.Tensor, ref: Recorder, test: Recorder,
+                     rows: torch.Tensor | None, selections: dict[int, torch.Tensor],
+                     routings: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """bool [n] rows compared at ``site`` (None: all): those with an unambiguous CSA selection for the sites after
+    it, and, for the sites after the routing, those both models routed alike (or, where the decoder reports no
+    experts, whose oracle routing is unambiguous)."""
+    layer, keep = _layer(site), None
+    if layer in selections and site.split(".", 1)[1] in AFTER_SELECTION and len(selections[layer]) == len(r):
+        keep = selections[layer]
+    if site_of(site).after_routing:
+        same = routings.get(layer)
+        same = _same_routing(site, r, t, ref, test, rows) if same is None else same
+        if len(same) == len(r):
+            keep = same if keep is None else keep & same
+    return keep

@@ -26,6 +26,7 @@ from fidelity.harness.thresholds import (
     load_thresholds,
     profile_class,
     sort_divergence,
+    thresholds_for,
 )
 
 
@@ -89,6 +90,20 @@ def csa_layers(config: Mapping | object | None) -> list[int] | None:
         ratios = ratios[: config.get("n_layers", len(ratios))]
         return [i for i, r in enumerate(ratios) if r == 4] if ratios else None
     return [i for i, kind in enumerate(config.layer_kinds) if kind == "csa"]
+
+
+def hash_layers(config) -> list[int]:
+    """The hash-routed layers of a ``ModelConfig``."""
+    return [i for i in range(config.n_layers) if config.is_hash_layer(i)]
+
+
+def rules_for(profile: object, config, decoder_sites: frozenset[str] | None = None,
+              path: str | Path | None = None) -> list[Threshold]:
+    """The rules a run of a decoder with ``profile`` on ``config`` is judged with: the defaults for its profile,
+    its config's CSA and hash layers and whether it reports its top-k (``decoder_sites``: its site templates; None:
+    the built-in decoder, which does), then the rules of the threshold file ``path``."""
+    reports_topk = decoder_sites is None or "L{i}.indexer.topk" in decoder_sites
+    return thresholds_for(profile, path, csa_layers(config), reports_topk, hash_layers(config))
 
 
 def stored_rules(manifest: Mapping) -> list[Threshold] | None:

@@ -125,8 +125,11 @@ class OpMode:
         x = get_q(f"L{i}.moe.in")
         p = f"layers.{i}.ffn."
         hashed = cfg.is_hash_layer(i)
-        weights, experts = moe_ops.gate(x, w(p + "gate.weight"), None if hashed else w(p + "gate.bias"),
-                                        w(p + "gate.tid2eid") if hashed else None, ids, cfg)
+        bias = None if hashed else w(p + "gate.bias")
+        weights, experts = moe_ops.gate(x, w(p + "gate.weight"), bias, w(p + "gate.tid2eid") if hashed else None,
+                                        ids, cfg)
+        if not hashed:
+            rec(f"L{i}.moe.scores", moe_ops.selection_scores(moe_ops.gate_scores(x, w(p + "gate.weight"), cfg), bias))
         rec(f"L{i}.moe.experts", experts)
         rec(f"L{i}.moe.weights", weights)
 

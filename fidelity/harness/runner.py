@@ -29,9 +29,10 @@ from fidelity.decoders.base import Decoder, mode_support
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.production.profiles import Profile
 from fidelity.decoders.trace_file import TraceWriter
-from fidelity.harness.compare_sites import compare_recordings
+from fidelity.harness.compare_sites import Margins, compare_recordings
 from fidelity.harness.opmode import OpMode
 from fidelity.harness.oracle_run import dtype_name
+from fidelity.harness.thresholds import ROUTING_GAP, ROUTING_GAP_LAYER, SELECTION_MARGIN, profile_class
 from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, SamplerConfig, StopSet
 from fidelity.model.sites import Recorder
@@ -144,6 +145,11 @@ class Runner:
         if not self.modes:
             raise RunError("run: no requested mode can run: " + "; ".join(f"{m}: {why}" for m, why in
                                                                           self.skipped.items()))
+        # selections the decoder does not report (a CSA layer's top-k, the experts): the margins at which the
+        # oracle's own counts as the decoder's, per mode (none for a quantized indexer: judged against a floor)
+        klass = profile_class(self.dec.profile)
+        self.margins = {"layer": Margins(SELECTION_MARGIN.get(klass), ROUTING_GAP_LAYER[klass]),
+                        "op": Margins(routing=ROUTING_GAP[klass]), "free": Margins()}
         self.oracle_numerics = exact_float32()
         self.oracle = OracleModel(checkpoint, spec.oracle_dtype, device=spec.oracle_device or spec.device)
         self.free = self.oracle.session() if "free" in self.modes else None
@@ -253,22 +259,26 @@ class Runner:
             with self._timed(phase, "oracle free"):
                 out["oracle"] = self.free.forward(ids)[-1]
             with self._timed(phase, "probes"):
-                pending["free"] = compare_recordings(rec, prod_rec, positions, self.cfg, None, prefill)
+                pending["free"] = compare_recordings(rec, prod_rec, positions, self.cfg, None, prefill,
+                                                     self.margins["free"])
         if self.layer is not None:
             tell(len(pending) + 1, "oracle, layer mode")
             rec = Recorder(device=None)
             self.layer.rec = rec
             with self._timed(phase, "oracle layer"):
-                self.layer.forward_layers(ids, lambda i: _layer_input(prod_rec, i, self.cfg.hc_mult), rows)
+                self.layer.forward_layers(ids, lambda i: _layer_input(prod_rec, i, self.cfg.hc_mult), rows,
+                                          lambda i: _recorded(prod_rec, f"L{i}.indexer.topk"))
             with self._timed(phase, "probes"):
-                pending["layer"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill)
+                pending["layer"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill,
+                                                      self.margins["layer"])
         if self.op is not None:
             tell(len(pending) + 1, "oracle, op mode")
             rec = Recorder(device=None)
             with self._timed(phase, "oracle op"):
                 self.op.step(prod_rec, positions, ids, rec, rows)
             with self._timed(phase, "probes"):
-                pending["op"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill)
+                pending["op"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill,
+                                                   self.margins["op"])
         tell(passes, "compared")
         with self._timed(phase, "probes"):
             for mode, rows_ in pending.items():
@@ -422,6 +432,11 @@ def config_difference(a: ModelConfig, b: ModelConfig) -> str:
     """The architecture fields where two configs differ, 'name: a vs b' ('' when none)."""
     da, db = a.to_official_dict(), b.to_official_dict()
     return ", ".join(f"{k}: {da[k]!r} vs {db.get(k)!r}" for k in da if k not in NOT_ARCHITECTURE and da[k] != db.get(k))
+
+
+def _recorded(rec: Recorder, site: str) -> torch.Tensor | None:
+    """The decoder's record of ``site`` in this call, None when it reported none."""
+    return rec.get(site) if site in rec.records else None
 
 
 def _layer_input(rec: Recorder, i: int, hc: int) -> torch.Tensor:

@@ -79,6 +79,8 @@ SITE_TABLE: dict[str, Site] = {
                               "[n, hc, hc] Sinkhorn-projected residual mixing matrix before the MoE"),
     "L{i}.moe.in": Site(("dim",), "similarity",
                         "[n, dim] MoE input (hc_pre collapse, then ffn_norm)", every_step=False),
+    "L{i}.moe.scores": Site(("n_routed_experts",), "similarity",
+                            "[n, n_routed_experts] gate selection scores (score_func + bias; score-routed layers)"),
     "L{i}.moe.experts": Site(("n_activated_experts",), "routing", "[n, n_activated_experts] routed expert ids"),
     "L{i}.moe.weights": Site(("n_activated_experts",), "routing_weights",
                              "[n, n_activated_experts] routing weights (normalised, x route_scale)"),

@@ -545,6 +545,8 @@ class ProductionSession:
                                            w(p + "gate.tid2eid") if hashed else None, ids, cfg)
         if on("routing-bias-in-weights") and not hashed:
             weights = _biased_weights(x, w(p + "gate.weight"), w(p + "gate.bias"), experts, cfg.route_scale)
+        if not hashed:
+            self.emit(f"L{i}.moe.scores", lambda: _selection_scores(x, w(p + "gate.weight"), w(p + "gate.bias")))
         self.emit(f"L{i}.moe.experts", experts)
         self.emit(f"L{i}.moe.weights", weights)
         return weights, experts
@@ -661,10 +663,14 @@ def _topk_cap(topk: int) -> int:
     return topk // 2 if on("topk-cap-half") else topk
 
 
+def _selection_scores(x, gate_w, bias) -> torch.Tensor:
+    """fp32 [n, n_routed]: the sqrt-softplus gate scores plus the routing bias, what the top-k selects from."""
+    return torch.nn.functional.softplus(x.float() @ gate_w.float().T).sqrt() + bias
+
+
 def _biased_weights(x, gate_w, bias, experts, route_scale) -> torch.Tensor:
     """Fault ``routing-bias-in-weights``: weights gathered from the biased scores."""
-    s = torch.nn.functional.softplus(x.float() @ gate_w.float().T).sqrt() + bias
-    w = s.gather(1, experts)
+    w = _selection_scores(x, gate_w, bias).gather(1, experts)
     return w / w.sum(-1, keepdim=True) * route_scale
 
 

@@ -13,6 +13,7 @@ from probes.indexer import indexer_recall
 from probes.memory import PeakMemory, memory_stats
 from probes.mhc import sinkhorn
 from probes.residual import residual_norms, rms_growth
+from probes.routing import routing_agreement
 from probes.rows import collect, to_rows
 from probes.similarity import similarity, similarity_per_position, unravel
 from probes.tokens import token_agreement
@@ -38,6 +39,7 @@ __all__ = [
     "memory_stats",
     "residual_norms",
     "rms_growth",
+    "routing_agreement",
     "similarity",
     "similarity_per_position",
     "sinkhorn",

@@ -24,27 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from probes.sets import first_true, gather_or, member, unique_sorted
+from probes.sets import first_true, gather_or, inversion_gap, member, unique_sorted
 
 
 def _near_tie(s: torch.Tensor, kth: torch.Tensor, margin: float, scale: torch.Tensor) -> torch.Tensor:
     """float64 [n, k], kth [n, 1], scale [n, 1] -> bool: s is within ``margin * max(|kth|, scale)`` of kth,
     exact ties included."""
     return (s == kth) | ((s - kth).abs() <= margin * torch.maximum(kth.abs(), scale))
-
-
-def _inversion_gap(miss: torch.Tensor, miss_s: torch.Tensor, extra: torch.Tensor, extra_s: torch.Tensor,
-                   kth: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per query [n] float64: (max miss score - min extra score) / max(|kth|, scale), +inf where misses outnumber
-    extras or an extra has no finite oracle score, 0 without a miss (see the module docstring)."""
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=miss_s.device)
-    top_miss = torch.where(miss, miss_s, -inf).amax(dim=-1)
-    extra_s = torch.where(extra_s.isnan(), -inf, extra_s)
-    low_extra = torch.where(extra, extra_s, inf).amin(dim=-1)
-    unit = torch.maximum(kth.abs(), scale).squeeze(-1).clamp(min=torch.finfo(torch.float64).tiny)
-    gap = torch.clamp((top_miss - low_extra) / unit, min=0)
-    gap = torch.where(miss.sum(-1) > extra.sum(-1), inf, gap)
-    return torch.where(miss.any(-1), gap, 0.0)
 
 
 def _rank_displacement(test: torch.Tensor, scores: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -93,7 +79,7 @@ def indexer_recall(test_topk: torch.Tensor, ref_topk: torch.Tensor, ref_scores: 
     scale = torch.where(finite, ref_scores.abs(), 0).amax(dim=-1, keepdim=True).to(torch.float64)
     near_miss = miss & _near_tie(miss_s, kth, margin, scale)
     true_miss = miss & ~near_miss
-    gaps = _inversion_gap(miss, miss_s, extra, extra_s, kth, scale)
+    gaps = inversion_gap(miss, miss_s, extra, extra_s, torch.maximum(kth.abs(), scale).squeeze(-1))
     near_extra = extra & _near_tie(extra_s, kth, margin, scale)
 
     has_ref = count > 0

@@ -40,3 +40,18 @@ def member(values: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
     s = pool.sort(dim=-1).values
     idx = torch.searchsorted(s, values.contiguous()).clamp(max=pool.shape[-1] - 1)
     return s.gather(-1, idx) == values
+
+
+def inversion_gap(miss: torch.Tensor, miss_s: torch.Tensor, extra: torch.Tensor, extra_s: torch.Tensor,
+                  unit: torch.Tensor) -> torch.Tensor:
+    """How far a test selection inverts the reference's ranking, per row. miss / extra bool [n, L] (ids only the
+    reference / only the test picked), their reference scores float64 [n, L] (NaN: unscored), unit [n] -> [n]
+    float64: (largest score of a miss - smallest score of an extra) / unit, +inf where misses outnumber extras (an
+    id dropped for nothing) or an extra is unscored, 0 without a miss. The test ranked every extra above every
+    miss, so its score error is at least this gap."""
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=miss_s.device)
+    top_miss = torch.where(miss, miss_s, -inf).amax(dim=-1)
+    low_extra = torch.where(extra, torch.where(extra_s.isnan(), -inf, extra_s), inf).amin(dim=-1)
+    gap = torch.clamp((top_miss - low_extra) / unit.clamp(min=torch.finfo(torch.float64).tiny), min=0)
+    gap = torch.where(miss.sum(-1) > extra.sum(-1), inf, gap)
+    return torch.where(miss.any(-1), gap, 0.0)

@@ -351,3 +351,25 @@ def test_collect_does_one_transfer_and_builds_tidy_rows(monkeypatch):
     assert [r["position"] for r in per_pos] == list(range(100, 108))
     agg = next(r for r in rows if r["metric"] == "first_true_miss_query")
     assert agg["position"] == -1 and agg["layer"] == 3 and isinstance(agg["value"], float)
+
+
+def test_routing_gap_is_the_oracle_score_gap_a_flip_inverts_and_infinite_without_scores():
+    from probes.routing import routing_agreement
+
+    scores = torch.tensor([[5.0, 4.0, 3.0, 2.0], [1.0, 1.0, 0.5, 0.0]])
+    ref = torch.tensor([[0, 1], [0, 1]])
+    near = routing_agreement(torch.tensor([[0, 2], [0, 1]]), ref, scores)  # 4 -> 3 of max 5: 0.2
+    assert float(near["routing_gap"]) == pytest.approx(0.2) and int(near["routing_flips"]) == 1
+    assert float(routing_agreement(torch.tensor([[1, 0], [1, 0]]), ref, scores)["routing_gap"]) == 0
+    assert float(routing_agreement(torch.tensor([[0, 2], [0, 1]]), ref)["routing_gap"]) == float("inf")  # hash
+    fewer = routing_agreement(torch.tensor([[0], [0]]), ref, scores)  # an expert dropped for nothing
+    assert float(fewer["routing_gap"]) == float("inf") and float(fewer["routing_agree"]) == 0
+
+
+def test_miss_gap_measures_how_far_below_the_boundary_the_picks_reach():
+    scores = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, float("-inf")]])
+    ref = torch.tensor([[0, 1, 2]])
+    assert float(indexer_recall(torch.tensor([[0, 1, 3]]), ref, scores)["miss_gap"]) == pytest.approx(0.2)
+    assert float(indexer_recall(torch.tensor([[0, 1, 2]]), ref, scores)["miss_gap"]) == 0
+    assert float(indexer_recall(torch.tensor([[0, 1, -1]]), ref, scores)["miss_gap"]) == float("inf")
+    assert float(indexer_recall(torch.tensor([[0, 1, 5]]), ref, scores)["miss_gap"]) == float("inf")  # invisible

@@ -19,6 +19,7 @@ from probes import (
     expected_visible,
     indexer_recall,
     residual_norms,
+    routing_agreement,
     similarity,
     similarity_per_position,
     sinkhorn,
@@ -89,43 +90,17 @@ def _routing_weights(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict
 
 
 def _routing(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict) -> dict:
-    """Expert sets per token: routing_agree, routing_flips, and routing_gap, the largest oracle selection-score
-    gap a flip inverts (``_inversion_gap``), +inf for a flip where the oracle has no scores (hash layers: a
-    lookup has no near-tie) or where the test routes to fewer experts."""
-    width = max(ref.shape[-1], test.shape[-1])
-    ref, test = _pad_ids(ref, width), _pad_ids(test, width)
-    agree = (test.sort(-1).values == ref.sort(-1).values).all(-1)
+    """``routing_agreement`` with the oracle's selection scores of these tokens (none on hash layers)."""
     scores_site = site.replace("experts", "scores")
-    if scores_site in ctx["ref"].records and len(agree):
+    scores = None
+    if scores_site in ctx["ref"].records:
         scores = ctx["ref"].get(scores_site).to(ref.device)
         scores = scores[ctx["keep"]] if ctx.get("keep") is not None else scores
-        gap = _inversion_gap(ref, test, scores.double())
-    else:
-        gap = torch.where(agree, 0.0, float("inf")).double()
-    out = agree.double()
-    return {"routing_agree": out.mean() if len(out) else torch.ones((), dtype=torch.float64),
-            "routing_flips": (1 - out).sum(), "routing_gap": torch.cat((gap, gap.new_zeros(1))).amax()}
+    return routing_agreement(test, ref, scores)
 
 
 def _pad_ids(ids: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(ids.long(), (0, width - ids.shape[-1]), value=-1)
-
-
-def _inversion_gap(ref: torch.Tensor, test: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """ids [n, k] (-1 = none), oracle scores [n, E] -> [n] float64: (largest score of an id only ref has - smallest
-    score of an id only test has) / the token's largest |score|; +inf where test has fewer valid ids; 0 when the
-    sets agree."""
-    ref_only = (ref[:, :, None] != test[:, None, :]).all(-1) & (ref >= 0)
-    test_only = (test[:, :, None] != ref[:, None, :]).all(-1) & (test >= 0)
-    inf = float("inf")
-    rs = scores.gather(1, ref.clamp(min=0))
-    ts = scores.gather(1, test.clamp(min=0, max=scores.shape[1] - 1))
-    top = torch.where(ref_only, rs, -inf).amax(-1)
-    low = torch.where(test_only, ts, inf).amin(-1)
-    unit = scores.abs().amax(-1).clamp(min=torch.finfo(torch.float64).tiny)
-    gap = torch.clamp((top - low) / unit, min=0)
-    gap = torch.where(ref_only.sum(-1) > test_only.sum(-1), inf, gap)
-    return torch.where(ref_only.any(-1), gap, 0.0)
 
 
 def compare_site(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict, per_position: bool) -> list[dict]:

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_kernels as bk  # noqa: E402
 from diag_indexer_ws import indexer_sets  # noqa: E402
+from kernel_sections.attention import decode_sets  # noqa: E402
+from kernel_sections.common import _n_sets, time_fn  # noqa: E402
 
 from fidelity.decoders.production.kernels import indexer_ws, sparse_attention_ws  # noqa: E402
 
@@ -67,7 +68,7 @@ def ab_attention(old, reps: int) -> dict:
     shapes = (("Flash decode b64", 64, 64, 512), ("Pro decode b64", 64, 128, 1024), ("Flash decode b1", 1, 64, 512))
     timed = []
     for shape, batch, heads, topk in shapes:
-        sets, _ = bk.decode_sets(batch, heads, topk, bk._n_sets(batch * (128 + topk) * 1024), 8192, False)
+        sets, _ = decode_sets(batch, heads, topk, _n_sets(batch * (128 + topk) * 1024), 8192, False)
         args = [(s["q"], s["cache"], s["idx"], s["sink"]) for s in sets]
         cases += [(shape, *a) for a in args[:2]]
         timed.append((shape, heads, args))
@@ -81,7 +82,7 @@ def ab_attention(old, reps: int) -> dict:
         for shape, heads, args in timed:
             for c in (1, 2) if heads == 128 else (1,):
                 for name, mod in (("old", old), ("new", sparse_attention_ws)):
-                    t = bk.time_fn(lambda *xs, m=mod, c=c: m.sparse_attention_ws(*xs, SCALE, consumers=c), args)
+                    t = time_fn(lambda *xs, m=mod, c=c: m.sparse_attention_ws(*xs, SCALE, consumers=c), args)
                     res["times"].append({"shape": shape, "consumers": c, "kernel": name, "rep": rep, "us": t["us"]})
                     print(f"{shape}, {c} consumer(s), {name}, repeat {rep}: {t['us']:.3f} us", flush=True)
     return res
@@ -103,7 +104,7 @@ def ab_indexer(old, reps: int) -> dict:
                                     "equal": _same_bits(a, b) and bool(torch.equal(used_a, used_b))})
         for rep in range(reps if e >= 32768 else 0):
             for name, mod in (("old", old), ("new", indexer_ws)):
-                t = bk.time_fn(lambda q, p, s, w, m=mod: m.index_scores_fp4_ws(q, p, s, w), sets)
+                t = time_fn(lambda q, p, s, w, m=mod: m.index_scores_fp4_ws(q, p, s, w), sets)
                 res["times"].append({"n_q": n_q, "keys": e, "kernel": name, "rep": rep, "us": t["us"]})
                 print(f"{n_q} queries, {e} keys, {name}, repeat {rep}: {t['us']:.3f} us", flush=True)
         del sets

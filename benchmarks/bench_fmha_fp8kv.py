@@ -7,13 +7,13 @@ the same timer.
 
 Cases: V4-Flash (64 heads, 128 window + 512 selected entries) and V4-Pro (128 heads, 128 + 1024) at batch 64 with
 one query per sequence and with two (MTP, s_q = 2: 128 query tokens, each with its own indices). Every token owns
-a sequence of 128 window rows and 8192 compressed rows (``bench_kernels.decode_sets``).
+a sequence of 128 window rows and 8192 compressed rows (``kernel_sections.attention.decode_sets``).
 
 Before timing, on the benchmark inputs: the ``ws`` FP8 outputs against the bf16 ``ws`` kernel on
-``unpack_kv_fp8`` rows (bit for bit, each consumer layout), and the per-row calc_diff against the emulation.
-Timing: ``bench_kernels.time_fn`` (median device time per call of CUDA-graph replays rotating over input sets that
-exceed the L2 several times). Floor: bytes (Q, O, 584 B per entry, indices) at the copy bandwidth measured in the
-same run, or the FLOPs at the measured bf16 matmul rate, whichever is larger.
+``kv_layout.unpack`` rows (bit for bit, each consumer layout), and the per-row calc_diff against the emulation.
+Timing: ``kernel_sections.common.time_fn`` (median device time per call of CUDA-graph replays rotating over input
+sets that exceed the L2 several times). Floor: bytes (Q, O, 584 B per entry, indices) at the copy bandwidth
+measured in the same run, or the FLOPs at the measured bf16 matmul rate, whichever is larger.
 
 ``--peer PATH``: a FlashMLA tree with the sm90 MODEL1 decode kernels (built in place with ``setup_min.py
 build_ext --inplace`` when ``flash_mla.cuda`` does not import), timed on its own test-case generator
@@ -43,7 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import bench_kernels as bk  # noqa: E402
+from kernel_sections.attention import decode_sets  # noqa: E402
+from kernel_sections.common import CEIL, _n_sets, _row_calc_diff, measure_ceilings, time_fn  # noqa: E402
 
 from fidelity.decoders.production import kv_layout, ops  # noqa: E402
 from fidelity.decoders.production.kernels import sparse_attention  # noqa: E402
@@ -63,7 +64,7 @@ ROWS: list[dict] = []
 
 def check(s0: dict, heads: int) -> dict:
     """The ``ws`` FP8 route against the bf16 ``ws`` kernel on the unpacked rows and against the emulation."""
-    rows = sparse_attention.unpack_kv_fp8(s0["packed"])
+    rows = kv_layout.unpack(s0["packed"], 512, 64)
     ref = ops.sparse_attention(s0["q"], rows, s0["idx"], s0["sink"], SCALE)
     out = {}
     for nc in (1, 2) if heads % 64 == 0 else (1,):
@@ -72,27 +73,27 @@ def check(s0: dict, heads: int) -> dict:
         bf16 = sparse_attention_ws(s0["q"], rows, s0["idx"], s0["sink"], SCALE, consumers=nc)
         out[f"consumers={nc}"] = {
             "bit_equal_to_bf16_ws_on_unpacked_rows": bool(torch.equal(got.view(torch.int16), bf16.view(torch.int16))),
-            "max_row_calc_diff_vs_emulation": float(bk._row_calc_diff(got, ref).max()),
+            "max_row_calc_diff_vs_emulation": float(_row_calc_diff(got, ref).max()),
             "bf16_equal_frac_vs_emulation": float((got == ref).float().mean())}
     tri = sparse_attention.sparse_attention_fp8kv(s0["q"], s0["packed"], s0["idx"], s0["sink"], SCALE,
                                                   config={"route": "triton"})
-    out["triton_max_row_calc_diff_vs_emulation"] = float(bk._row_calc_diff(tri, ref).max())
+    out["triton_max_row_calc_diff_vs_emulation"] = float(_row_calc_diff(tri, ref).max())
     return out
 
 
 def floor_us(n_tokens: int, heads: int, entries: int) -> dict:
     bytes_ = n_tokens * (2 * heads * 512 * 2 + entries * (584 + 4))
     flops = 2 * n_tokens * heads * entries * 1024
-    return {"bytes": bytes_, "flops": flops, "us": max(bytes_ / bk.CEIL["bw"], flops / bk.CEIL["bf16"]) * 1e6,
-            "bound": "memory" if bytes_ / bk.CEIL["bw"] > flops / bk.CEIL["bf16"] else "bf16 MMA"}
+    return {"bytes": bytes_, "flops": flops, "us": max(bytes_ / CEIL["bw"], flops / CEIL["bf16"]) * 1e6,
+            "bound": "memory" if bytes_ / CEIL["bw"] > flops / CEIL["bf16"] else "bf16 MMA"}
 
 
 def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: bool) -> None:
     n = 64 * s_q
     entries = 128 + topk
-    sets, _ = bk.decode_sets(n, heads, topk, bk._n_sets(n * entries * 584, hi=16), 8192, fp8=True)
+    sets, _ = decode_sets(n, heads, topk, _n_sets(n * entries * 584, hi=16), 8192, fp8=True)
     for s in sets:
-        s["rows"] = sparse_attention.unpack_kv_fp8(s["packed"])
+        s["rows"] = kv_layout.unpack(s["packed"], 512, 64)
     fl = floor_us(n, heads, entries)
     case = f"{name} b64 s_q={s_q}"
     checks = check(sets[0], heads)
@@ -108,7 +109,7 @@ def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: boo
     for label, cfg, args in variants:
         fn = (sparse_attention.sparse_attention_cuda if args is args16 else sparse_attention.sparse_attention_fp8kv)
         try:
-            t = bk.time_fn(lambda q, kv, i, s, fn=fn, cfg=cfg: fn(q, kv, i, s, SCALE, config=cfg), args)
+            t = time_fn(lambda q, kv, i, s, fn=fn, cfg=cfg: fn(q, kv, i, s, SCALE, config=cfg), args)
         except Exception as exc:  # noqa: BLE001 - a ring that does not fit is reported, not fatal
             t = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         row = {"case": case, "variant": label, **t, "floor_us": fl["us"], "floor_bound": fl["bound"],
@@ -120,7 +121,7 @@ def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: boo
     if diag:
         for c in (1, 2) if heads % 64 == 0 else (1,):
             for label, parts in DIAG_PARTS.items():
-                t = bk.time_fn(lambda q, kv, i, s, c=c, parts=parts: sparse_attention_ws_fp8kv(
+                t = time_fn(lambda q, kv, i, s, c=c, parts=parts: sparse_attention_ws_fp8kv(
                     q, kv, i, s, SCALE, consumers=c, parts=parts), args8)
                 ROWS.append({"case": case, "variant": f"diag c{c}: {label}", **t, "floor_us": fl["us"],
                              "floor_bound": fl["bound"]})
@@ -133,7 +134,7 @@ def time_decode_step(name: str, heads: int, topk: int) -> None:
     """One decode token (batch 1) of a layer with ``kv_storage=fp8``: the gather path (the visible rows gathered
     and dequantized into a bf16 workspace as ``KVStore.read_into`` does, then the bf16 ``ws`` kernel on local
     indices) against ``sparse_attention_fp8kv`` on the packed store with the cache slots (what decode runs)."""
-    sets, _ = bk.decode_sets(1, heads, topk, 16, 32768, fp8=True)
+    sets, _ = decode_sets(1, heads, topk, 16, 32768, fp8=True)
     buf = torch.empty(128 + topk, 512, dtype=torch.bfloat16, device="cuda")
     local = torch.arange(128 + topk, device="cuda")[None]
 
@@ -151,7 +152,7 @@ def time_decode_step(name: str, heads: int, topk: int) -> None:
 
     for label, fn in (("decode b1: gather + dequantize, bf16 ws", gather_path),
                       ("decode b1: ws FP8 on the packed rows", packed_path)):
-        t = bk.time_fn(fn, args)
+        t = time_fn(fn, args)
         fl = floor_us(1, heads, 128 + topk)
         ROWS.append({"case": f"{name} b1 s_q=1", "variant": label, **t, "floor_us": fl["us"],
                      "floor_bound": fl["bound"], "frac_of_floor": fl["us"] / t["us"], "bit_equal_paths": same})
@@ -188,7 +189,7 @@ def time_peer(path: Path, quick: bool) -> None:
                                                   block_size=256, extra_block_size=64, seed=1000 + i
                                                   ).to_test_param()
                     sets.append((p, lib.generate_testcase_for_decode(p), flash_mla.get_mla_metadata()[0]))
-                t = bk.time_fn(lambda p, tc, meta: lib.run_flash_mla_decode(p, tc, meta, None), sets)
+                t = time_fn(lambda p, tc, meta: lib.run_flash_mla_decode(p, tc, meta, None), sets)
                 fl = floor_us(64 * s_q, heads, 128 + topk)
                 ROWS.append({"case": f"{name} b64 s_q={s_q}", "variant": "FlashMLA sm90 MODEL1 (peer)", **t,
                              "floor_us": fl["us"], "floor_bound": fl["bound"], "frac_of_floor": fl["us"] / t["us"]})
@@ -217,8 +218,8 @@ def main() -> None:
     ap.add_argument("--diag", action="store_true", help="also time the kernel with parts switched off")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    bk.measure_ceilings()
-    print(f"[ceilings] {bk.CEIL}", flush=True)
+    measure_ceilings()
+    print(f"[ceilings] {CEIL}", flush=True)
     for name, heads, topk in CASES:
         for s_q in (1, 2):
             time_ours(name, heads, topk, s_q, a.quick, a.diag)
@@ -231,7 +232,7 @@ def main() -> None:
             ROWS.append({"case": "peer", "variant": "FlashMLA", "error": traceback.format_exc()[-600:],
                          "floor_us": float("nan"), "floor_bound": ""})
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "date": datetime.date.today().isoformat(), "ceilings": bk.CEIL, "rows": ROWS}
+            "date": datetime.date.today().isoformat(), "ceilings": CEIL, "rows": ROWS}
     (a.out / "bench_fmha_fp8kv.json").write_text(json.dumps(info, indent=1, default=str))
     print(table())
 

@@ -5,7 +5,7 @@ codes against the bf16 einsum, and the compressors' stacked bf16 projections aga
     python benchmarks/bench_weight_gemv.py --out DIR [--sections fp8,fp4,wo_a,compressor]
 
 Each row: the weight's shape, device time per call (CUDA-graph replay, rotating over enough weight copies to
-spill the L2, ``bench_kernels.time_fn``), the bytes the kernel must read (codes + scales + x), the resulting
+spill the L2, ``kernel_sections.common.time_fn``), the bytes the kernel must read (codes + scales + x), the resulting
 bandwidth and the emulation's time on the same inputs, and the largest error against the fp64 product of the same
 rounded inputs relative to the ``act_linear`` contract bound. A sweep of launch configurations picks each row's
 fastest. Writes DIR/weight_gemv.json.
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import _n_sets, time_fn  # noqa: E402
+from kernel_sections.common import _n_sets, time_fn  # noqa: E402
 
 from fidelity.decoders.production.kernels.weight_gemv import (  # noqa: E402
     bf16_weight_linear_f32,

@@ -29,7 +29,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import _row_calc_diff, decode_sets, time_fn  # noqa: E402
+from kernel_sections.attention import decode_sets  # noqa: E402
+from kernel_sections.common import _row_calc_diff, time_fn  # noqa: E402
 
 from fidelity.decoders.production import ops  # noqa: E402
 from fidelity.decoders.production.kernels import sparse_attention  # noqa: E402

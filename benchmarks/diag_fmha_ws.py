@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_kernels as bk  # noqa: E402
+from kernel_sections.attention import decode_sets  # noqa: E402
+from kernel_sections.common import _n_sets, time_fn  # noqa: E402
 
 from fidelity.decoders.production.kernels import sparse_attention  # noqa: E402
 from fidelity.decoders.production.kernels import sparse_attention_ws as ws
@@ -32,7 +33,7 @@ def main() -> None:
     scale = 512**-0.5
     rows = []
     for shape, heads, topk in (("Flash decode b64", 64, 512), ("Pro decode b64", 128, 1024)):
-        sets, _ = bk.decode_sets(64, heads, topk, bk._n_sets(64 * (128 + topk) * 1024), 8192, False)
+        sets, _ = decode_sets(64, heads, topk, _n_sets(64 * (128 + topk) * 1024), 8192, False)
         args = [(s["q"], s["cache"], s["idx"], s["sink"]) for s in sets]
         variants = [("triton route (default config)", lambda *xs: sparse_attention.sparse_attention_cuda(
             *xs, scale, config={"route": "triton"}))]
@@ -40,7 +41,7 @@ def main() -> None:
             variants += [(f"ws, {c} consumer(s): {label}", lambda *xs, c=c, p=p: ws.sparse_attention_ws(
                 *xs, scale, consumers=c, parts=p)) for label, p in PARTS.items()]
         for label, fn in variants:
-            t = bk.time_fn(fn, args)
+            t = time_fn(fn, args)
             rows.append({"shape": shape, "variant": label, "us": t["us"], "spread_us": t["spread_us"]})
             print(f"{shape}, {label}: {t['us']:.2f} us", flush=True)
     out.mkdir(parents=True, exist_ok=True)

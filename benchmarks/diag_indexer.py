@@ -28,7 +28,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import time_fn  # noqa: E402
+from kernel_sections.common import time_fn  # noqa: E402
 
 from fidelity.decoders.production import ops  # noqa: E402
 from fidelity.decoders.production.kernels import indexer  # noqa: E402
@@ -127,7 +127,7 @@ def _diag_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, out_ptr, n_keys, stride_qh, stride
 
 
 def time_us(fn, sets) -> float:
-    """Median device time per call (``bench_kernels.time_fn``: CUDA-graph replays rotating over ``sets``)."""
+    """Median device time per call (``kernel_sections.common.time_fn``: CUDA-graph replays rotating over ``sets``)."""
     return 0.0 if INTERPRET else time_fn(fn, sets)["us"]
 
 

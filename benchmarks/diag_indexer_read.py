@@ -1,4 +1,4 @@
-"""What the FP4 indexer's decode call cannot beat on this GPU, timed the way ``bench_kernels.time_fn`` times it
+"""What the FP4 indexer's decode call cannot beat on this GPU, timed the way ``kernel_sections.common.time_fn`` times it
 (CUDA-graph replays, rotating inputs >= 3x L2): an empty kernel (the per-call cost of a launch inside a graph), and
 a bare read of the keys, a Triton kernel that streams the packed FP4 codes and scale bytes (68 B per key) and writes
 one bf16 per key per query (an XOR fold of the key's bytes, so no byte can be skipped): the bytes the indexer
@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_kernels import time_fn  # noqa: E402
 from diag_indexer_ws import indexer_sets  # noqa: E402
+from kernel_sections.common import time_fn  # noqa: E402
 
 from fidelity.decoders.production.kernels import indexer_ws  # noqa: E402
 

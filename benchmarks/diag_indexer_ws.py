@@ -12,11 +12,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_kernels import _n_sets, time_fn  # noqa: E402
+from kernel_sections.common import _n_sets, time_fn  # noqa: E402
 
 from fidelity.decoders.production import ops  # noqa: E402
 from fidelity.decoders.production.kernels import indexer  # noqa: E402
-from fidelity.model.formats import quantize_fp4  # noqa: E402
+from fidelity.model.formats import dequantize_fp4, quantize_fp4  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -47,7 +47,7 @@ def main() -> None:
     for n_q, e in ((1, 262144), (1, 32768), (4, 262144)):
         sets = indexer_sets(n_q, e, seed=e + n_q)
         q, p, s, w = sets[0]
-        ref = indexer.index_scores_cuda(q, indexer.dequantize_fp4_keys(p, s), w)
+        ref = indexer.index_scores_cuda(q, dequantize_fp4(p, s, 32).to(torch.bfloat16), w)
         for name, (mma, cfg) in variants.items():
             if "parts" in cfg and (n_q, e) != (1, 262144):
                 continue

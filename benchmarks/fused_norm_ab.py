@@ -27,8 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fidelity.decoders.production import ProductionModel, registry  # noqa: E402
-from fidelity.decoders.production.kernels import fallbacks  # noqa: E402
+from fidelity.decoders.production import (  # noqa: E402
+    ProductionModel,
+    fallbacks,  # noqa: E402
+    registry,
+)
 from fidelity.model.config import ModelConfig  # noqa: E402
 from fidelity.model.default import DEFAULT_DIR, prompt_for  # noqa: E402
 from fidelity.model.load import load_checkpoint  # noqa: E402

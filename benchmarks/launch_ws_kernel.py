@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_kernels as bk  # noqa: E402
 from diag_indexer_ws import indexer_sets  # noqa: E402
+from kernel_sections.attention import decode_sets  # noqa: E402
 
 from fidelity.decoders.production.kernels import (  # noqa: E402
     indexer_ws,
@@ -35,12 +35,12 @@ def main() -> None:
         for _ in range(3):
             indexer_ws.index_scores_fp4_ws(q, packed, scales, w)
     elif kernel == "attention-fp8":
-        s = bk.decode_sets(64, 64, 512, 1, 8192, True)[0][0]
+        s = decode_sets(64, 64, 512, 1, 8192, True)[0][0]
         for _ in range(3):
             sparse_attention_ws_fp8kv.sparse_attention_ws_fp8kv(s["q"], s["packed"], s["idx"], s["sink"], 512**-0.5,
                                                                 consumers=1)
     else:
-        s = bk.decode_sets(64, 64, 512, 1, 8192, False)[0][0]
+        s = decode_sets(64, 64, 512, 1, 8192, False)[0][0]
         for _ in range(3):
             sparse_attention_ws.sparse_attention_ws(s["q"], s["cache"], s["idx"], s["sink"], 512**-0.5, consumers=1)
     torch.cuda.synchronize()

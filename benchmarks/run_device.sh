@@ -17,12 +17,13 @@ if [ "$what" = bench ]; then
 else
   # the kernel property tests in 8 xdist workers (2 CPU threads each); the production-model tests in one process:
   # under xdist they ran into their timeouts on 2026-12-01, alone they pass in about 30 s
-  OMP_NUM_THREADS=2 timeout "${TEST_TIMEOUT:-430}" python3 -m pytest tests/gpu/test_kernels.py -q -n 8 \
-    -p no:cacheprovider --timeout 400 -rfE --durations=15 >"$OUT/pytest.log" 2>&1
+  # (kernel tests: tests/gpu/test_<kernel>.py; model tests: tests/gpu/test_*_cuda.py)
+  OMP_NUM_THREADS=2 timeout "${TEST_TIMEOUT:-430}" python3 -m pytest tests/gpu --ignore-glob='tests/gpu/test_*_cuda.py' \
+    -q -n 8 -p no:cacheprovider --timeout 400 -rfE --durations=15 >"$OUT/pytest.log" 2>&1
   echo "pytest kernels rc=$?"
   tail -c 2500 "$OUT/pytest.log"
-  OMP_NUM_THREADS=4 timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -p no:xdist \
-    --ignore tests/gpu/test_kernels.py --timeout 170 -rfE --durations=8 \
+  OMP_NUM_THREADS=4 timeout 200 python3 -m pytest tests/gpu/test_*_cuda.py -q -p no:cacheprovider -p no:xdist \
+    --timeout 170 -rfE --durations=8 \
     >"$OUT/pytest_models.log" 2>&1
   echo "pytest models rc=$?"
   tail -c 1500 "$OUT/pytest_models.log"

@@ -1,7 +1,7 @@
 """The warp-specialized FP4 indexer (``kernels/indexer_ws.py``) without a GPU: the reasons it gives for inputs it
 cannot take, the argument checks made before a launch, and its key unpack (the PTX string, interpreted) against
 the e2m1 values and the queries' dim order. (The rest runs inside the Gluon kernel, which the CPU interpreter
-cannot run: tests/gpu/test_kernels.py covers it.)"""
+cannot run: tests/gpu/test_indexer_ws.py covers it.)"""
 
 import pytest
 import torch

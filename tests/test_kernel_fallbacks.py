@@ -1,6 +1,6 @@
 """The log of kernel wrappers that ran the emulation instead (recorded in run manifests)."""
 
-from fidelity.decoders.production.kernels import fallbacks
+from fidelity.decoders.production import fallbacks
 
 
 def test_fallbacks_count_calls_per_op_and_reason_until_reset():

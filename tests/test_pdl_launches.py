@@ -58,7 +58,7 @@ def test_the_check_flags_a_kernel_that_reads_before_waiting():
 def test_launches_are_plain_under_the_interpreter_and_without_a_gpu():
     import torch
 
-    from fidelity.decoders.production.kernels import pdl
+    from fidelity.decoders.production.kernels import _common as pdl
 
     if not torch.cuda.is_available() or pdl.INTERPRET:
         assert pdl.PDL_LAUNCH == {} and not pdl.ENABLED

@@ -584,4 +584,4 @@ def test_weights_not_stored_in_fp8_or_fp4_keep_the_dequantized_decode_path(monke
     assert torch.equal(_decode(session, ids, 32), plain)
     used = session.counts["implementations"]
     assert "fp8_weight_linear" not in used and "fp4_picked_linear" not in used
-    assert session.m.gemv_weight("layers.0.attn.wq_a.weight") is None and session.m.stored_experts(0) is None
+    assert session.model.gemv_weight("layers.0.attn.wq_a.weight") is None and session.model.stored_experts(0) is None

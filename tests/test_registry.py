@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from fidelity.decoders.production import faults, ops
 from fidelity.decoders.production.registry import REGISTRY, deselect, implementation, select, selections
 from fidelity.model.formats import dequantize_fp8, fake_quant_fp8, hadamard
-from fidelity.testing import CONTRACTS, Case, check_against_oracle, check_case
+from fidelity.testing import Case, check_against_oracle, check_case, contract_of
 
 MAX_EXAMPLES = 30
 BF16 = torch.bfloat16
@@ -28,10 +28,30 @@ def test_registered_implementation_meets_its_contract(op, impl):
 
 
 def test_every_registered_op_has_a_contract():
-    assert sorted(set(REGISTRY) - set(CONTRACTS)) == []
-    for name, contract in CONTRACTS.items():
-        assert contract.op == name and contract.kind in ("tolerance", "bitexact") and contract.why
-        assert all(o.tolerance is None or o.tolerance.why for o in contract.outputs)
+    from fidelity.decoders.production.registry import OPS
+
+    assert sorted(set(REGISTRY) - set(OPS)) == []
+    for name in OPS:
+        contract = contract_of(name)
+        assert contract.kind in ("tolerance", "bitexact") and contract.why, name
+        assert all(o.tolerance is None or o.tolerance.why for o in contract.outputs), name
+
+
+def test_every_op_record_has_its_parts():
+    """One record per op: emulation, kernel (run and takes, route where named; None for an op without one),
+    contract and strategy (named attributes of ``fidelity.testing.contracts`` / ``fidelity.testing.strategies``)."""
+    pytest.importorskip("triton")
+    from fidelity.decoders.production.registry import OPS, kernel_functions
+    from fidelity.testing import OpContract, contracts, strategies
+
+    for name, op in OPS.items():
+        assert callable(op.emulation), name
+        if op.kernel is not None:
+            run, takes, route = kernel_functions(name)
+            assert callable(run) and callable(takes) and (op.kernel.route is None or callable(route)), name
+        assert isinstance(getattr(contracts, op.contract, None), OpContract), (name, op.contract)
+        assert callable(getattr(strategies, op.strategy, None)), (name, op.strategy)
+    assert sum(op.kernel is None for op in OPS.values()) == 1  # sinkhorn_split (hc_pre's kernel runs it)
 
 
 def test_cpu_sparse_attention_keeps_a_nan_kv_row_out_of_queries_that_do_not_read_it():
@@ -218,8 +238,8 @@ def test_a_broken_port_is_caught(op, broken, metric):
 def test_a_fault_planted_in_an_ops_emulation_routes_that_op_to_it_and_says_so(monkeypatch):
     """While ``sink-dropped`` is injected, ``sparse_attention`` resolves to its emulation even where a kernel is
     selected, with the reason in ``kernel_fallbacks``; other ops keep their kernel."""
+    from fidelity.decoders.production import fallbacks
     from fidelity.decoders.production.faults import inject
-    from fidelity.decoders.production.kernels import fallbacks
 
     kernel = lambda *a, **k: None  # noqa: E731 (a stand-in GPU kernel)
     for op in ("sparse_attention", "hc_post"):

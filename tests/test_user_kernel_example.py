@@ -2,7 +2,7 @@
 
 Your kernel takes the production op's arguments (see ``fidelity.decoders.production.ops``); ``check_against_oracle``
 draws inputs with hypothesis, runs your kernel (on ``device=...`` if given) and compares it with the fp64
-oracle under the op's contract (``fidelity.testing.CONTRACTS``).
+oracle under the op's contract (``fidelity.testing.contract_of(op)``).
 """
 
 import torch

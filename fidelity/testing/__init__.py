@@ -1,6 +1,8 @@
 """Test your own kernels against the oracle: one contract per production op (spec §3-§4).
 
-Every op of ``fidelity.decoders.production.registry.REGISTRY`` has an :class:`OpContract` in :data:`CONTRACTS`:
+Every op of ``fidelity.decoders.production.registry.OPS`` names its :class:`OpContract` (an attribute of
+``fidelity.testing.contracts``; :func:`contract_of`) and its input strategy (a function of
+``fidelity.testing.strategies``; :func:`strategy_of`):
 
 * a hypothesis strategy of :class:`Case` objects: inputs with the *kernel signature* (argument order, shapes
   and dtypes as the production model calls the op: bf16 activations, fp32 weights / sinks / mixing
@@ -48,13 +50,12 @@ Usage (in your pytest suite)::
 Requires hypothesis (the ``test`` extra).
 """
 
+from fidelity.testing import strategies
 from fidelity.testing.cases import Case, OpContract, Output, Tolerance
 from fidelity.testing.check import check_against_oracle, check_all_registered, check_case
-from fidelity.testing.contracts import CONTRACTS, indexer_round_reference, kv_round_reference
-from fidelity.testing.strategies import strategies
+from fidelity.testing.contracts import contract_of, indexer_round_reference, kv_round_reference, strategy_of
 
 __all__ = [
-    "CONTRACTS",
     "Case",
     "OpContract",
     "Output",
@@ -62,7 +63,9 @@ __all__ = [
     "check_against_oracle",
     "check_all_registered",
     "check_case",
+    "contract_of",
     "indexer_round_reference",
     "kv_round_reference",
     "strategies",
+    "strategy_of",
 ]

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hypothesis import strategies as st
 
 from fidelity.model.config import ModelConfig
 
@@ -82,17 +81,15 @@ class Output:
 
 @dataclass(frozen=True)
 class OpContract:
-    """What a port of ``op`` must satisfy (see the module docstring).
+    """What a port of an op must satisfy (see the module docstring); the op's record in
+    ``fidelity.decoders.production.registry.OPS`` names its contract and its default input strategy.
 
-    inputs: ``inputs()`` is the default hypothesis strategy of :class:`Case`.
     expected: Case -> tuple of expected outputs (fp64 oracle for ``kind == "tolerance"``, the bit-exact
     reference's outputs for ``kind == "bitexact"``), computed on CPU.
     canonical: optional map applied to both found and expected outputs before comparing (e.g. sort top-k).
     """
 
-    op: str
     kind: str
-    inputs: Callable[[], st.SearchStrategy[Case]]
     expected: Callable[[Case], tuple[torch.Tensor, ...]]
     outputs: tuple[Output, ...]
     why: str

@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fidelity.testing.cases import FP64, Case, OpContract, Tolerance, _at
-from fidelity.testing.contracts import CONTRACTS
+from fidelity.testing.cases import FP64, Case, Tolerance, _at
+from fidelity.testing.contracts import contract_of, strategy_of
 
 # --------------------------------------------------------------------------------------------------------------
 # comparison
@@ -109,7 +109,7 @@ def check_case(op_name: str, fn: Callable[..., Any], case: Case, device: torch.d
     """Run ``fn`` on one :class:`Case` (tensors moved to ``device``, results back to CPU) and compare with the
     contract of ``op_name``; raises AssertionError naming the op, output, metric, expected vs found and the
     input shapes."""
-    contract = _contract(op_name)
+    contract = contract_of(op_name)
     head = f"{op_name}: implementation {getattr(fn, '__name__', repr(fn))!r} fails its {contract.kind} contract"
     where = f"inputs: {case.describe()}"
     expected = contract.expected(case)
@@ -145,12 +145,6 @@ def check_case(op_name: str, fn: Callable[..., Any], case: Case, device: torch.d
         raise AssertionError("\n  ".join([head, *problems, where]))
 
 
-def _contract(op_name: str) -> OpContract:
-    if op_name not in CONTRACTS:
-        raise KeyError(f"op {op_name!r}: no contract; expected one of {sorted(CONTRACTS)}")
-    return CONTRACTS[op_name]
-
-
 def check_against_oracle(op_name: str, fn: Callable[..., Any], *, max_examples: int = 50,
                          device: torch.device | str | None = None, seed: int = 0,
                          strategy: st.SearchStrategy[Case] | None = None) -> None:
@@ -161,8 +155,8 @@ def check_against_oracle(op_name: str, fn: Callable[..., Any], *, max_examples: 
     CPU. On failure raises AssertionError for the shrunk example (op, output, metric, expected vs found,
     input shapes; hypothesis adds the falsifying ``Case``).
     """
-    contract = _contract(op_name)
-    inputs = strategy if strategy is not None else contract.inputs()
+    contract_of(op_name)  # an unknown op fails here, before hypothesis runs
+    inputs = strategy if strategy is not None else strategy_of(op_name)
 
     @settings(max_examples=max_examples, deadline=None, database=None, report_multiple_bugs=False,
               suppress_health_check=list(HealthCheck), print_blob=False)

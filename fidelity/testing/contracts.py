@@ -1,5 +1,6 @@
-"""Each op's contract (:data:`CONTRACTS`): the expected result (the fp64 oracle, or a bit-exact reference) and the
-limits derived from the rounding steps the official reference takes."""
+"""Each op's contract: an :class:`OpContract` under the name ``registry.OPS[op].contract`` gives (resolved by
+:func:`contract_of`): the expected result (the fp64 oracle, or a bit-exact reference) and the limits derived from
+the rounding steps the official reference takes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from dataclasses import replace
 
 import torch
+from hypothesis import strategies as st
 
 from fidelity.model.formats import (
     FP8_AMAX_FLOOR,
@@ -31,31 +33,7 @@ from fidelity.testing.cases import (
     Tolerance,
     _rel,
 )
-from fidelity.testing.strategies import (
-    _fp4_keys_case,
-    act_linear_inputs,
-    apply_rope_inputs,
-    compressor_decode_inputs,
-    expert_inputs,
-    fp4_picked_linear_inputs,
-    fp8_weight_linear_inputs,
-    fp32_linear_inputs,
-    gate_inputs,
-    hc_head_inputs,
-    hc_post_inputs,
-    hc_pre_inputs,
-    index_scores_fp4_inputs,
-    index_scores_inputs,
-    indexer_round_inputs,
-    kv_norm_rope_fp8_inputs,
-    kv_round_inputs,
-    rms_norm_fp8_inputs,
-    rms_norm_inputs,
-    rms_norm_weightless_inputs,
-    sinkhorn_split_inputs,
-    sparse_attention_fp8kv_inputs,
-    sparse_attention_inputs,
-)
+from fidelity.testing.strategies import _fp4_keys_case
 from oracles import attention as attention_oracle
 from oracles import indexer as indexer_oracle
 from oracles import linear as linear_oracle
@@ -353,170 +331,191 @@ _FP32_TOL = _rel(FP32_REL, "fp32 math throughout: roundoff 2^-24 grown by sums o
                            "rounds stays under 2^-14 relative; a single bf16 rounding (2^-8) anywhere is 64x over")
 _ONE_ROUNDING = "fp32 math rounded once to bf16: relative error <= u = 2^-8 (x1.25 for fp32 noise)"
 
-CONTRACTS: dict[str, OpContract] = {
-    "act_linear": OpContract(
-        "act_linear", "tolerance", act_linear_inputs, _expected_act_linear,
-        (Output("y", BF16, Tolerance(bound=_act_linear_bound, why=(
-            "elementwise forward-error bound: one e4m3 rounding per activation (2^-4, act 'fp8') times "
-            "sum_k |x_k w_jk|, fp32 accumulation (k 2^-23), one bf16 rounding of y (1.25u): rows of signed "
-            "products cancel, so a per-row relative limit cannot hold"))),),
-        "The FP8 / FP4 GEMM of every linear layer: x quantized e4m3 in 1x128 blocks with ue8m0 scales (spec §3 "
-        "act_quant; not for act 'bf16'), products with the exactly dequantized weight accumulated in fp32, output "
-        "bf16 (spec §3 fp8_gemm / fp4_gemm)."),
-    "fp8_weight_linear": OpContract(
-        "fp8_weight_linear", "tolerance", fp8_weight_linear_inputs, _expected_fp8_weight_linear,
-        (Output("y", BF16, Tolerance(bound=_fp8_weight_linear_bound, why=(
-            "act_linear's bound with the weight dequantized from its codes and 128x128 scales"))),),
-        "act_linear on a weight given as stored (e4m3 codes and 128x128 power-of-two scales, spec §2): each "
-        "weight is its code times its block's scale exactly; the rest as act_linear (the decode GEMV path). With "
-        "groups > 1, output row j multiplies x's group j // (m / groups) (wo_a's grouped projection, spec §4)."),
-    "fp32_linear": OpContract(
-        "fp32_linear", "tolerance", fp32_linear_inputs, _expected_fp32_linear,
-        (Output("y", torch.float32, Tolerance(bound=_fp32_linear_bound, why=(
-            "bf16 x bf16 products are exact in fp32; only the fp32 accumulation (k 2^-23 sum |x w|) rounds"))),),
-        "The compressors' projections: x.float() @ W^T in fp32 with the bf16-stored weight's exact values, fp32 "
-        "out (spec §4 Compressor; official fp32 Linear)."),
-    "fp4_picked_linear": OpContract(
-        "fp4_picked_linear", "tolerance", fp4_picked_linear_inputs, _expected_fp4_picked_linear,
-        (Output("y", BF16, Tolerance(bound=_fp4_picked_linear_bound, why=(
-            "act_linear's bound per row, with that row's expert weight dequantized from its e2m1 codes and 1x32 "
-            "scales"))),),
-        "Row r times the FP4 weight of expert experts[r] (e2m1 codes two per byte, low nibble first, 1x32 "
-        "power-of-two scales, spec §2), as act_linear (graph decode's routed experts, picked on the device)."),
-    "rms_norm": OpContract(
-        "rms_norm", "tolerance", rms_norm_inputs, _expected_rms_norm,
-        (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),),
-        "RMSNorm in fp32 with the fp32 weight, one bf16 rounding at the end (spec §3 'No fused RMSNorm kernel')."),
-    "rms_norm_fp8": OpContract(
-        "rms_norm_fp8", "tolerance", rms_norm_fp8_inputs, _expected_rms_norm_fp8,
-        (Output("codes", torch.float8_e4m3fn, Tolerance(bound=_rms_norm_fp8_value_bound, why=(
-            "dequantized codes vs the exact y, elementwise: the e4m3 round-to-nearest step (half an ulp: "
-            "<= 2^-4 |y|, or 2^-10 s on the subnormal codes) plus the bf16 rounding of y (1.25u |y|)"))),
-         Output("scales", torch.uint8, Tolerance(bound=_rms_norm_fp8_scale_bound, why=(
-             "the ue8m0 byte of 2^ceil(log2(max(amax, 1e-4) / 448)) per 1x128 block, for an amax within "
-             "1.25u of the exact one (two bytes are admissible only where that straddles a power of two)")))),
-        "RMSNorm (as rms_norm) then the 1x128 e4m3 activation quantization of every FP8 GEMM input "
-        "(spec §3 act_quant, ue8m0 scales). Exact math has no FP8 rounding, so the codes are judged by the "
-        "rounding step they may take from the exact y.", canonical=_dequantize_codes),
-    "rms_norm_act_quant": OpContract(
-        "rms_norm_act_quant", "tolerance", rms_norm_fp8_inputs, lambda c: (_rms_norm_fp8_exact(c)[0],) * 2,
-        (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),
-         Output("xq", BF16, Tolerance(bound=_rms_norm_fp8_value_bound, why=(
-             "y quantized-dequantized vs the exact y, elementwise: rms_norm_fp8's bound on code * scale")))),
-        "RMSNorm (as rms_norm) and the same y quantized-dequantized in 1x128 e4m3 blocks with ue8m0 scales, bf16 "
-        "(spec §3 act_quant in place): the input of every FP8 GEMM the norm feeds, made once."),
-    "rms_norm_weightless": OpContract(
-        "rms_norm_weightless", "tolerance", rms_norm_weightless_inputs, _expected_rms_norm_weightless,
-        (Output("q", BF16, _rel(3.5 * SLACK * U_BF16, cos_r=_ONE, why=(
-            "every op in bf16: square (averaged in the mean), mean, +eps and rsqrt roundings give a per-row "
-            "scale error <= 2.5u, plus u for the final product: |rel| <= 3.5u; the row scale does not move "
-            "cos, so cos is held to one rounding (u)"))),),
-        "q * rsqrt(mean(q^2) + eps) with each op rounding to bf16 (spec §4 Attention step 1)."),
-    "apply_rope": OpContract(
-        "apply_rope", "tolerance", apply_rope_inputs, _expected_apply_rope,
-        (Output("x", BF16, replace(_rel(_ONE, _ONE_ROUNDING + "; the nope dims (all but the last 64) pass "
-                                        "through: elementwise bound 0 there"), bound=_rope_bound)),),
-        "Interleaved pairs (x[2i], x[2i+1]) of the last 64 dims rotated by fp32(position) * fp32(freq_i) (the "
-        "reference's fp32 angle table: at 2^20 its rounding moves the phase by up to 2^-4 rad, so ports must "
-        "reproduce it), cos/sin and the rotation in fp32, one bf16 rounding; inverse=True rotates by the "
-        "conjugate (spec §4 Attention step 3)."),
-    "kv_round": OpContract(
-        "kv_round", "bitexact", kv_round_inputs, _expected_kv_round,
-        (Output("kv", BF16, None),),
-        "Exact math has no FP8 rounding, so the contract is bit-exactness (+0 == -0) against "
-        "fake_quant_fp8(kv[..., :-64], 64) (the in-place act_quant, e4m3 RNE with 1x64 ue8m0 scales) with the "
-        "64 rope dims unchanged (spec §3 'Where quantization lives'). No NaN is planted: the CUDA amax may "
-        "drop NaN (fmaxf), which the CPU reference cannot decide."),
-    "indexer_round": OpContract(
-        "indexer_round", "bitexact", indexer_round_inputs,
-        lambda c: (indexer_round_reference(c["x"], c["fmt"], c["rotate"]),),
-        (Output("x", BF16, None),),
-        "The indexer's query and key rounding (spec §3 rotate_activation, fp4_act_quant): the Walsh-Hadamard "
-        "rotation in fp32 butterflies scaled by d^-0.5 and stored bf16, then e2m1 RNE in 1x32 blocks with ue8m0 "
-        "scales (2^ceil(log2(max(amax, 6 * 2^-126) / 6)) from the bits). Exact math has no FP4 rounding, so the "
-        "contract is bit-exactness (+0 == -0) against the formats module's hadamard and fake_quant_fp4."),
-    "compressor_decode": OpContract(
-        "compressor_decode", "tolerance", compressor_decode_inputs, _expected_compressor_decode,
-        (Output("entry", BF16, _rel(3 * _ONE, (
-            "the pool in fp32 (exp, sums: ~2^-20) rounded to bf16, then RMSNorm and RoPE, one bf16 rounding each: "
-            "|rel| <= 3 x 1.25u"))),
-         Output("carry_kv", FP32, _FP32_TOL), Output("carry_score", FP32, _FP32_TOL)),
-        "A compressor's decode step after its projections (spec §4-§5 Compressor.forward): score + ape[pos % r] and "
-        "kv into the carry's slot of pos, the per-channel softmax pool of the carried slots (overlap, r = 4: the "
-        "previous block's first halves then this block's second halves), stored bf16, RMSNorm and RoPE at the "
-        "block's first position; the overlap carry shifts where the block completes. The entry is the pool of the "
-        "slots as they stand: the compressed entry where the block completes."),
-    "kv_norm_rope_fp8": OpContract(
-        "kv_norm_rope_fp8", "tolerance", kv_norm_rope_fp8_inputs, _expected_kv_norm_rope_fp8,
-        (Output("kv", BF16, Tolerance(bound=_kv_norm_rope_fp8_bound, why=(
-            "elementwise vs the exact norm + rotation: one bf16 rounding of the norm (1.25u |y|), then on the "
-            "nope dims the e4m3 round-to-nearest step of 1x64 blocks (fmt 'fp8'), on the rope dims that rounding "
-            "carried through the rotation plus the output's (2 x 1.25u over the pair)"))),),
-        "The attention KV path (spec §4 Attention steps 2-3): kv_norm (RMSNorm with weight, bf16 out), "
-        "interleaved RoPE on the last 64 dims at fp32 angles (bf16 out), and the 1x64 ue8m0 e4m3 round of the "
-        "nope dims (act_quant in place; fmt 'fp8'). Exact math has no FP8 rounding, so the nope dims are judged "
-        "by the step they may take from the exact value."),
-    "index_scores": OpContract(
-        "index_scores", "tolerance", index_scores_inputs, _expected_index_scores,
-        (Output("scores", BF16, Tolerance(bound=_index_scores_bound, why=(
-            "elementwise forward-error bound 4u * sum_h |w_h| relu(q_h.k) + d 2^-23 * sum_h |w_h| |q_h|.|k|: "
-            "signed head weights cancel, so a per-row relative (cos / calc_diff) limit cannot hold when a "
-            "score is near 0; the bound is relative to the terms instead"))),),
-        "sum_h w_h * relu(q_h . k_j) with the einsum, ReLU, product and head sum each rounding to bf16 "
-        "(spec §4 Indexer), no causal mask (the caller masks)."),
-    "index_scores_fp4": OpContract(
-        "index_scores_fp4", "tolerance", index_scores_fp4_inputs,
-        lambda c: _expected_index_scores(_fp4_keys_case(c)),
-        (Output("scores", BF16, Tolerance(bound=lambda c: _index_scores_bound(_fp4_keys_case(c)), why=(
-            "index_scores' elementwise bound on the dequantized keys (dequantization is exact)"))),),
-        "index_scores against the packed FP4 key cache (codes: low nibble = element 2i; ue8m0 scale byte per "
-        "32 dims; spec §3 fp4_act_quant, §4 Indexer), the keys' values e2m1 * 2^(b-127)."),
-    "sparse_attention": OpContract(
-        "sparse_attention", "tolerance", sparse_attention_inputs, _expected_sparse_attention,
-        (Output("o", BF16, _rel(2 * SLACK * U_BF16, (
-            "two bf16 roundings: P is cast to bf16 before P.V (the denominator keeps fp32 P), and the output; "
-            "|rel| <= 2u per (query, head) row"))),),
-        "Online softmax over idx (-1: row zeroed, logit -inf), sink in the denominator only "
-        "(exp(sink - m), no value row), fp32 logits x scale, P rounded to bf16 for P.V, bf16 output "
-        "(spec §3 sparse_attn). Expected: oracles.attention.sparse_attention in fp64 on the gathered rows."),
-    "sparse_attention_fp8kv": OpContract(
-        "sparse_attention_fp8kv", "tolerance", sparse_attention_fp8kv_inputs, _expected_sparse_attention_fp8kv,
-        (Output("o", BF16, _rel(2 * SLACK * U_BF16, (
-            "sparse_attention's: the packed rows decode exactly, so the same two bf16 roundings"))),),
-        "sparse_attention over packed FP8 KV rows ([nope e4m3 codes | rope bf16 | ue8m0 scale bytes | pad], 584 B "
-        "at head_dim 512; spec §3 kv_cache with FP8 nope dims). Expected: the rows decoded, then "
-        "oracles.attention.sparse_attention in fp64 on the gathered rows."),
-    "hc_pre": OpContract(
-        "hc_pre", "tolerance", hc_pre_inputs, _expected_hc_pre,
-        (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)), Output("pre", FP32, _FP32_TOL),
-         Output("post", FP32, _FP32_TOL), Output("comb", FP32, _FP32_TOL)),
-        "mixes = (flatten(x) @ fn^T) * rsqrt(mean(x^2) + eps) in fp32, hc_split_sinkhorn (20 rounds), "
-        "y = sum_i pre_i x_i in fp32 -> bf16 (spec §4 mHC block)."),
-    "hc_post": OpContract(
-        "hc_post", "tolerance", hc_post_inputs, _expected_hc_post,
-        (Output("out", BF16, _rel(_ONE, _ONE_ROUNDING)),),
-        "out_k = post_k f + sum_j comb[j, k] residual_j (comb transposed) in fp32 -> bf16 (spec §4 mHC block)."),
-    "hc_head": OpContract(
-        "hc_head", "tolerance", hc_head_inputs, _expected_hc_head,
-        (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),),
-        "pre = sigmoid(mixes * scale + base) + eps, y = sum_i pre_i x_i in fp32 -> bf16 (spec §4 head)."),
-    "sinkhorn_split": OpContract(
-        "sinkhorn_split", "tolerance", sinkhorn_split_inputs, _expected_sinkhorn_split,
-        (Output("pre", FP32, _FP32_TOL), Output("post", FP32, _FP32_TOL), Output("comb", FP32, _FP32_TOL)),
-        "hc_split_sinkhorn in fp32: sigmoid pre (+eps), 2*sigmoid post, comb = softmax + eps, column division, "
-        "then 19 row/column rounds, ending column-normalised (spec §3)."),
-    "gate": OpContract(
-        "gate", "tolerance", gate_inputs, _expected_gate,
-        (Output("weights", FP32, _FP32_TOL), Output("indices", None, None)),
-        "sqrt(softplus(x @ W^T)) in fp32, top-k of scores + bias (or tid2eid[ids]), unbiased scores gathered, "
-        "normalised, x route_scale (spec §4 MoE). Indices must be the same set per row (compared sorted).",
-        canonical=_sort_topk),
-    "expert": OpContract(
-        "expert", "tolerance", expert_inputs, _expected_expert,
-        (Output("y", BF16, _rel(2 * U_FP8 + 4 * U_BF16, (
-            "two FP8 e4m3 activation roundings (x before w1/w3, the weighted h before w2; 2^-4 each) plus bf16 "
-            "roundings of g, u, h and y: |rel| <= 2^-3 + 2^-6 per token row. Below this resolution: where "
-            "the routing weight is applied (before/after w2 differ only by act-quant noise)"))),),
-        "Clamped SwiGLU with FP8 (1x128 ue8m0) activation quantization before each GEMM, fp32 accumulation, "
-        "routing weight applied to h before w2, bf16 output (spec §4 MoE)."),
-}
+# one contract per op, under the name ``registry.OPS[op].contract`` gives (``fidelity.testing.contract_of``)
+
+act_linear = OpContract(
+    "tolerance", _expected_act_linear,
+    (Output("y", BF16, Tolerance(bound=_act_linear_bound, why=(
+        "elementwise forward-error bound: one e4m3 rounding per activation (2^-4, act 'fp8') times "
+        "sum_k |x_k w_jk|, fp32 accumulation (k 2^-23), one bf16 rounding of y (1.25u): rows of signed "
+        "products cancel, so a per-row relative limit cannot hold"))),),
+    "The FP8 / FP4 GEMM of every linear layer: x quantized e4m3 in 1x128 blocks with ue8m0 scales (spec §3 "
+    "act_quant; not for act 'bf16'), products with the exactly dequantized weight accumulated in fp32, output "
+    "bf16 (spec §3 fp8_gemm / fp4_gemm).")
+fp8_weight_linear = OpContract(
+    "tolerance", _expected_fp8_weight_linear,
+    (Output("y", BF16, Tolerance(bound=_fp8_weight_linear_bound, why=(
+        "act_linear's bound with the weight dequantized from its codes and 128x128 scales"))),),
+    "act_linear on a weight given as stored (e4m3 codes and 128x128 power-of-two scales, spec §2): each "
+    "weight is its code times its block's scale exactly; the rest as act_linear (the decode GEMV path). With "
+    "groups > 1, output row j multiplies x's group j // (m / groups) (wo_a's grouped projection, spec §4).")
+fp32_linear = OpContract(
+    "tolerance", _expected_fp32_linear,
+    (Output("y", torch.float32, Tolerance(bound=_fp32_linear_bound, why=(
+        "bf16 x bf16 products are exact in fp32; only the fp32 accumulation (k 2^-23 sum |x w|) rounds"))),),
+    "The compressors' projections: x.float() @ W^T in fp32 with the bf16-stored weight's exact values, fp32 "
+    "out (spec §4 Compressor; official fp32 Linear).")
+fp4_picked_linear = OpContract(
+    "tolerance", _expected_fp4_picked_linear,
+    (Output("y", BF16, Tolerance(bound=_fp4_picked_linear_bound, why=(
+        "act_linear's bound per row, with that row's expert weight dequantized from its e2m1 codes and 1x32 "
+        "scales"))),),
+    "Row r times the FP4 weight of expert experts[r] (e2m1 codes two per byte, low nibble first, 1x32 "
+    "power-of-two scales, spec §2), as act_linear (graph decode's routed experts, picked on the device).")
+rms_norm = OpContract(
+    "tolerance", _expected_rms_norm,
+    (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),),
+    "RMSNorm in fp32 with the fp32 weight, one bf16 rounding at the end (spec §3 'No fused RMSNorm kernel').")
+rms_norm_fp8 = OpContract(
+    "tolerance", _expected_rms_norm_fp8,
+    (Output("codes", torch.float8_e4m3fn, Tolerance(bound=_rms_norm_fp8_value_bound, why=(
+        "dequantized codes vs the exact y, elementwise: the e4m3 round-to-nearest step (half an ulp: "
+        "<= 2^-4 |y|, or 2^-10 s on the subnormal codes) plus the bf16 rounding of y (1.25u |y|)"))),
+     Output("scales", torch.uint8, Tolerance(bound=_rms_norm_fp8_scale_bound, why=(
+         "the ue8m0 byte of 2^ceil(log2(max(amax, 1e-4) / 448)) per 1x128 block, for an amax within "
+         "1.25u of the exact one (two bytes are admissible only where that straddles a power of two)")))),
+    "RMSNorm (as rms_norm) then the 1x128 e4m3 activation quantization of every FP8 GEMM input "
+    "(spec §3 act_quant, ue8m0 scales). Exact math has no FP8 rounding, so the codes are judged by the "
+    "rounding step they may take from the exact y.", canonical=_dequantize_codes)
+rms_norm_act_quant = OpContract(
+    "tolerance", lambda c: (_rms_norm_fp8_exact(c)[0],) * 2,
+    (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),
+     Output("xq", BF16, Tolerance(bound=_rms_norm_fp8_value_bound, why=(
+         "y quantized-dequantized vs the exact y, elementwise: rms_norm_fp8's bound on code * scale")))),
+    "RMSNorm (as rms_norm) and the same y quantized-dequantized in 1x128 e4m3 blocks with ue8m0 scales, bf16 "
+    "(spec §3 act_quant in place): the input of every FP8 GEMM the norm feeds, made once.")
+rms_norm_weightless = OpContract(
+    "tolerance", _expected_rms_norm_weightless,
+    (Output("q", BF16, _rel(3.5 * SLACK * U_BF16, cos_r=_ONE, why=(
+        "every op in bf16: square (averaged in the mean), mean, +eps and rsqrt roundings give a per-row "
+        "scale error <= 2.5u, plus u for the final product: |rel| <= 3.5u; the row scale does not move "
+        "cos, so cos is held to one rounding (u)"))),),
+    "q * rsqrt(mean(q^2) + eps) with each op rounding to bf16 (spec §4 Attention step 1).")
+apply_rope = OpContract(
+    "tolerance", _expected_apply_rope,
+    (Output("x", BF16, replace(_rel(_ONE, _ONE_ROUNDING + "; the nope dims (all but the last 64) pass "
+                                    "through: elementwise bound 0 there"), bound=_rope_bound)),),
+    "Interleaved pairs (x[2i], x[2i+1]) of the last 64 dims rotated by fp32(position) * fp32(freq_i) (the "
+    "reference's fp32 angle table: at 2^20 its rounding moves the phase by up to 2^-4 rad, so ports must "
+    "reproduce it), cos/sin and the rotation in fp32, one bf16 rounding; inverse=True rotates by the "
+    "conjugate (spec §4 Attention step 3).")
+kv_round = OpContract(
+    "bitexact", _expected_kv_round,
+    (Output("kv", BF16, None),),
+    "Exact math has no FP8 rounding, so the contract is bit-exactness (+0 == -0) against "
+    "fake_quant_fp8(kv[..., :-64], 64) (the in-place act_quant, e4m3 RNE with 1x64 ue8m0 scales) with the "
+    "64 rope dims unchanged (spec §3 'Where quantization lives'). No NaN is planted: the CUDA amax may "
+    "drop NaN (fmaxf), which the CPU reference cannot decide.")
+indexer_round = OpContract(
+    "bitexact",
+    lambda c: (indexer_round_reference(c["x"], c["fmt"], c["rotate"]),),
+    (Output("x", BF16, None),),
+    "The indexer's query and key rounding (spec §3 rotate_activation, fp4_act_quant): the Walsh-Hadamard "
+    "rotation in fp32 butterflies scaled by d^-0.5 and stored bf16, then e2m1 RNE in 1x32 blocks with ue8m0 "
+    "scales (2^ceil(log2(max(amax, 6 * 2^-126) / 6)) from the bits). Exact math has no FP4 rounding, so the "
+    "contract is bit-exactness (+0 == -0) against the formats module's hadamard and fake_quant_fp4.")
+compressor_decode = OpContract(
+    "tolerance", _expected_compressor_decode,
+    (Output("entry", BF16, _rel(3 * _ONE, (
+        "the pool in fp32 (exp, sums: ~2^-20) rounded to bf16, then RMSNorm and RoPE, one bf16 rounding each: "
+        "|rel| <= 3 x 1.25u"))),
+     Output("carry_kv", FP32, _FP32_TOL), Output("carry_score", FP32, _FP32_TOL)),
+    "A compressor's decode step after its projections (spec §4-§5 Compressor.forward): score + ape[pos % r] and "
+    "kv into the carry's slot of pos, the per-channel softmax pool of the carried slots (overlap, r = 4: the "
+    "previous block's first halves then this block's second halves), stored bf16, RMSNorm and RoPE at the "
+    "block's first position; the overlap carry shifts where the block completes. The entry is the pool of the "
+    "slots as they stand: the compressed entry where the block completes.")
+kv_norm_rope_fp8 = OpContract(
+    "tolerance", _expected_kv_norm_rope_fp8,
+    (Output("kv", BF16, Tolerance(bound=_kv_norm_rope_fp8_bound, why=(
+        "elementwise vs the exact norm + rotation: one bf16 rounding of the norm (1.25u |y|), then on the "
+        "nope dims the e4m3 round-to-nearest step of 1x64 blocks (fmt 'fp8'), on the rope dims that rounding "
+        "carried through the rotation plus the output's (2 x 1.25u over the pair)"))),),
+    "The attention KV path (spec §4 Attention steps 2-3): kv_norm (RMSNorm with weight, bf16 out), "
+    "interleaved RoPE on the last 64 dims at fp32 angles (bf16 out), and the 1x64 ue8m0 e4m3 round of the "
+    "nope dims (act_quant in place; fmt 'fp8'). Exact math has no FP8 rounding, so the nope dims are judged "
+    "by the step they may take from the exact value.")
+index_scores = OpContract(
+    "tolerance", _expected_index_scores,
+    (Output("scores", BF16, Tolerance(bound=_index_scores_bound, why=(
+        "elementwise forward-error bound 4u * sum_h |w_h| relu(q_h.k) + d 2^-23 * sum_h |w_h| |q_h|.|k|: "
+        "signed head weights cancel, so a per-row relative (cos / calc_diff) limit cannot hold when a "
+        "score is near 0; the bound is relative to the terms instead"))),),
+    "sum_h w_h * relu(q_h . k_j) with the einsum, ReLU, product and head sum each rounding to bf16 "
+    "(spec §4 Indexer), no causal mask (the caller masks).")
+index_scores_fp4 = OpContract(
+    "tolerance",
+    lambda c: _expected_index_scores(_fp4_keys_case(c)),
+    (Output("scores", BF16, Tolerance(bound=lambda c: _index_scores_bound(_fp4_keys_case(c)), why=(
+        "index_scores' elementwise bound on the dequantized keys (dequantization is exact)"))),),
+    "index_scores against the packed FP4 key cache (codes: low nibble = element 2i; ue8m0 scale byte per "
+    "32 dims; spec §3 fp4_act_quant, §4 Indexer), the keys' values e2m1 * 2^(b-127).")
+sparse_attention = OpContract(
+    "tolerance", _expected_sparse_attention,
+    (Output("o", BF16, _rel(2 * SLACK * U_BF16, (
+        "two bf16 roundings: P is cast to bf16 before P.V (the denominator keeps fp32 P), and the output; "
+        "|rel| <= 2u per (query, head) row"))),),
+    "Online softmax over idx (-1: row zeroed, logit -inf), sink in the denominator only "
+    "(exp(sink - m), no value row), fp32 logits x scale, P rounded to bf16 for P.V, bf16 output "
+    "(spec §3 sparse_attn). Expected: oracles.attention.sparse_attention in fp64 on the gathered rows.")
+sparse_attention_fp8kv = OpContract(
+    "tolerance", _expected_sparse_attention_fp8kv,
+    (Output("o", BF16, _rel(2 * SLACK * U_BF16, (
+        "sparse_attention's: the packed rows decode exactly, so the same two bf16 roundings"))),),
+    "sparse_attention over packed FP8 KV rows ([nope e4m3 codes | rope bf16 | ue8m0 scale bytes | pad], 584 B "
+    "at head_dim 512; spec §3 kv_cache with FP8 nope dims). Expected: the rows decoded, then "
+    "oracles.attention.sparse_attention in fp64 on the gathered rows.")
+hc_pre = OpContract(
+    "tolerance", _expected_hc_pre,
+    (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)), Output("pre", FP32, _FP32_TOL),
+     Output("post", FP32, _FP32_TOL), Output("comb", FP32, _FP32_TOL)),
+    "mixes = (flatten(x) @ fn^T) * rsqrt(mean(x^2) + eps) in fp32, hc_split_sinkhorn (20 rounds), "
+    "y = sum_i pre_i x_i in fp32 -> bf16 (spec §4 mHC block).")
+hc_post = OpContract(
+    "tolerance", _expected_hc_post,
+    (Output("out", BF16, _rel(_ONE, _ONE_ROUNDING)),),
+    "out_k = post_k f + sum_j comb[j, k] residual_j (comb transposed) in fp32 -> bf16 (spec §4 mHC block).")
+hc_head = OpContract(
+    "tolerance", _expected_hc_head,
+    (Output("y", BF16, _rel(_ONE, _ONE_ROUNDING)),),
+    "pre = sigmoid(mixes * scale + base) + eps, y = sum_i pre_i x_i in fp32 -> bf16 (spec §4 head).")
+sinkhorn_split = OpContract(
+    "tolerance", _expected_sinkhorn_split,
+    (Output("pre", FP32, _FP32_TOL), Output("post", FP32, _FP32_TOL), Output("comb", FP32, _FP32_TOL)),
+    "hc_split_sinkhorn in fp32: sigmoid pre (+eps), 2*sigmoid post, comb = softmax + eps, column division, "
+    "then 19 row/column rounds, ending column-normalised (spec §3).")
+gate = OpContract(
+    "tolerance", _expected_gate,
+    (Output("weights", FP32, _FP32_TOL), Output("indices", None, None)),
+    "sqrt(softplus(x @ W^T)) in fp32, top-k of scores + bias (or tid2eid[ids]), unbiased scores gathered, "
+    "normalised, x route_scale (spec §4 MoE). Indices must be the same set per row (compared sorted).",
+    canonical=_sort_topk)
+expert = OpContract(
+    "tolerance", _expected_expert,
+    (Output("y", BF16, _rel(2 * U_FP8 + 4 * U_BF16, (
+        "two FP8 e4m3 activation roundings (x before w1/w3, the weighted h before w2; 2^-4 each) plus bf16 "
+        "roundings of g, u, h and y: |rel| <= 2^-3 + 2^-6 per token row. Below this resolution: where "
+        "the routing weight is applied (before/after w2 differ only by act-quant noise)"))),),
+    "Clamped SwiGLU with FP8 (1x128 ue8m0) activation quantization before each GEMM, fp32 accumulation, "
+    "routing weight applied to h before w2, bf16 output (spec §4 MoE).")
+
+
+def _record(op_name: str):
+    from fidelity.decoders.production.registry import OPS
+
+    if op_name not in OPS:
+        raise KeyError(f"op {op_name!r}: no contract; expected one of {sorted(OPS)}")
+    return OPS[op_name]
+
+
+def contract_of(op_name: str) -> OpContract:
+    """The contract of op ``op_name``: the attribute of this module its ``registry.OPS`` record names."""
+    return globals()[_record(op_name).contract]
+
+
+def strategy_of(op_name: str) -> st.SearchStrategy[Case]:
+    """The default input strategy of op ``op_name``: the ``fidelity.testing.strategies`` function its
+    ``registry.OPS`` record names, called with its defaults."""
+    from fidelity.testing import strategies
+
+    return getattr(strategies, _record(op_name).strategy)()

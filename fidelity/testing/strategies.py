@@ -1,10 +1,11 @@
-"""Hypothesis strategies of kernel-signature inputs, one per op (``strategies.<op>_inputs``), drawn to cover
-what ports get wrong."""
+"""Hypothesis strategies of kernel-signature inputs, one per op (``strategies.<op>_inputs``, the name
+``registry.OPS[op].strategy`` gives), drawn to cover what ports get wrong. Pass one, narrowed, to
+``check_against_oracle(..., strategy=...)`` to draw only inputs a kernel supports:
+``strategies.sparse_attention_inputs(head_dims=(512,))``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -619,30 +620,3 @@ def fp4_picked_linear_inputs(dims: Sequence[int] = (256, 512), out_dims: Sequenc
         return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
 
     return build()
-
-
-strategies = SimpleNamespace(
-    act_linear_inputs=act_linear_inputs,
-    fp8_weight_linear_inputs=fp8_weight_linear_inputs,
-    fp32_linear_inputs=fp32_linear_inputs,
-    fp4_picked_linear_inputs=fp4_picked_linear_inputs,
-    rms_norm_inputs=rms_norm_inputs,
-    rms_norm_fp8_inputs=rms_norm_fp8_inputs,
-    rms_norm_weightless_inputs=rms_norm_weightless_inputs,
-    apply_rope_inputs=apply_rope_inputs,
-    kv_round_inputs=kv_round_inputs,
-    compressor_decode_inputs=compressor_decode_inputs,
-    indexer_round_inputs=indexer_round_inputs,
-    kv_norm_rope_fp8_inputs=kv_norm_rope_fp8_inputs,
-    index_scores_inputs=index_scores_inputs,
-    index_scores_fp4_inputs=index_scores_fp4_inputs,
-    sparse_attention_inputs=sparse_attention_inputs,
-    hc_pre_inputs=hc_pre_inputs,
-    hc_post_inputs=hc_post_inputs,
-    hc_head_inputs=hc_head_inputs,
-    sinkhorn_split_inputs=sinkhorn_split_inputs,
-    gate_inputs=gate_inputs,
-    expert_inputs=expert_inputs,
-)
-"""Namespace of the input strategies: ``strategies.sparse_attention_inputs(head_dims=(512,))`` etc. Pass one
-to ``check_against_oracle(..., strategy=...)`` to narrow the inputs to what a kernel supports."""

@@ -7,10 +7,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from fidelity.decoders.production import ProductionModel, routes  # noqa: E402
+from fidelity.decoders.production import (  # noqa: E402
+    ProductionModel,
+    fallbacks,  # noqa: E402
+    routes,
+)
 from fidelity.decoders.production.faults import inject  # noqa: E402
 from fidelity.decoders.production.graph_decode import GraphDecodeSession  # noqa: E402
-from fidelity.decoders.production.kernels import fallbacks  # noqa: E402
 from fidelity.decoders.production.registry import deselect, implementations_used, reset_used, select  # noqa: E402
 from fidelity.harness.runner import Runner, RunSpec  # noqa: E402
 from fidelity.model.config import ModelConfig  # noqa: E402

@@ -13,16 +13,14 @@ from fidelity.decoders.production import ops
 from fidelity.decoders.production.decode_slots import decode_slots_reference
 from fidelity.decoders.production.kernels import weight_gemv
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
-from fidelity.decoders.production.kernels.compressor import compressor_decode_cuda
 from fidelity.decoders.production.kernels.decode_slots import decode_slots_cuda, mask_past_cuda
-from fidelity.decoders.production.kernels.expert import expert_cuda, swiglu
-from fidelity.decoders.production.kernels.gate import gate_cuda
+from fidelity.decoders.production.kernels.expert import expert_cuda, swiglu, takes_expert
 from fidelity.decoders.production.kernels.indexer_round import indexer_round_cuda
 from fidelity.decoders.production.kernels.moe_sum import moe_sum
-from fidelity.decoders.production.kernels.rms_norm import rms_norm_weightless_cuda
 from fidelity.decoders.production.kernels.rope import apply_rope_cuda
 from fidelity.decoders.production.kernels.take import put_at_block_end
 from fidelity.decoders.production.model import _moe_sum
+from fidelity.decoders.production.registry import dispatch
 from fidelity.testing import check_against_oracle
 
 BF16 = torch.bfloat16
@@ -38,7 +36,10 @@ def _bits_differ(x: torch.Tensor, rotate: bool) -> str:
 def expert_on_emulated_gemms(x, w1, w2, w3, limit, weight, act, linear=None):
     """The expert kernel's SwiGLU launch between the emulation's GEMMs (the interpreter's e4m3 conversion is not the
     hardware's, so the GEMMs' activation quantization stays in torch here)."""
-    return expert_cuda(x, w1, w2, w3, limit, weight, act, linear or ops.act_linear)
+    linear = linear or ops.act_linear
+    if takes_expert(x, w1, w2, w3, limit, weight, act, linear):
+        return ops.expert(x, w1, w2, w3, limit, weight, act, linear)
+    return expert_cuda(x, w1, w2, w3, limit, weight, act, linear)
 
 
 def _contract(op: str, fn) -> str:
@@ -51,11 +52,11 @@ def _contract(op: str, fn) -> str:
 
 def main() -> dict[str, str]:
     g = torch.Generator().manual_seed(0)
-    out = {"indexer_round_contract": _contract("indexer_round", indexer_round_cuda),
-           "apply_rope_contract": _contract("apply_rope", apply_rope_cuda),
+    out = {"indexer_round_contract": _contract("indexer_round", dispatch("indexer_round")),
+           "apply_rope_contract": _contract("apply_rope", dispatch("apply_rope")),
            "expert_contract": _contract("expert", expert_on_emulated_gemms),
-           "gate_contract": _contract("gate", gate_cuda),
-           "compressor_decode_contract": _contract("compressor_decode", compressor_decode_cuda)}
+           "gate_contract": _contract("gate", dispatch("gate")),
+           "compressor_decode_contract": _contract("compressor_decode", dispatch("compressor_decode"))}
     q = torch.randn(2, 64, 128, generator=g) * torch.exp2(torch.randint(-30, 30, (2, 64, 1), generator=g).float())
     out["queries_64_heads"] = _bits_differ(q.to(BF16), True)
     key = torch.randn(1, 128, generator=g)
@@ -75,7 +76,7 @@ def main() -> dict[str, str]:
     out["decode_slots_give_the_references_integers"] = _decode_slots_differ(g)
     out["put_at_block_end_writes_the_row_only_where_the_block_completes"] = _put_at_block_end_differs(g)
     out["mask_past_hides_the_entries_past_the_limit"] = _mask_past_differs(g)
-    out["rms_norm_weightless_contract"] = _contract("rms_norm_weightless", rms_norm_weightless_cuda)
+    out["rms_norm_weightless_contract"] = _contract("rms_norm_weightless", dispatch("rms_norm_weightless"))
     slots, shared = (torch.randn(3, 6, 700, generator=g) * 100).to(BF16), torch.randn(3, 700, generator=g).to(BF16)
     out["moe_sum_gives_the_loops_bits"] = "" if torch.equal(moe_sum(slots, shared), _moe_sum(slots, shared)) else \
         "differs from the torch loop"

@@ -144,19 +144,19 @@ class GraphDecodeSession(ProductionSession):
             self.compress(i, x, positions, index=False)
             picks = self.index_picks(i, x, qr, positions) if ratio == 4 else None
         rows, local = decode_slots(self.pos_dev, picks, cache.window, ratio, cache.n_compressed)
-        if cache.kv.fmt == "fp8" and self.p.fmha == "bf16":
+        if cache.kv.fmt == "fp8" and self.profile.fmha == "bf16":
             return self.attend_packed(i, q, torch.where(local >= 0, rows, -1))
         buf = cache.gather[: rows.shape[0]]
         cache.kv.read_into(rows, buf)
-        sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
-        return self.op("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
+        sink, scale = self.model.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
+        return self.op("sparse_attention")(q, buf, local, sink, scale, self.profile.fmha)
 
     def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
-        if h.shape[0] != 1 or self.m.stored_experts(i) is not None:  # the stored-FP4 path is sync-free already
+        if h.shape[0] != 1 or self.model.stored_experts(i) is not None:  # the stored-FP4 path is sync-free already
             return super().moe(i, h, ids)
-        cfg, act, x = self.cfg, self.p.gemm_act, _plain(h)
+        cfg, act, x = self.cfg, self.profile.gemm_act, _plain(h)
         weights, experts = self.route(i, x, ids)
-        w1, w2, w3 = self.m.expert_stack(i)
+        w1, w2, w3 = self.model.expert_stack(i)
         expert = self.op("expert")
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         order = experts[0].argsort()  # the eager session's ascending expert ids (a token's experts are distinct)

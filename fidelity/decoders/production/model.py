@@ -23,7 +23,7 @@ from fidelity.decoders.production.registry import implementation
 from fidelity.decoders.production.rope_freqs import rope_inv_freq
 from fidelity.decoders.production.topk import stable_topk
 from fidelity.model.formats import decode_e8m0, hadamard
-from fidelity.model.sites import Recorder
+from fidelity.model.sites import MHC_SITES, Recorder, site_name
 from fidelity.model.weights import fp32_nbytes
 
 BF16 = torch.bfloat16
@@ -155,26 +155,30 @@ class ProductionSession:
 
     def __init__(self, model: ProductionModel, recorder: Recorder | None = None, own: range | None = None):
         """``own``: the layers this session runs and holds caches for (default: all; a pipeline stage: its range)."""
-        self.m, self.cfg, self.p, self.rec = model, model.cfg, model.profile, recorder
+        self.model, self.cfg, self.profile, self.rec = model, model.cfg, model.profile, recorder
         self.own = range(self.cfg.n_layers) if own is None else own
-        self.layers = [LayerCache(self.cfg, i, self.p, model.max_context, model.device) if i in self.own else None
+        self.layers = [LayerCache(self.cfg, i, self.profile, model.max_context, model.device) if i in self.own else None
                        for i in range(self.cfg.n_layers)]
         self.pos = 0
         self.calls = 0
         self.kept: list[torch.Tensor] = []  # only the ``decode-buffer-kept`` fault ever appends here
         self.in_prefill = False  # a prefill (chunk) takes the prefill paths, even for one token
         self.counts: Counts = {}  # this session's implementations, kernel fallbacks and routes (call_counts)
-        self.res_dtypes = [torch.float32 if self.p.residual_fp32(i) else BF16 for i in range(self.cfg.n_layers)]
-        self.fused = self.p.norm_fusion == "fused"
+        self.res_dtypes = [torch.float32 if self.profile.residual_fp32(i) else BF16 for i in range(self.cfg.n_layers)]
+        self.fused = self.profile.norm_fusion == "fused"
 
-    def emit(self, site: str, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
-        """Record ``tensor`` at ``site`` if the recorder wants it (a callable is evaluated only then)."""
-        if self.rec is not None and self.rec.wants(site):
+    def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
+        """Record ``tensor`` at the site ``template`` of ``layer`` (None outside the layers) if the recorder wants
+        it (a callable is evaluated only then)."""
+        if self.rec is None:
+            return
+        site = site_name(template, layer)
+        if self.rec.wants(site):
             self.rec(site, tensor() if callable(tensor) else tensor)
 
     def op(self, name: str):
         """The registered implementation of op ``name`` for this session's device (registry.implementation)."""
-        return implementation(name, self.m.device)
+        return implementation(name, self.model.device)
 
     def cache_bytes(self) -> int:
         return sum(sum(c.nbytes().values()) for c in self.layers if c is not None)
@@ -188,14 +192,14 @@ class ProductionSession:
         ids = self._check(input_ids, prefill=True)
         self.in_prefill = True
         try:
-            return self._run(ids, torch.arange(self.pos, self.pos + len(ids), device=self.m.device))
+            return self._run(ids, torch.arange(self.pos, self.pos + len(ids), device=self.model.device))
         finally:
             self.in_prefill = False
 
     @torch.no_grad()
     def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
         ids = self._check(torch.as_tensor([int(token_id)]), prefill=False)
-        return self._run(ids, torch.tensor([self.pos], device=self.m.device))[0]
+        return self._run(ids, torch.tensor([self.pos], device=self.model.device))[0]
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -214,12 +218,12 @@ class ProductionSession:
             raise ValueError("input_ids: expected at least one token, found 0")
         if not prefill and (self.pos == 0 or n != 1):
             raise ValueError(f"decode: expected one token after a prefill, found {n} token(s) at position {self.pos}")
-        if self.pos + n > self.m.max_context:
-            raise ContextError(f"context: {self.pos} + {n} tokens exceeds max_context {self.m.max_context}; "
+        if self.pos + n > self.model.max_context:
+            raise ContextError(f"context: {self.pos} + {n} tokens exceeds max_context {self.model.max_context}; "
                                "build the model with a larger max_context")
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"input_ids: expected ids in [0, {vocab}), found [{int(ids.min())}, {int(ids.max())}]")
-        return ids.to(self.m.device) if to_device else ids
+        return ids.to(self.model.device) if to_device else ids
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.rec is not None:
@@ -239,53 +243,53 @@ class ProductionSession:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [n] -> the mHC streams entering layer 0 [n, hc, dim] (the embedding repeated, layer 0's dtype)."""
-        x = self.m.w("embed.weight")[ids].to(BF16)
-        self.emit("embed", x)
+        x = self.model.w("embed.weight")[ids].to(BF16)
+        self.emit("embed", None, x)
         return x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1).to(self.res_dtypes[0])
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The streams leaving the last layer [n, hc, dim] -> fp32 logits [n, vocab] (hc_head, norm, LM head)."""
-        w, cfg = self.m.w, self.cfg
+        w, cfg = self.model.w, self.cfg
         y = self.op("hc_head")(x, w("hc_head_fn"), w("hc_head_scale"), w("hc_head_base"), cfg.norm_eps,
                                cfg.hc_eps)
         y = self.op("rms_norm")(y, w("norm.weight"), cfg.norm_eps)
-        self.emit("final", y)
-        logits = y.float() @ self.m.w_as("head.weight", torch.float32).T
-        self.emit("logits", logits)
+        self.emit("final", None, y)
+        logits = y.float() @ self.model.w_as("head.weight", torch.float32).T
+        self.emit("logits", None, logits)
         return logits
 
     # ---- one block ---------------------------------------------------------------------------
     def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        w = self.m.w
+        w = self.model.w
         y, post, comb = self.mhc_pre(i, "attn", x)
         h = self.norm(y, w(f"layers.{i}.attn_norm.weight"))
-        self.emit(f"L{i}.attn.in", _plain(h))
+        self.emit("L{i}.attn.in", i, _plain(h))
         f = self.attention(i, h, positions)
-        self.emit(f"L{i}.attn.out", f)
+        self.emit("L{i}.attn.out", i, f)
         x = self.op("hc_post")(f, x, post, comb, self.res_dtypes[i])
         y, post, comb = self.mhc_pre(i, "ffn", x)
         h = self.norm(y, w(f"layers.{i}.ffn_norm.weight"))
-        self.emit(f"L{i}.moe.in", _plain(h))
+        self.emit("L{i}.moe.in", i, _plain(h))
         f = self.moe(i, h, ids)
-        self.emit(f"L{i}.moe.out", f)
+        self.emit("L{i}.moe.out", i, f)
         x = self.op("hc_post")(f, x, post, comb, self.res_dtypes[i])
-        self.emit(f"L{i}.residual", x)
+        self.emit("L{i}.residual", i, x)
         return x
 
     def mhc_pre(self, i: int, which: str, x: torch.Tensor):
-        w, cfg, p = self.m.w, self.cfg, f"layers.{i}.hc_{which}_"
+        w, cfg, p = self.model.w, self.cfg, f"layers.{i}.hc_{which}_"
         y, pre, post, comb = self.op("hc_pre")(x, w(p + "fn"), w(p + "scale"), w(p + "base"), cfg.norm_eps,
                                                cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        self.emit(f"L{i}.mhc_{which}.pre", pre)
-        self.emit(f"L{i}.mhc_{which}.post", post)
-        self.emit(f"L{i}.mhc_{which}.comb", comb)
+        self.emit(MHC_SITES[which, "pre"], i, pre)
+        self.emit(MHC_SITES[which, "post"], i, post)
+        self.emit(MHC_SITES[which, "comb"], i, comb)
         return y, post, comb
 
     # ---- norms and the GEMMs they feed ---------------------------------------------------------
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Fp8Input:
         """RMSNorm of a GEMM input [n, d]: bf16 y (op ``rms_norm``), or under ``norm_fusion = "fused"`` with FP8
         GEMM inputs an :class:`Fp8Input` (op ``rms_norm_act_quant``: y and its FP8 GEMM input from one kernel)."""
-        if not (self.fused and self.p.gemm_act == "fp8"):
+        if not (self.fused and self.profile.gemm_act == "fp8"):
             return self.op("rms_norm")(x, weight, self.cfg.norm_eps)
         return Fp8Input(*self.op("rms_norm_act_quant")(x, weight, self.cfg.norm_eps))
 
@@ -295,12 +299,12 @@ class ProductionSession:
         as stored (op ``fp8_weight_linear``: codes and block scales, where the model holds them; on a GPU). An
         :class:`Fp8Input` is otherwise multiplied as already quantized (``ops.quantized_linear``), a tensor through
         op ``act_linear``."""
-        act = act or self.p.gemm_act
+        act = act or self.profile.gemm_act
         if isinstance(weight, str):
-            stored = self.m.gemv_weight(weight) if x.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
+            stored = self.model.gemv_weight(weight) if x.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
             if stored is not None:
                 return self.op("fp8_weight_linear")(x.xq if isinstance(x, Fp8Input) else x, *stored, act)
-            weight = self.m.w_as(weight, torch.float32)  # FP8 / FP4 read as fp32 already; bf16 converted once
+            weight = self.model.w_as(weight, torch.float32)  # FP8 / FP4 read as fp32 already; bf16 converted once
         if isinstance(x, Fp8Input):
             return ops.quantized_linear(x.xq, weight)
         return self.op("act_linear")(x, weight, act)
@@ -309,7 +313,7 @@ class ProductionSession:
                 freqs: torch.Tensor) -> torch.Tensor:
         """The wkv output [n, hd] -> window KV [n, hd] bf16: kv_norm, RoPE, the FP8 round of the nope dims; one op
         (``kv_norm_rope_fp8``) under ``norm_fusion = "fused"``, else the reference's three."""
-        cfg, fmt = self.cfg, self.p.kv_nope
+        cfg, fmt = self.cfg, self.profile.kv_nope
         if self.fused:
             return self.op("kv_norm_rope_fp8")(x, weight, cfg.norm_eps, positions, freqs, fmt)
         kv = self.op("apply_rope")(self.op("rms_norm")(x, weight, cfg.norm_eps), positions, freqs)
@@ -318,9 +322,9 @@ class ProductionSession:
     # ---- attention ---------------------------------------------------------------------------
     def attention(self, i: int, h: torch.Tensor | Fp8Input, positions: torch.Tensor) -> torch.Tensor:
         """h: the attention norm's output [n, dim] (an :class:`Fp8Input` under a fused profile)."""
-        w, cfg, x = self.m.w, self.cfg, _plain(h)
+        w, cfg, x = self.model.w, self.cfg, _plain(h)
         ratio, pre = cfg.ratio(i), f"layers.{i}.attn."
-        freqs = self.m.freqs[ratio]
+        freqs = self.model.freqs[ratio]
         if ratio == 0 and on("yarn-on-swa"):
             freqs = rope_inv_freq(cfg, 4).to(x.device)
         rope = self.op("apply_rope")
@@ -328,41 +332,41 @@ class ProductionSession:
         q = self.linear(qr, pre + "wq_b.weight").unflatten(-1, (cfg.n_heads, cfg.head_dim))
         q = rope(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
         kv = self.kv_path(self.linear(h, pre + "wkv.weight"), w(pre + "kv_norm.weight"), positions, freqs)
-        self.emit(f"L{i}.attn.q", q)
-        self.emit(f"L{i}.attn.kv", kv)
+        self.emit("L{i}.attn.q", i, q)
+        self.emit("L{i}.attn.kv", i, kv)
         if self.in_prefill:
             o = self.attend_prefill(i, x, qr, q, kv, positions)
         else:
             o = self.attend_decode(i, x, qr, q, kv, positions)
-        self.emit(f"L{i}.attn.core", o)
+        self.emit("L{i}.attn.core", i, o)
         if not on("no-inverse-rope"):
             o = rope(o, positions, freqs, inverse=True)
-        stored = self.m.gemv_weight(pre + "wo_a.weight") if o.shape[0] <= ops.GEMV_ROWS else None
+        stored = self.model.gemv_weight(pre + "wo_a.weight") if o.shape[0] <= ops.GEMV_ROWS else None
         if stored is not None:  # the FP8-stored wo_a read as stored; bf16 o as given, as grouped_out
             o = self.op("fp8_weight_linear")(o.flatten(1), *stored, "bf16", cfg.o_groups)
         else:
-            o = ops.grouped_out(o, self.m.w_as(pre + "wo_a.weight", BF16), cfg.o_groups)
+            o = ops.grouped_out(o, self.model.w_as(pre + "wo_a.weight", BF16), cfg.o_groups)
         return self.linear(o, pre + "wo_b.weight")
 
     def compressor(self, i: int, index: bool):
         """(:class:`CompressorWeights`, fp32 carry, ratio, RoPE freqs) of layer i's main or indexer
         compressor."""
-        w, cache, ratio = self.m.w, self.layers[i], self.cfg.ratio(i)
+        w, cache, ratio = self.model.w, self.layers[i], self.cfg.ratio(i)
         pre = f"layers.{i}.attn.indexer.compressor." if index else f"layers.{i}.attn.compressor."
         fp32 = torch.float32  # the compressor GEMMs run in fp32: the converted weights are kept
-        weights = CompressorWeights(self.m.w_as(pre + "wkv.weight", fp32), self.m.w_as(pre + "wgate.weight", fp32),
-                                    w(pre + "ape"), w(pre + "norm.weight"),
-                                    self.m.stacked_bf16((pre + "wkv.weight", pre + "wgate.weight")))
+        weights = CompressorWeights(self.model.w_as(pre + "wkv.weight", fp32),
+                                    self.model.w_as(pre + "wgate.weight", fp32), w(pre + "ape"), w(pre + "norm.weight"),
+                                    self.model.stacked_bf16((pre + "wkv.weight", pre + "wgate.weight")))
         carry = cache.index_carry if index else cache.carry
-        return weights, carry, 4 if index else ratio, self.m.freqs[ratio]
+        return weights, carry, 4 if index else ratio, self.model.freqs[ratio]
 
     def round_entries(self, entries: torch.Tensor, index: bool) -> torch.Tensor:
         """New compressed entries as their cache stores them: indexer keys Hadamard-rotated and rounded to the
         profile's format, main entries with FP8-rounded nope dims."""
         if not index:
-            return self.op("kv_round")(entries, self.cfg.rope_head_dim, self.p.kv_nope)
-        rotate = self.p.hadamard == "on" and not on("hadamard-q-only")
-        entries = self.op("indexer_round")(entries, self.p.indexer_qk, rotate)
+            return self.op("kv_round")(entries, self.cfg.rope_head_dim, self.profile.kv_nope)
+        rotate = self.profile.hadamard == "on" and not on("hadamard-q-only")
+        entries = self.op("indexer_round")(entries, self.profile.indexer_qk, rotate)
         if on("indexer-key-width"):
             entries = entries.clone()
             entries[:, -self.cfg.rope_head_dim :] = 0
@@ -400,21 +404,22 @@ class ProductionSession:
         comp = None
         if ratio:
             new = self.compress(i, x, positions, index=False)
-            self.emit(f"L{i}.attn.compressed_kv", new if new is not None else kv.new_zeros((0, cfg.head_dim)))
+            self.emit("L{i}.attn.compressed_kv", i, new if new is not None else kv.new_zeros((0, cfg.head_dim)))
             n_entries = (start + t) // ratio
             if n_entries:
                 table = torch.cat((table, cache.kv.read(slice(win, win + n_entries))))
             comp = self.index_prefill(i, x, qr, positions) if ratio == 4 else \
                 _hca_prefill_idx(t, ratio, start).to(x.device)
         idx = _window_prefill_idx(t, win, start).to(x.device)
-        self.emit(f"L{i}.attn.visible", lambda: _visible(idx, comp, positions, win, prefill=True))
+        self.emit("L{i}.attn.visible", i, lambda: _visible(idx, comp, positions, win, prefill=True))
         rows = idx - (start - before)  # token positions -> table rows (a position before the table: none)
         idx = torch.where((idx >= 0) & (rows >= 0), rows, -1)
         if comp is not None:
             idx = torch.cat((idx, torch.where(comp >= 0, comp + offset, -1)), dim=1)
-        sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
+        sink, scale = self.model.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
         attend = self.op("sparse_attention")
-        return torch.cat([attend(q[s : s + QUERY_CHUNK], table, idx[s : s + QUERY_CHUNK], sink, scale, self.p.fmha)
+        fmha = self.profile.fmha
+        return torch.cat([attend(q[s : s + QUERY_CHUNK], table, idx[s : s + QUERY_CHUNK], sink, scale, fmha)
                           for s in range(0, t, QUERY_CHUNK)])
 
     def attend_decode(self, i, x, qr, q, kv, positions) -> torch.Tensor:
@@ -429,14 +434,14 @@ class ProductionSession:
             cache.spill.append(kv.clone())
         comp = self.decode_compressed(i, x, qr, positions) if cfg.ratio(i) else None
         idx = self.decode_window_idx(cache.window, x.device)
-        self.emit(f"L{i}.attn.visible", lambda: _visible(idx, comp, positions, cache.window, prefill=False))
+        self.emit("L{i}.attn.visible", i, lambda: _visible(idx, comp, positions, cache.window, prefill=False))
         win, k = idx.shape[1], idx.shape[1] + (0 if comp is None else comp.shape[1])
         slots = cache.slots[:, :k]
         slots[:, :win] = idx
         if comp is not None:
             torch.add(comp, cache.window, out=slots[:, win:])
             slots[:, win:].masked_fill_(comp < 0, -1)
-        if cache.kv.fmt == "fp8" and self.p.fmha == "bf16" and not on("decode-buffer-kept"):
+        if cache.kv.fmt == "fp8" and self.profile.fmha == "bf16" and not on("decode-buffer-kept"):
             return self.attend_packed(i, q, slots)
         buf = cache.gather[:k]
         if on("decode-buffer-kept"):
@@ -444,14 +449,14 @@ class ProductionSession:
             self.kept.append(buf)
         cache.kv.read_into(slots[0].clamp(min=0), buf)  # window + selected rows
         local = torch.where(slots >= 0, torch.arange(k, device=x.device), -1)
-        sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
-        return self.op("sparse_attention")(q, buf, local, sink, scale, self.p.fmha)
+        sink, scale = self.model.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
+        return self.op("sparse_attention")(q, buf, local, sink, scale, self.profile.fmha)
 
     def attend_packed(self, i: int, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Decode attention on layer i's packed FP8 KV rows (op ``sparse_attention_fp8kv``; on an H100 / H200 the
         584 B layout's kernel reads the rows in place, with no gather or dequantization pass): slots [1, k], the
         cache slots the token sees, -1 masked. Same bits as dequantizing the gathered rows into bf16 first."""
-        sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), self.cfg.head_dim**-0.5
+        sink, scale = self.model.w(f"layers.{i}.attn.attn_sink"), self.cfg.head_dim**-0.5
         return self.op("sparse_attention_fp8kv")(q, self.layers[i].kv.packed, slots, sink, scale,
                                                  self.cfg.rope_head_dim)
 
@@ -467,7 +472,7 @@ class ProductionSession:
         every entry j < (t+1)//ratio (HCA)."""
         ratio, t = self.cfg.ratio(i), self.pos
         new = self.compress(i, x, positions, index=False)
-        self.emit(f"L{i}.attn.compressed_kv", new if new is not None else x.new_zeros((0, self.cfg.head_dim)))
+        self.emit("L{i}.attn.compressed_kv", i, new if new is not None else x.new_zeros((0, self.cfg.head_dim)))
         if ratio == 4:
             return self.index_decode(i, x, qr, positions)
         n_vis = (t + 1) // ratio + (1 if on("causal-off-by-one") and (t + 1) % ratio else 0)
@@ -475,25 +480,25 @@ class ProductionSession:
 
     # ---- indexer -----------------------------------------------------------------------------
     def index_query(self, i: int, x: torch.Tensor, qr: torch.Tensor | Fp8Input, positions: torch.Tensor):
-        w, cfg, prof = self.m.w, self.cfg, self.p
+        w, cfg, prof = self.model.w, self.cfg, self.profile
         pre = f"layers.{i}.attn.indexer."
         q = self.linear(qr, pre + "wq_b.weight").unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-        q = self.op("apply_rope")(q, positions, self.m.freqs[4])
+        q = self.op("apply_rope")(q, positions, self.model.freqs[4])
         q = self.op("indexer_round")(q, prof.indexer_qk, prof.hadamard == "on")
-        self.emit(f"L{i}.indexer.q", lambda: _unrotated(q, prof))
+        self.emit("L{i}.indexer.q", i, lambda: _unrotated(q, prof))
         weights = (x @ w(pre + "weights_proj.weight").to(BF16).T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
-        self.emit(f"L{i}.indexer.weights", weights)
+        self.emit("L{i}.indexer.weights", i, weights)
         return q, weights
 
     def emit_keys(self, i: int, new: torch.Tensor | None) -> None:
         if new is None:
-            new = torch.zeros(0, self.cfg.index_head_dim, device=self.m.device)
-        self.emit(f"L{i}.indexer.keys", lambda: _unrotated(new, self.p))
+            new = torch.zeros(0, self.cfg.index_head_dim, device=self.model.device)
+        self.emit("L{i}.indexer.keys", i, lambda: _unrotated(new, self.profile))
 
     def _scorer(self, store: KeyStore, n: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """Scores (q [m, h, d], weights [m, h]) -> [m, n] against the first n cached keys: straight from the packed
         FP4 codes and scales (op ``index_scores_fp4``), else on the bf16 rows (``index_scores``)."""
-        dtype = torch.float32 if self.p.index_scores == "fp32" else BF16
+        dtype = torch.float32 if self.profile.index_scores == "fp32" else BF16
         packed = store.fp4_slices(n)
         if packed is not None:
             op = self.op("index_scores_fp4")
@@ -516,11 +521,11 @@ class ProductionSession:
             scores = score(q[sl], weights[sl])  # as the op returns them (bf16): no fp32 copy of the logits
             limit = ((positions[sl] + 1) // 4 + (1 if on("causal-off-by-one") else 0))[:, None]
             scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= limit, float("-inf"))
-            self.emit(f"L{i}.indexer.scores", scores.float)
+            self.emit("L{i}.indexer.scores", i, scores.float)
             picks = stable_topk(scores, k)
             out.append(torch.where(picks >= limit, -1, picks))
         picks = torch.cat(out)
-        self.emit(f"L{i}.indexer.topk", _pad(picks, cfg.index_topk))
+        self.emit("L{i}.indexer.topk", i, _pad(picks, cfg.index_topk))
         return picks
 
     def index_decode(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -530,33 +535,33 @@ class ProductionSession:
         self.emit_keys(i, new)
         n = (t + 1) // 4
         scores = self._scorer(cache.keys, n)(q, weights)
-        self.emit(f"L{i}.indexer.scores", scores.float)
+        self.emit("L{i}.indexer.scores", i, scores.float)
         picks = stable_topk(scores, min(_topk_cap(cfg.index_topk), n))
-        self.emit(f"L{i}.indexer.topk", lambda: _pad(picks, cfg.index_topk))
+        self.emit("L{i}.indexer.topk", i, lambda: _pad(picks, cfg.index_topk))
         return picks
 
     # ---- MoE -----------------------------------------------------------------------------------
     def route(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gate: (routing weights [n, k] fp32, expert ids [n, k])."""
-        w, cfg, p = self.m.w, self.cfg, f"layers.{i}.ffn."
+        w, cfg, p = self.model.w, self.cfg, f"layers.{i}.ffn."
         hashed = cfg.is_hash_layer(i)
-        weights, experts = self.op("gate")(x.float(), self.m.w_as(p + "gate.weight", torch.float32),
+        weights, experts = self.op("gate")(x.float(), self.model.w_as(p + "gate.weight", torch.float32),
                                            None if hashed else w(p + "gate.bias"),
                                            w(p + "gate.tid2eid") if hashed else None, ids, cfg)
         if on("routing-bias-in-weights") and not hashed:
             weights = _biased_weights(x, w(p + "gate.weight"), w(p + "gate.bias"), experts, cfg.route_scale)
         if not hashed:
-            self.emit(f"L{i}.moe.scores", lambda: _selection_scores(x, w(p + "gate.weight"), w(p + "gate.bias")))
-        self.emit(f"L{i}.moe.experts", experts)
-        self.emit(f"L{i}.moe.weights", weights)
+            self.emit("L{i}.moe.scores", i, lambda: _selection_scores(x, w(p + "gate.weight"), w(p + "gate.bias")))
+        self.emit("L{i}.moe.experts", i, experts)
+        self.emit("L{i}.moe.weights", i, weights)
         return weights, experts
 
     def shared_expert(self, i: int, h: torch.Tensor | Fp8Input) -> torch.Tensor:
         """The shared expert's output bf16 [n, dim]."""
         q = f"layers.{i}.ffn.shared_experts."
         w1, w3 = q + "w1.weight", q + "w3.weight"
-        pair = self.m.stacked_gemv_weight((w1, w3)) if h.shape[0] <= ops.GEMV_ROWS and self.p.gemm_act == "fp8" \
-            else None
+        stored = h.shape[0] <= ops.GEMV_ROWS and self.profile.gemm_act == "fp8"
+        pair = self.model.stacked_gemv_weight((w1, w3)) if stored else None
 
         linear = self.linear
         if pair is not None:  # w1 and w3 in one FP8 GEMV over their stacked rows (expert_cuda uses it)
@@ -565,15 +570,15 @@ class ProductionSession:
 
             linear.pair = lambda x, act: self.op("fp8_weight_linear")(
                 x.xq if isinstance(x, Fp8Input) else x, *pair, act).split(pair[0].shape[0] // 2, dim=-1)
-        return self.op("expert")(h, w1, q + "w2.weight", w3, self.cfg.swiglu_limit, None, self.p.gemm_act, linear)
+        return self.op("expert")(h, w1, q + "w2.weight", w3, self.cfg.swiglu_limit, None, self.profile.gemm_act, linear)
 
     def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
         """Routed experts in ascending expert id, then the shared expert; fp32 sum -> bf16 [n, dim]. h: the ffn
         norm's output (an :class:`Fp8Input` under a fused profile, which the experts' first GEMMs read). A few
         tokens on a GPU read the FP4 experts as stored (``routed_on_stored``)."""
-        w, cfg, act, x = self.m.w, self.cfg, self.p.gemm_act, _plain(h)
+        w, cfg, act, x = self.model.w, self.cfg, self.profile.gemm_act, _plain(h)
         weights, experts = self.route(i, x, ids)
-        stacks = self.m.stored_experts(i) if x.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
+        stacks = self.model.stored_experts(i) if x.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
         if stacks is not None:
             return _moe_sum(self.routed_on_stored(h, weights, experts, stacks), self.shared_expert(i, h))
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -606,7 +611,7 @@ class ProductionSession:
             return linear(x, w13, act).split(w1[0].shape[1], dim=-1)
 
         linear.pair = pair
-        out = self.op("expert")(hs, w1, w2, w3, self.cfg.swiglu_limit, slot_weights, self.p.gemm_act, linear)
+        out = self.op("expert")(hs, w1, w2, w3, self.cfg.swiglu_limit, slot_weights, self.profile.gemm_act, linear)
         return out.unflatten(0, (n, k))
 
 

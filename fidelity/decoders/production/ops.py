@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from fidelity.decoders.production import kv_layout
 from fidelity.decoders.production.faults import on
+from fidelity.decoders.production.kernels._common import GEMV_ROWS as GEMV_ROWS  # noqa: F401 (re-exported)
+from fidelity.decoders.production.kernels._common import rope_table
 from fidelity.model.formats import (
     decode_e8m0,
     dequantize_fp4,
@@ -28,7 +30,6 @@ from fidelity.model.formats import (
 )
 
 BF16 = torch.bfloat16
-GEMV_ROWS = 8  # GEMMs of at most this many rows may read the stored FP8 / FP4 weights (kernels/weight_gemv.py)
 ATTN_BLOCK = 64  # sparse_attn processes 64 indices per online-softmax step
 
 
@@ -104,12 +105,6 @@ def quantized_linear(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def rms_norm_weightless(q: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-head query norm computed with bf16 ops: ``q * rsqrt(mean(q^2) + eps)`` (each op rounds to bf16)."""
     return q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
-
-
-def rope_table(freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """complex64 [n, rd/2] = polar(1, position * freq) with fp32 angles (``precompute_freqs_cis``)."""
-    angles = torch.outer(positions.to(torch.float32), freqs.to(torch.float32))
-    return torch.polar(torch.ones_like(angles), angles)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -55,7 +55,7 @@ class PipelineSession(ProductionSession):
         super().__init__(model, recorder, own=place_layers(model.cfg, self.world)[self.rank])
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cfg, dev, first = self.cfg, self.m.device, self.own[0]
+        cfg, dev, first = self.cfg, self.model.device, self.own[0]
         if self.rank == 0:
             x = self.embed(ids)
         else:

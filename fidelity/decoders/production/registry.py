@@ -1,20 +1,119 @@
-"""One registry: op name -> implementations (``cpu`` emulation here; GPU kernels register under the same
-names). The production model looks every op up by name, so a run can record which implementation ran."""
+"""The one op table (:data:`OPS`: op name -> :class:`Op`) and the one dispatcher.
+
+Each op has its CPU emulation (``ops``), its GPU kernel (``kernels/``; None for an op without one of its own) and
+its contract and input strategy (``fidelity.testing``). :data:`REGISTRY` holds the implementations a run
+may resolve an op to: ``cpu`` (the emulation) and, where triton imports and CUDA is available, ``triton`` (the
+kernel behind :func:`dispatch`). The production model looks every op up by name, so a run records which
+implementation ran."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from fidelity.decoders.production import ops
+from fidelity.decoders.production import fallbacks, kernels, ops, routes
 from fidelity.decoders.production.call_counts import CallCounts
 from fidelity.decoders.production.faults import in_emulation
-from fidelity.decoders.production.kernels import fallbacks
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """An op's GPU kernel: functions of ``kernels/<module>.py``. ``run`` has the emulation's signature; ``takes``
+    the same, returning why the kernel cannot take those inputs (None: it can); ``route`` (optional) the same,
+    naming the kernel route ``run`` takes (counted in ``routes``)."""
+
+    module: str
+    run: str
+    takes: str
+    route: str | None = None
+
+
+@dataclass(frozen=True)
+class Op:
+    """One production op: emulation, kernel (None: the op has no kernel of its own), contract and strategy
+    (attribute names in ``fidelity.testing.contracts`` and ``fidelity.testing.strategies``, which need hypothesis:
+    production does not import them; ``fidelity.testing`` resolves them through this table)."""
+
+    emulation: Callable
+    kernel: Kernel | None
+    contract: str
+    strategy: str
+
+
+def _op(name: str, module: str | None, run: str | None = None, *, route: bool = False,
+        strategy: str | None = None) -> Op:
+    """The record of op ``name``: emulation ``ops.<name>``, kernel ``kernels/<module>.py`` (``run``,
+    ``takes_<name>``, ``route_<name>`` when ``route``; none when ``module`` is None), contract ``<name>``, strategy
+    ``<name>_inputs``."""
+    kernel = Kernel(module, run, f"takes_{name}", f"route_{name}" if route else None) if module else None
+    return Op(getattr(ops, name), kernel, name, strategy or f"{name}_inputs")
+
+
+OPS: dict[str, Op] = {
+    "act_linear": _op("act_linear", "act_quant", "act_linear_cuda"),
+    "fp8_weight_linear": _op("fp8_weight_linear", "weight_gemv", "fp8_weight_linear_cuda"),
+    "fp4_picked_linear": _op("fp4_picked_linear", "weight_gemv", "fp4_picked_linear_cuda"),
+    "fp32_linear": _op("fp32_linear", "weight_gemv", "fp32_linear_cuda"),
+    "rms_norm": _op("rms_norm", "rms_norm", "rms_norm_cuda"),
+    "rms_norm_fp8": _op("rms_norm_fp8", "rms_norm", "rms_norm_fp8_cuda"),
+    "rms_norm_act_quant": _op("rms_norm_act_quant", "rms_norm", "rms_norm_act_quant_cuda",
+                              strategy="rms_norm_fp8_inputs"),
+    "kv_norm_rope_fp8": _op("kv_norm_rope_fp8", "kv_path", "kv_norm_rope_fp8"),
+    "rms_norm_weightless": _op("rms_norm_weightless", "rms_norm", "rms_norm_weightless_cuda"),
+    "apply_rope": _op("apply_rope", "rope", "apply_rope_cuda"),
+    "kv_round": _op("kv_round", "act_quant", "kv_round_cuda"),
+    "compressor_decode": _op("compressor_decode", "compressor", "compressor_decode_cuda"),
+    "indexer_round": _op("indexer_round", "indexer_round", "indexer_round_cuda"),
+    "index_scores": _op("index_scores", "indexer", "index_scores_cuda"),
+    "index_scores_fp4": _op("index_scores_fp4", "indexer", "index_scores_packed_cuda", route=True),
+    "sparse_attention": _op("sparse_attention", "sparse_attention", "sparse_attention_cuda", route=True),
+    "sparse_attention_fp8kv": _op("sparse_attention_fp8kv", "sparse_attention", "sparse_attention_fp8kv_cuda",
+                                  route=True),
+    "hc_pre": _op("hc_pre", "mhc", "hc_pre_cuda"),
+    "hc_post": _op("hc_post", "mhc", "hc_post_cuda"),
+    "hc_head": _op("hc_head", "mhc", "hc_head_cuda"),
+    "gate": _op("gate", "gate", "gate_cuda"),
+    "expert": _op("expert", "expert", "expert_cuda"),
+    "sinkhorn_split": _op("sinkhorn_split", None),  # an emulation and a contract, no kernel of its own
+}
 
 REGISTRY: dict[str, dict[str, Callable]] = {}
 _selected: dict[str, str] = {}
 _USED = CallCounts("implementations")  # op -> implementation -> calls (process-wide since reset_used; per session)
+
+
+def kernel_functions(name: str) -> tuple[Callable, Callable, Callable | None]:
+    """(run, takes, route or None) of op ``name``'s kernel (imports its module; needs triton)."""
+    k = OPS[name].kernel
+    if k is None:
+        raise KeyError(f"op {name!r} has no kernel of its own")
+    module = importlib.import_module(f"{kernels.__name__}.{k.module}")
+    return getattr(module, k.run), getattr(module, k.takes), getattr(module, k.route) if k.route else None
+
+
+def dispatch(name: str) -> Callable:
+    """Op ``name``'s kernel behind its ``takes``: inputs it takes run the kernel (its route counted in ``routes``),
+    others the emulation (the reason counted in ``fallbacks``). Accepts tensors on any device (CPU inputs run on the
+    current CUDA device, the results copied back)."""
+    from fidelity.decoders.production.kernels._common import device_transparent
+
+    run, takes, route = kernel_functions(name)
+    emulation = OPS[name].emulation
+
+    def kernel(*args, **kwargs):
+        reason = takes(*args, **kwargs)
+        if reason:
+            fallbacks.note(name, reason)
+            return emulation(*args, **kwargs)
+        if route is not None:
+            routes.note(name, route(*args, **kwargs))
+        return run(*args, **kwargs)
+
+    kernel.__name__ = kernel.__qualname__ = f"triton_{name}"
+    return device_transparent(kernel)
 
 
 def register(name: str, impl: str, fn: Callable) -> None:
@@ -69,35 +168,9 @@ def reset_used() -> None:
     _USED.reset()
 
 
-for _name, _fn in {
-    "act_linear": ops.act_linear,
-    "fp8_weight_linear": ops.fp8_weight_linear,
-    "fp4_picked_linear": ops.fp4_picked_linear,
-    "fp32_linear": ops.fp32_linear,
-    "rms_norm": ops.rms_norm,
-    "rms_norm_fp8": ops.rms_norm_fp8,
-    "rms_norm_act_quant": ops.rms_norm_act_quant,
-    "kv_norm_rope_fp8": ops.kv_norm_rope_fp8,
-    "rms_norm_weightless": ops.rms_norm_weightless,
-    "apply_rope": ops.apply_rope,
-    "kv_round": ops.kv_round,
-    "compressor_decode": ops.compressor_decode,
-    "indexer_round": ops.indexer_round,
-    "index_scores": ops.index_scores,
-    "index_scores_fp4": ops.index_scores_fp4,
-    "sparse_attention": ops.sparse_attention,
-    "sparse_attention_fp8kv": ops.sparse_attention_fp8kv,
-    "hc_pre": ops.hc_pre,
-    "hc_post": ops.hc_post,
-    "hc_head": ops.hc_head,
-    "sinkhorn_split": ops.sinkhorn_split,
-    "gate": ops.gate,
-    "expert": ops.expert,
-}.items():
-    register(_name, "cpu", _fn)
-
-# GPU kernels (Triton): registered as "triton" only when triton imports and CUDA is available. Only ops that
-# already have a CPU emulation here (and so a contract in fidelity.testing.CONTRACTS) are registered.
-from fidelity.decoders.production import kernels as _kernels  # noqa: E402
-
-_kernels.register_available(register, known=set(REGISTRY))
+for _name, _op_record in OPS.items():
+    register(_name, "cpu", _op_record.emulation)
+if kernels.available():
+    for _name, _op_record in OPS.items():
+        if _op_record.kernel is not None:
+            register(_name, "triton", dispatch(_name))

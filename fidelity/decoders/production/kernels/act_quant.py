@@ -4,7 +4,7 @@ torch emulation's bit-level graph.
 
 * ``act_linear``: the FP8 GEMM input of every linear layer (1x128 blocks), then the same fp32 GEMM as
   ``ops.act_linear`` (``x_q.float() @ W^T`` -> bf16), so results equal the emulation on the same device bit for
-  bit (the quantizer is bit-exact: :func:`fidelity.decoders.production.kernels.rms_norm.e4m3_blocks`).
+  bit (the quantizer is bit-exact: :func:`fidelity.decoders.production.kernels._common.e4m3_blocks`).
 * ``kv_round``: the in-place ``act_quant(kv[..., :448], 64)`` of the window / compressed KV rows; rope dims copied.
 """
 
@@ -14,11 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production import ops
-from fidelity.decoders.production.kernels import fallbacks
-from fidelity.decoders.production.kernels._common import device_transparent, next_pow2, on_device
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
-from fidelity.decoders.production.kernels.rms_norm import e4m3_blocks
+from fidelity.decoders.production.kernels._common import (
+    PDL_LAUNCH,
+    UNSUPPORTED,
+    e4m3_blocks,
+    next_pow2,
+    on_device,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -56,25 +59,27 @@ def fake_quant_fp8(x: torch.Tensor, block: int = 128, n_quant: int | None = None
     return y.reshape(x.shape)
 
 
-def act_linear_cuda(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") -> torch.Tensor:
-    """Same signature and result as ``ops.act_linear``: the activation quantization in one launch, then the
-    emulation's own fp32 GEMM."""
+def takes_act_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") -> str | None:
+    """Why :func:`act_linear_cuda` cannot take these inputs (None: it can): act "fp8", bf16 x [..., 128 k]."""
     if act != "fp8" or not on_device(x) or x.dtype != torch.bfloat16 or x.shape[-1] % 128:
-        fallbacks.note("act_linear", fallbacks.UNSUPPORTED)
-        return ops.act_linear(x, weight, act)
+        return UNSUPPORTED
+    return None
+
+
+def act_linear_cuda(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") -> torch.Tensor:
+    """Same signature and result as ``ops.act_linear``: x bf16 [n, k] quantized e4m3 1x128 in one launch, then
+    ``x_q.float() @ W^T`` -> bf16 [n, m]."""
     return (fake_quant_fp8(x, 128).float() @ weight.float().T).to(torch.bfloat16)
 
 
-def kv_round_cuda(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tensor:
-    """Same signature and result as ``ops.kv_round`` (bit-exact)."""
+def takes_kv_round(kv: torch.Tensor, rope_dims: int, fmt: str) -> str | None:
+    """Why :func:`kv_round_cuda` cannot take these inputs (None: it can): fmt "fp8", bf16 kv with 64 k nope dims."""
     nope = kv.shape[-1] - rope_dims
     if fmt != "fp8" or not on_device(kv) or kv.dtype != torch.bfloat16 or nope % 64 or nope < 0:
-        fallbacks.note("kv_round", fallbacks.UNSUPPORTED)
-        return ops.kv_round(kv, rope_dims, fmt)
-    return fake_quant_fp8(kv, 64, nope, num_warps=2)
+        return UNSUPPORTED
+    return None
 
 
-act_linear = device_transparent(act_linear_cuda)
-act_linear.__name__ = "triton_act_linear"
-kv_round = device_transparent(kv_round_cuda)
-kv_round.__name__ = "triton_kv_round"
+def kv_round_cuda(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tensor:
+    """Same signature and result as ``ops.kv_round`` (bit-exact): kv bf16 [n, hd], nope dims rounded 1x64 e4m3."""
+    return fake_quant_fp8(kv, 64, kv.shape[-1] - rope_dims, num_warps=2)

@@ -17,12 +17,17 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fidelity.decoders.production import ops
-from fidelity.decoders.production.kernels import fallbacks
-from fidelity.decoders.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
-from fidelity.decoders.production.kernels.rms_norm import _bf16_rne
-from fidelity.decoders.production.kernels.rope import ROTATION, _rotated
+from fidelity.decoders.production.kernels._common import (
+    INTERPRET,
+    PDL_LAUNCH,
+    ROTATION,
+    UNSUPPORTED,
+    bf16_rne,
+    next_pow2,
+    on_device,
+    rotated,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -106,34 +111,42 @@ def _compressor_kernel(kv_ptr, sc_ptr, ape_ptr, ckv_ptr, csc_ptr, pos_ptr, norm_
     tl.debug_barrier()  # every read of the carry above is done before the carry is written
     _write_carry(kv_ptr, sc_ptr, ape_ptr, ckv_ptr, csc_ptr, phase, slot, r, W, WP, RP, OVERLAP)
     # the entry: the pool stored bf16, RMSNorm with its weight (bf16), RoPE at pos + 1 - r on the pairs from FIRST
-    x = _bf16_rne(tl.where(cmask, pooled, 0.0))
+    x = bf16_rne(tl.where(cmask, pooled, 0.0))
     rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(x * x, axis=0), d.to(tl.float32)) + eps))
-    y = _bf16_rne(tl.load(norm_ptr + cols, mask=cmask, other=0.0) * (x * rs))
+    y = bf16_rne(tl.load(norm_ptr + cols, mask=cmask, other=0.0) * (x * rs))
     a, b = tl.split(tl.reshape(y, [DP // 2, 2]))
     pair = tl.arange(0, DP // 2)
     rope = (pair >= FIRST) & (2 * pair < d)
     angle = (pos + 1 - r).to(tl.float32) * tl.load(f_ptr + (pair - FIRST), mask=rope, other=0.0)
-    ra, rb = _rotated(a, b, tl.cos(angle), tl.sin(angle), ROTATION)
+    ra, rb = rotated(a, b, tl.cos(angle), tl.sin(angle), ROTATION)
     out = tl.reshape(tl.join(tl.where(rope, ra, a), tl.where(rope, rb, b)), [DP])
-    tl.store(out_ptr + cols, _bf16_rne(out).to(tl.bfloat16), mask=cmask)
+    tl.store(out_ptr + cols, bf16_rne(out).to(tl.bfloat16), mask=cmask)
+
+
+def takes_compressor_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, carry_kv: torch.Tensor,
+                            carry_score: torch.Tensor, pos: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor,
+                            eps: float) -> str | None:
+    """Why :func:`compressor_decode_cuda` cannot take these inputs (None: it can): one token, a contiguous fp32
+    carry, d <= 1024."""
+    r, d = ape.shape[0], norm.numel()
+    w = kv.shape[-1]
+    n_slots = (2 if w == 2 * d else 1) * r
+    ok = (on_device(kv) and kv.shape == (1, w) and score.shape == (1, w) and ape.shape == (r, w)
+          and carry_kv.shape == carry_score.shape == (n_slots, w) and carry_kv.is_contiguous()
+          and carry_score.is_contiguous() and carry_kv.dtype == carry_score.dtype == torch.float32
+          and w in (d, 2 * d) and d <= 1024 and 0 < 2 * freqs.numel() <= d and pos.numel() == 1)
+    return None if ok else UNSUPPORTED
 
 
 def compressor_decode_cuda(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, carry_kv: torch.Tensor,
                            carry_score: torch.Tensor, pos: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor,
                            eps: float, *, rows: int = 8, num_warps: int = 4):
-    """Same signature, outputs and in-place carry update as ``ops.compressor_decode``; other shapes (more than one
-    token, a carry that is not contiguous fp32, d past 1024) run the emulation."""
+    """Same signature, outputs and in-place carry update as ``ops.compressor_decode``: kv, score fp32 [1, w],
+    carries fp32 [coff * r, w] -> (entry bf16 [1, d], carry_kv, carry_score)."""
     r, d = ape.shape[0], norm.numel()
     w = kv.shape[-1]
     overlap = w == 2 * d
     n_slots = (2 if overlap else 1) * r
-    ok = (on_device(kv) and kv.shape == (1, w) and score.shape == (1, w) and ape.shape == (r, w)
-          and carry_kv.shape == carry_score.shape == (n_slots, w) and carry_kv.is_contiguous()
-          and carry_score.is_contiguous() and carry_kv.dtype == carry_score.dtype == torch.float32
-          and w in (d, 2 * d) and d <= 1024 and 0 < 2 * freqs.numel() <= d and pos.numel() == 1)
-    if not ok:
-        fallbacks.note("compressor_decode", fallbacks.UNSUPPORTED)
-        return ops.compressor_decode(kv, score, ape, carry_kv, carry_score, pos, norm, freqs, eps)
     entry = torch.empty((1, d), dtype=torch.bfloat16, device=kv.device)
     rows = min(rows, next_pow2(n_slots))
     dp = next_pow2(d)
@@ -144,7 +157,3 @@ def compressor_decode_cuda(kv: torch.Tensor, score: torch.Tensor, ape: torch.Ten
         OVERLAP=overlap, LIBDEVICE=not INTERPRET, ROTATION=ROTATION, num_warps=num_warps, enable_fp_fusion=False,
         **PDL_LAUNCH)
     return entry, carry_kv, carry_score
-
-
-compressor_decode = device_transparent(compressor_decode_cuda)
-compressor_decode.__name__ = "triton_compressor_decode"

@@ -8,8 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production.kernels._common import next_pow2
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
+from fidelity.decoders.production.kernels._common import PDL_LAUNCH, next_pow2, wait_for_previous_kernel
 
 BLOCK = 1024  # slots per program
 

@@ -4,7 +4,7 @@
 The middle takes the emulation's steps in its order: g and u from bf16, ``u`` clamped to [-limit, limit] and ``g``
 to at most limit (NaN kept, as ``torch.clamp``), ``silu(g) = g / (1 + expf(-g))`` with libdevice's ``expf`` (the CUDA
 ``expf`` torch's ``silu`` calls) and an IEEE division, the product with u, then with the routing weight, one bf16
-rounding; so it gives the emulation's bits on the GPU (``tests/gpu/test_kernels.py``). One launch replaces the
+rounding; so it gives the emulation's bits on the GPU (``tests/gpu/``). One launch replaces the
 emulation's seven element-wise kernels per expert call.
 """
 
@@ -17,12 +17,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fidelity.decoders.production import ops
-from fidelity.decoders.production.kernels import fallbacks
-from fidelity.decoders.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
-from fidelity.decoders.production.kernels.act_quant import act_linear_cuda
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
-from fidelity.decoders.production.kernels.rms_norm import _bf16_rne
+from fidelity.decoders.production.kernels._common import (
+    INTERPRET,
+    PDL_LAUNCH,
+    UNSUPPORTED,
+    bf16_rne,
+    next_pow2,
+    wait_for_previous_kernel,
+)
+from fidelity.decoders.production.kernels.act_quant import act_linear_cuda, takes_act_linear
 
 
 @triton.jit
@@ -54,7 +57,7 @@ def _swiglu_kernel(g_ptr, u_ptr, w_ptr, h_ptr, n_cols, limit, stride_g, stride_u
     h = tl.math.div_rn(g, 1.0 + e) * u
     if WEIGHTED:
         h = tl.load(w_ptr + row) * h
-    tl.store(h_ptr + row * stride_h + cols, _bf16_rne(h).to(tl.bfloat16), mask=ok)
+    tl.store(h_ptr + row * stride_h + cols, bf16_rne(h).to(tl.bfloat16), mask=ok)
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor | None, clamp: bool, *,
@@ -72,23 +75,24 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor 
     return h
 
 
+def takes_expert(x, w1, w2, w3, limit: float, weight: torch.Tensor | None, act: str,
+                 linear: Callable | None = None) -> str | None:
+    """Why :func:`expert_cuda` cannot take these inputs (None: it can): x [n, k] on the device, a routing weight
+    [n, 1] or None; without ``linear``, inputs ``act_linear``'s kernel takes, and w1 [f, k] with 128 | f."""
+    rows = getattr(x, "shape", (0,))[0]
+    if weight is not None and (weight.dim() != 2 or weight.shape != (rows, 1)):
+        return UNSUPPORTED
+    if linear is None:
+        return takes_act_linear(x, w1, act) or (UNSUPPORTED if w1.shape[0] % 128 else None)
+    return None
+
+
 def expert_cuda(x: torch.Tensor, w1, w2, w3, limit: float, weight: torch.Tensor | None, act: str,
                 linear: Callable | None = None) -> torch.Tensor:
     """Same signature and result as ``ops.expert`` (``linear`` defaults to the ``act_linear`` kernel; one with a
-    ``pair(x, act) -> (g, u)`` attribute runs w1 and w3 in one call); the middle runs in :func:`swiglu` where g and
-    u are bf16 matrices on the device, else as ``ops.swiglu``."""
+    ``pair(x, act) -> (g, u)`` attribute runs w1 and w3 in one call); the middle runs in :func:`swiglu`, g and u
+    bf16 [n, f] on the device, clamped where ``limit`` > 0."""
     linear = linear or act_linear_cuda
     pair = getattr(linear, "pair", None)
     g, u = pair(x, act) if pair is not None else (linear(x, w1, act), linear(x, w3, act))
-    clamp = ops.expert_clamps(limit, weight)
-    rows_weight = weight is None or (weight.dim() == 2 and weight.shape == (g.shape[0], 1))
-    if on_device(g) and g.dim() == 2 and g.dtype == u.dtype == torch.bfloat16 and g.shape == u.shape and rows_weight:
-        h = swiglu(g, u, limit, weight, clamp)
-    else:
-        fallbacks.note("expert", fallbacks.UNSUPPORTED)
-        h = ops.swiglu(g, u, limit, weight, clamp)
-    return linear(h, w2, act)
-
-
-expert = device_transparent(expert_cuda)
-expert.__name__ = "triton_expert"
+    return linear(swiglu(g, u, limit, weight, limit > 0), w2, act)

@@ -15,10 +15,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fidelity.decoders.production import ops
-from fidelity.decoders.production.kernels import fallbacks
-from fidelity.decoders.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
+from fidelity.decoders.production.kernels._common import (
+    INTERPRET,
+    PDL_LAUNCH,
+    UNSUPPORTED,
+    next_pow2,
+    on_device,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -61,14 +65,19 @@ def _gate_kernel(l_ptr, b_ptr, t_ptr, ids_ptr, w_ptr, e_ptr, n_experts, route_sc
     tl.store(e_ptr + row * K + slots, experts.to(tl.int64), mask=slots < K)
 
 
+def takes_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+               ids: torch.Tensor, cfg) -> str | None:
+    """Why :func:`gate_cuda` cannot take these inputs (None: it can): sqrt-softplus scores, fp32 x, <= 1024
+    experts."""
+    if cfg.score_func != "sqrtsoftplus" or not on_device(x) or x.dtype != torch.float32 or cfg.n_routed_experts > 1024:
+        return UNSUPPORTED
+    return None
+
+
 def gate_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
               ids: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same signature as ``ops.gate`` (x fp32 [n, dim]); score functions other than sqrt-softplus run the
-    emulation (noted in ``kernel_fallbacks``)."""
+    """Same signature as ``ops.gate``: x fp32 [n, dim] -> (routing weights fp32 [n, k], expert ids int64 [n, k])."""
     n, k, n_experts = x.shape[0], cfg.n_activated_experts, cfg.n_routed_experts
-    if cfg.score_func != "sqrtsoftplus" or not on_device(x) or x.dtype != torch.float32 or n_experts > 1024:
-        fallbacks.note("gate", fallbacks.UNSUPPORTED)
-        return ops.gate(x, weight, bias, tid2eid, ids, cfg)
     logits = (x @ weight.to(x.dtype).T).contiguous()  # the emulation's GEMM
     weights = torch.empty((n, k), dtype=torch.float32, device=x.device)
     experts = torch.empty((n, k), dtype=torch.int64, device=x.device)
@@ -79,7 +88,3 @@ def gate_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
                            K=k, EP=next_pow2(n_experts), KP=next_pow2(k), BIAS=bias is not None,
                            HASH=tid2eid is not None, LIBDEVICE=not INTERPRET, num_warps=4, **PDL_LAUNCH)
     return weights, experts
-
-
-gate = device_transparent(gate_cuda)
-gate.__name__ = "triton_gate"

@@ -33,18 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production import ops, routes
-from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import (
     INTERPRET,
-    device_transparent,
+    PDL_LAUNCH,
+    UNSUPPORTED,
     next_pow2,
     on_device,
+    wait_for_previous_kernel,
     with_overrides,
     ws_refusal,
 )
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
-from fidelity.model.formats import dequantize_fp4
 
 # e2m1 nibbles ``s e1 e0 m`` -> e4m3 bytes ``s 0 0 e1 e0 m 0 0`` (value x 2^-6): 4 packed bytes in, the 4 low nibbles'
 # codes ($0) and the 4 high nibbles' codes ($1) out
@@ -374,33 +372,22 @@ def _launch(q, k, ks, weights, positions, ratio, d, fp4, cfg):
     return out
 
 
-def index_scores_cuda(q, keys, weights, dtype=torch.bfloat16, *, positions=None, ratio=4, config=None):
-    """CUDA-tensor entry point with the signature of ``ops.index_scores`` (plus an optional causal mask:
-    ``positions`` [n] int, entry j visible iff ``j < (t + 1) // ratio``). Non-bf16 ``dtype`` or unsupported
-    shapes run the torch emulation on the GPU."""
+def takes_index_scores(q, keys, weights, dtype=torch.bfloat16) -> str | None:
+    """Why :func:`index_scores_cuda` cannot take these inputs (None: it can): bf16 scores, q [n, H <= 128, d],
+    keys [e, d], d a power of two in 16..256."""
     d = q.shape[-1]
     ok = (dtype == torch.bfloat16 and on_device(q) and q.dim() == 3 and keys.dim() == 2 and keys.shape[1] == d
           and d in (16, 32, 64, 128, 256) and q.shape[1] <= 128)
-    if not ok:
-        fallbacks.note("index_scores", fallbacks.UNSUPPORTED)
-        s = ops.index_scores(q, keys, weights, dtype)
-        if positions is not None:
-            j = torch.arange(keys.shape[0], device=s.device)
-            s = s.masked_fill(j[None, :] >= ((positions.to(s.device) + 1) // ratio)[:, None], float("-inf"))
-        return s
+    return None if ok else UNSUPPORTED
+
+
+def index_scores_cuda(q, keys, weights, dtype=torch.bfloat16, *, positions=None, ratio=4, config=None):
+    """CUDA-tensor entry point with the signature of ``ops.index_scores`` (plus an optional causal mask:
+    ``positions`` [n] int, entry j visible iff ``j < (t + 1) // ratio``) for the inputs
+    :func:`takes_index_scores` takes."""
+    d = q.shape[-1]
     keys = keys.to(torch.bfloat16).contiguous()
     return _launch(q.to(torch.bfloat16), keys, keys, weights, positions, ratio, d, False, config)
-
-
-index_scores = device_transparent(index_scores_cuda)
-index_scores.__name__ = "triton_index_scores"
-
-
-def dequantize_fp4_keys(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Torch (any device) dequantization of an FP4 key cache: packed uint8 [e, d/2], scale bytes uint8 [e, d/32]
-    -> bf16 [e, d]: ``fidelity.model.formats.dequantize_fp4`` (exact), cast to bf16, under the name the kernel tests
-    and benchmarks use for their reference keys."""
-    return dequantize_fp4(packed, scales, 32).to(torch.bfloat16)
 
 
 def default_config_fp8mma(n_q: int, n_keys: int, n_heads: int) -> dict:
@@ -454,8 +441,8 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     decode (<= 4 queries) over >= ``FP8_MMA_MIN_KEYS`` keys ``fp8``, or ``ws`` where it can run for one query over
     >= ``WS_MIN_KEYS`` keys and for 2-4 over >= ``WS_MIN_KEYS_QUERIES`` (each where it measured fastest), else
     ``bf16``. All give the bf16 kernel's scores on the
-    dequantized keys up to fp32 summation order; the route that ran is counted in ``routes`` (manifest
-    ``index_routes``). ``return_path``: also an int8 [n], 1 where a query was scored on FP8 tensor cores (under
+    dequantized keys up to fp32 summation order (:func:`route_index_scores_fp4` names the route of ``"auto"``).
+    ``return_path``: also an int8 [n], 1 where a query was scored on FP8 tensor cores (under
     ``ws``: where its codes allow them; a half tile of keys whose scales cannot fold still takes bf16 there)."""
     d = q.shape[-1]
     if packed.dtype == torch.int8:
@@ -468,6 +455,20 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
     if mma not in ("auto", "fp8", "bf16", "ws"):
         raise ValueError(f"mma: expected 'auto', 'fp8', 'bf16' or 'ws', found {mma!r}")
     q = q.to(torch.bfloat16)
+    mma = _mma(q, packed, scales, mma)
+    if mma == "ws":
+        from fidelity.decoders.production.kernels.indexer_ws import index_scores_fp4_ws
+        out, used = index_scores_fp4_ws(q, packed, scales, weights, positions, ratio, **(config or {}))
+    elif mma == "fp8" and d == 128 and q.shape[1] <= 128:
+        out, used = _launch_fp8mma(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, config)
+    else:
+        out = _launch(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, d, True, config)
+        used = torch.zeros((q.shape[0],), dtype=torch.int8, device=q.device)
+    return (out, used) if return_path else out
+
+
+def _mma(q: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mma: str) -> str:
+    """The route :func:`index_scores_fp4` takes for ``mma``: ``ws``, ``fp8`` or ``bf16`` (see there)."""
     if mma == "auto":
         mma = "fp8" if q.shape[0] <= 4 and packed.shape[0] >= FP8_MMA_MIN_KEYS else "bf16"
         if mma == "fp8" and packed.shape[0] >= (WS_MIN_KEYS if q.shape[0] == 1 else WS_MIN_KEYS_QUERIES):
@@ -476,30 +477,26 @@ def index_scores_fp4(q, packed, scales, weights, *, positions=None, ratio=4, con
         refusal = ws_refusal("indexer_ws", q, packed, scales)
         if refusal:
             raise ValueError(f"index_scores_fp4: mma 'ws' cannot run: {refusal}")
-    if mma == "ws":
-        from fidelity.decoders.production.kernels.indexer_ws import index_scores_fp4_ws
-        out, used = index_scores_fp4_ws(q, packed, scales, weights, positions, ratio, **(config or {}))
-    elif mma == "fp8" and d == 128 and q.shape[1] <= 128:
-        out, used = _launch_fp8mma(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, config)
-    else:
-        mma = "bf16"
-        out = _launch(q, packed.contiguous(), scales.contiguous(), weights, positions, ratio, d, True, config)
-        used = torch.zeros((q.shape[0],), dtype=torch.int8, device=q.device)
-    routes.note("index_scores_fp4", mma)
-    return (out, used) if return_path else out
+    if mma == "fp8" and not (q.shape[-1] == 128 and q.shape[1] <= 128):
+        return "bf16"
+    return mma
 
 
-def index_scores_packed_cuda(q, codes, scales, weights, dtype=torch.bfloat16):
-    """Registered ``index_scores_fp4`` (signature of ``ops.index_scores_fp4``): :func:`index_scores_fp4` with
-    ``mma="auto"`` for bf16 scores on CUDA tensors; other dtypes or shapes run the torch emulation."""
+def takes_index_scores_fp4(q, codes, scales, weights, dtype=torch.bfloat16) -> str | None:
+    """Why :func:`index_scores_packed_cuda` cannot take these inputs (None: it can): bf16 scores, q [n, H <= 128,
+    d], codes uint8 [e, d/2], scales [e, d/32], d a power of two in 32..256."""
     d = q.shape[-1]
     ok = (dtype == torch.bfloat16 and on_device(q) and q.dim() == 3 and codes.dim() == 2 and scales.dim() == 2
           and codes.shape[1] * 2 == d and scales.shape[1] * 32 == d and d in (32, 64, 128, 256) and q.shape[1] <= 128)
-    if not ok:
-        fallbacks.note("index_scores_fp4", fallbacks.UNSUPPORTED)
-        return ops.index_scores_fp4(q, codes, scales, weights, dtype)
+    return None if ok else UNSUPPORTED
+
+
+def index_scores_packed_cuda(q, codes, scales, weights, dtype=torch.bfloat16):
+    """Op ``index_scores_fp4`` (signature of ``ops.index_scores_fp4``): :func:`index_scores_fp4` with
+    ``mma="auto"``, bf16 scores [n, e]."""
     return index_scores_fp4(q, codes, scales, weights)
 
 
-index_scores_packed = device_transparent(index_scores_packed_cuda)
-index_scores_packed.__name__ = "triton_index_scores_fp4"
+def route_index_scores_fp4(q, codes, scales, weights, dtype=torch.bfloat16) -> str:
+    """The route :func:`index_scores_packed_cuda` takes for these inputs: ``ws``, ``fp8`` or ``bf16``."""
+    return _mma(q.to(torch.bfloat16), codes.view(torch.uint8), scales.view(torch.uint8), "auto")

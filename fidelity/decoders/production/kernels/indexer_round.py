@@ -14,11 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production import ops
-from fidelity.decoders.production.kernels import fallbacks
-from fidelity.decoders.production.kernels._common import device_transparent, on_device
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
-from fidelity.decoders.production.kernels.rms_norm import _bf16_rne, _max_nan
+from fidelity.decoders.production.kernels._common import (
+    PDL_LAUNCH,
+    UNSUPPORTED,
+    bf16_rne,
+    max_nan,
+    on_device,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -49,7 +52,7 @@ def _hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _fp4_blocks(y):
     """``fake_quant_fp4`` of the rows of y fp32 [NB, 32] (one block per row) -> fp32 values code x scale."""
-    amax = tl.reduce(tl.abs(y), 1, _max_nan)
+    amax = tl.reduce(tl.abs(y), 1, max_nan)
     v = tl.maximum(amax, 6.0 * 2.0**-126) * 0.16666666666666666  # formats.FP4_AMAX_FLOOR, fp32(1/6)
     bits = v.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
@@ -77,18 +80,22 @@ def _indexer_round_kernel(x_ptr, y_ptr, n_rows, stride_x, stride_y, ROWS: tl.con
     mask = (rows < n_rows)[:, None]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if ROTATE:
-        x = _bf16_rne(_hadamard_rows(x, ROWS, D) * SCALE)
+        x = bf16_rne(_hadamard_rows(x, ROWS, D) * SCALE)
     y = tl.reshape(_fp4_blocks(tl.reshape(x, [ROWS * D // 32, 32])), [ROWS, D])
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(tl.bfloat16), mask=mask)
 
 
+def takes_indexer_round(x: torch.Tensor, fmt: str, rotate: bool) -> str | None:
+    """Why :func:`indexer_round_cuda` cannot take these inputs (None: it can): fmt "fp4", bf16 x [..., d], d a
+    power of two in 32..512."""
+    if fmt != "fp4" or not on_device(x) or x.dtype != torch.bfloat16 or x.shape[-1] not in (32, 64, 128, 256, 512):
+        return UNSUPPORTED
+    return None
+
+
 def indexer_round_cuda(x: torch.Tensor, fmt: str, rotate: bool, *, rows: int = 4, num_warps: int = 4) -> torch.Tensor:
-    """Same signature and result as ``ops.indexer_round`` for bf16 x [..., d] (d a power of two, 32..512) and fmt
-    "fp4"; other formats, dtypes and widths run the emulation (noted in ``kernel_fallbacks``)."""
+    """Same signature and result as ``ops.indexer_round`` for bf16 x [..., d] and fmt "fp4" (bit-exact)."""
     d = x.shape[-1]
-    if fmt != "fp4" or not on_device(x) or x.dtype != torch.bfloat16 or d not in (32, 64, 128, 256, 512):
-        fallbacks.note("indexer_round", fallbacks.UNSUPPORTED)
-        return ops.indexer_round(x, fmt, rotate)
     x2 = x.reshape(-1, d)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     y = torch.empty_like(x2)
@@ -97,6 +104,3 @@ def indexer_round_cuda(x: torch.Tensor, fmt: str, rotate: bool, *, rows: int = 4
             x2, y, x2.shape[0], x2.stride(0), y.stride(0), ROWS=rows, D=d,
             SCALE=float(torch.tensor(d**-0.5, dtype=torch.float32)), ROTATE=rotate, num_warps=num_warps, **PDL_LAUNCH)
     return y.reshape(x.shape)
-
-indexer_round = device_transparent(indexer_round_cuda)
-indexer_round.__name__ = "triton_indexer_round"

@@ -66,10 +66,8 @@ LOADER_WARPS = 4
 SLOTS = 4  # ring slots
 SPREAD = 11  # the most a key's block scale bytes may differ by for its codes to fold them (6 * 2^(11 - 5) = 384)
 # consumer warpgroups per CTA: 4 (two tiles in flight) for one query from 10 tiles per CTA, else 2 (H200, one query,
-# 4 vs 2 consumers: 8.6 vs 7.3 us at 2 tiles per CTA, 10.1 vs 9.2 at 3.9, 12.9 vs 12.8 at 7.8, 16.3 vs 16.6 at 11.6,
-# 18.4 vs 19.3 at 15.5, measured before the keys became register operands; this kernel: 8.7 vs 8.2 at 3.9, 11.2 vs
-# 11.0 at 7.8, 13.3 vs 13.4 at 11.6, 15.5 vs 16.1 at 15.5; with 4, three or four queries exceed shared memory and two
-# spill)
+# 4 vs 2 consumers: 8.7 vs 8.2 us at 3.9 tiles per CTA, 11.2 vs 11.0 at 7.8, 13.3 vs 13.4 at 11.6, 15.5 vs 16.1 at
+# 15.5; with 4, three or four queries exceed shared memory and two spill)
 FOUR_CONSUMER_TILES = 10
 LOADER_REGS, CONSUMER_REGS = 40, {2: 224, 4: 112}  # per thread, by consumers per CTA
 LOADS, MMAS, EPILOGUE = 1, 2, 4  # PARTS bits: which stages run (all by default; benchmarks/diag_indexer_ws.py)
@@ -505,8 +503,8 @@ def _consumer(shared, ones, c: gl.constexpr, NC: gl.constexpr, NS: gl.constexpr,
 
 
 # n_heads is not specialized: with n_heads == 1 the padded heads' codes are constant zeros, and ptxas (Triton 3.6,
-# sm_90a) then packed some of those e4m3 pairs with another register's half (the thread id, the stack pointer) into
-# the q8 stores: stray codes, NaN ones among them, in heads of weight 0, which made every score NaN (2026-12-02)
+# sm_90a) may pack some of those e4m3 pairs with another register's half (the thread id, the stack pointer) into
+# the q8 stores: stray codes, NaN ones among them, in heads of weight 0, which make every score NaN
 @gluon.jit(do_not_specialize=["n_heads"])
 def _index_ws_kernel(q_ptr, used_ptr, w_ptr, pos_ptr, out_ptr, paths_ptr, k_ptr, ks_ptr,
                      n_keys, n_heads, n_tiles, ratio, stride_qn, stride_qh, stride_wn, stride_on, stride_k,

@@ -15,10 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production import ops
-from fidelity.decoders.production.kernels import fallbacks
-from fidelity.decoders.production.kernels._common import device_transparent, on_device
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
+from fidelity.decoders.production.kernels._common import PDL_LAUNCH, UNSUPPORTED, on_device, wait_for_previous_kernel
 
 
 @triton.jit
@@ -169,6 +166,14 @@ def _hc_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_p
                         pid_d * d_per_prog, (pid_d + 1) * d_per_prog, False)
 
 
+def takes_hc_pre(x, fn, scale, base, norm_eps, iters, hc_eps) -> str | None:
+    """Why :func:`hc_pre_cuda` cannot take these inputs (None: it can): x bf16 / fp32 [n, 4, dim], fn [24, 4 dim]."""
+    if not (on_device(x) and x.dim() == 3 and x.shape[1] == 4 and fn.shape == (24, 4 * x.shape[2])
+            and x.dtype in (torch.bfloat16, torch.float32)):
+        return UNSUPPORTED
+    return None
+
+
 def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int | None = None, bk: int = 128,
                 bd: int | None = None, num_warps: int | None = None, precision: str | None = None,
                 splits: int | None = None):
@@ -183,10 +188,6 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int | None =
     ``splits``: split-K programs per token tile (default: about 256 programs in all for the 64-token tiles; else
     1 = the fused single launch when the tiles fill the GPU, or enough splits for ~2 programs per SM); a split
     launch is followed by one that sums the partials in a fixed order and finishes (deterministic either way)."""
-    if not (on_device(x) and x.dim() == 3 and x.shape[1] == 4 and fn.shape == (24, 4 * x.shape[2])
-            and x.dtype in (torch.bfloat16, torch.float32)):
-        fallbacks.note("hc_pre", fallbacks.UNSUPPORTED)
-        return ops.hc_pre(x, fn, scale, base, norm_eps, iters, hc_eps)
     n, _, dim = x.shape
     precision = precision or ("bf16x3" if x.dtype == torch.bfloat16 else "tf32x3")
     if precision == "bf16x3" and x.dtype != torch.bfloat16:
@@ -228,10 +229,6 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int | None =
     return y, pre, post, comb
 
 
-hc_pre = device_transparent(hc_pre_cuda)
-hc_pre.__name__ = "triton_hc_pre"
-
-
 @triton.jit(do_not_specialize=["n", "n_splits"])
 def _hc_head_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, n, dim, n_splits, norm_eps, hc_eps, stride_xn,
                            d_per_prog, BD: tl.constexpr):
@@ -257,15 +254,19 @@ def _hc_head_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, n, dim, n_
         tl.store(y_ptr + tok * dim + cols, y.to(tl.bfloat16), mask=ok)
 
 
+def takes_hc_head(x, fn, scale, base, norm_eps, hc_eps) -> str | None:
+    """Why :func:`hc_head_cuda` cannot take these inputs (None: it can): x bf16 / fp32 [n, 4, dim], fn [4, 4 dim]."""
+    if not (on_device(x) and x.dim() == 3 and x.shape[1] == 4 and fn.shape == (4, 4 * x.shape[2])
+            and x.dtype in (torch.bfloat16, torch.float32) and scale.numel() == 1):
+        return UNSUPPORTED
+    return None
+
+
 def hc_head_cuda(x, fn, scale, base, norm_eps, hc_eps, *, bt: int = 16, bk: int = 128, bd: int = 512,
                  num_warps: int = 4):
     """Same signature and output as ``ops.hc_head``: x [n, 4, dim] streams on CUDA -> bf16 [n, dim]: the mixes of
     ``hc_pre``'s split-K partial kernel with fn's 4 rows, then one launch for the sigmoid weights and the collapse
     (tolerance contract of ``hc_head``: fp32 sums in another order)."""
-    if not (on_device(x) and x.dim() == 3 and x.shape[1] == 4 and fn.shape == (4, 4 * x.shape[2])
-            and x.dtype in (torch.bfloat16, torch.float32) and scale.numel() == 1):
-        fallbacks.note("hc_head", fallbacks.UNSUPPORTED)
-        return ops.hc_head(x, fn, scale, base, norm_eps, hc_eps)
     n, _, dim = x.shape
     x = x.contiguous()
     y = torch.empty((n, dim), dtype=torch.bfloat16, device=x.device)
@@ -283,10 +284,6 @@ def hc_head_cuda(x, fn, scale, base, norm_eps, hc_eps, *, bt: int = 16, bk: int 
         ws, x, scale.float().contiguous(), base.float().contiguous(), y, n, dim, splits, float(norm_eps),
         float(hc_eps), x.stride(0), d_per, BD=bd, num_warps=num_warps, **PDL_LAUNCH)
     return y
-
-
-hc_head = device_transparent(hc_head_cuda)
-hc_head.__name__ = "triton_hc_head"
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -315,17 +312,20 @@ def _hc_post_kernel(f_ptr, r_ptr, post_ptr, comb_ptr, o_ptr, n, dim, stride_fn, 
              out.to(o_ptr.dtype.element_ty), mask=m3)
 
 
+def takes_hc_post(f, residual, post, comb, out_dtype=torch.bfloat16) -> str | None:
+    """Why :func:`hc_post_cuda` cannot take these inputs (None: it can): f [n, dim], residual [n, 4, dim], post
+    [n, 4], comb [n, 4, 4], a bf16 / fp32 output."""
+    ok = (on_device(f) and f.dim() == 2 and residual.dim() == 3 and residual.shape[1] == 4
+          and residual.shape[0] == f.shape[0] and residual.shape[2] == f.shape[1] and post.shape == (f.shape[0], 4)
+          and comb.shape == (f.shape[0], 4, 4) and out_dtype in (torch.bfloat16, torch.float32))
+    return None if ok else UNSUPPORTED
+
+
 def hc_post_cuda(f, residual, post, comb, out_dtype=torch.bfloat16, *, bt: int = 4, bd: int = 512,
                  num_warps: int = 4):
     """Same signature and result as ``ops.hc_post`` (up to fp32 FMA contraction): f [n, dim] bf16, residual
     [n, 4, dim] (bf16 or fp32 streams), post [n, 4], comb [n, 4, 4] fp32 -> [n, 4, dim] ``out_dtype``. One launch
     reads f and the residual once and writes the new streams once (the memory floor)."""
-    ok = (on_device(f) and f.dim() == 2 and residual.dim() == 3 and residual.shape[1] == 4
-          and residual.shape[0] == f.shape[0] and residual.shape[2] == f.shape[1] and post.shape == (f.shape[0], 4)
-          and comb.shape == (f.shape[0], 4, 4) and out_dtype in (torch.bfloat16, torch.float32))
-    if not ok:
-        fallbacks.note("hc_post", fallbacks.UNSUPPORTED)
-        return ops.hc_post(f, residual, post, comb, out_dtype)
     n, dim = f.shape
     out = torch.empty((n, 4, dim), dtype=out_dtype, device=f.device)
     if n == 0:
@@ -337,7 +337,3 @@ def hc_post_cuda(f, residual, post, comb, out_dtype=torch.bfloat16, *, bt: int =
     _hc_post_kernel[grid](f, residual, post, comb, out, n, dim, f.stride(0), residual.stride(0), out.stride(0),
                           BT=bt, BD=bd, num_warps=num_warps, **PDL_LAUNCH)
     return out
-
-
-hc_post = device_transparent(hc_post_cuda)
-hc_post.__name__ = "triton_hc_post"

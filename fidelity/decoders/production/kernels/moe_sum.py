@@ -8,8 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
-from fidelity.decoders.production.kernels.rms_norm import _bf16_rne
+from fidelity.decoders.production.kernels._common import PDL_LAUNCH, bf16_rne, wait_for_previous_kernel
 
 
 @triton.jit(do_not_specialize=["dim"])
@@ -22,7 +21,7 @@ def _moe_sum_kernel(out_ptr, shared_ptr, y_ptr, dim, K: tl.constexpr, BLOCK: tl.
     for j in tl.static_range(K):
         y += tl.load(out_ptr + (row * K + j) * dim + cols, mask=ok, other=0.0).to(tl.float32)
     y += tl.load(shared_ptr + row * dim + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * dim + cols, _bf16_rne(y).to(tl.bfloat16), mask=ok)
+    tl.store(y_ptr + row * dim + cols, bf16_rne(y).to(tl.bfloat16), mask=ok)
 
 
 def moe_sum(out: torch.Tensor, shared: torch.Tensor, *, block: int = 1024) -> torch.Tensor:

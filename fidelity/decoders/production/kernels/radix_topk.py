@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production.kernels._common import next_pow2, with_overrides
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
+from fidelity.decoders.production.kernels._common import PDL_LAUNCH, next_pow2, wait_for_previous_kernel, with_overrides
 
 MAX_K = 4096  # the final sort holds next_pow2(k) int64 keys in one program
 SCORE_DTYPES = (torch.bfloat16, torch.float32)  # taken as their raw bits: int16 / int32

@@ -32,41 +32,16 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fidelity.decoders.production import ops
-from fidelity.decoders.production.kernels import fallbacks
-from fidelity.decoders.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
-
-
-@triton.jit
-def _bf16_rne(x):
-    """fp32 x rounded to bf16 (ties to even) and back, from the bits (the hardware cvt.rn does the same; Triton's
-    CPU interpreter truncates, so the bits keep the kernels checkable there), NaN kept."""
-    bits = x.to(tl.int32, bitcast=True)
-    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, r)
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def e4m3_blocks(yf):
-    """``act_quant`` (spec §3, ue8m0) of the rows of yf [NB, B] fp32, one block per row: per block
-    ``amax = max(|y|, 1e-4)``, ``s = 2^(exp(v) - 127 + (mantissa(v) != 0))`` from the bits of
-    ``v = amax * fp32(1/448)``, codes ``e4m3(y / s)`` (RNE; ``|y / s| <= 448`` by construction, so no clamp).
-    A block holding a NaN (the NaN-propagating amax) gets NaN codes and scale byte 255, as ``fidelity.model.formats``.
-    Returns (codes float8e4nv [NB, B], scale exponent bytes int32 [NB], s fp32 [NB])."""
-    amax = tl.reduce(tl.abs(yf), 1, _max_nan)
-    has_nan = amax != amax
-    v = tl.maximum(amax, 1e-4) * 0.002232142857142857  # fp32(1e-4), fp32(1/448) as in kernel.py
-    bits = v.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    inv_s = tl.where(has_nan, float("nan"), ((127 - e) << 23).to(tl.float32, bitcast=True))  # 2^-e, exact
-    codes = (yf * inv_s[:, None]).to(tl.float8e4nv)
-    return codes, tl.where(has_nan, 255, e + 127), ((e + 127) << 23).to(tl.float32, bitcast=True)
+from fidelity.decoders.production.kernels._common import (
+    INTERPRET,
+    PDL_LAUNCH,
+    UNSUPPORTED,
+    bf16_rne,
+    e4m3_blocks,
+    next_pow2,
+    on_device,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -194,16 +169,25 @@ def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, stream=
     return (q, s, y) if write_y else (q, s)
 
 
-def _ok(x, weight) -> bool:
-    return (on_device(x) and x.dtype in (torch.bfloat16, torch.float32) and x.dim() >= 1 and weight.dim() == 1
-            and weight.shape[0] == x.shape[-1] and 1 <= x.shape[-1] <= 32768)
+def takes_rms_norm(x, weight, eps) -> str | None:
+    """Why :func:`rms_norm_cuda` cannot take these inputs (None: it can): x bf16 / fp32 [..., d], d <= 32768."""
+    ok = (on_device(x) and x.dtype in (torch.bfloat16, torch.float32) and x.dim() >= 1 and weight.dim() == 1
+          and weight.shape[0] == x.shape[-1] and 1 <= x.shape[-1] <= 32768)
+    return None if ok else UNSUPPORTED
+
+
+def takes_rms_norm_fp8(x, weight, eps) -> str | None:
+    """Why :func:`rms_norm_fp8_cuda` cannot take these inputs (None: it can): as ``rms_norm``, d a multiple of 128."""
+    return UNSUPPORTED if x.shape[-1] % 128 else takes_rms_norm(x, weight, eps)
+
+
+def takes_rms_norm_act_quant(x, weight, eps) -> str | None:
+    """Why :func:`rms_norm_act_quant_cuda` cannot take these inputs (None: it can): bf16 x, d a multiple of 128."""
+    return UNSUPPORTED if x.dtype != torch.bfloat16 else takes_rms_norm_fp8(x, weight, eps)
 
 
 def rms_norm_cuda(x, weight, eps):
     """Same signature and result as ``ops.rms_norm`` (up to the fp32 summation order of the mean)."""
-    if not _ok(x, weight):
-        fallbacks.note("rms_norm", fallbacks.UNSUPPORTED)
-        return ops.rms_norm(x, weight, eps)
     return _launch(x, weight, eps, True, False)
 
 
@@ -216,13 +200,6 @@ def rms_norm_fp8_cuda(x, weight, eps, return_y: bool = False, *, num_warps: int 
     prefill (>= 1024 rows) at d in (2048, 4096] and (4096, 8192], else one-shot."""
     if x.shape[-1] % 128:
         raise ValueError(f"last dim must be a multiple of 128, found {x.shape[-1]}")
-    if not _ok(x, weight):
-        fallbacks.note("rms_norm_fp8", fallbacks.UNSUPPORTED)
-        y = ops.rms_norm(x, weight, eps)
-        from fidelity.model.formats import quantize_fp8
-
-        q, s = quantize_fp8(y, 128)
-        return (q, s, y) if return_y else (q, s)
     return _launch(x, weight, eps, return_y, True, num_warps, rows, stream, per_sm)
 
 
@@ -230,18 +207,7 @@ def rms_norm_act_quant_cuda(x, weight, eps):
     """Same signature and result as ``ops.rms_norm_act_quant``: (y bf16, y quantized-dequantized 1x128 bf16) from
     one pass (``rms_norm_fp8``'s kernel storing code * scale instead of the codes and scale bytes). d must be a
     multiple of 128 and x bf16."""
-    if x.shape[-1] % 128 or x.dtype != torch.bfloat16 or not _ok(x, weight):
-        fallbacks.note("rms_norm_act_quant", fallbacks.UNSUPPORTED)
-        return ops.rms_norm_act_quant(x, weight, eps)
     return _launch(x, weight, eps, True, True, dq=True)
-
-
-rms_norm = device_transparent(rms_norm_cuda)
-rms_norm.__name__ = "triton_rms_norm"
-rms_norm_fp8 = device_transparent(rms_norm_fp8_cuda)
-rms_norm_fp8.__name__ = "triton_rms_norm_fp8"
-rms_norm_act_quant = device_transparent(rms_norm_act_quant_cuda)
-rms_norm_act_quant.__name__ = "triton_rms_norm_act_quant"
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -251,22 +217,26 @@ def _weightless_kernel(q_ptr, y_ptr, n_rows, eps, D: tl.constexpr, DP: tl.conste
     cols = tl.arange(0, DP)
     ok = cols < D
     q = tl.load(q_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
-    sq = _bf16_rne(q * q)
-    mean = _bf16_rne(tl.math.div_rn(tl.sum(sq, axis=0), D))
-    t = _bf16_rne(mean + eps)
+    sq = bf16_rne(q * q)
+    mean = bf16_rne(tl.math.div_rn(tl.sum(sq, axis=0), D))
+    t = bf16_rne(mean + eps)
     if LIBDEVICE:
-        r = _bf16_rne(libdevice.rsqrt(t))
+        r = bf16_rne(libdevice.rsqrt(t))
     else:  # Triton's CPU interpreter has no libdevice
-        r = _bf16_rne(tl.math.div_rn(1.0, tl.sqrt_rn(t)))
-    tl.store(y_ptr + row * D + cols, _bf16_rne(q * r).to(tl.bfloat16), mask=ok)
+        r = bf16_rne(tl.math.div_rn(1.0, tl.sqrt_rn(t)))
+    tl.store(y_ptr + row * D + cols, bf16_rne(q * r).to(tl.bfloat16), mask=ok)
+
+
+def takes_rms_norm_weightless(q, eps) -> str | None:
+    """Why :func:`rms_norm_weightless_cuda` cannot take these inputs (None: it can): bf16 q [..., d], d <= 8192."""
+    if not on_device(q) or q.dtype != torch.bfloat16 or not 0 < q.shape[-1] <= 8192:
+        return UNSUPPORTED
+    return None
 
 
 def rms_norm_weightless_cuda(q, eps):
     """Same signature and result as ``ops.rms_norm_weightless`` for bf16 q [..., d] (d <= 8192); one launch."""
     d = q.shape[-1]
-    if not on_device(q) or q.dtype != torch.bfloat16 or not 0 < d <= 8192:
-        fallbacks.note("rms_norm_weightless", fallbacks.UNSUPPORTED)
-        return ops.rms_norm_weightless(q, eps)
     x = q.contiguous()
     y = torch.empty_like(x)
     rows = x.numel() // d
@@ -274,7 +244,3 @@ def rms_norm_weightless_cuda(q, eps):
         _weightless_kernel[(rows,)](x, y, rows, float(eps), D=d, DP=next_pow2(d), LIBDEVICE=not INTERPRET,
                                     num_warps=4, **PDL_LAUNCH)
     return y
-
-
-rms_norm_weightless = device_transparent(rms_norm_weightless_cuda)
-rms_norm_weightless.__name__ = "triton_rms_norm_weightless"

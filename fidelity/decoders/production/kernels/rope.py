@@ -14,27 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production import ops
-from fidelity.decoders.production.kernels import fallbacks
-from fidelity.decoders.production.kernels._common import device_transparent, next_pow2, on_device
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
-from fidelity.decoders.production.kernels.rms_norm import _bf16_rne
-
-# How the complex product rounds: 0 every product rounded; 1 fma(a, c, -(b s)) / fma(a, s, b c); 2 fma(-b, s, a c) /
-# fma(b, c, a s). On the H200 (torch 2.11) 1 gives torch's complex64 bits: 0 of 303K elements differ at Flash's
-# shapes and frequencies, where 0 and 2 each differ in one (benchmarks/results/2026-12-04-layer-step-fusion/).
-ROTATION = 1
-
-
-@triton.jit
-def _rotated(a, b, c, s, ROTATION: tl.constexpr):
-    """(a + ib)(c + is) in fp32 with the product rounding ``ROTATION`` -> (real, imag)."""
-    if ROTATION == 1:
-        return tl.fma(a, c, (b * s) * -1.0), tl.fma(a, s, b * c)  # * -1.0: Triton's unary minus is 0 - x (+0)
-    elif ROTATION == 2:
-        return tl.fma(b * -1.0, s, a * c), tl.fma(b, c, a * s)
-    else:
-        return a * c - b * s, a * s + b * c
+from fidelity.decoders.production.kernels._common import (
+    PDL_LAUNCH,
+    ROTATION,
+    UNSUPPORTED,
+    bf16_rne,
+    next_pow2,
+    on_device,
+    rotated,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -57,23 +46,26 @@ def _rope_kernel(x_ptr, pos_ptr, f_ptr, y_ptr, n_rows, heads, stride_x, stride_y
     c, s = tl.cos(angle), tl.sin(angle)  # libdevice __nv_cosf / __nv_sinf on the GPU, as torch.polar
     if INVERSE:
         s = s * -1.0  # the conjugate (-0 kept)
-    ra, rb = _rotated(a, b, c, s, ROTATION)
+    ra, rb = rotated(a, b, c, s, ROTATION)
     y = tl.join(tl.where(rope[None, :], ra, a), tl.where(rope[None, :], rb, b))
     if y_ptr.dtype.element_ty == tl.bfloat16:
-        y = _bf16_rne(y)  # exact in bf16 now: the store below does not round again
+        y = bf16_rne(y)  # exact in bf16 now: the store below does not round again
     tl.store(y_ptr + rows[:, None, None] * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def takes_apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+                     inverse: bool = False) -> str | None:
+    """Why :func:`apply_rope_cuda` cannot take these inputs (None: it can): x bf16 / fp32 [n, d] or [n, H, d]."""
+    d, rd = x.shape[-1], 2 * freqs.numel()
+    ok = (on_device(x) and x.dim() in (2, 3) and positions.shape == (x.shape[0],) and d % 2 == 0 and 0 < rd <= d
+          and x.dtype in (torch.bfloat16, torch.float32))
+    return None if ok else UNSUPPORTED
 
 
 def apply_rope_cuda(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False, *,
                     rows: int = 4, num_warps: int = 4, rotation: int | None = None) -> torch.Tensor:
-    """Same signature as ``ops.apply_rope``: x [n, d] or [n, H, d] (bf16 / fp32), positions [n], freqs [rd/2];
-    other layouts run the emulation (noted in ``kernel_fallbacks``)."""
+    """Same signature as ``ops.apply_rope``: x [n, d] or [n, H, d] (bf16 / fp32), positions [n], freqs [rd/2]."""
     d, rd = x.shape[-1], 2 * freqs.numel()
-    ok = (on_device(x) and x.dim() in (2, 3) and positions.shape == (x.shape[0],) and d % 2 == 0 and 0 < rd <= d
-          and x.dtype in (torch.bfloat16, torch.float32))
-    if not ok:
-        fallbacks.note("apply_rope", fallbacks.UNSUPPORTED)
-        return ops.apply_rope(x, positions, freqs, inverse)
     heads = x.shape[1] if x.dim() == 3 else 1
     x2 = x.reshape(-1, d)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -85,7 +77,3 @@ def apply_rope_cuda(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
             ROTATION=ROTATION if rotation is None else rotation, num_warps=num_warps, enable_fp_fusion=False,
             **PDL_LAUNCH)
     return y.reshape(x.shape)
-
-
-apply_rope = device_transparent(apply_rope_cuda)
-apply_rope.__name__ = "triton_apply_rope"

@@ -37,17 +37,16 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from fidelity.decoders.production import kv_layout, ops, routes
-from fidelity.decoders.production.kernels import fallbacks
 from fidelity.decoders.production.kernels._common import (
-    device_transparent,
+    PDL_LAUNCH,
+    UNSUPPORTED,
+    e4m3_blocks,
     next_pow2,
     on_device,
+    wait_for_previous_kernel,
     with_overrides,
     ws_refusal,
 )
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
-from fidelity.decoders.production.kernels.rms_norm import e4m3_blocks
 
 BLOCK_N = 64  # indices per online-softmax step: the reference's block (fixes where P is rounded)
 FP8_ROW_BYTES = 584
@@ -190,7 +189,7 @@ def _config(block_h: int, num_warps: int, num_stages: int, *, split_d: int = 1, 
 
 def default_config_fp8(n_tokens: int, n_heads: int, d: int, topk: int) -> dict:
     """FP8-KV launch parameters (the dequantized tile needs more shared memory: one pipeline stage, except at
-    128-head decode, where 64 heads per program fit two (167.5 -> 154.8 us at Pro decode b64); 64 heads per
+    128-head decode, where 64 heads per program fit two (faster at Pro decode b64); 64 heads per
     program amortize the dequantization over more heads)."""
     if n_heads <= 16:
         return _config(16, 4, 1)
@@ -205,7 +204,7 @@ def default_config(n_tokens: int, n_heads: int, d: int, topk: int) -> dict:
     """Launch parameters, from the H200 sweep in ``benchmarks/bench_kernels.py`` (BENCHMARKS.md): d=512 long
     prefill: 64 heads per program, 1 stage; 128 heads decode: 64 heads, 2 stages; 64 heads decode: 32 heads,
     3 stages; few heads: 16. Never split-KV by default (it changes the max against which P is rounded to bf16).
-    ``prefetch`` loads each index block one loop iteration ahead: on for d=512 with 64 or more heads (52 -> 44 us
+    ``prefetch`` loads each index block one loop iteration ahead: on for d=512 with 64 or more heads (faster
     at Flash decode b64, neutral at batch 1 and in prefill), off where not measured (d <= 128, 16 heads) and on
     the FP8 layout (slower there)."""
     if d <= 128:
@@ -271,12 +270,13 @@ def _supported(q, kv, idx) -> bool:
             and kv.dim() == 2 and kv.shape[1] == d and d in (16, 32, 64, 128, 256, 512) and idx.dim() == 2)
 
 
-def _fallback_reason(q, kv, idx, fmt) -> str | None:
-    """Why the kernel cannot take these inputs (None: it can)."""
+def takes_sparse_attention(q, kv, idx, sink, scale, fmt="bf16") -> str | None:
+    """Why :func:`sparse_attention_cuda` cannot take these inputs (None: it can): bf16 q [n, H, d], kv [m, d],
+    d a power of two in 16..512, fmt "bf16" or "fp8" (d a multiple of 64)."""
     if fmt not in ("bf16", "fp8"):
         return f"fmt {fmt!r}"
     if not _supported(q, kv, idx):
-        return fallbacks.UNSUPPORTED
+        return UNSUPPORTED
     if fmt == "fp8" and q.shape[-1] % 64:
         return "fmt 'fp8' with a head_dim that is not a multiple of 64"
     return None
@@ -284,16 +284,11 @@ def _fallback_reason(q, kv, idx, fmt) -> str | None:
 
 def sparse_attention_cuda(q, kv, idx, sink, scale, fmt="bf16", *, config=None):
     """CUDA-tensor entry point; same signature and result as ``ops.sparse_attention``, ``fmt`` "bf16" or "fp8"
-    (profile ``fp8-fmha``: e4m3 Q, K/V and P; head_dim a multiple of 64). Unsupported shapes run the torch
-    emulation on the GPU. Two kernel routes (recorded in ``routes.counts``): ``ws``, the
+    (profile ``fp8-fmha``: e4m3 Q, K/V and P; head_dim a multiple of 64; :func:`takes_sparse_attention`). Two
+    kernel routes (:func:`route_sparse_attention` names the one taken): ``ws``, the
     warp-specialized Gluon kernel (``kernels/sparse_attention_ws.py``; bf16 d = 512 on sm_90), and
     ``triton``, this module's kernel; see :func:`_route`."""
-    reason = _fallback_reason(q, kv, idx, fmt)
-    if reason:
-        fallbacks.note("sparse_attention", reason)
-        return ops.sparse_attention(q, kv, idx, sink, scale, fmt)
     route, launch = _route(q, kv, idx, fmt, config)
-    routes.note("sparse_attention", route)
     if route == "ws":
         from fidelity.decoders.production.kernels.sparse_attention_ws import sparse_attention_ws
         return sparse_attention_ws(q, kv, idx, sink, scale, **launch)
@@ -320,7 +315,7 @@ WS_LAUNCH = {
 
 def _route(q, kv, idx, fmt, config) -> tuple[str, dict | None]:
     """``("ws", its launch parameters)`` or ``("triton", launch parameters)``. ``config={"route": "ws" |
-    "triton"}`` picks one; without it, the warp-specialized kernel runs where it can (Flash decode b64 44 -> 24 us,
+    "triton"}`` picks one; without it, the warp-specialized kernel runs where it can (the faster route,
     BENCHMARKS.md) unless Triton launch parameters are given. ``WS_LAUNCH`` lists the ``ws`` kernels' own."""
     launch = dict(config or {})
     route = launch.pop("route", None)
@@ -341,35 +336,22 @@ def _route(q, kv, idx, fmt, config) -> tuple[str, dict | None]:
     return "triton", launch or None
 
 
-sparse_attention = device_transparent(sparse_attention_cuda)
-sparse_attention.__name__ = "triton_sparse_attention"
+def route_sparse_attention(q, kv, idx, sink, scale, fmt="bf16") -> str:
+    """The route :func:`sparse_attention_cuda` takes for these inputs: ``ws`` or ``triton``."""
+    return _route(q, kv, idx, fmt, None)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# FP8 KV cache layout (584 B per token)
+# FP8 KV cache layout (584 B per token: [448 e4m3 | 64 bf16 rope | 7 ue8m0 | 1 pad], ``kv_layout``)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def pack_kv_fp8(kv: torch.Tensor) -> torch.Tensor:
-    """kv [m, 512] bf16 -> uint8 [m, 584]: e4m3 codes of the 448 nope dims (1x64 ue8m0 blocks, the in-place
-    ``act_quant`` of spec §3), the 64 rope dims as raw bf16, 7 scale bytes, 1 zero pad byte (``kv_layout.pack``)."""
-    if kv.dim() != 2 or kv.shape[1] != FP8_NOPE + FP8_ROPE:
-        raise ValueError(f"kv: expected [m, 512], found {list(kv.shape)}")
-    return kv_layout.pack(kv, FP8_ROPE)
-
-
-def unpack_kv_fp8(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [m, 584] -> bf16 [m, 512] (exact; equals ``ops.kv_round(kv, 64, "fp8")`` of the packed kv)."""
-    codes, rope, sb = kv_layout.views(packed, FP8_NOPE + FP8_ROPE, FP8_ROPE)
-    scale = torch.exp2((sb.to(torch.int32) - 127).to(torch.float32)).repeat_interleave(64, dim=1)
-    return torch.cat(((codes.to(torch.float32) * scale).to(torch.bfloat16), rope), dim=1)
 
 
 def sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, *, config=None):
-    """``sparse_attention`` reading the 584 B/token FP8 cache (uint8 [m, 584], see :func:`pack_kv_fp8`);
+    """``sparse_attention`` reading the 584 B/token FP8 cache (uint8 [m, 584], ``kv_layout.pack``);
     q [n, H, 512] bf16 on CUDA. Routes as :func:`sparse_attention_cuda`: ``ws``
     (``kernels/sparse_attention_ws_fp8kv.py``, dequantizing in its producer partition; its outputs equal the
-    bf16 ``ws`` kernel's on ``unpack_kv_fp8(kv_packed)`` bit for bit) where it can, else the Triton kernel (same
+    bf16 ``ws`` kernel's on ``kv_layout.unpack(kv_packed, 512, 64)`` bit for bit) where it can, else the Triton
+    kernel (same
     tile values; outputs equal up to the MMA's fp32 summation order)."""
     if kv_packed.dtype != torch.uint8 or kv_packed.dim() != 2 or kv_packed.shape[1] != FP8_ROW_BYTES:
         raise ValueError(f"kv_packed: expected uint8 [m, {FP8_ROW_BYTES}], found {kv_packed.dtype} "
@@ -377,7 +359,6 @@ def sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, *, config=None):
     if q.shape[-1] != 512:
         raise ValueError(f"q: the FP8 layout has head_dim 512, found {q.shape[-1]}")
     route, launch = _route(q, kv_packed, idx, "fp8-kv", config)
-    routes.note("sparse_attention_fp8kv", route)
     if route == "ws":
         from fidelity.decoders.production.kernels.sparse_attention_ws_fp8kv import sparse_attention_ws_fp8kv
         return sparse_attention_ws_fp8kv(q, kv_packed, idx, sink, scale, **launch)
@@ -385,18 +366,22 @@ def sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, *, config=None):
     return _launch(q, kv_packed, kv_packed.view(torch.bfloat16), idx, sink, float(scale), 512, True, launch)
 
 
-def sparse_attention_fp8kv_cuda(q, kv_packed, idx, sink, scale, rope_dims=FP8_ROPE):
-    """The registered kernel of op ``sparse_attention_fp8kv``: same signature and result as
-    ``ops.sparse_attention_fp8kv``. The 584 B layout (bf16 q with head_dim 512, 64 rope dims) runs
-    :func:`sparse_attention_fp8kv` (its ``ws`` route on sm_90, else the Triton kernel); other widths run the
-    emulation on the GPU, logged in ``kernel_fallbacks``."""
+def takes_sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, rope_dims=FP8_ROPE) -> str | None:
+    """Why :func:`sparse_attention_fp8kv_cuda` cannot take these inputs (None: it can): the 584 B layout, bf16 q
+    [n, H, 512], 64 rope dims."""
     shaped = (on_device(q) and q.dim() == 3 and q.dtype == torch.bfloat16 and idx.dim() == 2
               and kv_packed.dtype == torch.uint8 and kv_packed.dim() == 2)
     if not shaped or (q.shape[-1], rope_dims, kv_packed.shape[1]) != (FP8_NOPE + FP8_ROPE, FP8_ROPE, FP8_ROW_BYTES):
-        fallbacks.note("sparse_attention_fp8kv", fallbacks.UNSUPPORTED)
-        return ops.sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, rope_dims)
+        return UNSUPPORTED
+    return None
+
+
+def sparse_attention_fp8kv_cuda(q, kv_packed, idx, sink, scale, rope_dims=FP8_ROPE):
+    """Same signature and result as ``ops.sparse_attention_fp8kv`` on the 584 B layout: :func:`sparse_attention_fp8kv`
+    (its ``ws`` route on sm_90, else the Triton kernel)."""
     return sparse_attention_fp8kv(q, kv_packed, idx, sink, scale)
 
 
-sparse_attention_fp8kv_op = device_transparent(sparse_attention_fp8kv_cuda)
-sparse_attention_fp8kv_op.__name__ = "triton_sparse_attention_fp8kv"
+def route_sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, rope_dims=FP8_ROPE) -> str:
+    """The route :func:`sparse_attention_fp8kv_cuda` takes for these inputs: ``ws`` or ``triton``."""
+    return _route(q, kv_packed, idx, "fp8-kv", None)[0]

@@ -308,7 +308,7 @@ def _tail(idx_row_ptr, sink_ptr, o_ptr, stride_on, stride_oh, pid_n, h0, topk, n
         if PARTS & 2:
             s_t = warpgroup_mma(q_h.index(1), kv_smem.index(s1).permute((1, 0)), s_t, is_async=True)
             # the indices after the fences (fence_async_shared compiles to a memory barrier that waits for loads in
-            # flight): H200 Pro decode b64 45.3-45.8 -> 44.0-44.3 us; in the one-consumer loop it measured slower
+            # flight): faster at H200 Pro decode b64; slower in the one-consumer loop
             ids = _block_ids(idx_row_ptr, j, topk, BN, gl.SliceLayout(0, mma_s))
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
             s_t = gl.where((ids >= 0)[None, :], s_t * scale, float("-inf"))

@@ -4,16 +4,16 @@
 The math partitions are those of the bf16 kernel (``kernels/sparse_attention_ws.py``: one consumer warpgroup with
 32 heads per CTA, or two with 64), reading the same bf16 half-tile slots [64 rows, 256 dims] in the same rings (five
 slots with one consumer, four with two); only the producers differ. A cache row is ``[448 e4m3 nope | 64 bf16 rope
-(128 B) | 7 ue8m0 scale bytes | 1 pad]`` (spec §3, the layout of :func:`kernels.sparse_attention.pack_kv_fp8`),
-8-byte aligned (584 = 8 x 73). A producer partition (4 warps)
+(128 B) | 7 ue8m0 scale bytes | 1 pad]`` (spec §3, the layout of ``kv_layout.pack``), 8-byte aligned
+(584 = 8 x 73). A producer partition (4 warps)
 
 1. loads its half of a block's 64 rows into registers as int32 words with 8-byte loads (half 0: code bytes 0-255;
    half 1: code bytes 256-447 and the rope bytes), and each row's scale bytes as one int64 word; -1 rows load
    nothing (zero codes). Words, not bytes, so that the loop carries them without a register per byte;
 2. waits for the half's slot, dequantizes (``e4m3 * 2^(b - 127)``: e4m3 -> f16 -> f32 exactly, one fp32 multiply,
    rounded to bf16, four codes a word in one inline-assembly block; exact, since an e4m3 value times a power of
-   two is a bf16 value, so the tile equals :func:`kernels.sparse_attention.unpack_kv_fp8`'s rows), stores the tile
-   (the rope words copied), fences, meets its partition barrier and arrives on the slot's ``ready`` barrier.
+   two is a bf16 value, so the tile equals ``kv_layout.unpack``'s rows), stores the tile (the rope words copied),
+   fences, meets its partition barrier and arrives on the slot's ``ready`` barrier.
 
 With one consumer, two producer partitions take half 0 and half 1 of every block, each loading block j + 1 before
 it stores block j (the loop takes two blocks a step, so no loaded register is copied); with two consumers, whose
@@ -21,8 +21,8 @@ warpgroups leave registers for one half, one partition loads and stores each hal
 0 prefetches rows into L2 (``prefetch.global.L2``) ``prefetch`` blocks ahead of its loads.
 
 The consumers see the same bf16 tiles as the bf16 kernel on the unpacked rows, in the same order, so the outputs
-are bit-identical to ``sparse_attention_ws(q, unpack_kv_fp8(kv), ...)`` with the same layout. BENCHMARKS.md has
-what bounds it.
+are bit-identical to ``sparse_attention_ws(q, kv_layout.unpack(kv, 512, 64), ...)`` with the same layout.
+BENCHMARKS.md has what bounds it.
 """
 
 from __future__ import annotations

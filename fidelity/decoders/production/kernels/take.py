@@ -10,8 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production.kernels._common import on_device
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
+from fidelity.decoders.production.kernels._common import PDL_LAUNCH, on_device, wait_for_previous_kernel
 
 BLOCK = 4096  # elements per program
 

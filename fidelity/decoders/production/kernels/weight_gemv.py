@@ -18,12 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production import ops
-from fidelity.decoders.production.kernels import fallbacks
-from fidelity.decoders.production.kernels._common import INTERPRET, device_transparent, next_pow2, on_device
+from fidelity.decoders.production.kernels._common import (
+    GEMV_ROWS,
+    INTERPRET,
+    PDL_LAUNCH,
+    UNSUPPORTED,
+    e4m3_blocks,
+    next_pow2,
+    on_device,
+    wait_for_previous_kernel,
+)
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
-from fidelity.decoders.production.kernels.pdl import PDL_LAUNCH, wait_for_previous_kernel
-from fidelity.decoders.production.kernels.rms_norm import e4m3_blocks
 
 FP8_BLOCK = 128
 _FENCE = tl.constexpr(not INTERPRET)
@@ -285,42 +290,49 @@ def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Ten
     return _finish(partials, y, splits)
 
 
+def takes_fp8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act: str = "fp8",
+                            groups: int = 1) -> str | None:
+    """Why :func:`fp8_weight_linear_cuda` cannot take these inputs (None: it can): bf16 x of 1..GEMV_ROWS rows."""
+    m, n = x.shape[0], codes.shape[0]
+    if act not in ("fp8", "bf16") or x.dtype != torch.bfloat16 or not 1 <= m <= GEMV_ROWS or \
+            codes.shape[1] % FP8_BLOCK or n % groups or (n // groups) % 16 or not on_device(x):
+        return UNSUPPORTED
+    return None
+
+
 def fp8_weight_linear_cuda(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act: str = "fp8",
                            groups: int = 1) -> torch.Tensor:
     """Same signature and result (within the ``act_linear`` contract) as ``ops.fp8_weight_linear``: the FP8 GEMV
     with the 1x128 activation quantization in the same launch (``act == "fp8"``; ``"bf16"``: x as given)."""
-    m, n = x.shape[0], codes.shape[0]
-    if act not in ("fp8", "bf16") or x.dtype != torch.bfloat16 or not 1 <= m <= ops.GEMV_ROWS or \
-            codes.shape[1] % FP8_BLOCK or n % groups or (n // groups) % 16 or not on_device(x):
-        fallbacks.note("fp8_weight_linear", fallbacks.UNSUPPORTED)
-        return ops.fp8_weight_linear(x, codes, scales, act, groups)
     return fp8_weight_linear(x, codes, scales, quantize=act == "fp8", groups=groups)
+
+
+def takes_fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why :func:`fp32_linear_cuda` cannot take these inputs (None: it can): a bf16 weight, 1..GEMV_ROWS rows."""
+    m, k = x.shape
+    if weight.dtype != torch.bfloat16 or not 1 <= m <= GEMV_ROWS or k % FP8_BLOCK or not on_device(x):
+        return UNSUPPORTED
+    return None
 
 
 def fp32_linear_cuda(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Same signature and result (within its contract) as ``ops.fp32_linear``: one GEMV over the bf16 weight."""
-    m, k = x.shape
-    if weight.dtype != torch.bfloat16 or not 1 <= m <= ops.GEMV_ROWS or k % FP8_BLOCK or not on_device(x):
-        fallbacks.note("fp32_linear", fallbacks.UNSUPPORTED)
-        return ops.fp32_linear(x, weight)
     return bf16_weight_linear_f32(x, weight)
+
+
+def takes_fp4_picked_linear(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                            act: str = "fp8") -> str | None:
+    """Why :func:`fp4_picked_linear_cuda` cannot take these inputs (None: it can): act "fp8", bf16 x of
+    1..8 GEMV_ROWS rows, k a multiple of 32."""
+    s, k = x.shape
+    if act != "fp8" or x.dtype != torch.bfloat16 or not 1 <= s <= 8 * GEMV_ROWS or k % 32 or not on_device(x):
+        return UNSUPPORTED
+    return None
 
 
 def fp4_picked_linear_cuda(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                            act: str = "fp8") -> torch.Tensor:
     """Same signature and result (within the ``act_linear`` contract) as ``ops.fp4_picked_linear``."""
-    s, k = x.shape
-    if act != "fp8" or x.dtype != torch.bfloat16 or not 1 <= s <= 8 * ops.GEMV_ROWS or k % 32 or not on_device(x):
-        fallbacks.note("fp4_picked_linear", fallbacks.UNSUPPORTED)
-        return ops.fp4_picked_linear(x, experts, packed, scales, act)
-    if k % FP8_BLOCK:
+    if x.shape[1] % FP8_BLOCK:
         return fp4_expert_linear(fake_quant_fp8(x, 128), experts, packed, scales)
     return fp4_expert_linear(x, experts, packed, scales, quantize=True)
-
-
-fp8_weight_linear_op = device_transparent(fp8_weight_linear_cuda)
-fp8_weight_linear_op.__name__ = "triton_fp8_weight_linear"
-fp4_picked_linear_op = device_transparent(fp4_picked_linear_cuda)
-fp4_picked_linear_op.__name__ = "triton_fp4_picked_linear"
-fp32_linear_op = device_transparent(fp32_linear_cuda)
-fp32_linear_op.__name__ = "triton_fp32_linear"

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from fidelity.decoders import default_decoder
 from fidelity.decoders.base import Decoder
-from fidelity.decoders.production.profiles import get_profile, profile_dict
+from fidelity.decoders.profiles import get_profile, profile_dict
 from fidelity.decoders.trace_file import TraceWriter
-from fidelity.harness.judgement import Judgement, judge, rules_for, run_rules
-from fidelity.harness.runner import Runner, RunSpec
+from fidelity.harness.judgement import Judgement, judge, rules_for
+from fidelity.harness.runner import Runner, RunSpec, check_spec
 from fidelity.harness.thresholds import COLUMNS, Divergence, profile_class
-from fidelity.outputs.rundir import check_output, new_run_id, read_run, write_run
+from fidelity.outputs.rundir import check_output, new_run_id, write_run
 
 
 @dataclass
@@ -54,20 +55,21 @@ def tidy(df: pd.DataFrame, run_id: str, profile: str) -> pd.DataFrame:
 def run_job(checkpoint, spec: RunSpec, out_root: str | Path = "runs", run_id: str | None = None,
             thresholds_path: str | Path | None = None, overwrite: bool = False, progress=None,
             decoder: Decoder | None = None, trace: str | Path | None = None) -> RunResult:
-    """Run ``spec`` on ``decoder`` (default: the production decoder with ``spec.profile``), judge it once and
-    write the run directory; ``trace``: also record the decoder's calls as a trace directory there. Thresholds,
-    the profile and the output places are checked before the long work; a decoder object starts from position 0
-    (``Decoder.reset``: one that consumed tokens and cannot reset is refused)."""
+    """Run ``spec`` on ``decoder`` (default: ``fidelity.decoders.default_decoder``, the production decoder with
+    ``spec.profile``), judge it once and write the run directory; ``trace``: also record the decoder's calls as a
+    trace directory there. Thresholds, the profile and the output places are checked before the long work; a
+    decoder object starts from position 0 (``Decoder.reset``: one that consumed tokens and cannot reset is refused)."""
     profile = decoder.profile if decoder is not None else profile_dict(get_profile(spec.profile))
     rules = rules_for(profile, checkpoint.config, decoder.sites() if decoder is not None else None, thresholds_path)
     run_id = run_id or new_run_id()
     check_output(out_root, run_id, overwrite)
-    if decoder is not None:
-        decoder.reset()
+    if decoder is None:
+        check_spec(checkpoint, spec)
+        decoder = default_decoder(checkpoint, spec.profile, spec.context(), spec.device)
+    decoder.reset()
     writer = None
     if trace is not None:
-        label = decoder.label if decoder is not None else f"production ({profile['name']})"
-        writer = TraceWriter(trace, checkpoint.config, spec.prompt, label, profile, overwrite=overwrite)
+        writer = TraceWriter(trace, checkpoint.config, spec.prompt, decoder.label, profile, overwrite=overwrite)
     try:
         df, manifest = Runner(checkpoint, spec, progress, decoder, writer).run()
     except BaseException:
@@ -79,10 +81,3 @@ def run_job(checkpoint, spec: RunSpec, out_root: str | Path = "runs", run_id: st
     judgement = judge(df, rules, profile_class(profile))
     run_dir = write_run(out_root, run_id, df, manifest, judgement, overwrite=overwrite)
     return RunResult(run_dir, judgement, manifest)
-
-
-def judge_run(run_dir: str | Path, thresholds_path: str | Path | None = None) -> RunResult:
-    """Judge an existing run with the rules it was judged with (plus those of ``thresholds_path``)."""
-    df, manifest = read_run(run_dir)
-    rules, klass = run_rules(manifest, df, thresholds_path)
-    return RunResult(Path(run_dir), judge(df, rules, klass), manifest)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from fidelity.atomic_write import write_dir_atomic
+from fidelity.decoders import default_decoder
 from fidelity.decoders.production.faults import FAULTS, inject
 from fidelity.harness.runner import Runner, RunSpec
 from fidelity.job import tidy
@@ -152,10 +153,11 @@ def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings,
     spec = _spec(checkpoint, s, mutant.options if mutant else {})
     names = (mutant.name,) if mutant else ()
     dec = decoder() if decoder else None
-    with inject(*names):
+    with inject(*names):  # the default decoder is made with the fault injected, as it runs
+        dec = dec or default_decoder(checkpoint, spec.profile, spec.context(), spec.device)
         df, manifest = Runner(checkpoint, spec, decoder=dec).run()
     df = tidy(df, mutant.name if mutant else "clean", str(manifest["profile"]["name"]))
-    return apply_thresholds(df, rules_for(manifest["profile"], checkpoint.config, dec.sites() if dec else None))
+    return apply_thresholds(df, rules_for(manifest["profile"], checkpoint.config, dec.sites()))
 
 
 def _split_site(site: str) -> tuple[int, str]:

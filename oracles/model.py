@@ -11,12 +11,13 @@ compressor's unconsumed token projections, and the compressed entries).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from fidelity.model.config import ModelConfig
-from fidelity.model.sites import Recorder
+from fidelity.model.sites import MHC_SITES, Recorder, site_name
 from oracles import attention as attn
 from oracles import mhc
 from oracles import moe as moe_ops
@@ -105,9 +106,14 @@ class OracleSession:
         self.layers = [LayerState() for _ in range(self.cfg.n_layers)]
         self.calls = 0
 
-    def emit(self, site: str, tensor: torch.Tensor) -> None:
-        if self.rec is not None and self.rec.wants(site):
-            self.rec(site, tensor)
+    def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
+        """Record ``tensor`` at the site ``template`` of ``layer`` (None outside the layers) if the recorder wants
+        it (a callable is evaluated only then)."""
+        if self.rec is None:
+            return
+        site = site_name(template, layer)
+        if self.rec.wants(site):
+            self.rec(site, tensor() if callable(tensor) else tensor)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, last_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,7 +146,7 @@ class OracleSession:
         ids = ids.to(self.m.device)
         positions = torch.arange(self.pos, self.pos + ids.numel(), device=self.m.device)
         x = self.m.w("embed.weight")[ids]  # [n, dim]
-        self.emit("embed", x)
+        self.emit("embed", None, x)
         x = x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [n, hc, dim]
         last = self.cfg.n_layers - 1
         last_rows = last_rows.to(self.m.device) if last_rows is not None else None
@@ -182,19 +188,19 @@ class OracleSession:
         w, cfg = self.m.w, self.cfg
         y = self.hc_pre(i, "attn", x)
         h = rms_norm(y[0], w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps)
-        self.emit(f"L{i}.attn.in", h)
+        self.emit("L{i}.attn.in", i, h)
         f = self.attention(i, h, positions, rows, picks)
-        self.emit(f"L{i}.attn.out", f)
+        self.emit("L{i}.attn.out", i, f)
         if rows is not None:
             x, y, ids = x[rows], tuple(t[rows] for t in y), ids[rows]
         x = mhc.hc_post(f, x, y[1], y[2])
         y = self.hc_pre(i, "ffn", x)
         h = rms_norm(y[0], w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps)
-        self.emit(f"L{i}.moe.in", h)
+        self.emit("L{i}.moe.in", i, h)
         f = self.moe(i, h, ids)
-        self.emit(f"L{i}.moe.out", f)
+        self.emit("L{i}.moe.out", i, f)
         x = mhc.hc_post(f, x, y[1], y[2])
-        self.emit(f"L{i}.residual", x)
+        self.emit("L{i}.residual", i, x)
         return x
 
     def hc_pre(self, i: int, which: str, x: torch.Tensor):
@@ -203,18 +209,18 @@ class OracleSession:
         mixes = mhc.hc_mixes(x, w(f"layers.{i}.hc_{which}_fn"), cfg.norm_eps)
         pre, post, comb = mhc.hc_split(mixes, w(f"layers.{i}.hc_{which}_scale"), w(f"layers.{i}.hc_{which}_base"),
                                        cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        self.emit(f"L{i}.mhc_{which}.pre", pre)
-        self.emit(f"L{i}.mhc_{which}.post", post)
-        self.emit(f"L{i}.mhc_{which}.comb", comb)
+        self.emit(MHC_SITES[which, "pre"], i, pre)
+        self.emit(MHC_SITES[which, "post"], i, post)
+        self.emit(MHC_SITES[which, "comb"], i, comb)
         return mhc.hc_collapse(x, pre), post, comb
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         w, cfg = self.m.w, self.cfg
         y = mhc.hc_head(x, w("hc_head_fn"), w("hc_head_scale"), w("hc_head_base"), cfg.norm_eps, cfg.hc_eps)
         y = rms_norm(y, w("norm.weight"), cfg.norm_eps)
-        self.emit("final", y)
+        self.emit("final", None, y)
         logits = y @ w("head.weight").T
-        self.emit("logits", logits)
+        self.emit("logits", None, logits)
         return logits
 
     # ---- attention ------------------------------------------------------------------------
@@ -229,8 +235,8 @@ class OracleSession:
         q, qr = attn.query(qx, w(p + "wq_a.weight"), w(p + "q_norm.weight"), w(p + "wq_b.weight"), qpos, freqs,
                            cfg.n_heads, cfg.norm_eps)
         kv = attn.window_kv(x, w(p + "wkv.weight"), w(p + "kv_norm.weight"), positions, freqs, cfg.norm_eps)
-        self.emit(f"L{i}.attn.q", q)
-        self.emit(f"L{i}.attn.kv", kv)
+        self.emit("L{i}.attn.q", i, q)
+        self.emit("L{i}.attn.kv", i, kv)
         if st.kv is None:
             st.kv, st.kv_start = kv, int(positions[0])
         else:
@@ -238,14 +244,14 @@ class OracleSession:
         entries = x.new_zeros((0, cfg.head_dim))
         if ratio:
             new = compress(x, positions, st.comp, compressor_weights(self.m.w, p + "compressor."), freqs, cfg.norm_eps)
-            self.emit(f"L{i}.attn.compressed_kv", new)
+            self.emit("L{i}.attn.compressed_kv", i, new)
             entries = all_entries(st.comp, cfg.head_dim, x)
         picks = self.indexer(i, x, qr, positions, rows) if ratio == 4 else None
         if given is not None:
             limit = torch.clamp((qpos + 1) // ratio, max=entries.shape[0])[:, None]
             picks = torch.where((given >= 0) & (given < limit), given, -1)
         o = self.attend(i, q, qpos, st, entries, picks)
-        self.emit(f"L{i}.attn.core", o)
+        self.emit("L{i}.attn.core", i, o)
         keep = max(0, int(positions[-1]) + 1 - (cfg.window_size - 1))
         st.kv, st.kv_start = st.kv[keep - st.kv_start :], keep
         return attn.output_projection(o, qpos, freqs, w(p + "wo_a.weight"), w(p + "wo_b.weight"), cfg.o_groups)
@@ -263,7 +269,7 @@ class OracleSession:
             comp = attn.hca_entries(positions, ratio, entries.shape[0])
         else:
             comp = picks
-        self.emit(f"L{i}.attn.visible", torch.cat((win, comp), dim=1))
+        self.emit("L{i}.attn.visible", i, torch.cat((win, comp), dim=1))
         shared = ratio > 0 and picks is None  # HCA
         table = st.kv if shared else torch.cat((st.kv, entries))  # window rows first, then compressed entries
         rows_idx = win - st.kv_start if shared else torch.cat((win - st.kv_start, comp + st.kv.shape[0]), dim=1)
@@ -289,21 +295,21 @@ class OracleSession:
         freqs = self.m.freqs[4]
         qx, qpos = (x, positions) if rows is None else (x[rows], positions[rows])
         q = index_queries(qr, w(p + "wq_b.weight"), qpos, freqs, cfg.index_n_heads)  # [nq, h, d]
-        self.emit(f"L{i}.indexer.q", q)
+        self.emit("L{i}.indexer.q", i, q)
         new = compress(x, positions, st.index, compressor_weights(self.m.w, p + "compressor."), freqs, cfg.norm_eps)
-        self.emit(f"L{i}.indexer.keys", new)
+        self.emit("L{i}.indexer.keys", i, new)
         keys = all_entries(st.index, cfg.index_head_dim, x)
         weights = head_weights(qx, w(p + "weights_proj.weight"), cfg.index_n_heads, cfg.index_head_dim)
-        self.emit(f"L{i}.indexer.weights", weights)
+        self.emit("L{i}.indexer.weights", i, weights)
         picks = []
         step = max(1, CHUNK_ELEMENTS // max(1, keys.shape[0] * cfg.index_n_heads))
         for s in range(0, len(qpos), step):
             sl = slice(s, s + step)
             scores = index_scores(q[sl], keys, weights[sl], qpos[sl], 4)
-            self.emit(f"L{i}.indexer.scores", scores)
+            self.emit("L{i}.indexer.scores", i, scores)
             picks.append(select_topk(scores, qpos[sl], 4, cfg.index_topk))
         picks = torch.cat(picks)
-        self.emit(f"L{i}.indexer.topk", picks)
+        self.emit("L{i}.indexer.topk", i, picks)
         return picks
 
     # ---- MoE -------------------------------------------------------------------------------
@@ -314,11 +320,11 @@ class OracleSession:
         bias = None if hashed else w(p + "gate.bias")
         weights, experts = moe_ops.gate(x, w(p + "gate.weight"), bias, w(p + "gate.tid2eid") if hashed else None,
                                         ids, cfg)
-        if not hashed and self.rec is not None and self.rec.wants(f"L{i}.moe.scores"):
-            self.emit(f"L{i}.moe.scores", moe_ops.selection_scores(moe_ops.gate_scores(x, w(p + "gate.weight"), cfg),
-                                                                  bias))
-        self.emit(f"L{i}.moe.experts", experts)
-        self.emit(f"L{i}.moe.weights", weights)
+        if not hashed:
+            self.emit("L{i}.moe.scores", i,
+                      lambda: moe_ops.selection_scores(moe_ops.gate_scores(x, w(p + "gate.weight"), cfg), bias))
+        self.emit("L{i}.moe.experts", i, experts)
+        self.emit("L{i}.moe.weights", i, weights)
 
         def expert_weights(e: int):
             q = f"{p}experts.{e}."

@@ -17,8 +17,3 @@ def residual_norms(streams: torch.Tensor, per_position: bool = False) -> dict[st
     out = {f"rms_stream{k}": rms[k] for k in range(streams.shape[1])}
     out["rms_max"] = rms.amax(dim=0)
     return out
-
-
-def rms_growth(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Two ``residual_norms`` results (layer i-1, layer i) -> growth_{metric} = cur / prev for shared keys."""
-    return {f"growth_{k}": cur[k] / prev[k] for k in cur if k in prev}

@@ -11,7 +11,7 @@ import torch
 
 import fidelity
 from fidelity.decoders.production import ProductionModel
-from fidelity.harness.dtype_flow import DtypeFlow, dtype_flow, flow_table
+from fidelity.decoders.production.dtype_flow import DtypeFlow, dtype_flow, flow_table
 from fidelity.model.default import prompt_for
 from fidelity.model.load import load_checkpoint
 

@@ -3,7 +3,6 @@ importing one of a later layer, no import circle (imports inside functions count
 moved modules still import (one module object under both names)."""
 
 import ast
-import importlib
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fidelity", "oracles", "probes")
 # earliest first; a module may import from its own layer and the ones before it
 LAYERS = (
-    ("fidelity.model", "fidelity._version", "fidelity._moved", "fidelity.atomic_write", "fidelity.progress"),
+    ("fidelity.model", "fidelity._version", "fidelity.atomic_write", "fidelity.progress"),
     ("oracles",),
     ("probes",),
     ("fidelity.decoders",),
@@ -108,17 +107,3 @@ def test_the_checker_sees_a_circle_and_an_upward_import(monkeypatch):
         test_every_import_points_to_the_same_layer_or_an_earlier_one()
     with pytest.raises(AssertionError, match="fidelity.model.config"):
         test_no_module_imports_itself_through_others()
-
-
-@pytest.mark.parametrize(("old", "new"), [
-    ("fidelity.production.registry", "fidelity.decoders.production.registry"),
-    ("fidelity.production.kernels.fallbacks", "fidelity.decoders.production.kernels.fallbacks"),
-    ("fidelity.formats", "fidelity.model.formats"),
-    ("fidelity.sites", "fidelity.model.sites"),
-    ("fidelity.trace", "fidelity.decoders.trace_file"),
-    ("fidelity.thresholds", "fidelity.harness.thresholds"),
-])  # fmt: skip
-def test_a_moved_module_still_imports_under_its_old_name(old, new):
-    import fidelity  # noqa: F401 (installs the redirect)
-
-    assert importlib.import_module(old) is importlib.import_module(new)

@@ -1,5 +1,5 @@
-"""Analytic cache sizes (``fidelity.harness.memory``) equal what ``ProductionSession`` allocates, byte for byte; the
-Flash / Pro figures at 1M context are pinned to hand-derived numbers."""
+"""Analytic cache sizes (``fidelity.decoders.production.cache_sizes``) equal what ``ProductionSession`` allocates,
+byte for byte; the Flash / Pro figures at 1M context are pinned to hand-derived numbers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from fidelity.decoders.production import ProductionModel, get_profile
 from fidelity.decoders.production.cache import decode_gathers
-from fidelity.harness.memory import cache_bytes, format_memory, memory_main, profile_formats
+from fidelity.decoders.production.cache_sizes import cache_bytes, format_memory, memory_main, profile_formats
 from fidelity.model.config import ModelConfig
 from fidelity.model.synthesize import synthesize
 

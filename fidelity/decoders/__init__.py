@@ -9,4 +9,12 @@ from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.transformers import TransformersDecoder
 
-__all__ = ["Decoder", "ProductionDecoder", "TraceDecoder", "TransformersDecoder", "mode_support", "required_sites"]
+__all__ = ["Decoder", "ProductionDecoder", "TraceDecoder", "TransformersDecoder", "default_decoder", "mode_support",
+           "required_sites"]
+
+
+def default_decoder(checkpoint, profile: object = "reference", max_context: int = 4096,
+                    device: str = "cpu") -> Decoder:
+    """The decoder a run tests when it names none: the built-in production decoder with ``profile`` (a name, a
+    spec string, a .toml/.json path or a ``Profile``)."""
+    return ProductionDecoder(checkpoint, profile, max_context, device)

@@ -18,7 +18,7 @@ from fidelity.model.sampling import Sampler, StopSet
 from fidelity.model.sites import Recorder
 
 LAYER_INPUTS = ("embed", "L{i}.residual")
-# op mode: the exact inputs of the oracle's ops (opmode.OpMode reads these from the decoder's records)
+# op mode: the exact inputs of the oracle's ops (oracles.op_mode.OpReplay reads these from the decoder's records)
 OP_INPUTS = ("embed", "L{i}.attn.in", "L{i}.attn.q", "L{i}.attn.kv", "L{i}.attn.visible", "L{i}.moe.in",
              "L{i}.residual")
 OP_INPUTS_COMPRESSED = ("L{i}.attn.compressed_kv",)  # HCA and CSA layers

@@ -19,7 +19,7 @@ from fidelity.decoders.base import (
 )
 from fidelity.decoders.trace_file import MANIFEST, TraceError, read_manifest
 from fidelity.model.config import ConfigError, ModelConfig
-from fidelity.model.sites import SITE_TABLE, is_site, site_name, site_template, trailing_shape
+from fidelity.model.sites import SITE_TABLE, is_site, same_layer, site_name, site_template, trailing_shape
 
 RESERVED = ("ids", "positions", "logits")
 INTEGER_SITES = frozenset({"L{i}.indexer.topk", "L{i}.attn.visible", "L{i}.moe.experts"})  # the rest are floats
@@ -203,7 +203,7 @@ class TraceDecoder(Decoder):
                     expected.setdefault(name, f"{file} holds it, read at {when}")
             for name in list(expected):
                 beside = READ_WITH.get(site_template(name))
-                if beside and (other := _same_layer(beside, name)) in _layer_names(beside, self.config):
+                if beside and (other := same_layer(beside, name)) in _layer_names(beside, self.config):
                     expected.setdefault(other, f"the runner reads it beside {name}")
             missing = sorted(set(expected) - names)
             if missing:
@@ -224,11 +224,6 @@ def _layer_names(template: str, cfg: ModelConfig) -> list[str]:
     else:
         layers = list(range(cfg.n_layers))
     return [site_name(template, i) for i in layers]
-
-
-def _same_layer(template: str, name: str) -> str:
-    """``template``'s site in the layer of the site ``name``."""
-    return site_name(template, int(name[1:name.index(".")]))
 
 
 def _check_dtype(path: Path, name: str, kind: str, dtype: str) -> None:

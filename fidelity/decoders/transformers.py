@@ -6,29 +6,30 @@ the attention saw: the queries after RoPE, the window and compressed rows, the v
 was given, and its output before the inverse RoPE. Every site of ``fidelity/model/sites.py`` is reported except the mHC
 ``pre`` weights (consumed inside the hyper-connection module), so free, layer and op modes all run.
 
-The injected faults of ``fidelity.decoders.production.faults`` that this decoder knows (``FAULTS``) are planted in the
-model at call time while ``faults.inject`` holds them: through the attention function (sink dropped, window of
-127 or without self, no inverse RoPE), hooks (comb transposed, routing bias in the weights, top-k capped at half,
-compressed-entry causality off by one on HCA layers) and module attributes (3 Sinkhorn iterations, shared-expert
-clamp missing, YaRN on SWA layers).
+The injected faults of the production catalogue (``fidelity.decoders.production.faults``) that this decoder knows
+(``FAULTS``) are planted in the model at call time while ``fidelity.decoders.faults.inject`` holds them: through
+the attention function (sink dropped, window of 127 or without self, no inverse RoPE), hooks (comb transposed,
+routing bias in the weights, top-k capped at half, compressed-entry causality off by one on HCA layers) and module
+attributes (3 Sinkhorn iterations, shared-expert clamp missing, YaRN on SWA layers).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
 
 from fidelity.decoders.base import Decoder
-from fidelity.decoders.production.faults import on
+from fidelity.decoders.faults import on
 from fidelity.model.checkpoint import Checkpoint
 from fidelity.model.config import ModelConfig
 from fidelity.model.layouts import hf_module_source
 from fidelity.model.load import load_checkpoint
-from fidelity.model.sites import SITES
+from fidelity.model.sites import MHC_SITES, SITES, site_name
 
 ATTENTION = "dsv4-fidelity"  # the name the reporting attention function is registered under
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -186,21 +187,26 @@ class TransformersDecoder(Decoder):
         self.calls += 1
         return out.logits[0].float().cpu()
 
-    def emit(self, site: str, tensor: torch.Tensor) -> None:
-        if self.rec is not None and self.rec.wants(site):
-            self.rec(site, tensor)
+    def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
+        """Record ``tensor`` at the site ``template`` of ``layer`` (None outside the layers) if the recorder wants
+        it (a callable is evaluated only then)."""
+        if self.rec is None:
+            return
+        site = site_name(template, layer)
+        if self.rec.wants(site):
+            self.rec(site, tensor() if callable(tensor) else tensor)
 
     # ---- hooks ------------------------------------------------------------------------------------------------
     def _instrument(self) -> list:
         """Forward hooks on every module a site comes from; the attention modules know their decoder."""
         inner, handles = self.model.model, []
 
-        def simple(module, site: str, pick=lambda out: out[0]):
-            handles.append(module.register_forward_hook(lambda m, args, out: self.emit(site, pick(out))))
+        def simple(module, template: str, layer: int | None = None, pick=lambda out: out[0]):
+            handles.append(module.register_forward_hook(lambda m, args, out: self.emit(template, layer, pick(out))))
 
         simple(inner.embed_tokens, "embed")
         simple(inner.norm, "final")
-        simple(self.model.lm_head, "logits", lambda out: out[0].float())
+        simple(self.model.lm_head, "logits", pick=lambda out: out[0].float())
         for i, layer in enumerate(inner.layers):
             self._instrument_layer(i, layer, simple, handles)
         return handles
@@ -208,11 +214,11 @@ class TransformersDecoder(Decoder):
     def _instrument_layer(self, i: int, layer, simple, handles: list) -> None:
         attn = layer.self_attn
         attn._fidelity = (self, i)
-        simple(layer.input_layernorm, f"L{i}.attn.in")
-        simple(layer.post_attention_layernorm, f"L{i}.moe.in")
-        simple(layer.mlp, f"L{i}.moe.out")
-        simple(layer, f"L{i}.residual")
-        simple(attn, f"L{i}.attn.out", lambda out: out[0][0])
+        simple(layer.input_layernorm, "L{i}.attn.in", i)
+        simple(layer.post_attention_layernorm, "L{i}.moe.in", i)
+        simple(layer.mlp, "L{i}.moe.out", i)
+        simple(layer, "L{i}.residual", i)
+        simple(attn, "L{i}.attn.out", i, lambda out: out[0][0])
         handles.append(attn.register_forward_pre_hook(self._rope_hook(i), with_kwargs=True))
         for which, hc in (("attn", layer.attn_hc), ("ffn", layer.ffn_hc)):
             handles.append(hc.register_forward_hook(self._hc_hook(i, which)))
@@ -238,8 +244,8 @@ class TransformersDecoder(Decoder):
             post, comb, collapsed = out
             if which == "attn" and on("comb-transposed"):
                 comb = comb.transpose(-1, -2)
-            self.emit(f"L{i}.mhc_{which}.post", post[0])
-            self.emit(f"L{i}.mhc_{which}.comb", comb[0])
+            self.emit(MHC_SITES[which, "post"], i, post[0])
+            self.emit(MHC_SITES[which, "comb"], i, comb[0])
             return post, comb, collapsed
 
         return fn
@@ -251,9 +257,9 @@ class TransformersDecoder(Decoder):
                 biased = (module.score_fn(logits) + module.e_score_correction_bias).gather(1, indices)
                 weights = biased / (biased.sum(dim=-1, keepdim=True) + 1e-20) * module.routed_scaling_factor
             if hasattr(module, "e_score_correction_bias"):  # score-routed: what its top-k selects from
-                self.emit(f"L{i}.moe.scores", (module.score_fn(logits) + module.e_score_correction_bias).float())
-            self.emit(f"L{i}.moe.experts", indices)
-            self.emit(f"L{i}.moe.weights", weights)
+                self.emit("L{i}.moe.scores", i, (module.score_fn(logits) + module.e_score_correction_bias).float())
+            self.emit("L{i}.moe.experts", i, indices)
+            self.emit("L{i}.moe.weights", i, weights)
             return logits, weights, indices
 
         return fn
@@ -268,7 +274,7 @@ class TransformersDecoder(Decoder):
         def fn(module, args, out):
             compressed, block_bias = out
             self._layer_entries[i] = compressed.shape[2]
-            self.emit(f"L{i}.attn.compressed_kv", self._new_rows(f"{i}.kv", compressed[0, 0]))
+            self.emit("L{i}.attn.compressed_kv", i, self._new_rows(f"{i}.kv", compressed[0, 0]))
             if on("causal-off-by-one") and block_bias is not None and not hasattr(module, "indexer"):
                 block_bias = _one_more_entry(block_bias, self._positions, module.compress_rate)
             return compressed, block_bias
@@ -282,7 +288,7 @@ class TransformersDecoder(Decoder):
                 picks = picks.clone()
                 picks[..., (self.config.index_topk + 1) // 2:] = -1
             pad = self.config.index_topk - picks.shape[-1]
-            self.emit(f"L{i}.indexer.topk", torch.nn.functional.pad(picks[0], (0, pad), value=-1))
+            self.emit("L{i}.indexer.topk", i, torch.nn.functional.pad(picks[0], (0, pad), value=-1))
             return picks
 
         return fn
@@ -291,13 +297,13 @@ class TransformersDecoder(Decoder):
         def fn(module, args, out):
             q, keys, hidden = args
             ratio = self.config.compress_ratios[i]
-            self.emit(f"L{i}.indexer.q", q[0])
-            self.emit(f"L{i}.indexer.keys", self._new_rows(f"{i}.keys", keys[0]))
+            self.emit("L{i}.indexer.q", i, q[0])
+            self.emit("L{i}.indexer.keys", i, self._new_rows(f"{i}.keys", keys[0]))
             weights = module.weights_proj(hidden)[0].float() * module.weights_scaling * module.softmax_scale
-            self.emit(f"L{i}.indexer.weights", weights)
+            self.emit("L{i}.indexer.weights", i, weights)
             future = torch.arange(out.shape[-1], device=out.device)[None] >= \
                 ((self._positions.to(out.device) + 1) // ratio)[:, None]
-            self.emit(f"L{i}.indexer.scores", out[0].masked_fill(future, -math.inf))
+            self.emit("L{i}.indexer.scores", i, out[0].masked_fill(future, -math.inf))
 
         return fn
 
@@ -321,11 +327,10 @@ class TransformersDecoder(Decoder):
         s, length = query.shape[2], key.shape[2]
         entries = self._layer_entries.get(i, 0)
         window_len = length - entries
-        self.emit(f"L{i}.attn.q", query[0].transpose(0, 1))
-        self.emit(f"L{i}.attn.kv", key[0, 0, window_len - s:window_len])
-        self.emit(f"L{i}.attn.core", output[0])
-        if self.rec is not None and self.rec.wants(f"L{i}.attn.visible"):
-            self.emit(f"L{i}.attn.visible", self._visible(mask, s, window_len, length))
+        self.emit("L{i}.attn.q", i, query[0].transpose(0, 1))
+        self.emit("L{i}.attn.kv", i, key[0, 0, window_len - s:window_len])
+        self.emit("L{i}.attn.core", i, output[0])
+        self.emit("L{i}.attn.visible", i, lambda: self._visible(mask, s, window_len, length))
 
     def _visible(self, mask, s: int, window_len: int, length: int) -> torch.Tensor:
         """[S, window + K]: the window positions, then the compressed entry ids, each query may see."""

@@ -25,26 +25,24 @@ import pandas as pd
 import torch
 
 from fidelity._version import __version__
+from fidelity.decoders import default_decoder
 from fidelity.decoders.base import Decoder, mode_support
-from fidelity.decoders.production.decoder import ProductionDecoder
-from fidelity.decoders.production.profiles import Profile
+from fidelity.decoders.profiles import Profile
 from fidelity.decoders.trace_file import TraceWriter
-from fidelity.harness.compare_sites import Margins, compare_recordings
-from fidelity.harness.opmode import OpMode
 from fidelity.harness.oracle_run import dtype_name
+from fidelity.harness.site_pairs import Margins, compare_recordings
 from fidelity.harness.thresholds import ROUTING_GAP, ROUTING_GAP_LAYER, SELECTION_MARGIN, profile_class
 from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, SamplerConfig, StopSet
 from fidelity.model.sites import Recorder
 from fidelity.model.weights import expected_tensors
-from oracles import OracleModel
+from oracles import MODES, OracleModel, Reference
 from probes import PeakMemory, collect, memory_stats
 from probes.memory import WARMUP_DECODE_CALLS, allocator_counts, allocator_delta, handed_bytes, held_bytes
 from probes.repetition import repetition
 from probes.rows import AGGREGATE
 from probes.sampler import sampler_agreement
 
-MODES = ("free", "layer", "op")
 AUTO_WHOLE, AUTO_CHUNK = 8192, 8192  # prompts longer than AUTO_WHOLE are prefilled AUTO_CHUNK tokens at a time
 PICK_FLIP_MARGIN = 1.0  # log-space gap of the oracle's winning draw; below it a differing pick is a near tie
 STREAMS = ("oracle", "production", "given")
@@ -78,6 +76,10 @@ class RunSpec:
             return [int(c) for c in chunk]
         size = chunk or (n if n <= AUTO_WHOLE else AUTO_CHUNK)
         return [size] * (n // size) + ([n % size] if n % size else [])
+
+    def context(self) -> int:
+        """The tokens a decoder must hold: ``max_context``, else the prompt and every decode step."""
+        return self.max_context or len(self.prompt) + self.decode_steps
 
     def problems(self, vocab: int) -> list[str]:
         p = []
@@ -113,6 +115,15 @@ class RunError(ValueError):
     """A run that cannot start; the message lists every problem."""
 
 
+def check_spec(checkpoint, spec: RunSpec, decoder: Decoder | None = None) -> None:
+    """Raise RunError listing every problem of ``spec`` on ``checkpoint`` (and of ``decoder``'s config)."""
+    problems = spec.problems(checkpoint.config.vocab_size)
+    if decoder is not None and (diff := config_difference(decoder.config, checkpoint.config)):
+        problems.append(f"{decoder.label}: its config differs from the checkpoint's ({diff})")
+    if problems:
+        raise RunError("run: " + "; ".join(problems))
+
+
 def sampled_rows(n: int, k: int | None, seed: int = 0) -> torch.Tensor | None:
     """A deterministic subset of k query rows of a prefill (always including the last), or None for all."""
     if k is None or k >= n:
@@ -128,19 +139,14 @@ class Runner:
 
     def __init__(self, checkpoint, spec: RunSpec, progress: Callable[..., None] | None = None,
                  decoder: Decoder | None = None, trace: TraceWriter | None = None):
-        """``decoder``: the decoder under test (default: the production decoder with ``spec``'s profile, device
-        and max_context). ``progress(phase, done, total, note)`` is told of each prefill pass and decode step
-        (``fidelity.progress.Progress`` draws it); ``trace`` records every decoder call
+        """``decoder``: the decoder under test (default: ``fidelity.decoders.default_decoder`` with ``spec``'s
+        profile, device and max_context). ``progress(phase, done, total, note)`` is told of each prefill pass and
+        decode step (``fidelity.progress.Progress`` draws it); ``trace`` records every decoder call
         (``fidelity.decoders.trace_file``)."""
+        check_spec(checkpoint, spec, decoder)
         cfg = checkpoint.config
-        problems = spec.problems(cfg.vocab_size)
-        if decoder is not None and (diff := config_difference(decoder.config, cfg)):
-            problems.append(f"{decoder.label}: its config differs from the checkpoint's ({diff})")
-        if problems:
-            raise RunError("run: " + "; ".join(problems))
         self.ckpt, self.cfg, self.spec, self.progress, self.trace = checkpoint, cfg, spec, progress, trace
-        max_context = spec.max_context or len(spec.prompt) + spec.decode_steps
-        self.dec = decoder or ProductionDecoder(checkpoint, spec.profile, max_context, spec.device)
+        self.dec = decoder or default_decoder(checkpoint, spec.profile, spec.context(), spec.device)
         self.modes, self.skipped = mode_support(self.dec, spec.modes)
         if not self.modes:
             raise RunError("run: no requested mode can run: " + "; ".join(f"{m}: {why}" for m, why in
@@ -152,9 +158,7 @@ class Runner:
                         "op": Margins(routing=ROUTING_GAP[klass]), "free": Margins()}
         self.oracle_numerics = exact_float32()
         self.oracle = OracleModel(checkpoint, spec.oracle_dtype, device=spec.oracle_device or spec.device)
-        self.free = self.oracle.session() if "free" in self.modes else None
-        self.layer = self.oracle.session() if "layer" in self.modes else None
-        self.op = OpMode(self.oracle) if "op" in self.modes else None
+        self.references = {m: Reference(self.oracle, m) for m in MODES if m in self.modes}  # free, layer, op
         self.sampler = Sampler(spec.sampler)  # the oracle side's sampler
         self.prod_sampler = Sampler(spec.sampler)  # the state of the decoder's picks (``Decoder.pick`` uses it)
         self.stops = StopSet.of(spec.stop_ids) if spec.stop_ids is not None else StopSet.from_config(cfg)
@@ -223,7 +227,7 @@ class Runner:
         """One model call (a prefill chunk or a decode token) in every mode; appends its metric rows. Returns the
         last position's logits per model."""
         prefill = step < self.n_prefill
-        passes = 1 + sum(m is not None for m in (self.free, self.layer, self.op))
+        passes = 1 + len(self.references)
 
         def tell(done: int, note: str) -> None:
             if not prefill:
@@ -252,33 +256,16 @@ class Runner:
             self.trace.add_step(ids, positions, test_logits, prod_rec)
         out = {"production": test_logits[-1]}
         pending: dict[str, list[dict]] = {}
-        if self.free is not None:
-            tell(len(pending) + 1, "oracle, free mode")
-            rec = Recorder(device=None)
-            self.free.rec = rec
-            with self._timed(phase, "oracle free"):
-                out["oracle"] = self.free.forward(ids)[-1]
+        for mode, reference in self.references.items():
+            tell(len(pending) + 1, f"oracle, {mode} mode")
+            sampled = None if mode == "free" else rows  # free mode runs every row
+            with self._timed(phase, f"oracle {mode}"):
+                rec = reference.run(ids, prod_rec, sampled)
+            if mode == "free":
+                out["oracle"] = rec.get("logits")[-1]
             with self._timed(phase, "probes"):
-                pending["free"] = compare_recordings(rec, prod_rec, positions, self.cfg, None, prefill,
-                                                     self.margins["free"])
-        if self.layer is not None:
-            tell(len(pending) + 1, "oracle, layer mode")
-            rec = Recorder(device=None)
-            self.layer.rec = rec
-            with self._timed(phase, "oracle layer"):
-                self.layer.forward_layers(ids, lambda i: _layer_input(prod_rec, i, self.cfg.hc_mult), rows,
-                                          lambda i: _recorded(prod_rec, f"L{i}.indexer.topk"))
-            with self._timed(phase, "probes"):
-                pending["layer"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill,
-                                                      self.margins["layer"])
-        if self.op is not None:
-            tell(len(pending) + 1, "oracle, op mode")
-            rec = Recorder(device=None)
-            with self._timed(phase, "oracle op"):
-                self.op.step(prod_rec, positions, ids, rec, rows)
-            with self._timed(phase, "probes"):
-                pending["op"] = compare_recordings(rec, prod_rec, positions, self.cfg, rows, prefill,
-                                                   self.margins["op"])
+                pending[mode] = compare_recordings(rec, prod_rec, positions, self.cfg, sampled, prefill,
+                                                   self.margins[mode])
         tell(passes, "compared")
         with self._timed(phase, "probes"):
             for mode, rows_ in pending.items():
@@ -432,18 +419,6 @@ def config_difference(a: ModelConfig, b: ModelConfig) -> str:
     """The architecture fields where two configs differ, 'name: a vs b' ('' when none)."""
     da, db = a.to_official_dict(), b.to_official_dict()
     return ", ".join(f"{k}: {da[k]!r} vs {db.get(k)!r}" for k in da if k not in NOT_ARCHITECTURE and da[k] != db.get(k))
-
-
-def _recorded(rec: Recorder, site: str) -> torch.Tensor | None:
-    """The decoder's record of ``site`` in this call, None when it reported none."""
-    return rec.get(site) if site in rec.records else None
-
-
-def _layer_input(rec: Recorder, i: int, hc: int) -> torch.Tensor:
-    """Production's input streams to layer i: the embedding repeated for layer 0, else L{i-1}.residual."""
-    if i == 0:
-        return rec.get("embed").unsqueeze(1).repeat(1, hc, 1)
-    return rec.get(f"L{i - 1}.residual")
 
 
 FULL_HASH_BYTES = 2 << 30  # checkpoints up to this size are hashed over every stored byte

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from fidelity.decoders.profiles import CHOICES, Profile, get_profile, profile_dict
+from fidelity.model import sites
 from fidelity.model.sites import sites_regex
 from probes.metrics import METRIC_PATTERNS, METRICS, is_metric
 
@@ -33,20 +35,12 @@ MODES = ("op", "layer", "free")  # tie-break order for a divergence: the most lo
 # then alphabetical, for rows failing together
 METRIC_PRIORITY = ("nonfinite_mismatch", "test_nonfinite", "cos", "calc_diff")
 
-# Data-flow order of the sites inside one layer, and of the sites outside the layers. The one place it is defined.
-LAYER_SITE_ORDER = (
-    "mhc_attn.pre", "mhc_attn.post", "mhc_attn.comb", "attn.in",
-    "attn.q", "attn.kv", "attn.compressed_kv",
-    "indexer.q", "indexer.keys", "indexer.weights", "indexer.scores", "indexer.topk",
-    "attn.visible", "attn.core", "attn.out",
-    "mhc_ffn.pre", "mhc_ffn.post", "mhc_ffn.comb", "moe.in",
-    "moe.scores", "moe.experts", "moe.weights", "moe.out",
-    "residual",
-)  # fmt: skip
-SITES_BEFORE_LAYERS = ("embed",)
+# Data-flow order of the sites: the site table's (``fidelity.model.sites``), then the run's own rows.
+SITES_BEFORE_LAYERS = sites.SITES_BEFORE_LAYERS
+LAYER_SITE_ORDER = sites.LAYER_SITE_ORDER
 SITES_WITHOUT_UPSTREAM = ("embed",)  # a free-mode failure here is local: both models read the same token ids
 LOCAL_MODES = ("op", "layer")
-SITES_AFTER_LAYERS = ("final", "logits", "tokens", "sampler", "stops", "repetition", "memory")
+SITES_AFTER_LAYERS = (*sites.SITES_AFTER_LAYERS, "tokens", "sampler", "stops", "repetition", "memory")
 NUMERIC_AFTER_LAYERS = ("final", "logits", "tokens")  # downstream of the layers' numerics (not the run's loop)
 
 EXACT_PROFILES = frozenset({"exact", "fp32", "fp64", "oracle"})
@@ -60,7 +54,12 @@ LAYER_GAP = {"exact": 1e-6, "bf16": 5e-3, "quantized": 2e-2}  # layer mode, non-
 FREE_LOGITS_COS = {"exact": 1 - 1e-6, "bf16": 0.9, "quantized": 0.8}  # free mode: gross divergence only
 CORE_GAP = 5e-4  # op mode attn.core: the bf16 kernel on production's own q / KV measures cos 0.999998
 CORE_GAP_FP8 = 5e-3  # ... and with e4m3 Q, K/V and P (profile fp8-fmha) cos >= 0.9992
-INDEXER_QK_COS = {"exact": 1 - 1e-6, "bf16": 0.999, "quantized": 0.985}  # FP4 q / keys: clean >= 0.989
+# FP4 q / keys after the Hadamard rotation: clean worst 0.9888 (op and layer mode, every built-in profile, trained
+# default, 16 / 64 decode steps and 4 held-out files); without the rotation (profile field hadamard=off) the FP4
+# grid meets the keys' outliers unspread: clean worst 0.9774 (no-hadamard, copy.py), so that format gets its own
+# floor and the cost of dropping the rotation shows in the indexer's recall, not as a false alarm on its keys.
+INDEXER_QK_COS = {"exact": 1 - 1e-6, "bf16": 0.999, "quantized": 0.985}
+INDEXER_QK_COS_UNROTATED = 0.97
 COMB_ERR = 1e-4  # op mode: fp32 Sinkhorn vs the oracle's on the same streams differ by ~1e-7
 ROUTING_WEIGHT_ERR = 1e-3  # op mode: the fp32 gate on production's own input leaves ~1e-6
 # Layer mode recall@k per step (a decode step is one query), the oracle layer ranking on its own exact keys. Clean
@@ -73,12 +72,13 @@ RECALL_FLOOR = {"bf16": 0.85, "quantized": 0.46875}
 # Op mode, indexer: the oracle's fp32 scores on the decoder's own q / keys / weights against the decoder's picks.
 # miss_gap is the largest oracle-score gap the decoder's picks invert, in units of the query's largest score; the
 # decoder's score arithmetic bounds it: fp32 (exact) ~1e-7; bf16 (every production profile: the official scores are
-# bf16 einsum, ReLU, product and head sum) ~2^-8 per rounding over a sum of 4-64 heads, so a few 2^-8: 3e-2 leaves
-# room for 8 roundings.
-SCORE_TIE_MARGIN = {"exact": 1e-5, "bf16": 3e-2, "quantized": 3e-2}
+# bf16 einsum, ReLU, product and head sum) a few 2^-8: clean worst 0.0168 over every built-in profile on the trained
+# default (16 and 64 decode steps, 4 held-out files; benchmarks/results/2026-12-04-clean-margins), about 4 bf16
+# ulps; 5e-2 allows 12.
+SCORE_TIE_MARGIN = {"exact": 1e-5, "bf16": 5e-2, "quantized": 5e-2}
 # Layer mode, CSA attention when the decoder reports no top-k: the oracle layer picks its own entries, so the
 # sites after the selection are compared on the queries whose oracle selection is unambiguous at this margin
-# (the gap between the k-th and the next visible score, as above; ``harness.compare_sites``). A quantized indexer
+# (the gap between the k-th and the next visible score, as above; ``harness.site_pairs``). A quantized indexer
 # (FP4 / FP8 q and keys, errors of ~5-10% per score) has no such margin: its layers are compared on every query
 # against CSA_LAYER_COS. Clean worst of the production decoder (reference) reporting only logits, embed and its
 # residual, attn.core / attn.out and moe.out streams (benchmarks/calibrate_thresholds.py --sites ...): attn.core
@@ -88,9 +88,11 @@ SELECTION_MARGIN = {"exact": 1e-4, "bf16": 3e-2}
 CSA_LAYER_COS = 0.9
 # Routing: routing_gap is the largest oracle gate-score gap a decoder's expert choice inverts (``probes.routing``;
 # +inf for any flip of a hash layer, whose lookup has no near-tie). Op mode: the oracle's fp32 gate on the
-# decoder's own MoE input; layer mode adds the layer's attention error to that input.
+# decoder's own MoE input (clean worst 0 for every built-in profile: its gate is fp32 too); layer mode adds the
+# layer's attention error to that input (clean worst 0.0052 for bf16, 0.081 for the quantized profiles, fp8-fmha
+# on unittest/main.py; same sweep as above).
 ROUTING_GAP = {"exact": 1e-4, "bf16": 3e-2, "quantized": 3e-2}
-ROUTING_GAP_LAYER = {"exact": 1e-3, "bf16": 1e-1, "quantized": 1e-1}
+ROUTING_GAP_LAYER = {"exact": 1e-3, "bf16": 1e-1, "quantized": 2.5e-1}
 # hc_sinkhorn_iters = 20 ends on a column normalisation: columns sum to 1 to rounding (clean: ~1e-6), but rows of
 # peaky (near-permutation) matrices stay off: up to 0.075 in the oracle itself on the trained default. Rows are
 # therefore judged by their deviation beyond the oracle's own (row_dev_excess; clean worst 0.005 in layer mode),
@@ -154,8 +156,6 @@ def fmt_num(v: float) -> str:
 def profile_fields(profile: object) -> dict[str, str] | None:
     """The format fields of a profile (a ``Profile``, its dict as in a run manifest, or a profile spec string
     such as ``reference:fmha=fp8``); None for the exact names and for strings that name no profile."""
-    from fidelity.decoders.production.profiles import CHOICES, Profile, get_profile, profile_dict
-
     if isinstance(profile, Mapping):
         return {k: str(profile[k]) for k in CHOICES if k in profile}
     if isinstance(profile, Profile):
@@ -216,6 +216,8 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None,
     gap, layer_gap = COS_GAP[kind], LAYER_GAP[kind]
     fields = profile_fields(profile) or {}
     core_gap = CORE_GAP_FP8 if fields.get("fmha") in ("fp8", "fp8-nope") else CORE_GAP
+    unrotated = kind == "quantized" and fields.get("hadamard") == "off" and fields.get("indexer_qk") in ("fp4", "fp8")
+    qk_cos = INDEXER_QK_COS_UNROTATED if unrotated else INDEXER_QK_COS[kind]
     csa = csa_layers_regex(csa_layers) + r"\.(attn\.(core|out)|moe\.out|residual)"  # downstream of the top-k
     hashed = csa_layers_regex(hash_layers, unknown="(?!)") + r"\.moe\.experts"
     rules = [
@@ -251,7 +253,7 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None,
         Threshold(r"L\d+\.attn\.core", "cos", ">=", 1 - core_gap, modes=("op",)),
         Threshold(r"L\d+\.attn\.core", "calc_diff", "<=", core_gap, modes=("op",)),
         Threshold(r"L\d+\.indexer\.scores", "cos", ">=", 1 - gap, modes=("op",)),
-        Threshold(r"L\d+\.indexer\.(q|keys)", "cos", ">=", INDEXER_QK_COS[kind], modes=("op", "layer")),
+        Threshold(r"L\d+\.indexer\.(q|keys)", "cos", ">=", qk_cos, modes=("op", "layer")),
         Threshold(COMB_SITES, "orientation_err", "<=", COMB_ERR, modes=("op",)),
         Threshold(r"L\d+\.indexer\.topk", "miss_gap", "<=", SCORE_TIE_MARGIN[kind], modes=("op",)),
         Threshold(r"L\d+\.moe\.weights", "weight_max_err", "<=", ROUTING_WEIGHT_ERR, modes=("op",)),

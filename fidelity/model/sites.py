@@ -21,7 +21,7 @@ class Site:
     """One row of the site table.
 
     ``shape``: the dims after the first (token or entry) dim, as ``ModelConfig`` field names (None where they
-    vary from call to call). ``probe``: how a pair of records is compared (``harness.compare_sites``):
+    vary from call to call). ``probe``: how a pair of records is compared (``harness.site_pairs``):
     ``similarity`` (cosine, calc_diff, ...), ``residual`` (also the streams' norms), ``logits`` (also token
     agreement), ``sinkhorn``, ``indexer_recall``, ``visible_range``, ``routing`` (expert sets), ``routing_weights``.
     ``every_step``: compared at every decode step (False: in the prefill only; its errors show downstream).
@@ -113,7 +113,29 @@ def trailing_shape(template: str, cfg) -> tuple[int, ...] | None:
 
 
 def site_name(template: str, layer: int | None = None) -> str:
+    """``("L{i}.attn.q", 3)`` -> ``L3.attn.q``; a template outside the table raises KeyError."""
+    if template not in SITE_TABLE:
+        raise KeyError(f"unknown site template {template!r}; templates are listed in fidelity.model.sites.SITES")
     return template.replace("{i}", str(layer)) if layer is not None else template
+
+
+def same_layer(template: str, name: str) -> str:
+    """``template``'s site in the layer of the site ``name``: ``("L{i}.indexer.scores", "L3.indexer.topk")`` ->
+    ``L3.indexer.scores``."""
+    return site_name(template, int(name[1:name.index(".")]))
+
+
+LAYER_PREFIX = "L{i}."
+# data-flow order of the sites inside one layer ("attn.q", ...) and of those before and after the layers
+LAYER_SITE_ORDER: tuple[str, ...] = tuple(t.removeprefix(LAYER_PREFIX) for t in SITE_TABLE
+                                           if t.startswith(LAYER_PREFIX))
+_FIRST_LAYER_SITE = next(i for i, t in enumerate(SITE_TABLE) if t.startswith(LAYER_PREFIX))
+SITES_BEFORE_LAYERS: tuple[str, ...] = tuple(SITE_TABLE)[:_FIRST_LAYER_SITE]
+SITES_AFTER_LAYERS: tuple[str, ...] = tuple(t for t in tuple(SITE_TABLE)[_FIRST_LAYER_SITE:]
+                                            if not t.startswith(LAYER_PREFIX))
+# the mHC sites of a layer by (sublayer, part): ("attn", "comb") -> "L{i}.mhc_attn.comb"
+MHC_SITES: dict[tuple[str, str], str] = {
+    (t.split(".")[1].removeprefix("mhc_"), t.split(".")[2]): t for t in SITE_TABLE if t.startswith("L{i}.mhc_")}
 
 
 def _template_regex(template: str) -> str:

@@ -1,11 +1,13 @@
 """Named fault patch points in the production path (``fidelity mutants``): each is a known DSv4 port bug,
 switched on by name for one run. The production code asks ``on(name)`` at the single place the bug lives;
-no copy of the model per mutant. With nothing injected every check is False."""
+no copy of the model per mutant. This module is the production catalogue; the switchboard (``on``, ``inject``) is
+``fidelity.decoders.faults``, shared with the other decoders that plant the same faults."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from fidelity.decoders.faults import active, inject, on, register
+
+__all__ = ["FAULTS", "IN_EMULATION", "active", "in_emulation", "inject", "on"]
 
 FAULTS: dict[str, str] = {
     "indexer-key-width": "indexer keys truncated to the nope width (rope dims lost: wrong key cache stride)",
@@ -40,35 +42,12 @@ IN_EMULATION: dict[str, tuple[str, ...]] = {
     "comb-transposed": ("hc_pre",),
     "fp4-scale-floor": ("indexer_round",),
     "compressed-rope-last": ("compressor_decode",),
+    "shared-clamp-missing": ("expert",),
 }
 
-_active: frozenset[str] = frozenset()
-
-
-def on(name: str) -> bool:
-    """Is fault ``name`` injected right now?"""
-    return name in _active
+register(FAULTS)
 
 
 def in_emulation(op: str) -> str | None:
     """The injected fault (if any) that lives in op ``op``'s emulation."""
-    return next((f for f in sorted(_active) if op in IN_EMULATION.get(f, ())), None)
-
-
-def active() -> frozenset[str]:
-    """The faults injected right now."""
-    return _active
-
-
-@contextmanager
-def inject(*names: str) -> Iterator[None]:
-    """Inject the named faults for the duration of the block."""
-    global _active
-    unknown = sorted(set(names) - set(FAULTS))
-    if unknown:
-        raise KeyError(f"fault(s) {unknown}: expected names from {sorted(FAULTS)}")
-    previous, _active = _active, frozenset(names)
-    try:
-        yield
-    finally:
-        _active = previous
+    return next((f for f in sorted(active()) if op in IN_EMULATION.get(f, ())), None)

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fidelity.decoders.production import ProductionModel
+from fidelity.decoders.production.model import ProductionModel
 from fidelity.model.sites import Recorder
 
 _TO_COPY = torch.ops.aten._to_copy.default

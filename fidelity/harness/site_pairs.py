@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fidelity.harness.thresholds import LAYER_SITE_ORDER
 from fidelity.model.config import ModelConfig
-from fidelity.model.sites import Recorder, site_of
+from fidelity.model.sites import LAYER_SITE_ORDER, Recorder, same_layer, site_name, site_of
 from probes import (
     expected_visible,
     indexer_recall,
@@ -29,6 +28,8 @@ from probes import (
 )
 
 NEAR_TIE_MARGIN = 1e-2  # relative gap to the k-th oracle score under which a top-k miss is a near-tie
+# a selection's site -> the site of the scores it selects from (templates)
+SELECTION_SCORES = {"L{i}.indexer.topk": "L{i}.indexer.scores", "L{i}.moe.experts": "L{i}.moe.scores"}
 
 
 def _layer(site: str) -> int:
@@ -48,7 +49,7 @@ def _visible_reference(site: str, ref: torch.Tensor, ctx: dict) -> torch.Tensor:
     counted twice and a window or causality bug still is."""
     if ctx["ratios"][_layer(site)] != 4:
         return ref
-    picks = ctx["test"].get(site.replace("attn.visible", "indexer.topk"))
+    picks = ctx["test"].get(same_layer("L{i}.indexer.topk", site))
     picks = picks[ctx["rows"]] if ctx["rows"] is not None and len(picks) != len(ctx["positions"]) else picks
     limit = ((ctx["positions"] + 1) // 4)[:, None]
     picks = torch.where((picks >= 0) & (picks < limit), picks, -1)
@@ -60,7 +61,7 @@ def _same_routing(site: str, r: torch.Tensor, t: torch.Tensor, ref: Recorder, te
     """bool [n]: tokens both models routed to the same experts at this layer. MoE outputs (and the streams
     after them) are compared on those: a near-tied routing flip is a discrete event counted by
     ``moe.experts``, not a numeric error of the experts."""
-    experts = site.split(".")[0] + ".moe.experts"
+    experts = same_layer("L{i}.moe.experts", site)
     if experts not in ref.records or experts not in test.records:
         return torch.ones(len(r), dtype=torch.bool)
     re_ = ref.get(experts)
@@ -73,7 +74,7 @@ def _same_routing(site: str, r: torch.Tensor, t: torch.Tensor, ref: Recorder, te
 def _routing_weights(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict) -> dict:
     """Routing weights compared per expert id on the tokens whose expert sets agree (flips are counted by
     ``moe.experts``): weight_max_err = max |w_test - w_ref|."""
-    experts = site.replace("weights", "experts")
+    experts = same_layer("L{i}.moe.experts", site)
     re_ = ctx["ref"].get(experts)
     te = _align(re_, ctx["test"].get(experts), ctx["rows"]).to(re_.device)
     n = min(len(re_), len(te))
@@ -91,7 +92,7 @@ def _routing_weights(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict
 
 def _routing(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict) -> dict:
     """``routing_agreement`` with the oracle's selection scores of these tokens (none on hash layers)."""
-    scores_site = site.replace("experts", "scores")
+    scores_site = same_layer("L{i}.moe.scores", site)
     scores = None
     if scores_site in ctx["ref"].records:
         scores = ctx["ref"].get(scores_site).to(ref.device)
@@ -109,7 +110,7 @@ def compare_site(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict, pe
     if entry.probe == "sinkhorn":
         out += to_rows(site, layer, sinkhorn(test.double(), ref.double()))
     elif entry.probe == "indexer_recall":
-        scores = ctx["ref"].get(site.replace("topk", "scores"))
+        scores = ctx["ref"].get(same_layer("L{i}.indexer.scores", site))
         out += to_rows(site, layer, indexer_recall(test, ref, scores, NEAR_TIE_MARGIN))
     elif entry.probe == "visible_range":
         out += to_rows(site, layer, visible_range(test, _visible_reference(site, ref, ctx), ctx["positions"],
@@ -161,14 +162,13 @@ def _unambiguous(picks: torch.Tensor, scores: torch.Tensor, margin: float) -> to
     return (s.isfinite().sum(-1) <= k) | (k == 0) | ((kth - nxt) > margin * unit)
 
 
-def _decided_rows(layer: int, what: str, ref: Recorder, test: Recorder, margin: float | None, n: int,
+def _decided_rows(layer: int, selection: str, ref: Recorder, test: Recorder, margin: float | None, n: int,
                   device: torch.device) -> torch.Tensor | None:
-    """bool [n] rows of ``layer`` whose oracle selection (``what``: ``indexer.topk`` over ``indexer.scores``, or
-    ``moe.experts`` over ``moe.scores``) is unambiguous at ``margin`` (``_unambiguous``); None where the decoder
-    reports that selection itself (it is then compared directly, or attended as the decoder's), where the
-    oracle recorded no scores (a hash layer: its lookup is exact) or no margin applies."""
-    picks = f"L{layer}.{what}"
-    scores = picks.replace("topk", "scores").replace("experts", "scores")
+    """bool [n] rows of ``layer`` whose oracle selection (the template ``selection``: ``L{i}.indexer.topk`` or
+    ``L{i}.moe.experts``, over its ``SELECTION_SCORES``) is unambiguous at ``margin`` (``_unambiguous``); None where
+    the decoder reports that selection itself (it is then compared directly, or attended as the decoder's), where
+    the oracle recorded no scores (a hash layer: its lookup is exact) or no margin applies."""
+    picks, scores = site_name(selection, layer), site_name(SELECTION_SCORES[selection], layer)
     if margin is None or picks in test.records or picks not in ref.records or scores not in ref.records:
         return None
     agree = _unambiguous(ref.get(picks).to(device), ref.get(scores).to(device), margin)
@@ -199,14 +199,14 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
            "ratios": cfg.compress_ratios}
     selections, routings = {}, {}
     for i in range(cfg.n_layers):
-        agree = _decided_rows(i, "indexer.topk", ref, test, margins.selection, len(sel), device)
+        agree = _decided_rows(i, "L{i}.indexer.topk", ref, test, margins.selection, len(sel), device)
         if agree is not None:
             selections[i] = agree
-            pending += to_rows(f"L{i}.indexer.topk", i, {"ambiguous_queries": (~agree).sum()})
-        routed = _decided_rows(i, "moe.experts", ref, test, margins.routing, len(sel), device)
+            pending += to_rows(site_name("L{i}.indexer.topk", i), i, {"ambiguous_queries": (~agree).sum()})
+        routed = _decided_rows(i, "L{i}.moe.experts", ref, test, margins.routing, len(sel), device)
         if routed is not None:
             routings[i] = routed
-            pending += to_rows(f"L{i}.moe.experts", i, {"ambiguous_tokens": (~routed).sum()})
+            pending += to_rows(site_name("L{i}.moe.experts", i), i, {"ambiguous_tokens": (~routed).sum()})
     for site in ref.records:
         if site not in test.records or (not per_position and not site_of(site).every_step):
             continue

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fidelity.decoders.production.cache import key_row_bytes, kv_row_bytes
-from fidelity.decoders.production.profiles import Profile
+from fidelity.decoders.profiles import Profile
 from fidelity.model.config import ModelConfig
 
 KV_FORMATS = ("bf16", "fp8")

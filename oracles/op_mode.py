@@ -1,0 +1,150 @@
+"""Op mode: each oracle op gets the decoder's exact inputs and cache contents (dequantized), so the error it
+reports is the kernel's alone, at this step (docs/design.md "Three comparison modes").
+
+Per layer it keeps what later calls need: the decoder's window KV rows of the last window positions, its
+compressed entries and indexer keys (as the decoder's caches hold them), and oracle compressor states fed with the
+decoder's attention inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fidelity.model.sites import MHC_SITES, Recorder, site_name
+from oracles import attention, indexer, mhc
+from oracles import moe as moe_ops
+from oracles.compressor import CompressorState, compress, compressor_weights
+from oracles.model import OracleModel
+
+Take = Callable[[str], torch.Tensor]  # a site template of layer i -> the decoder's record of it, in the oracle dtype
+
+
+@dataclass
+class _LayerHistory:
+    kv: torch.Tensor | None = None  # decoder window KV rows of positions kv_start.., the window's worth kept
+    kv_start: int = 0
+    entries: list[torch.Tensor] = field(default_factory=list)  # decoder compressed entries
+    keys: list[torch.Tensor] = field(default_factory=list)  # decoder indexer keys
+    comp: CompressorState = field(default_factory=CompressorState)  # oracle, fed the decoder's inputs
+    index: CompressorState = field(default_factory=CompressorState)
+
+
+def _cat(parts: list[torch.Tensor], width: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts) if parts else like.new_zeros((0, width))
+
+
+class OpReplay:
+    """Re-runs oracle ops on a decoder's recorded inputs; results go to a ``Recorder`` under the same sites."""
+
+    def __init__(self, model: OracleModel):
+        self.model, self.cfg = model, model.cfg
+        self.hist = [_LayerHistory() for _ in range(self.cfg.n_layers)]
+        self.pos = 0
+
+    def run(self, ids: torch.Tensor, decoder: Recorder, out: Recorder, rows: torch.Tensor | None = None) -> None:
+        """Every layer's ops for tokens ``ids`` [n] at the next positions, from the decoder's records of the same
+        call; ``rows`` restricts the per-query ops (queries, index scores, attention, MoE) to sampled rows."""
+        dt, dev = self.model.dtype, self.model.device
+        ids = torch.as_tensor(ids).long().flatten().to(dev)
+        positions = torch.arange(self.pos, self.pos + len(ids), device=dev)
+        sel = slice(None) if rows is None else rows.to(dev)
+
+        def layer_of(i: int) -> tuple[Take, Take]:
+            def take(template: str) -> torch.Tensor:
+                t = decoder.get(site_name(template, i)).to(dev)
+                return t.to(dt) if t.is_floating_point() else t
+
+            return take, lambda template: take(template)[sel]
+
+        streams = decoder.get("embed").to(dev, dt).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
+        for i in range(self.cfg.n_layers):
+            take, take_q = layer_of(i)
+            self._mhc(i, "attn", streams[sel], out)
+            self._attention(i, take, take_q, positions, positions[sel], out)
+            self._moe(i, take_q, ids[sel], out)
+            streams = take("L{i}.residual")
+        self.pos += len(ids)
+
+    def _mhc(self, i: int, which: str, streams: torch.Tensor, out: Recorder) -> None:
+        """hc_pre's mixing weights of streams [n, hc, dim]: pre [n, hc], post [n, hc], comb [n, hc, hc]."""
+        w, cfg = self.model.w, self.cfg
+        mixes = mhc.hc_mixes(streams, w(f"layers.{i}.hc_{which}_fn"), cfg.norm_eps)
+        parts = mhc.hc_split(mixes, w(f"layers.{i}.hc_{which}_scale"), w(f"layers.{i}.hc_{which}_base"),
+                             cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        for part, t in zip(("pre", "post", "comb"), parts, strict=True):
+            out(site_name(MHC_SITES[which, part], i), t)
+
+    def _attention(self, i: int, take: Take, take_q: Take, positions: torch.Tensor, qpos: torch.Tensor,
+                   out: Recorder) -> None:
+        w, cfg, h = self.model.w, self.cfg, self.hist[i]
+        ratio, p = cfg.ratio(i), f"layers.{i}.attn."
+        freqs = self.model.freqs[ratio]
+        x = take("L{i}.attn.in")  # [n, dim]
+        q, _ = attention.query(take_q("L{i}.attn.in"), w(p + "wq_a.weight"), w(p + "q_norm.weight"),
+                               w(p + "wq_b.weight"), qpos, freqs, cfg.n_heads, cfg.norm_eps)
+        out(site_name("L{i}.attn.q", i), q)
+        out(site_name("L{i}.attn.kv", i), attention.window_kv(x, w(p + "wkv.weight"), w(p + "kv_norm.weight"),
+                                                              positions, freqs, cfg.norm_eps))
+        new = take("L{i}.attn.kv")
+        h.kv = new if h.kv is None else torch.cat((h.kv, new))
+        if ratio:
+            weights = compressor_weights(w, p + "compressor.")
+            out(site_name("L{i}.attn.compressed_kv", i), compress(x, positions, h.comp, weights, freqs, cfg.norm_eps))
+            h.entries.append(take("L{i}.attn.compressed_kv"))
+        if ratio == 4:
+            self._indexer(i, take, take_q, x, positions, qpos, out)
+        self._core(i, take_q, out)
+        keep = max(h.kv_start, int(positions[-1]) + 1 - (cfg.window_size - 1))  # what later queries can see
+        h.kv, h.kv_start = h.kv[keep - h.kv_start :], keep
+
+    def _indexer(self, i: int, take: Take, take_q: Take, x: torch.Tensor, positions: torch.Tensor,
+                 qpos: torch.Tensor, out: Recorder) -> None:
+        cfg, h = self.cfg, self.hist[i]
+        weights = compressor_weights(self.model.w, f"layers.{i}.attn.indexer.compressor.")
+        out(site_name("L{i}.indexer.keys", i), compress(x, positions, h.index, weights, self.model.freqs[4],
+                                                        cfg.norm_eps))
+        h.keys.append(take("L{i}.indexer.keys"))
+        keys = _cat(h.keys, cfg.index_head_dim, x)  # [entries, index_head_dim]
+        scores = indexer.index_scores(take_q("L{i}.indexer.q"), keys, take_q("L{i}.indexer.weights"), qpos, 4)
+        out(site_name("L{i}.indexer.scores", i), scores)
+        out(site_name("L{i}.indexer.topk", i), indexer.select_topk(scores, qpos, 4, cfg.index_topk))
+
+    def _core(self, i: int, take_q: Take, out: Recorder) -> None:
+        """Oracle sparse attention over the decoder's q, KV rows and visible set."""
+        cfg, h = self.cfg, self.hist[i]
+        win = cfg.window_size
+        entries = _cat(h.entries, cfg.head_dim, h.kv)
+        visible = take_q("L{i}.attn.visible")  # [nq, W + K]
+        # an entry the decoder saw but never emitted (a causality bug) reads what its cache held: zeros
+        table = torch.cat((h.kv, entries, h.kv.new_zeros((1, cfg.head_dim))))
+        window = visible[:, :win] - h.kv_start  # token positions -> rows of the kept window
+        rows = torch.cat((window, visible[:, win:] + len(h.kv)), dim=1).clamp(max=len(table) - 1)
+        valid = (visible >= 0) & torch.cat((window >= 0, visible[:, win:] >= 0), dim=1)
+        gathered = table[torch.where(valid, rows, 0)]
+        sink = self.model.w(f"layers.{i}.attn.attn_sink")
+        out(site_name("L{i}.attn.core", i), attention.sparse_attention(take_q("L{i}.attn.q"), gathered, valid, sink,
+                                                                        cfg.head_dim**-0.5))
+
+    def _moe(self, i: int, take_q: Take, ids: torch.Tensor, out: Recorder) -> None:
+        w, cfg = self.model.w, self.cfg
+        x = take_q("L{i}.moe.in")  # [nq, dim]
+        p = f"layers.{i}.ffn."
+        hashed = cfg.is_hash_layer(i)
+        bias = None if hashed else w(p + "gate.bias")
+        weights, experts = moe_ops.gate(x, w(p + "gate.weight"), bias, w(p + "gate.tid2eid") if hashed else None,
+                                        ids, cfg)
+        if not hashed:
+            out(site_name("L{i}.moe.scores", i),
+                moe_ops.selection_scores(moe_ops.gate_scores(x, w(p + "gate.weight"), cfg), bias))
+        out(site_name("L{i}.moe.experts", i), experts)
+        out(site_name("L{i}.moe.weights", i), weights)
+
+        def expert_weights(e: int):
+            q = f"{p}experts.{e}."
+            return w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight")
+
+        shared = tuple(w(f"{p}shared_experts.{k}.weight") for k in ("w1", "w2", "w3"))
+        out(site_name("L{i}.moe.out", i), moe_ops.moe(x, weights, experts, expert_weights, shared, cfg.swiglu_limit))

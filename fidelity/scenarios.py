@@ -1,0 +1,344 @@
+"""Scenarios: named sets of runs aimed at one port-bug mechanism each (``fidelity scenarios``, docs/scenarios.md).
+
+A scenario is data, like a profile: a name, the mechanism it targets, its runs (prompt length, prefill chunk
+sizes, decode steps, the parameter it varies) and the self-consistency pairs it checks. Each scenario is judged
+twice:
+
+- against the oracle: every run through ``fidelity.run`` (the usual verdict and first divergence);
+- against the decoder itself (no oracle): every run again on a fresh decoder, fed one fixed token sequence (the
+  default prompt's ids: prompt ``ids[:n]``, decode tokens ``ids[n:]``), so that two runs give logits for the same
+  positions after the same tokens. A pair compares them: ``chunked==whole`` (a chunked prefill vs the whole
+  prefill of the same prompt), ``prefix`` (a prompt's first-call rows vs a longer prompt's prefill rows),
+  ``decode==prefill`` (the decode steps after prompt n vs the longer prompt's prefill rows at those positions).
+  Where the decoder promises equal bits (the production decoder on the CPU, chunk boundaries on multiples of 128)
+  the pair must be bitwise equal; elsewhere it is gated by bounds on the logits' difference (``COS_MIN``,
+  ``REL_L2_MAX``; the clean decoder's values are in docs/scenarios.md).
+
+Single sequences only; batches, forks and rollbacks need a wider Decoder interface (a later step).
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from fidelity.api import CheckpointPlan, open_decoder, run, warn
+from fidelity.atomic_write import write_dir_atomic
+from fidelity.decoders.base import Decoder
+from fidelity.decoders.production.decoder import ProductionDecoder
+from fidelity.outputs.plots import DPI, FLOOR
+from fidelity.outputs.report import html_table, md_table
+from fidelity.outputs.rundir import check_output, new_run_id
+
+# the gate of a pair whose bits may differ: the smallest cosine of two logits rows at one position and the mean
+# over positions of |a - b| / |a| (L2 per row). The clean production decoder (reference profile, trained default,
+# CPU) stays at cos >= 0.969 and rel_l2 <= 0.032 (docs/scenarios.md); a chunk's positions restarted at 0 gives
+# cos 0.55-0.90, rel_l2 0.04-0.28.
+COS_MIN = 0.95
+REL_L2_MAX = 0.04
+ALIGN = 128  # the production decoder's chunked prefill gives the whole prefill's bits on these boundaries (CPU)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run: ``prompt_len`` tokens of the default prompt, prefilled whole or in ``chunks``, then
+    ``decode_steps``; ``param`` is what the scenario varies (name, value), a column of the matrix."""
+
+    label: str
+    prompt_len: int
+    decode_steps: int = 4
+    chunks: tuple[int, ...] | None = None
+    param: tuple[str, int] = ("prompt_len", 0)
+
+    @property
+    def positions(self) -> int:
+        return self.prompt_len + self.decode_steps
+
+    def boundaries(self) -> list[int]:
+        """Positions where a prefill chunk starts (after the first)."""
+        sizes = self.chunks or (self.prompt_len,)
+        return [sum(sizes[:k]) for k in range(1, len(sizes))]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A self-consistency check: run ``b``'s logits at ``kind``'s positions equal run ``a``'s."""
+
+    kind: str  # chunked==whole | prefix | decode==prefill
+    a: str
+    b: str
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str  # the port-bug mechanism it targets
+    runs: tuple[Run, ...]
+    pairs: tuple[Pair, ...] = ()
+
+    def run(self, label: str) -> Run:
+        return next(r for r in self.runs if r.label == label)
+
+
+def _lengths() -> Scenario:
+    lengths = (125, 126, 127, 128, 129, 130, 255, 256, 257)  # every residue mod 4, the window and HCA edges
+    runs = tuple(Run(f"prompt {n}", n, 4, param=("prompt_len", n)) for n in lengths)
+    ref = Run("prompt 264", 264, 4, param=("prompt_len", 264))  # holds every other run's positions in its prefill
+    pairs = tuple(Pair(kind, ref.label, r.label) for r in runs for kind in ("prefix", "decode==prefill"))
+    return Scenario("lengths", "prompt lengths at every residue mod 4 (CSA block) and at the window (127/128/129) and "
+                    "HCA (255/256/257) edges: off-by-one windows, partial compressor blocks, the carry a prefill "
+                    "leaves for decode", (*runs, ref), pairs)
+
+
+def _chunks() -> Scenario:
+    n = 300
+    whole = Run("whole", n, 4, param=("chunk", n))
+    runs = [Run(f"chunk {c}", n, 4, tuple([c] * (n // c) + ([n % c] if n % c else [])), ("chunk", c))
+            for c in (5, 6, 7, 63, 130, 128)]
+    runs.append(Run("chunks 5,6,7,63,130,89", n, 4, (5, 6, 7, 63, 130, 89), ("chunk", 0)))
+    return Scenario("chunks", "chunked prefill with boundaries at every residue mod 4 and 128 and chunks shorter than "
+                    "the window: the compressors' carry across calls, the window ring read across chunks, each "
+                    "chunk's positions", (whole, *runs), tuple(Pair("chunked==whole", whole.label, r.label)
+                                                               for r in runs))
+
+
+def _decode_boundaries() -> Scenario:
+    runs = (Run("prompt 250, 10 steps", 250, 10, param=("prompt_len", 250)),  # closes a CSA block at 251, HCA at 255
+            Run("prompt 125, 6 steps", 125, 6, param=("prompt_len", 125)))  # the window edge 127/128 in decode
+    ref = Run("prompt 261", 261, 2, param=("prompt_len", 261))
+    pairs = tuple(Pair("decode==prefill", ref.label, r.label) for r in runs)
+    return Scenario("decode-boundaries", "decode steps that close CSA (4) and HCA (128) blocks and cross the window "
+                    "edge: the entry a decode step completes, its RoPE position, the ring slot", (*runs, ref), pairs)
+
+
+def _long_decode() -> Scenario:
+    long = Run("prompt 128, 512 steps", 128, 512, param=("decode_steps", 512))
+    ref = Run("prompt 641", 641, 1, param=("prompt_len", 641))
+    return Scenario("long-decode", "512 decode steps: four HCA blocks and 128 CSA blocks completed in decode, the "
+                    "window ring wrapping four times, error accumulating over steps", (long, ref),
+                    (Pair("decode==prefill", ref.label, long.label),))
+
+
+CATALOGUE: dict[str, Scenario] = {s.name: s for s in (_lengths(), _chunks(), _decode_boundaries(), _long_decode())}
+
+
+def check_names(names: Sequence[str | Scenario] | None) -> list[Scenario]:
+    """The named scenarios (default: the catalogue; a Scenario given stands for itself); an unknown name raises
+    ValueError listing the known ones."""
+    names = list(names or CATALOGUE)
+    if unknown := [n for n in names if not isinstance(n, Scenario) and n not in CATALOGUE]:
+        raise ValueError(f"--scenario: expected one of {', '.join(CATALOGUE)}, found {', '.join(unknown)}")
+    found = [n if isinstance(n, Scenario) else CATALOGUE[n] for n in names]
+    return list({s.name: s for s in found}.values())
+
+
+# ---- self-consistency ----------------------------------------------------------------------------------------
+
+def decoder_logits(decoder: Decoder, ids: torch.Tensor, r: Run) -> torch.Tensor:
+    """fp32 logits [positions, vocab] of ``r`` on ``decoder`` from position 0: the prefill (in ``r.chunks``), then
+    ``r.decode_steps`` steps fed ``ids[prompt_len:]``; nothing recorded."""
+    decoder.reset()
+    decoder.rec = None
+    prompt = ids[: r.prompt_len]
+    rows = [decoder.prefill(c).float() for c in prompt.split(list(r.chunks or (r.prompt_len,)))]
+    rows += [decoder.step(int(t)).float()[None] for t in ids[r.prompt_len : r.positions]]
+    return torch.cat(rows)
+
+
+def promise(decoder: Decoder, pair: Pair, b: Run) -> str:
+    """Why the pair must be bitwise equal, or '' where no equality of bits is promised."""
+    cpu = isinstance(decoder, ProductionDecoder) and decoder.model.device.type == "cpu"
+    if cpu and pair.kind == "chunked==whole" and all(p % ALIGN == 0 for p in b.boundaries()):
+        return f"production on the CPU, chunk boundaries on multiples of {ALIGN}"
+    if cpu and pair.kind == "prefix" and b.prompt_len % ALIGN == 0 and not b.chunks:
+        return f"production on the CPU, a prefix of a multiple of {ALIGN} tokens"
+    return ""
+
+
+def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Two logits tables [n, vocab] of the same positions: equal bits, largest difference, per-row cos and
+    relative L2."""
+    d = (a - b).abs()
+    rel = (a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30)
+    cos = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
+    return {"bitwise": bool(torch.equal(a, b)), "max_abs": float(d.max()),
+            "rel_max": float(d.max() / a.abs().max().clamp_min(1e-30)), "rel_l2": float(rel.mean()),
+            "cos_min": float(cos.min()), "worst_position": int(rel.argmax())}
+
+
+def check_pair(scenario: Scenario, pair: Pair, logits: dict[str, torch.Tensor], decoder: Decoder) -> dict:
+    a, b = scenario.run(pair.a), scenario.run(pair.b)
+    if pair.kind == "prefix":
+        span = range(0, b.prompt_len)
+    elif pair.kind == "decode==prefill":
+        span = range(b.prompt_len, min(b.positions, a.prompt_len))
+    else:
+        span = range(0, min(a.positions, b.positions))
+    got = compare(logits[a.label][span.start : span.stop], logits[b.label][span.start : span.stop])
+    why = promise(decoder, pair, b)
+    passed = got["bitwise"] if why else got["cos_min"] >= COS_MIN and got["rel_l2"] <= REL_L2_MAX
+    bound = "bitwise" if why else f"cos_min >= {COS_MIN}, rel_l2 <= {REL_L2_MAX}"
+    return {"scenario": scenario.name, "pair": pair.kind, "a": a.label, "b": b.label,
+            "positions": f"{span.start}-{span.stop - 1}", "bitwise promised": why or "no", **got,
+            "worst_position": span.start + got["worst_position"], "bound": bound, "passed": passed}
+
+
+def self_consistency(scenario: Scenario, ids: torch.Tensor, fresh: Callable[[int], Decoder]) -> list[dict]:
+    """Every pair of ``scenario`` on decoders from ``fresh(max_context)`` (one per run)."""
+    needed = {label for p in scenario.pairs for label in (p.a, p.b)}
+    context = max(r.positions for r in scenario.runs)
+    logits, decoder = {}, None
+    for r in scenario.runs:
+        if r.label in needed:
+            decoder = fresh(context)
+            logits[r.label] = decoder_logits(decoder, ids, r)
+    return [check_pair(scenario, p, logits, decoder) for p in scenario.pairs]
+
+
+# ---- the oracle side and the combined report --------------------------------------------------------------------
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", text).strip("-")
+
+
+def worst_local_cos(run_dir: Path) -> float:
+    """The smallest cos of any site in layer or op mode (the error a layer or an op adds), NaN without them."""
+    df = pd.read_parquet(run_dir / "metrics.parquet", columns=["mode", "metric", "value"])
+    rows = df[(df["metric"] == "cos") & df["mode"].isin(("layer", "op"))]["value"]
+    return float(rows.min()) if len(rows) else float("nan")
+
+
+@dataclass
+class ScenarioResult:
+    """``matrix`` (a row per run), ``pairs`` (a row per self-consistency pair), the report directory."""
+
+    out_dir: Path
+    matrix: pd.DataFrame
+    pairs: pd.DataFrame
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return bool((self.matrix["verdict"] == "PASS").all() and self.pairs["passed"].all())
+
+    def failures(self) -> list[str]:
+        bad = [f"{r.scenario}/{r.run}: {r.first_divergence}" for r in self.matrix.itertuples()
+               if r.verdict != "PASS"]
+        return bad + [f"{r.scenario}/{r.pair} {r.b} vs {r.a}" for r in self.pairs.itertuples() if not r.passed]
+
+
+def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None = None,
+                  decoder: Decoder | str = "production", out: str | Path = "runs", run_id: str | None = None, *,
+                  modes: Sequence[str] = ("free", "layer", "op"),
+                  profile: str = "reference", decoder_dtype: str = "bf16", device: str = "cpu",
+                  overwrite: bool = False, progress: Callable[[str], None] | None = None,
+                  notify: Callable[[str, str], None] = warn) -> ScenarioResult:
+    """Run ``names`` (default: the whole catalogue) on ``decoder`` against the oracle and against itself, and
+    write one report directory ``out/<run_id>/`` (default id ``scenarios-<UTC time>-<random>``) atomically:
+    report.md/.html, matrix.csv, pairs.csv, plots/, runs/<scenario>-<run>/ (each run's own directory)."""
+    scenarios = check_names(names)
+    target = check_output(out, run_id or f"scenarios-{new_run_id()}", overwrite)
+    ckpt = plan.open()
+    longest = max(r.positions for s in scenarios for r in s.runs)
+    ids = plan.prompt(longest)
+    tell = progress or (lambda line: None)
+    t0 = time.perf_counter()
+
+    def fresh(context: int) -> Decoder:
+        return open_decoder(decoder, ckpt, profile, context, device, decoder_dtype)
+
+    def fill(tmp: Path) -> ScenarioResult:
+        rows, pairs = [], []
+        for s in scenarios:
+            for r in s.runs:
+                t = time.perf_counter()
+                res = run(decoder, plan, ids[: r.prompt_len], r.decode_steps, modes, tmp / "runs",
+                          run_id=_slug(f"{s.name}-{r.label}"), profile=profile, decoder_dtype=decoder_dtype,
+                          device=device, notify=notify, prefill_chunk=list(r.chunks) if r.chunks else None)
+                rows.append({"scenario": s.name, "run": r.label, "parameter": f"{r.param[0]}={r.param[1] or 'mixed'}",
+                             "prompt_len": r.prompt_len, "chunks": len(r.chunks or (1,)),
+                             "decode_steps": r.decode_steps, "verdict": res.verdict,
+                             "first_divergence": str(res.first_divergence or "none"),
+                             "worst_local_cos": worst_local_cos(res.run_dir), "self_consistency": "-",
+                             "run_dir": str(res.run_dir.relative_to(tmp)), "seconds": time.perf_counter() - t,
+                             "param_name": r.param[0], "param_value": r.param[1]})
+                tell(f"{s.name} / {r.label}: {res.verdict} ({rows[-1]['seconds']:.1f} s)")
+            got = self_consistency(s, ids, fresh)
+            pairs += got
+            for row in rows:
+                mine = [p["passed"] for p in got if p["scenario"] == s.name and p["b"] == row["run"]]
+                if row["scenario"] == s.name and mine:
+                    row["self_consistency"] = "PASS" if all(mine) else "FAIL"
+            tell(f"{s.name}: self-consistency {sum(p['passed'] for p in got)}/{len(got)} pairs pass")
+        result = ScenarioResult(target, pd.DataFrame(rows), pd.DataFrame(pairs), time.perf_counter() - t0)
+        write_report(tmp, result, plan.what, decoder)
+        return result
+
+    box: list[ScenarioResult] = []
+    write_dir_atomic(target, lambda tmp: box.append(fill(tmp)), overwrite)
+    return box[0]
+
+
+MATRIX_COLUMNS = ("scenario", "run", "parameter", "verdict", "first_divergence", "worst_local_cos",
+                  "self_consistency", "seconds")
+PAIR_COLUMNS = ("scenario", "pair", "b", "a", "positions", "bitwise promised", "bitwise", "max_abs", "rel_max",
+                "rel_l2", "cos_min", "worst_position", "bound", "passed")
+
+
+def plot(matrix: pd.DataFrame, path: Path) -> Path:
+    """1 - worst local cos over prompt length (every run) and over chunk size (the chunks scenario); a failing run
+    is drawn as a red cross."""
+    fig = Figure(figsize=(11, 3.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    panels = ((axes[0], matrix, "prompt_len", "prompt length (tokens)"),
+              (axes[1], matrix[(matrix["param_name"] == "chunk") & (matrix["param_value"] > 0)], "param_value",
+               "prefill chunk size (tokens; the whole prompt is the largest)"))
+    for ax, rows, x, xlabel in panels:
+        for name, group in rows.groupby("scenario", sort=False):
+            y = (1 - group["worst_local_cos"]).clip(lower=FLOOR)
+            ax.scatter(group[x], y, label=name, s=18)
+            bad = group[group["verdict"] != "PASS"]
+            ax.scatter(bad[x], (1 - bad["worst_local_cos"]).clip(lower=FLOOR), marker="x", color="red", s=50)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("1 - worst local cos (layer/op)")
+        if x == "param_value":
+            ax.set_xscale("log")
+    axes[0].legend(fontsize=7, loc="best")
+    fig.suptitle("worst local cos per run (red x: the run fails against the oracle)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def write_report(folder: Path, result: ScenarioResult, checkpoint: str, decoder: Decoder | str) -> None:
+    matrix, pairs = result.matrix, result.pairs
+    matrix.to_csv(folder / "matrix.csv", index=False)
+    pairs.to_csv(folder / "pairs.csv", index=False)
+    png = plot(matrix, folder / "plots" / "worst_local_cos.png")
+    label = decoder.label if isinstance(decoder, Decoder) else decoder
+    verdict = "PASS" if result.passed else "FAIL: " + "; ".join(result.failures())
+    head = (f"decoder {label} on {checkpoint}; {len(matrix)} runs, {len(pairs)} self-consistency pairs, "
+            f"{result.seconds:.0f} s")
+    gate = f"self-consistency bound where bits may differ: cos_min >= {COS_MIN}, rel_l2 <= {REL_L2_MAX}"
+    tables = [("Scenario matrix", matrix[list(MATRIX_COLUMNS)]),
+              ("Self-consistency (the decoder against itself)", pairs[list(PAIR_COLUMNS)] if len(pairs) else pairs)]
+    md = [f"# Scenarios\n\nverdict: {verdict}\n\n{head}\n\n{gate}\n"]
+    md += [f"## {title}\n\n{md_table(t)}\n" for title, t in tables]
+    md.append(f"## Plot\n\n![worst local cos]({png.relative_to(folder)})\n\nEach run's own report: runs/<run>/.\n")
+    (folder / "report.md").write_text("\n".join(md), encoding="utf-8")
+    body = "".join(f"<h2>{html.escape(title)}</h2>{html_table(t)}" for title, t in tables)
+    (folder / "report.html").write_text(
+        "<!doctype html><meta charset='utf-8'><title>scenarios</title><h1>Scenarios</h1>"
+        f"<p>verdict: {html.escape(verdict)}</p><p>{html.escape(head)}</p><p>{html.escape(gate)}</p>{body}"
+        f"<h2>Plot</h2><img src='{png.relative_to(folder)}' alt='worst local cos'>", encoding="utf-8")

@@ -1,0 +1,126 @@
+"""Scenarios (fidelity/scenarios.py): the catalogue covers the residues and edges it claims, a scenario passes on
+the clean production decoder against the oracle and against itself, planted chunk-boundary bugs are caught by
+self-consistency alone, and the CLI writes one combined report (a bad name: one line, exit 2)."""
+
+import pandas as pd
+import pytest
+import torch
+
+from fidelity import scenarios
+from fidelity.api import open_decoder, plan_checkpoint
+from fidelity.cli import main
+from fidelity.decoders.production.decoder import ProductionDecoder
+from fidelity.scenarios import CATALOGUE, Pair, Run, Scenario, run_scenarios, self_consistency
+
+SMALL = Scenario("small", "a whole prompt, a chunked one (128-aligned and not), a prefix", (
+    Run("whole", 136, 2, param=("chunk", 136)),
+    Run("chunks 5,6,7,118", 136, 2, (5, 6, 7, 118), ("chunk", 5)),
+    Run("chunks 128,8", 136, 2, (128, 8), ("chunk", 128)),
+    Run("prompt 128", 128, 2, param=("prompt_len", 128)),
+), (Pair("chunked==whole", "whole", "chunks 5,6,7,118"), Pair("chunked==whole", "whole", "chunks 128,8"),
+    Pair("prefix", "whole", "prompt 128"), Pair("decode==prefill", "whole", "prompt 128")))
+
+
+@pytest.fixture(scope="module")
+def plan():
+    p = plan_checkpoint(None)
+    p.open()
+    return p
+
+
+def test_catalogue_covers_every_residue_and_the_edges():
+    assert set(CATALOGUE) == {"lengths", "chunks", "decode-boundaries", "long-decode"}
+    lengths = {r.prompt_len for r in CATALOGUE["lengths"].runs}
+    assert {n % 4 for n in lengths} == {0, 1, 2, 3}
+    assert {127, 128, 129, 255, 256, 257} <= lengths
+    chunked = [r for r in CATALOGUE["chunks"].runs if r.chunks]
+    starts = {b for r in chunked for b in r.boundaries()}
+    assert {b % 4 for b in starts} == {0, 1, 2, 3}
+    assert any(b % 128 and b % 4 == 0 for b in starts) and any(b % 128 == 0 for b in starts)
+    assert any(c % 4 and c < 128 for r in chunked for c in r.chunks)  # shorter than the window, off the blocks
+    decode = CATALOGUE["decode-boundaries"].runs
+    assert any(r.prompt_len < 256 <= r.positions - 1 and r.prompt_len % 4 for r in decode)  # closes HCA in decode
+    assert max(r.decode_steps for r in CATALOGUE["long-decode"].runs) >= 512
+    for s in CATALOGUE.values():
+        labels = [r.label for r in s.runs]
+        assert len(set(labels)) == len(labels) and s.pairs and s.description
+        assert all({p.a, p.b} <= set(labels) for p in s.pairs)
+
+
+def test_a_scenario_passes_on_the_clean_production_decoder(plan, tmp_path):
+    res = run_scenarios(plan, [SMALL], out=tmp_path, run_id="s", modes=("layer", "op"))
+    assert res.passed, res.failures()
+    pairs = res.pairs.set_index("b")
+    assert pairs.loc["chunks 128,8", "bitwise"] and pairs.loc["chunks 128,8", "bitwise promised"] != "no"
+    assert pairs.loc["chunks 5,6,7,118", "bitwise promised"] == "no"
+    prefix = res.pairs[res.pairs["pair"] == "prefix"].iloc[0]
+    assert prefix["bitwise"] and prefix["bitwise promised"] != "no"
+    assert (res.matrix["verdict"] == "PASS").all() and (res.matrix.loc[1:, "self_consistency"] == "PASS").all()
+    for name in ("report.md", "report.html", "matrix.csv", "pairs.csv", "plots/worst_local_cos.png"):
+        assert (tmp_path / "s" / name).is_file()
+    assert len(list((tmp_path / "s" / "runs").iterdir())) == len(SMALL.runs)
+
+
+class LocalPositions(ProductionDecoder):
+    """Port bug: each prefill chunk is run at chunk-local positions 0..n-1 (RoPE and the compressed entries' rotation
+    restart), while the caches continue where the last chunk ended."""
+
+    def prefill(self, ids):
+        self.used, s = True, self.session
+        s.in_prefill = True
+        try:
+            out = s._run(ids.long(), torch.arange(len(ids)))
+        finally:
+            s.in_prefill = False
+        self.prompt_len += len(ids)
+        return out
+
+
+class DropCarry(ProductionDecoder):
+    """Port bug: the compressors' carry (the unfinished block, and the previous block that overlap pooling reads) is
+    not kept between prefill calls."""
+
+    def prefill(self, ids):
+        out = super().prefill(ids)
+        for cache in self.session.layers:
+            for carry in (cache.carry, cache.index_carry):
+                if carry is not None:
+                    carry.kv.zero_()
+                    carry.score.fill_(float("-inf"))
+        return out
+
+
+@pytest.mark.parametrize("bug", [LocalPositions, DropCarry])
+def test_a_planted_chunk_boundary_bug_is_caught_by_self_consistency(plan, bug):
+    ckpt, ids = plan.ckpt, plan.prompt(160)
+    clean = self_consistency(SMALL, ids, lambda n: open_decoder("production", ckpt, max_context=n))
+    assert all(p["passed"] for p in clean)
+    one = bug(ckpt, max_context=200)  # one decoder object for every run: reset between them
+    got = pd.DataFrame(self_consistency(SMALL, ids, lambda n: one)).set_index("b")
+    assert not got.loc["chunks 128,8", "passed"]  # promised equal bits: any change shows
+    if bug is LocalPositions:  # large enough for the bound as well
+        assert not got.loc["chunks 5,6,7,118", "passed"]
+    assert got.loc["prompt 128", "passed"].all()  # one chunk: nothing planted shows
+
+
+def test_cli_writes_the_combined_report(plan, tmp_path, monkeypatch, capsys):
+    tiny = Scenario("tiny", "a whole prompt and a chunked one", (
+        Run("whole", 40, 1), Run("chunks 7,33", 40, 1, (7, 33), ("chunk", 7))),
+        (Pair("chunked==whole", "whole", "chunks 7,33"),))
+    monkeypatch.setitem(scenarios.CATALOGUE, "tiny", tiny)
+    rc = main(["run", "--scenario", "tiny", "--mode", "op", "--out", str(tmp_path), "--run-id", "t", "--gate"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "2/2 runs pass" in out and "1/1 pairs pass" in out
+    md = (tmp_path / "t" / "report.md").read_text()
+    assert "verdict: PASS" in md and "chunked==whole" in md and "Scenario matrix" in md
+    assert (tmp_path / "t" / "report.html").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial folder left
+
+
+@pytest.mark.parametrize("command", ["scenarios", "run"])
+def test_a_bad_scenario_name_is_one_line_exit_2(command, tmp_path, capsys):
+    assert main([command, "--scenario", "lengths", "--scenario", "nope", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fidelity: error: --scenario: expected one of lengths, chunks, decode-boundaries, long-decode, "
+                   "found nope"]

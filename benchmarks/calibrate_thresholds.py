@@ -5,6 +5,7 @@ threshold, and each run's verdict. Thresholds are derived from these tables.
     python benchmarks/calibrate_thresholds.py [--checkpoint DIR | --preset tiny] --out DIR [--decode 16 64]
         [--held-out copy.py multiprocessing/spawn.py ...] [--profiles reference bf16 ...]
         [--sites logits embed 'L{i}.residual']   # the production decoder reporting only these sites
+    python benchmarks/calibrate_thresholds.py --out DIR --rejudge   # DIR/runs judged with today's default rules
 
 Held-out files are paths relative to the running Python's standard library (``fidelity.train.corpus``), tokenized
 with the checkpoint's tokenizer; each runs with the largest decode count. The run directories stay under
@@ -22,16 +23,18 @@ import pandas as pd
 import fidelity
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.production.profiles import BUILTIN
+from fidelity.harness.judgement import judge, rules_for
+from fidelity.harness.thresholds import profile_class
 from fidelity.model import text
 from fidelity.model.default import default_checkpoint, prompt_for
 from fidelity.model.sites import Recorder
 from fidelity.outputs.report import md_table
+from fidelity.outputs.rundir import read_run
 from fidelity.train.corpus import stdlib_root
 
 
-def worst_rows(res, label: str) -> list[dict]:
-    """Per (metric, mode, rule): the worst judged value and the rule's limit."""
-    j = res.judgement
+def worst_rows(j, label: str) -> list[dict]:
+    """Per (metric, mode, rule) of the judgement ``j``: the worst judged value and the rule's limit."""
     rows = []
     for (metric, mode, k), g in j.judged.groupby(["metric", "mode", "rule_index"]):
         rule = j.rules[k]
@@ -40,6 +43,15 @@ def worst_rows(res, label: str) -> list[dict]:
         rows.append({"run": label, "metric": metric, "mode": mode, "rule": f"{rule.site_regex} {rule.text}",
                      "worst": worst, "at": site, "failures": int((~g["passed"]).sum())})
     return rows
+
+
+def rejudged(run_dir: Path):
+    """A stored run judged with the current default rules for its profile and config (what the run would get
+    today), rather than the rules stored with it."""
+    df, manifest = read_run(run_dir)
+    cfg = fidelity.ModelConfig.from_dict(manifest["config"])
+    profile = manifest["profile"]
+    return judge(df, rules_for(profile, cfg), profile_class(profile)), manifest
 
 
 class ReportedSites(ProductionDecoder):
@@ -80,6 +92,8 @@ def main() -> int:
     p.add_argument("--held-out", nargs="*", default=[])
     p.add_argument("--profiles", nargs="*", default=list(BUILTIN))
     p.add_argument("--sites", nargs="*", help="report only these site templates (e.g. logits embed 'L{i}.residual')")
+    p.add_argument("--rejudge", action="store_true",
+                   help="judge the runs already under OUT/runs with today's default rules instead of running")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     if a.preset:
@@ -88,8 +102,13 @@ def main() -> int:
     else:
         ckpt = fidelity.load_checkpoint(a.checkpoint or default_checkpoint())
     out = Path(a.out)
-    rows, verdicts = [], []
-    for name in a.profiles:
+    results = []  # (profile, prompt label, decode steps, judgement)
+    if a.rejudge:
+        for run_dir in sorted((out / "runs").iterdir()):
+            j, manifest = rejudged(run_dir)
+            name = manifest["profile"]["name"]
+            results.append((name, run_dir.name.removeprefix(f"{name}-"), manifest["decode_steps"], j))
+    for name in [] if a.rejudge else a.profiles:
         for label, prompt, steps in prompts(ckpt, a.decode, a.held_out):
             decoder, modes = "production", ("free", "layer", "op")
             if a.sites:
@@ -97,18 +116,19 @@ def main() -> int:
                 decoder, modes = ReportedSites(ckpt, name, n + steps, tuple(a.sites)), ("free", "layer")
             res = fidelity.run(decoder, ckpt, prompt, steps, modes, out / "runs", profile=name,
                                run_id=f"{name}-{label}", overwrite=True)
-            div = res.first_divergence
-            verdicts.append({"profile": name, "prompt": label, "decode": steps, "verdict": res.verdict,
-                             "first divergence": str(div) if div else "none"})
-            print(f"{name} {label}: {res.verdict} {div or ''}", flush=True)
-            rows += [{"profile": name, **r} for r in worst_rows(res, label)]
-    table = pd.DataFrame(rows)
+            print(f"{name} {label}: {res.verdict} {res.first_divergence or ''}", flush=True)
+            results.append((name, label, steps, res.judgement))
+    verdicts = pd.DataFrame([{"profile": name, "prompt": label, "decode": steps,
+                              "verdict": "PASS" if j.passed else "FAIL",
+                              "first divergence": str(j.first_divergence) if j.first_divergence else "none"}
+                             for name, label, steps, j in results])
+    table = pd.DataFrame([{"profile": name, **r} for name, label, _, j in results for r in worst_rows(j, label)])
     table.to_csv(out / "clean_margins.csv", index=False)
-    pd.DataFrame(verdicts).to_csv(out / "verdicts.csv", index=False)
+    verdicts.to_csv(out / "verdicts.csv", index=False)
     worst = (table.sort_values("worst").groupby(["profile", "metric", "mode", "rule"], as_index=False)
              .agg(worst_min=("worst", "min"), worst_max=("worst", "max"), failures=("failures", "sum")))
-    (out / "clean_margins.md").write_text(md_table(pd.DataFrame(verdicts)) + "\n\n" + md_table(worst) + "\n")
-    print(md_table(pd.DataFrame(verdicts)))
+    (out / "clean_margins.md").write_text(md_table(verdicts) + "\n\n" + md_table(worst) + "\n")
+    print(md_table(verdicts))
     return 0
 
 

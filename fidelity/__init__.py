@@ -5,7 +5,6 @@ decoders under test (``decoders``: the built-in ``decoders.production`` and fore
 modes, comparison, judgement), ``outputs`` (run directory, report, plots, comparisons), and the ``testing`` kit for
 your own kernels; ``job``, ``mutants``, ``api`` and ``cli`` sit on top. Each imports only from those before it."""
 
-from fidelity import _moved
 from fidelity._version import __version__
 from fidelity.model.checkpoint import Checkpoint, CheckpointError
 from fidelity.model.config import ConfigError, ModelConfig
@@ -26,7 +25,6 @@ __all__ = [
     "save_checkpoint",
     "synthesize",
 ]
-_moved.install()
 
 
 def __getattr__(name: str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,32 +25,139 @@ from fidelity.job import RunResult, run_job
 from fidelity.model import text
 from fidelity.model.checkpoint import Checkpoint, CheckpointError
 from fidelity.model.config import ModelConfig
-from fidelity.model.default import default_checkpoint, is_default, prompt_for
+from fidelity.model.default import RANDOM_PROMPT_LEN, default_checkpoint, default_prompt, is_default, prompt_for
 from fidelity.model.load import load_checkpoint
 from fidelity.model.synthesize import synthesize
+from fidelity.model.weights import fp32_nbytes
 
 DECODERS = ("production", "transformers", "trace:DIR")
+SYNTH_LIMIT_BYTES = 4 << 30  # a preset larger than this in fp32 is synthesized on the GPU only
+NAMES = {"checkpoint": "given", "preset": "given", "max_context": "max_context"}  # how errors name the inputs
+
+
+class InputError(ValueError):
+    """A run input that cannot work (a preset too large for the host, a prompt beyond max_context), found before
+    any work."""
+
+
+def warn(kind: str, message: str) -> None:
+    """The default ``notify``: a ``UserWarning`` (``kind`` is ``note`` or ``warning``)."""
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def on_gpu(device: str | None) -> bool:
+    return torch.device(device or "cpu").type == "cuda"
+
+
+def preset_config(preset: str, layers: int | None = None, device: str = "cpu") -> ModelConfig:
+    """The config of ``preset`` (its first ``layers``; cheap: nothing synthesized); one too large for the host is
+    refused unless it can be generated on the GPU."""
+    cfg = ModelConfig.preset(preset)
+    if layers:
+        cfg = cfg.first_layers(layers)
+    if not on_gpu(device) and (size := fp32_nbytes(cfg)) > SYNTH_LIMIT_BYTES:
+        raise InputError(f"preset '{preset}' has {size / 4e9:.1f}e9 parameters ({size / 2**30:.0f} GiB in fp32): on "
+                         "a CPU synthesize only width-reduced configs (e.g. --preset tiny); release-sized slices "
+                         "(--preset flash --layers 4) are generated on a GPU with --device cuda")
+    return cfg
+
+
+@dataclass
+class CheckpointPlan:
+    """The checkpoint a run reads, known before its weights are: one opened (headers only) or a preset that
+    ``open`` synthesizes; ``config`` and the default ``prompt`` come first, so every input is checked before."""
+
+    config: ModelConfig
+    ckpt: Checkpoint | None = None
+    preset: str = "tiny"
+    seed: int = 0
+    layers: int | None = None
+    device: str = "cpu"
+    what: str = ""  # the checkpoint in words, once opened
+
+    @property
+    def path(self) -> Path | None:
+        return self.ckpt.path if self.ckpt is not None else None
+
+    def prompt(self, length: int | None = None) -> torch.Tensor:
+        """The default prompt: the trained default's text, else ``length`` random ids (``prompt_for``)."""
+        if self.ckpt is not None:
+            return prompt_for(self.ckpt, length, self.seed)
+        return default_prompt(self.config.vocab_size, length or RANDOM_PROMPT_LEN, self.seed)
+
+    def open(self) -> Checkpoint:
+        """The checkpoint: the opened one, or the preset synthesized now. A preset too large for the host is
+        generated on the GPU, each tensor when first read and kept there in its stored format (GPU tensors differ
+        from the CPU's of the same seed)."""
+        if self.ckpt is not None:
+            self.what = self.what or in_words(self.ckpt)
+            return self.ckpt
+        device = self.device if on_gpu(self.device) and fp32_nbytes(self.config) > SYNTH_LIMIT_BYTES else "cpu"
+        self.ckpt = synthesize(self.config, seed=self.seed, lazy=device != "cpu", device=device)
+        layers = f", first {self.layers} layers" if self.layers else ""
+        self.ckpt.origin.update(preset=self.preset + layers, device=str(device))
+        self.what = f"preset '{self.preset}{layers}' (synthetic on {device}, seed {self.seed})"
+        return self.ckpt
+
+
+def plan_checkpoint(checkpoint: Checkpoint | str | Path | None = None, trace: TraceDecoder | None = None, *,
+                    preset: str | None = None, seed: int = 0, layers: int | None = None, device: str = "cpu",
+                    names: dict[str, str] | None = None,
+                    notify: Callable[[str, str], None] = warn) -> CheckpointPlan:
+    """The checkpoint of a run: ``checkpoint`` (opened, headers only), ``preset`` (``layers``, ``seed``), a
+    replayed ``trace``'s recorded checkpoint (a relative path read from the trace's folder) or preset, else the
+    trained default (for a trace, with a note saying so). A replayed trace's config must be the checkpoint's.
+    ``names``: how errors name the checkpoint and preset inputs (the CLI: its options)."""
+    names = {**NAMES, **(names or {})}
+    recorded = (trace.manifest.get("checkpoint") or {}) if trace is not None and not preset else {}
+    default = not (checkpoint or recorded.get("path") or preset or recorded.get("preset") or layers)
+    ckpt, named = None, False  # named: the caller named the checkpoint or preset
+    if isinstance(checkpoint, Checkpoint):
+        ckpt, named = checkpoint, True
+    elif checkpoint:
+        ckpt, named = load_checkpoint(checkpoint), True
+    elif recorded.get("path"):
+        ckpt = load_trace_checkpoint(trace)
+    elif default:
+        ckpt = load_checkpoint(default_checkpoint())
+    elif not preset and recorded.get("preset"):
+        preset, seed = recorded["preset"], int(recorded.get("seed", 0))
+    else:
+        named = True
+    preset = preset or "tiny"
+    cfg = ckpt.config if ckpt is not None else preset_config(preset, layers, device)
+    if trace is not None:
+        given = f"{in_words(ckpt)} ({names['checkpoint']})" if ckpt is not None else \
+            f"preset '{preset}' seed {seed} ({names['preset']})"
+        check_trace_config(trace, cfg, given if named else recorded_checkpoint(trace))
+        if default:
+            notify("note", no_checkpoint_note(trace))
+    return CheckpointPlan(cfg, ckpt, preset, seed, layers, device)
 
 
 def open_checkpoint(checkpoint: Checkpoint | str | Path | None, trace: TraceDecoder | None = None) -> Checkpoint:
     """A checkpoint object, a directory, or None: the trace's recorded checkpoint, else the trained default (for a
     trace, with a warning saying so)."""
-    if isinstance(checkpoint, Checkpoint):
-        return checkpoint
-    if checkpoint is not None:
-        return load_checkpoint(checkpoint)
-    recorded = (trace.manifest.get("checkpoint") or {}) if trace is not None else {}
-    if recorded.get("path"):
-        return load_trace_checkpoint(trace)
-    if not recorded.get("preset"):
-        if trace is not None:
-            warnings.warn(no_checkpoint_note(trace), UserWarning, stacklevel=3)
-        return load_checkpoint(default_checkpoint())
-    preset = recorded["preset"]
-    check_trace_config(trace, ModelConfig.preset(preset), recorded_checkpoint(trace))  # before the synthesis
-    ckpt = synthesize(ModelConfig.preset(preset), seed=int(recorded.get("seed", 0)))
-    ckpt.origin["preset"] = preset
-    return ckpt
+    return plan_checkpoint(checkpoint, trace).open()
+
+
+def check_context(prompt_len: int, decode_steps: int, max_context: int, name: str = "max_context") -> None:
+    """A prompt and decode steps that do not fit ``max_context`` are refused."""
+    if prompt_len + decode_steps > max_context:
+        raise InputError(f"prompt: {prompt_len} tokens + {decode_steps} decode steps exceeds {name} {max_context}")
+
+
+def warn_past_max_seq_len(cfg: ModelConfig, prompt_len: int, decode_steps: int,
+                          notify: Callable[[str, str], None] = warn) -> None:
+    """One warning when a run reaches positions past the config's max_seq_len (it still runs)."""
+    if prompt_len + decode_steps > cfg.max_seq_len:
+        steps = f" + {plural(decode_steps, 'decode step')}" if decode_steps else ""
+        notify("warning", f"prompt {plural(prompt_len, 'token')}{steps} goes past the config's max_seq_len "
+                          f"{cfg.max_seq_len}; running anyway")
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def open_decoder(decoder: Decoder | str, ckpt: Checkpoint, profile="reference", max_context: int = 4096,
@@ -114,41 +222,50 @@ def check_trace_checkpoint(trace: TraceDecoder, ckpt: Checkpoint) -> None:
         raise TraceError(f"trace {trace.dir}: recorded on a checkpoint with hash {recorded}, this one has {found}")
 
 
-def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | str | Path | None = None,
+def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | CheckpointPlan | str | Path | None = None,
         prompt: Sequence[int] | torch.Tensor | int | None = None, decode_steps: int | None = None,
         modes: Sequence[str] = ("free", "layer", "op"), out: str | Path = "runs", *, run_id: str | None = None,
         profile: str = "reference", decoder_dtype: str = "bf16", device: str = "cpu", oracle_dtype: str = "fp32",
         thresholds: str | Path | None = None, trace: str | Path | None = None, overwrite: bool = False,
-        progress: Callable[..., None] | None = None, **spec_fields) -> RunResult:
+        progress: Callable[..., None] | None = None, notify: Callable[[str, str], None] = warn,
+        names: dict[str, str] | None = None, **spec_fields) -> RunResult:
     """Run ``decoder`` side by side with the oracle on ``checkpoint`` and write ``out/<run-id>/``.
 
     ``decoder``: ``production`` (the built-in decoder with ``profile``), ``transformers`` (DeepseekV4ForCausalLM in
     ``decoder_dtype``), ``trace:DIR`` (a recorded trace: its prompt and tokens are replayed), or any ``Decoder``.
-    ``prompt``: token ids, or a length for the deterministic default prompt (the trained default's own text, else
-    1024 random ids, when None; the first ``prompt`` ids of that text or random ids for a length). ``trace``: also
-    record the decoder's calls as a trace there. ``spec_fields``: further ``RunSpec`` fields (``stream``,
-    ``continuation``, ``sampler``, ``stop_ids``, ``max_context``, ``sample_queries``).
+    ``checkpoint``: a Checkpoint, a directory, a ``CheckpointPlan`` (``plan_checkpoint``) or None (``plan_checkpoint``'s
+    default). ``prompt``: token ids, or a length for the deterministic default prompt (the trained default's own
+    text, else 1024 random ids, when None; the first ``prompt`` ids of that text or random ids for a length).
+    ``trace``: also record the decoder's calls as a trace there. ``notify(kind, message)`` hears notes and warnings
+    (default: ``UserWarning``); ``names``: how errors name inputs (``max_context``). ``spec_fields``: further
+    ``RunSpec`` fields (``stream``, ``continuation``, ``sampler``, ``stop_ids``, ``max_context``,
+    ``sample_queries``). Every input is checked before the checkpoint is synthesized or the run starts.
     """
+    names = {**NAMES, **(names or {})}
     replay = TraceDecoder(decoder.removeprefix("trace:")) if isinstance(decoder, str) and \
         decoder.startswith("trace:") else (decoder if isinstance(decoder, TraceDecoder) else None)
-    ckpt = open_checkpoint(checkpoint, replay)
+    plan = checkpoint if isinstance(checkpoint, CheckpointPlan) else \
+        plan_checkpoint(checkpoint, replay, device=device, notify=notify)
     if replay is not None:
-        check_trace_checkpoint(replay, ckpt)
-        which = recorded_checkpoint(replay) if checkpoint is None else f"{in_words(ckpt)} (given)"
-        check_trace_config(replay, ckpt.config, which)
         if prompt is not None and list(torch.as_tensor(prompt).flatten().tolist()) != replay.prompt.tolist():
             raise TraceError(f"trace {replay.dir}: the prompt given differs from the trace's; leave it out to replay")
         prompt, decode_steps = replay.prompt, len(replay.generated)
         spec_fields.update(stream="given", continuation=torch.tensor(replay.generated, dtype=torch.long),
                            prefill_chunk=replay.chunks)
     if prompt is None or isinstance(prompt, int):
-        prompt = prompt_for(ckpt, prompt)
-    if "tokenizer" not in spec_fields and (tok := text.tokenizer_path(ckpt.path)) is not None:
-        spec_fields["tokenizer"] = str(tok)
+        prompt = plan.prompt(prompt)
     prompt = torch.as_tensor(prompt).long().flatten()
     steps = 64 if decode_steps is None else decode_steps
+    max_context = spec_fields.get("max_context") or len(prompt) + steps
+    check_context(len(prompt), steps, max_context, names["max_context"])
+    warn_past_max_seq_len(plan.config, len(prompt), steps, notify)
+    ckpt = plan.open()
+    if replay is not None:
+        check_trace_checkpoint(replay, ckpt)
+    if spec_fields.get("tokenizer") is None and (tok := text.tokenizer_path(ckpt.path)) is not None:
+        spec_fields["tokenizer"] = str(tok)
+    spec_fields["max_context"] = max_context
     spec = RunSpec(prompt=prompt, decode_steps=steps, profile=profile, modes=tuple(modes), device=device,
                    oracle_dtype=ORACLE_DTYPES[oracle_dtype], **spec_fields)
-    max_context = spec.max_context or len(prompt) + steps
     dec = replay or open_decoder(decoder, ckpt, profile, max_context, device, decoder_dtype)
     return run_job(ckpt, spec, out, run_id, thresholds, overwrite, progress, dec, trace)

@@ -36,7 +36,7 @@ EXAMPLES = """examples:
   fidelity config --preset flash --spelling hf
 """
 
-SYNTH_LIMIT_BYTES = 4 << 30
+OPTION_NAMES = {"checkpoint": "--checkpoint", "preset": "--preset", "max_context": "--max-context"}
 SAMPLER_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "repetition_penalty": "--repetition-penalty",
                  "seed": "--sample-seed"}
 DEFAULT_PROMPT_LEN = RANDOM_PROMPT_LEN
@@ -47,106 +47,26 @@ class UsageError(Exception):
     """A user error reported as one line, exit code 2."""
 
 
-def _config(args) -> ModelConfig:
-    """The config of ``--preset`` (cut to ``--layers``; cheap: nothing synthesized yet); one too large for the
-    host is refused unless it can be generated on the GPU (``--device cuda``)."""
-    cfg = ModelConfig.preset(_preset(args))
-    if getattr(args, "layers", None):
-        cfg = cfg.first_layers(args.layers)
-    if not _on_gpu(args):
-        _check_synth_size(cfg, _preset(args))
-    return cfg
+def _plan(args, replay=None):
+    """The run's checkpoint from ``--checkpoint`` / ``--preset`` / ``--layers`` / ``--seed`` (``api.plan_checkpoint``:
+    opened or planned, not yet synthesized, so that every argument is checked first)."""
+    from fidelity.api import plan_checkpoint
+
+    return plan_checkpoint(args.checkpoint, replay, preset=args.preset, seed=args.seed,
+                           layers=getattr(args, "layers", None), device=getattr(args, "device", "cpu") or "cpu",
+                           names=OPTION_NAMES, notify=_notify)
 
 
-def _on_gpu(args) -> bool:
-    return torch.device(getattr(args, "device", "cpu") or "cpu").type == "cuda"
+def _notify(kind: str, message: str) -> None:
+    print(f"fidelity: {kind}: {message}", file=sys.stderr)
 
 
-def _synth_bytes(cfg: ModelConfig) -> int:
-    from fidelity.model.weights import fp32_nbytes
-
-    return fp32_nbytes(cfg)
-
-
-def _open(args, replay=None) -> tuple[ModelConfig, object | None]:
-    """(config, checkpoint or None): ``--checkpoint`` (or a replayed trace's recorded checkpoint, a relative path
-    read from the trace's folder) is opened (headers only, cheap); for a preset only the config is made, so that
-    every argument is checked before the weights are synthesized (``_ready``). A replayed trace's config must be
-    the checkpoint's; one that names no checkpoint is compared with the trained default, said in a note."""
-    from fidelity.api import (
-        check_trace_config,
-        in_words,
-        load_trace_checkpoint,
-        no_checkpoint_note,
-        recorded_checkpoint,
-    )
-    from fidelity.model.default import default_checkpoint
-    from fidelity.model.load import load_checkpoint
-
-    recorded = (replay.manifest.get("checkpoint") or {}) if replay is not None and not args.preset else {}
-    default = not (args.checkpoint or recorded.get("path") or args.preset or recorded.get("preset")
-                   or getattr(args, "layers", None))  # no source named: the trained default
-    ckpt, named = None, False  # named: the checkpoint was named on the command line
-    if args.checkpoint:
-        ckpt, named = load_checkpoint(args.checkpoint), True
-    elif recorded.get("path"):
-        ckpt = load_trace_checkpoint(replay)
-    elif default:
-        ckpt = load_checkpoint(default_checkpoint())
-    elif not args.preset and recorded.get("preset"):
-        args.preset, args.seed = recorded["preset"], int(recorded.get("seed", 0))
-    else:
-        named = True
-    cfg = ckpt.config if ckpt is not None else _config(args)
-    if replay is not None:
-        given = f"{in_words(ckpt)} (--checkpoint)" if ckpt is not None else \
-            f"preset '{_preset(args)}' seed {args.seed} (--preset)"
-        check_trace_config(replay, cfg, given if named else recorded_checkpoint(replay))
-        if default:
-            print(f"fidelity: note: {no_checkpoint_note(replay)}", file=sys.stderr)
-    return cfg, ckpt
-
-
-def _ready(args, ckpt, replay=None) -> tuple[object, str]:
-    """(checkpoint, what it is in words): the opened one, or the preset synthesized now; a replayed trace must
-    have been recorded on it."""
-    from fidelity.api import check_trace_checkpoint
-    from fidelity.model.default import is_default
-    from fidelity.model.synthesize import synthesize
-
-    if ckpt is not None:
-        what = f"{'the trained default checkpoint' if is_default(ckpt.path) else 'checkpoint'} {ckpt.path}"
-    else:
-        cfg = _config(args)
-        # too large for the host: generated on the GPU, each tensor when first read and kept there in its stored
-        # format, so the slice never sits in host memory (GPU tensors differ from the CPU's of the same seed)
-        device = args.device if _on_gpu(args) and _synth_bytes(cfg) > SYNTH_LIMIT_BYTES else "cpu"
-        ckpt = synthesize(cfg, seed=args.seed, lazy=device != "cpu", device=device)
-        layers = f", first {args.layers} layers" if getattr(args, "layers", None) else ""
-        ckpt.origin.update(preset=_preset(args) + layers, device=str(device))
-        what = f"preset '{_preset(args)}{layers}' (synthetic on {device}, seed {args.seed})"
-    if replay is not None:
-        check_trace_checkpoint(replay, ckpt)
-    return ckpt, what
-
-
-def _preset(args) -> str:
-    return args.preset or "tiny"
-
-
-def _check_synth_size(cfg: ModelConfig, name: str) -> None:
-    size = _synth_bytes(cfg)
-    if size > SYNTH_LIMIT_BYTES:
-        raise UsageError(f"preset '{name}' has {size / 4e9:.1f}e9 parameters ({size / 2**30:.0f} GiB in fp32): on "
-                         "a CPU synthesize only width-reduced configs (e.g. --preset tiny); release-sized slices "
-                         "(--preset flash --layers 4) are generated on a GPU with --device cuda")
-
-
-def _prompt(args, cfg: ModelConfig, ckpt) -> torch.Tensor:
+def _prompt(args, plan) -> torch.Tensor:
     """Token ids (``--prompt-file``), text (``--prompt-text`` / ``--prompt-text-file``, BOS + its ids), or the
-    default prompt: the trained default's own text, else random ids; ``--prompt-len`` cuts any of them."""
+    default prompt (``plan.prompt``: the trained default's own text, else random ids); ``--prompt-len`` cuts any."""
     from fidelity.model import text
-    from fidelity.model.default import default_prompt, prompt_for
+
+    cfg = plan.config
 
     if args.prompt_len is not None and args.prompt_len < 1:
         raise UsageError(f"--prompt-len: expected >= 1, found {args.prompt_len}")
@@ -155,27 +75,28 @@ def _prompt(args, cfg: ModelConfig, ckpt) -> torch.Tensor:
     elif args.prompt_text is not None or args.prompt_text_file:
         option = "--prompt-text" if args.prompt_text is not None else "--prompt-text-file"
         body = args.prompt_text if args.prompt_text is not None else text.read_text(args.prompt_text_file, option)
-        tok = _text_tokenizer(args, ckpt)
+        tok = _text_tokenizer(args, plan.path)
         if tok is None:
             raise UsageError(f"{option}: needs a tokenizer: the checkpoint has no tokenizer.json beside its config "
                              "(a synthesized preset never has one); pass --checkpoint DIR with one, or --tokenizer "
                              "tokenizer.json")
         ids = text.encode_prompt(text.load(tok), body, cfg.bos_token_id, cfg.vocab_size, option)
-    elif ckpt is not None:
-        return prompt_for(ckpt, args.prompt_len, args.seed)
-    else:  # a preset, not synthesized yet: random ids
-        return default_prompt(cfg.vocab_size, args.prompt_len or DEFAULT_PROMPT_LEN, args.seed)
+    else:
+        return plan.prompt(args.prompt_len)
     return ids if args.prompt_len is None else ids[: args.prompt_len]
 
 
-def _text_tokenizer(args, ckpt) -> Path | None:
-    """The tokenizer.json for text: ``--tokenizer`` when it is one, else the checkpoint's, else None."""
+def _given_tokenizer(args) -> Path | None:
+    """``--tokenizer`` when it is a tokenizer.json (the others name stop ids only)."""
+    given = getattr(args, "tokenizer", None)
+    return Path(given) if given and Path(given).name == "tokenizer.json" else None
+
+
+def _text_tokenizer(args, path) -> Path | None:
+    """The tokenizer.json for text: ``--tokenizer`` when it is one, else the checkpoint's at ``path``, else None."""
     from fidelity.model import text
 
-    given = getattr(args, "tokenizer", None)
-    if given and Path(given).name == "tokenizer.json":
-        return Path(given)
-    return text.tokenizer_path(ckpt.path if ckpt is not None else None)
+    return _given_tokenizer(args) or text.tokenizer_path(path)
 
 
 def _threads(args, cfg: ModelConfig, device: str = "cpu") -> int:
@@ -196,12 +117,10 @@ def _threads(args, cfg: ModelConfig, device: str = "cpu") -> int:
     return n
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
 def cmd_run(args) -> int:
-    from fidelity.api import run
+    if args.scenario:
+        return cmd_scenarios(args)
+    from fidelity.api import plural, run
     from fidelity.atomic_write import check_new_dir
     from fidelity.decoders.production import get_profile
     from fidelity.harness.thresholds import load_thresholds
@@ -228,38 +147,33 @@ def cmd_run(args) -> int:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
     _require_transformers(args)
     replay = _trace(args)
-    cfg, ckpt = _open(args, replay)
-    prompt = _run_prompt(args, cfg, ckpt, replay)
-    decode = len(replay.generated) if replay is not None else args.decode
-    continuation = _read_ids(args.continuation_file, cfg.vocab_size, "--continuation-file") \
+    plan = _plan(args, replay)
+    prompt = _run_prompt(args, plan, replay)
+    continuation = _read_ids(args.continuation_file, plan.config.vocab_size, "--continuation-file") \
         if args.continuation_file else None
-    max_context = args.max_context or len(prompt) + decode
-    if len(prompt) + decode > max_context:
-        raise UsageError(f"prompt: {len(prompt)} tokens + {decode} decode steps exceeds --max-context {max_context}")
-    _warn_past_max_seq_len(cfg, len(prompt), decode)
-    threads = _threads(args, cfg, args.device)
-    ckpt, what = _ready(args, ckpt, replay)
+    threads = _threads(args, plan.config, args.device)
+    tok = _given_tokenizer(args)
     extra = {} if replay is not None else {"stream": args.stream, "continuation": continuation,
                                            "prefill_chunk": args.prefill_chunk}
-    if (tok := _text_tokenizer(args, ckpt)) is not None:
-        extra["tokenizer"] = str(tok)
     t0 = time.perf_counter()
     progress = Progress()
     try:
-        res = run(replay or args.decoder, ckpt, prompt, decode, tuple(args.mode or ("free", "layer", "op")),
-                  args.out, run_id=run_id, profile=profile, decoder_dtype=args.decoder_dtype, device=args.device,
-                  oracle_dtype=args.oracle_dtype, thresholds=args.thresholds, trace=args.write_trace,
-                  overwrite=args.overwrite, progress=progress, sampler=sampler, stop_ids=_stops(args, cfg),
-                  max_context=max_context, sample_queries=args.sample_queries, oracle_device=args.oracle_device,
+        res = run(replay or args.decoder, plan, prompt, None if replay is not None else args.decode,
+                  tuple(args.mode or ("free", "layer", "op")), args.out, run_id=run_id, profile=profile,
+                  decoder_dtype=args.decoder_dtype, device=args.device, oracle_dtype=args.oracle_dtype,
+                  thresholds=args.thresholds, trace=args.write_trace, overwrite=args.overwrite, progress=progress,
+                  notify=_notify, names=OPTION_NAMES, sampler=sampler, stop_ids=_stops(args, plan.config),
+                  max_context=args.max_context, sample_queries=args.sample_queries,
+                  oracle_device=args.oracle_device, tokenizer=str(tok) if tok else None,
                   **extra)
     finally:
         progress.close()  # ends a bar (a run that stopped on a stop token, or one interrupted) on its own line
     steps, modes = res.manifest["decode_steps"], res.manifest["modes"]
-    print(f"dsv4-fidelity {__version__}: {res.manifest['decoder']} vs oracle on {what}, modes {'+'.join(modes)}")
+    print(f"dsv4-fidelity {__version__}: {res.manifest['decoder']} vs oracle on {plan.what}, modes {'+'.join(modes)}")
     for mode, why in res.manifest["modes_skipped"].items():
         print(f"skipped {mode} mode: {why}")
-    print(f"prompt {_plural(len(prompt), 'token')}, {_plural(steps, 'decode step')} ({res.manifest['stop_reason']}), "
-          f"{time.perf_counter() - t0:.1f} s, {_plural(threads, 'thread')}")
+    print(f"prompt {plural(res.manifest['prompt_len'], 'token')}, {plural(steps, 'decode step')} "
+          f"({res.manifest['stop_reason']}), {time.perf_counter() - t0:.1f} s, {plural(threads, 'thread')}")
     _print_verdict(res.judgement)
     print(f"report: {res.run_dir / 'report.md'} (and report.html, metrics.parquet, plots/)")
     if args.write_trace:
@@ -267,12 +181,38 @@ def cmd_run(args) -> int:
     return 1 if args.gate and not res.passed else 0
 
 
-def _warn_past_max_seq_len(cfg: ModelConfig, prompt_len: int, decode: int) -> None:
-    """One warning line when the run reaches positions past the config's max_seq_len (it still runs)."""
-    if prompt_len + decode > cfg.max_seq_len:
-        steps = f" + {_plural(decode, 'decode step')}" if decode else ""
-        print(f"fidelity: warning: prompt {_plural(prompt_len, 'token')}{steps} goes past the config's max_seq_len "
-              f"{cfg.max_seq_len}; running anyway", file=sys.stderr)
+def cmd_scenarios(args) -> int:
+    """``fidelity scenarios`` (and ``fidelity run --scenario NAME``): the catalogue against the oracle and against
+    the decoder itself, one combined report directory (fidelity/scenarios.py)."""
+    from fidelity.decoders.production import get_profile
+    from fidelity.outputs.rundir import check_output, new_run_id
+    from fidelity.scenarios import check_names, run_scenarios
+
+    try:
+        scenarios = check_names(args.scenario)
+        get_profile(args.profile)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.decoder not in ("production", "transformers"):
+        raise UsageError(f"--decoder: expected production or transformers for scenarios, found {args.decoder!r}")
+    _require_transformers(args)
+    run_id = args.run_id or f"scenarios-{new_run_id()}"
+    check_output(args.out, run_id, args.overwrite)
+    plan = _plan(args)
+    threads = _threads(args, plan.config, args.device)
+    res = run_scenarios(plan, [s.name for s in scenarios], args.decoder, args.out, run_id,
+                        modes=tuple(args.mode or ("free", "layer", "op")), profile=args.profile,
+                        decoder_dtype=args.decoder_dtype, device=args.device, overwrite=args.overwrite,
+                        progress=lambda line: print(line, file=sys.stderr, flush=True), notify=_notify)
+    m, p = res.matrix, res.pairs
+    print(f"dsv4-fidelity {__version__}: scenarios {', '.join(s.name for s in scenarios)} on {args.decoder} "
+          f"({plan.what}), {res.seconds:.0f} s, {threads} thread(s)")
+    print(f"oracle: {int((m['verdict'] == 'PASS').sum())}/{len(m)} runs pass; self-consistency: "
+          f"{int(p['passed'].sum()) if len(p) else 0}/{len(p)} pairs pass")
+    for line in res.failures():
+        print(f"FAIL {line}")
+    print(f"report: {res.out_dir / 'report.md'} (and report.html, matrix.csv, pairs.csv, plots/, runs/)")
+    return 1 if args.gate and not res.passed else 0
 
 
 def _require_transformers(args) -> None:
@@ -299,14 +239,14 @@ def _trace(args):
     return TraceDecoder(args.decoder.removeprefix("trace:"))
 
 
-def _run_prompt(args, cfg: ModelConfig, ckpt, replay) -> torch.Tensor:
-    """The prompt of a run: a replayed trace's own (a prompt option then is an error), else ``_prompt``."""
+def _run_prompt(args, plan, replay) -> torch.Tensor | None:
+    """The prompt of a run: ``_prompt``, or None for a replayed trace (its own; a prompt option then is an error)."""
     if replay is None:
-        return _prompt(args, cfg, ckpt)
+        return _prompt(args, plan)
     if args.prompt_file or args.prompt_len is not None or args.prompt_text is not None or args.prompt_text_file:
         raise UsageError("--prompt-file/--prompt-text/--prompt-text-file/--prompt-len: a trace replays its own prompt; "
                          "leave them out")
-    return replay.prompt
+    return None
 
 
 def _stops(args, cfg) -> tuple[int, ...] | None:
@@ -367,7 +307,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from fidelity.harness.memory import memory_main
+    from fidelity.decoders.production.cache_sizes import memory_main
 
     try:
         print(memory_main(None if args.config else args.preset, args.config, args.context))
@@ -377,6 +317,7 @@ def cmd_memory(args) -> int:
 
 
 def cmd_mutants(args) -> int:
+    from fidelity.api import plural
     from fidelity.decoders.transformers import FAULTS as HF_FAULTS
     from fidelity.decoders.transformers import TransformersDecoder
     from fidelity.mutants import (
@@ -400,9 +341,9 @@ def cmd_mutants(args) -> int:
         raise UsageError(str(err)) from None
     run_id = args.run_id or f"mutants-{new_run_id()}"
     check_output(args.out, run_id, args.overwrite)
-    cfg, ckpt = _open(args)
-    threads = _threads(args, cfg)
-    ckpt, what = _ready(args, ckpt)
+    plan = _plan(args)
+    threads = _threads(args, plan.config)
+    ckpt = plan.open()
     settings = MutantSettings(args.prompt_len, args.decode, tuple(args.mode or ("layer", "op")), args.seed,
                               args.device)
     factory = None
@@ -416,7 +357,7 @@ def cmd_mutants(args) -> int:
     matrix = run_mutants(ckpt, args.only, settings, progress, factory, known)
     out = write_matrix(matrix, args.out, run_id, args.overwrite)
     decoder = "production" if factory is None else f"transformers ({args.decoder_dtype})"
-    print(f"dsv4-fidelity {__version__}: mutants of the {decoder} decoder on {what}, {_plural(threads, 'thread')}")
+    print(f"dsv4-fidelity {__version__}: mutants of the {decoder} decoder on {plan.what}, {plural(threads, 'thread')}")
     print(md_table(matrix_table(matrix)))
     failures = gate_failures(matrix)
     print("gate: PASS" if not failures else "gate: FAIL\n" + "\n".join(f"  - {f}" for f in failures))
@@ -425,23 +366,24 @@ def cmd_mutants(args) -> int:
 
 
 def cmd_oracle(args) -> int:
+    from fidelity.api import warn_past_max_seq_len
     from fidelity.harness.oracle_run import ORACLE_DTYPES, format_summary, run_oracle
     from fidelity.model import text
     from fidelity.progress import Progress
 
     if args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
-    cfg, ckpt = _open(args)
+    plan = _plan(args)
     if args.held_out:
-        return _held_out(args, cfg, ckpt)
-    prompt = _prompt(args, cfg, ckpt)
-    _warn_past_max_seq_len(cfg, len(prompt), args.decode)
-    _threads(args, cfg)
-    ckpt, what = _ready(args, ckpt)
-    tok = _text_tokenizer(args, ckpt)
+        return _held_out(args, plan)
+    prompt = _prompt(args, plan)
+    warn_past_max_seq_len(plan.config, len(prompt), args.decode, _notify)
+    _threads(args, plan.config)
+    ckpt = plan.open()
+    tok = _text_tokenizer(args, ckpt.path)
     summary = run_oracle(ckpt, prompt, args.decode, ORACLE_DTYPES[args.oracle_dtype], Progress(),
                          text.load(tok) if tok is not None else None)
-    print(format_summary(summary, f"dsv4-fidelity {__version__}: oracle on {what}", cfg.vocab_size))
+    print(format_summary(summary, f"dsv4-fidelity {__version__}: oracle on {plan.what}", plan.config.vocab_size))
     return 0
 
 
@@ -449,46 +391,46 @@ def cmd_dtype_flow(args) -> int:
     import pandas as pd
 
     from fidelity.decoders.production import ProductionModel, get_profile
-    from fidelity.harness.dtype_flow import dtype_flow, flow_table
+    from fidelity.decoders.production.dtype_flow import dtype_flow, flow_table
     from fidelity.outputs.report import md_table
 
     try:
         profile = get_profile(args.profile)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    cfg, ckpt = _open(args)
-    prompt = _prompt(args, cfg, ckpt)
-    _threads(args, cfg)
-    ckpt, what = _ready(args, ckpt)
+    plan = _plan(args)
+    prompt = _prompt(args, plan)
+    _threads(args, plan.config)
+    ckpt = plan.open()
     rows = flow_table(dtype_flow(ProductionModel(ckpt, profile, len(prompt) + 1), prompt))
-    print(f"dsv4-fidelity {__version__}: dtype flow of production ({profile.name}) on {what}, a {len(prompt)}-token "
-          "prefill and one decode step: values narrowed, then widened by their next use")
+    print(f"dsv4-fidelity {__version__}: dtype flow of production ({profile.name}) on {plan.what}, a "
+          f"{len(prompt)}-token prefill and one decode step: values narrowed, then widened by their next use")
     print(md_table(pd.DataFrame(rows)) if rows else "no round trips")
     print(f"round trips: prefill {sum(r['prefill'] for r in rows)}, decode step {sum(r['decode step'] for r in rows)}")
     return 0
 
 
-def _held_out(args, cfg: ModelConfig, ckpt) -> int:
+def _held_out(args, plan) -> int:
     """``fidelity oracle --held-out``: the oracle's mean NLL per token over the corpus's held-out files."""
     from fidelity.model import text
     from fidelity.train import corpus
     from fidelity.train.loop import EVAL_MAX_LEN, heldout_nll, tokenize
     from oracles import OracleModel
 
-    tok = _text_tokenizer(args, ckpt)
+    tok = _text_tokenizer(args, plan.path)
     if tok is None:
         raise UsageError("--held-out: needs a tokenizer: the checkpoint has no tokenizer.json beside its config")
     files = corpus.split(corpus.corpus_files(args.corpus))[1]
     if not files:
         raise UsageError(f"--held-out: no file of {args.corpus or corpus.stdlib_root()} is held out (one path in "
                          f"{corpus.HELD_OUT_OF} is)")
-    _threads(args, cfg)
-    ckpt, what = _ready(args, ckpt)
+    _threads(args, plan.config)
+    ckpt = plan.open()
     nll, count = heldout_nll(OracleModel(ckpt), tokenize(text.load(tok), files), EVAL_MAX_LEN)
-    print(f"dsv4-fidelity {__version__}: oracle on {what}")
+    print(f"dsv4-fidelity {__version__}: oracle on {plan.what}")
     print(f"held-out NLL: {nll:.4f} nats/token over {count} tokens of {len(files)} files (the first {EVAL_MAX_LEN} "
           f"tokens of each, from BOS) under {args.corpus or corpus.stdlib_root()}; "
-          f"uniform: {math.log(cfg.vocab_size):.4f}")
+          f"uniform: {math.log(plan.config.vocab_size):.4f}")
     return 0
 
 
@@ -514,12 +456,13 @@ def _read_ids(path: str, vocab: int, option: str) -> torch.Tensor:
 
 
 def cmd_synth(args) -> int:
+    from fidelity.api import preset_config
     from fidelity.atomic_write import check_new_dir
     from fidelity.model.save import save_checkpoint
     from fidelity.model.synthesize import synthesize
 
     check_new_dir(args.out, args.overwrite, "--out", allow_empty=True)
-    cfg = _config(args)
+    cfg = preset_config(args.preset)
     save_checkpoint(synthesize(cfg, seed=args.seed), args.out, layout=args.layout, overwrite=args.overwrite)
     print(f"wrote {args.layout} checkpoint of preset '{args.preset}' (seed {args.seed}) to {args.out}")
     return 0
@@ -640,7 +583,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--thresholds", help="TOML: site regex -> {metric = '>=0.99'} overriding the defaults")
     r.add_argument("--gate", action="store_true", help="exit 1 when any threshold fails")
     r.add_argument("--overwrite", action="store_true")
+    r.add_argument("--scenario", action="append", metavar="NAME",
+                   help="run these scenarios instead (repeatable): the same as fidelity scenarios --scenario NAME")
     r.set_defaults(func=cmd_run)
+
+    sc = sub.add_parser("scenarios", help="the scenario catalogue (lengths, chunks, decode-boundaries, long-decode) "
+                        "against the oracle and against the decoder itself; one combined report directory")
+    sc.add_argument("--scenario", action="append", metavar="NAME",
+                    help="lengths, chunks, decode-boundaries or long-decode (repeatable; default: all)")
+    src = sc.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="checkpoint directory (default: the trained default checkpoint)")
+    src.add_argument("--preset", help="synthesize this preset's random weights instead (e.g. tiny)")
+    sc.add_argument("--layers", type=int, help="keep the preset's first N layers")
+    sc.add_argument("--seed", type=int, default=0, help="synthetic weights and default prompt seed")
+    _decoder_args(sc, "production (default) or transformers (DeepseekV4ForCausalLM)", "bf16")
+    sc.add_argument("--profile", default="reference", help="the production decoder's profile")
+    sc.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="repeatable (default: all)")
+    sc.add_argument("--device", default="cpu", help="the decoder's device (default cpu)")
+    sc.add_argument("--out", default="runs", help="parent folder of the report directory (default runs/)")
+    sc.add_argument("--run-id", help="the directory's name (default scenarios-<UTC time>-<random>)")
+    sc.add_argument("--gate", action="store_true", help="exit 1 when a run fails or a self-consistency pair fails")
+    sc.add_argument("--overwrite", action="store_true")
+    _threads_arg(sc)
+    sc.set_defaults(func=cmd_scenarios)
 
     mu = sub.add_parser("mutants", help="inject known DSv4 port bugs; which probe catches each, and where")
     mu.add_argument("--checkpoint", help="checkpoint directory (default: the trained default)")
@@ -687,7 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--decode", type=int, default=16, help="greedy decode steps after the prompt")
     _oracle_dtype_arg(o)
     o.add_argument("--dtype", dest="oracle_dtype", choices=("fp32", "fp64"), default=argparse.SUPPRESS,
-                   help=argparse.SUPPRESS)  # the older spelling
+                   help=argparse.SUPPRESS)  # a second spelling, left out of --help
     o.add_argument("--held-out", action="store_true", help="instead: the mean NLL per token over the training "
                    "corpus's held-out files (fidelity train's rule), with the checkpoint's tokenizer")
     o.add_argument("--corpus", help="with --held-out: the corpus folder (default: this Python's standard library)")
@@ -737,6 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fidelity.api import InputError
     from fidelity.atomic_write import OutputError
     from fidelity.decoders.base import DecoderError
     from fidelity.decoders.production import ContextError
@@ -756,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["run", *(argv or [])])
     try:
         return args.func(args)
-    except (UsageError, ConfigError, CheckpointError, RunDirError, ThresholdError, RunError, ContextError,
+    except (UsageError, InputError, ConfigError, CheckpointError, RunDirError, ThresholdError, RunError, ContextError,
             TokenizerFileError, OutputError, CompareError, TraceError, CorpusError, TextError,
             DecoderError) as err:
         print(f"fidelity: error: {err}", file=sys.stderr)

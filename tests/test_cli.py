@@ -226,7 +226,7 @@ def test_oracle_takes_the_same_dtype_option_as_run(capsys):
     assert cli.main(["oracle", "--prompt-len", "30", "--decode", "1", "--oracle-dtype", "fp64"]) == 0
     out = capsys.readouterr().out
     assert "1 greedy decode step, fp64" in out
-    assert cli.main(["oracle", "--prompt-len", "30", "--decode", "0", "--dtype", "fp64"]) == 0  # older spelling
+    assert cli.main(["oracle", "--prompt-len", "30", "--decode", "0", "--dtype", "fp64"]) == 0  # hidden spelling
 
 
 def test_threads_auto_takes_one_thread_for_the_tiny_model_and_a_count_is_checked(capsys, tmp_path):

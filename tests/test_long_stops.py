@@ -43,6 +43,7 @@ def _stop_rows(res):
     return df[(df["site"] == "stops") & (df["metric"] == "stop_mismatch")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["production", "transformers"])
 def test_both_decoders_stop_exactly_at_the_end_of_turn_after_500_tokens(setup, tmp_path, which):
     decoder = "production" if which == "production" else TransformersDecoder.from_checkpoint(setup[0], "fp32")

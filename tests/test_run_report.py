@@ -215,7 +215,7 @@ def test_the_thresholds_table_shows_modes_class_and_what_each_rule_checked(run):
     assert "| rule | site regex | metric | modes | threshold | source | checked | failed |" in table
     rows = [ln.split(" | ") for ln in table.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
     by_rule = {(r[2], r[3], r[4]): (r[6], r[7].rstrip(" |")) for r in rows}  # (metric, modes, threshold)
-    assert by_rule[("miss_gap", "op", "<= 0.03")] == ("8", "0")  # 2 CSA layers x 4 steps, op mode only
+    assert by_rule[("miss_gap", "op", "<= 0.05")] == ("8", "0")  # 2 CSA layers x 4 steps, op mode only
     assert by_rule[("recall", "layer", ">= 0.46875")] == ("8", "0")
     assert by_rule[("routing_gap", "all", "<= 0")][1] == "0"  # the hash layers, every mode
     assert by_rule[("nonfinite_mismatch", "all", "<= 0")][0] != "0"

@@ -21,6 +21,7 @@ from fidelity.model.sampling import (
     draw_noise,
     generate,
     sample_scores,
+    sampler_problems,
     top_p_mask,
 )
 from probes.sampler import sampler_agreement
@@ -54,9 +55,19 @@ def test_bad_sampler_config_names_the_field(kwargs: dict, field: str):
         SamplerConfig(**kwargs)
 
 
-def test_good_configs_are_accepted():
-    SamplerConfig()
-    SamplerConfig(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=123)
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1, "seed": 123},
+     {"temperature": 0, "top_p": 1, "repetition_penalty": 1e-3, "seed": 0}],
+)
+def test_good_configs_are_accepted_and_kept_as_given(kwargs: dict):
+    assert sampler_problems(**{**{"temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0, "seed": 0},
+                               **kwargs}) == {}
+    cfg = SamplerConfig(**kwargs)
+    for field, value in kwargs.items():
+        assert getattr(cfg, field) == value
+    if not kwargs:  # the defaults are greedy and penalty-free
+        assert (cfg.temperature, cfg.top_p, cfg.repetition_penalty, cfg.seed) == (0.0, 1.0, 1.0, 0)
 
 
 # ---- the draw -------------------------------------------------------------------------------------------------

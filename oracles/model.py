@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fidelity.model.config import ModelConfig
-from fidelity.model.sites import MHC_SITES, Recorder, site_name
+from fidelity.model.sites import MHC_SITES, Recorder, record
 from oracles import attention as attn
 from oracles import mhc
 from oracles import moe as moe_ops
@@ -109,11 +109,7 @@ class OracleSession:
     def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         """Record ``tensor`` at the site ``template`` of ``layer`` (None outside the layers) if the recorder wants
         it (a callable is evaluated only then)."""
-        if self.rec is None:
-            return
-        site = site_name(template, layer)
-        if self.rec.wants(site):
-            self.rec(site, tensor() if callable(tensor) else tensor)
+        record(self.rec, template, layer, tensor)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, last_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,7 +29,7 @@ from fidelity.model.checkpoint import Checkpoint
 from fidelity.model.config import ModelConfig
 from fidelity.model.layouts import hf_module_source
 from fidelity.model.load import load_checkpoint
-from fidelity.model.sites import MHC_SITES, SITES, site_name
+from fidelity.model.sites import MHC_SITES, SITES, record
 
 ATTENTION = "dsv4-fidelity"  # the name the reporting attention function is registered under
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -190,11 +190,7 @@ class TransformersDecoder(Decoder):
     def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         """Record ``tensor`` at the site ``template`` of ``layer`` (None outside the layers) if the recorder wants
         it (a callable is evaluated only then)."""
-        if self.rec is None:
-            return
-        site = site_name(template, layer)
-        if self.rec.wants(site):
-            self.rec(site, tensor() if callable(tensor) else tensor)
+        record(self.rec, template, layer, tensor)
 
     # ---- hooks ------------------------------------------------------------------------------------------------
     def _instrument(self) -> list:

@@ -190,3 +190,13 @@ class Recorder:
             fill = -1 if not parts[0].is_floating_point() else float("-inf")
             parts = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=fill) for p in parts]
         return torch.cat(parts, dim=0)
+
+
+def record(rec, template: str, layer: int | None, tensor) -> None:
+    """Hand ``tensor`` (or, lazily, what a callable returns) to ``rec`` as the site ``template`` of ``layer`` (None
+    outside the layers) when ``rec`` wants that site; nothing without a recorder. What every model's ``emit`` does."""
+    if rec is None:
+        return
+    site = site_name(template, layer)
+    if rec.wants(site):
+        rec(site, tensor() if callable(tensor) else tensor)

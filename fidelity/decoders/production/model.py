@@ -23,7 +23,7 @@ from fidelity.decoders.production.registry import implementation
 from fidelity.decoders.production.rope_freqs import rope_inv_freq
 from fidelity.decoders.production.topk import stable_topk
 from fidelity.model.formats import decode_e8m0, hadamard
-from fidelity.model.sites import MHC_SITES, Recorder, site_name
+from fidelity.model.sites import MHC_SITES, Recorder, record
 from fidelity.model.weights import fp32_nbytes
 
 BF16 = torch.bfloat16
@@ -170,11 +170,7 @@ class ProductionSession:
     def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         """Record ``tensor`` at the site ``template`` of ``layer`` (None outside the layers) if the recorder wants
         it (a callable is evaluated only then)."""
-        if self.rec is None:
-            return
-        site = site_name(template, layer)
-        if self.rec.wants(site):
-            self.rec(site, tensor() if callable(tensor) else tensor)
+        record(self.rec, template, layer, tensor)
 
     def op(self, name: str):
         """The registered implementation of op ``name`` for this session's device (registry.implementation)."""

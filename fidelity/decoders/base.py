@@ -10,6 +10,7 @@ the others.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,23 @@ OP_INPUTS_INDEXER = ("L{i}.indexer.q", "L{i}.indexer.weights", "L{i}.indexer.key
 
 class DecoderError(ValueError):
     """A decoder that cannot do what a run asks of it; the message names the decoder and what is wrong."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One sequence's part of a model call: token ids [n] of sequence ``seq`` at positions ``start`` ..
+    ``start + n - 1`` (``start`` is where the sequence stands: a call continues it)."""
+
+    seq: int
+    ids: torch.Tensor
+    start: int
+
+
+# What a decoder may support beyond one sequence fed one way (``Decoder.capabilities``):
+BATCH = "batch"  # several sequences in one model call (``forward`` with calls of different ``seq``)
+FORK = "fork"  # a new sequence starts from another's state at a position it has reached (prefix reuse)
+ROLLBACK = "rollback"  # a sequence returns to an earlier position (rejected speculative tokens)
+CAPABILITIES = (BATCH, FORK, ROLLBACK)
 
 
 class Decoder(ABC):
@@ -54,6 +72,30 @@ class Decoder(ABC):
     @abstractmethod
     def sites(self) -> frozenset[str]:
         """Site templates (``L{i}.attn.q``, ``logits``, ...) this decoder reports."""
+
+    def capabilities(self) -> dict[str, str | None]:
+        """For each of ``CAPABILITIES``: None when this decoder supports it, else why not (scenarios that need it
+        are skipped with that reason). The default: one sequence, no forks, no rollbacks."""
+        return {c: f"{self.label} implements only prefill and step (one sequence)" for c in CAPABILITIES}
+
+    def forward(self, calls: list[Call]) -> list[torch.Tensor]:
+        """Several sequences' calls in one model call -> fp32 logits [n_i, vocab] per call, in order. The default
+        serves one call of sequence 0 continuing at ``pos`` through ``prefill`` / ``step``."""
+        if len(calls) != 1 or calls[0].seq != 0 or calls[0].start != self.pos:
+            raise DecoderError(f"{self.label}: {self.capabilities()[BATCH]}")
+        call = calls[0]
+        if len(call.ids) == 1 and self.pos > 0:
+            return [self.step(int(call.ids[0]))[None]]
+        return [self.prefill(call.ids)]
+
+    def fork(self, seq: int, parent: int, pos: int) -> None:
+        """Start sequence ``seq`` from sequence ``parent``'s state at position ``pos`` (its first ``pos`` tokens)."""
+        raise DecoderError(f"{self.label}: cannot fork: {self.capabilities()[FORK]}")
+
+    def rollback(self, seq: int, pos: int) -> None:
+        """Return sequence ``seq`` to position ``pos``: every state (caches, compressor carries, window ring,
+        indexer keys) as if the tokens from ``pos`` on had never been fed."""
+        raise DecoderError(f"{self.label}: cannot roll back: {self.capabilities()[ROLLBACK]}")
 
     def reset(self) -> None:
         """Forget every token consumed (caches emptied, ``pos`` 0): the start of a run. This default has nothing to

@@ -1,39 +1,118 @@
 """The built-in production decoder (``fidelity.decoders.production``) as a decoder under test: every site, every
-mode."""
+mode, and several sequences (``forward``, ``fork``, ``rollback``: docs/scenarios.md)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from fidelity.decoders.base import Decoder
+from fidelity.decoders.base import BATCH, FORK, ROLLBACK, Call, Decoder, DecoderError
 from fidelity.decoders.production import ProductionModel
+from fidelity.decoders.production.cache import LayerCache
 from fidelity.decoders.production.faults import on
+from fidelity.decoders.production.model import ProductionSession
 from fidelity.decoders.production.profiles import Profile, profile_dict
 from fidelity.decoders.production.registry import implementations_used
 from fidelity.model.sampling import Sampler, StopSet
 from fidelity.model.sites import SITES
 
+MULTI = ("sequences are independent sessions over one model's weights: a forward with several sequences runs "
+         "them one after another, each as its own prefill (chunk) or decode step, not as one batched launch")
+
+
+@dataclass
+class Snapshot:
+    """A sequence's state at the end of a ``forward`` call: ``pos``, ``calls`` and, per layer, copies of what a
+    later call overwrites: the window ring (KV rows ``[:window]``) and the compressors' fp32 carries (main and
+    indexer). The compressed entries and indexer keys are not copied: an entry is written once, when its block
+    completes, and read only after that, so every entry below ``pos // ratio`` is still the one this state had
+    (a rollback drops the snapshots past its position; what lies beyond is invisible and rewritten before it is
+    read)."""
+
+    pos: int
+    calls: int
+    layers: list[dict[str, torch.Tensor] | None]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for saved in self.layers if saved for t in saved.values())
+
+
+@dataclass
+class Sequence:
+    """One sequence: its session, every token it consumed (``tokens``) and its snapshots by position."""
+
+    session: ProductionSession
+    tokens: list[int] = field(default_factory=list)
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+
+
+def _ring(cache: LayerCache) -> list[torch.Tensor]:
+    """The window ring's storage (rows ``[:window]``): bf16 rows or packed FP8 rows."""
+    store = cache.kv.packed if cache.kv.fmt == "fp8" else cache.kv.rows
+    return [store[: cache.window]]
+
+
+def _carries(cache: LayerCache) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, carry in (("carry", cache.carry), ("index_carry", cache.index_carry)):
+        if carry is not None:
+            out[f"{name}.kv"], out[f"{name}.score"] = carry.kv, carry.score
+    return out
+
+
+def _entries(cache: LayerCache, pos: int) -> list[tuple[torch.Tensor, slice]]:
+    """The compressed entries and indexer keys a state at ``pos`` holds: (storage tensor, rows)."""
+    out = []
+    if cache.ratio:
+        store = cache.kv.packed if cache.kv.fmt == "fp8" else cache.kv.rows
+        out.append((store, slice(cache.window, cache.window + pos // cache.ratio)))
+    if cache.keys is not None:
+        parts = (cache.keys.codes, cache.keys.scales) if cache.keys.packed else (cache.keys.rows,)
+        out += [(t, slice(0, pos // 4)) for t in parts]
+    return out
+
 
 class ProductionDecoder(Decoder):
-    """``ProductionModel(checkpoint, profile, max_context, device)`` and one session over it."""
+    """``ProductionModel(checkpoint, profile, max_context, device)`` and sessions over it, one per sequence.
+
+    Sequence 0 is the one ``prefill`` / ``step`` / ``rec`` act on (``session``). ``forward(calls)`` continues each
+    call's sequence (a sequence's first call, at start 0, creates its session); the sequences run one after another
+    on the same weights (``info()['multi_sequence']``), so a sequence's logits do not depend on the others'.
+
+    ``fork`` and ``rollback`` restore a :class:`Snapshot`, taken at the end of every ``forward`` call (not by
+    ``prefill`` / ``step``, the single-sequence runner's path, which keeps only the token history): at a snapshot's
+    position the state returns exactly; elsewhere the last snapshot before it (or the empty state) is restored and
+    the sequence's recorded tokens up to the position are replayed as one call. A snapshot holds per layer the
+    window ring (window x KV row bytes) and the carries: 0.5 MB on the default checkpoint (``snapshot_bytes``; the
+    two HCA layers' 128-token carries are half of it), one per forward call, freed by ``reset`` and by a rollback
+    past them (a fork shares its parent's).
+    ``snapshots=False`` keeps none (every fork and rollback then replays from position 0).
+    """
 
     def __init__(self, checkpoint, profile: str | Profile = "reference", max_context: int = 4096,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", snapshots: bool = True):
         self.model = ProductionModel(checkpoint, profile, max_context, device)
-        self.session = self.model.session()
+        self.seqs: dict[int, Sequence] = {0: Sequence(self.model.session())}
         self.config = checkpoint.config
         self.profile = profile_dict(self.model.profile)
         self.label = f"production ({self.model.profile.name})"
-        self.prompt_len = 0  # tokens prefilled (the prompt, however many chunks)
-        self.used = False  # a call reached the session since it was made
+        self.keep_snapshots = snapshots
+        self.prompt_len = 0  # tokens prefilled on sequence 0 (the prompt, however many chunks)
+        self.used = False  # a call reached a session since the sequences were made
 
     def reset(self) -> None:
-        """A fresh session (new caches at position 0) once the current one was used; the old one is dropped first,
-        so that the caches are never held twice."""
+        """Every sequence dropped, sequence 0 a fresh session (new caches at position 0) once a call was made; the
+        old sessions and snapshots are dropped first, so that the caches are never held twice."""
         if self.used:
-            recorder, self.session = self.session.rec, None
-            self.session = self.model.session(recorder)
+            recorder = self.session.rec
+            self.seqs = {}
+            self.seqs[0] = Sequence(self.model.session(recorder))
             self.prompt_len, self.used = 0, False
+
+    @property
+    def session(self) -> ProductionSession:
+        return self.seqs[0].session
 
     @property
     def rec(self):
@@ -50,13 +129,138 @@ class ProductionDecoder(Decoder):
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         self.used = True
         logits = self.session.prefill(ids)
+        self.seqs[0].tokens += [int(t) for t in ids]
         self.prompt_len += len(ids)
         return logits
 
     def step(self, token: int) -> torch.Tensor:
         self.used = True
-        return self.session.step(token)
+        logits = self.session.step(token)
+        self.seqs[0].tokens.append(int(token))
+        return logits
 
+    # ---- several sequences -------------------------------------------------------------------
+    def capabilities(self) -> dict[str, str | None]:
+        return {BATCH: None, FORK: None, ROLLBACK: None}
+
+    def forward(self, calls: list[Call]) -> list[torch.Tensor]:
+        """Each call continues its sequence at ``start`` (its position; a new sequence's first call at 0): one
+        token after the sequence's first call is a decode step, more a prefill chunk. Checked before any runs."""
+        seen = set()
+        for call in calls:
+            if call.seq in seen:
+                raise DecoderError(f"{self.label}: sequence {call.seq} appears twice in one forward")
+            seen.add(call.seq)
+            have = self.seqs.get(call.seq)
+            expected = have.session.pos if have is not None else 0
+            if call.start != expected:
+                where = "where it stands" if have is not None else "a new sequence starts at 0"
+                raise DecoderError(f"{self.label}: sequence {call.seq}: call starts at {call.start}, expected "
+                                   f"{expected} ({where})")
+            if len(call.ids) == 0:
+                raise DecoderError(f"{self.label}: sequence {call.seq}: a call with no tokens")
+        out = []
+        for call in calls:
+            seq = self.seqs.setdefault(call.seq, Sequence(self.model.session()))
+            out.append(self._feed(call.seq, seq, torch.as_tensor(call.ids).long().flatten()))
+            if self.keep_snapshots:
+                seq.snapshots[seq.session.pos] = self.snapshot(seq.session)
+        return out
+
+    def _feed(self, n: int, seq: Sequence, ids: torch.Tensor) -> torch.Tensor:
+        """One call of sequence ``n``: a decode step for one token after the first call, else a prefill chunk."""
+        self.used = True
+        logits = seq.session.forward(ids)
+        seq.tokens += ids.tolist()
+        if n == 0 and (len(ids) > 1 or seq.session.pos == len(ids)):
+            self.prompt_len += len(ids)
+        return logits
+
+    def fork(self, seq: int, parent: int, pos: int) -> None:
+        """Sequence ``seq`` (new) from ``parent``'s state after its first ``pos`` tokens."""
+        src = self._sequence(parent, "fork from")
+        if seq in self.seqs:
+            raise DecoderError(f"{self.label}: cannot fork into sequence {seq}: it exists (reset drops it)")
+        self._check_pos(parent, src, pos)
+        child = Sequence(self.model.session())
+        self.seqs[seq] = child
+        self._restore(child, src, pos)
+
+    def rollback(self, seq: int, pos: int) -> None:
+        """Sequence ``seq`` back to position ``pos``; its snapshots past ``pos`` are dropped."""
+        s = self._sequence(seq, "roll back")
+        self._check_pos(seq, s, pos)
+        if pos == s.session.pos:
+            return
+        s.snapshots = {p: snap for p, snap in s.snapshots.items() if p <= pos}
+        self._restore(s, s, pos)
+
+    def _sequence(self, n: int, what: str) -> Sequence:
+        if n not in self.seqs:
+            raise DecoderError(f"{self.label}: cannot {what} sequence {n}: no such sequence "
+                               f"(have {', '.join(map(str, sorted(self.seqs)))})")
+        return self.seqs[n]
+
+    def _check_pos(self, n: int, s: Sequence, pos: int) -> None:
+        if not 0 <= pos <= s.session.pos:
+            raise DecoderError(f"{self.label}: sequence {n}: position {pos} is not in 0..{s.session.pos} (where it "
+                               "stands)")
+
+    def _restore(self, dst: Sequence, src: Sequence, pos: int) -> None:
+        """``dst`` set to ``src``'s state at ``pos``: the last snapshot at or before ``pos`` (or the empty state),
+        then ``src``'s tokens from there to ``pos`` replayed as one call (a decode step when it is one token after
+        the first call)."""
+        at = max((p for p in src.snapshots if p <= pos), default=0)
+        snap = src.snapshots.get(at)
+        session, tokens = dst.session, src.tokens[:pos]
+        for i, cache in enumerate(session.layers):
+            if cache is None:
+                continue
+            source = src.session.layers[i]
+            if dst is not src:  # a new session: the entries and keys the state at ``at`` holds
+                for (to, rows), (frm, _) in zip(_entries(cache, at), _entries(source, at), strict=True):
+                    to[rows] = frm[rows]
+            self.restore_layer(cache, snap.layers[i] if snap else None)
+        session.pos, session.calls = at, snap.calls if snap else 0
+        dst.tokens = tokens[:at]
+        dst.snapshots = {p: s for p, s in src.snapshots.items() if p <= at}
+        if pos > at:
+            self._feed(-1, dst, torch.tensor(tokens[at:pos]))
+            if self.keep_snapshots:
+                dst.snapshots[pos] = self.snapshot(session)
+
+    def restore_layer(self, cache: LayerCache, saved: dict[str, torch.Tensor] | None) -> None:
+        """One layer's window ring and carries from ``saved`` (None: the empty state)."""
+        self.restore_ring(cache, saved)
+        self.restore_carries(cache, saved)
+
+    def restore_ring(self, cache: LayerCache, saved: dict[str, torch.Tensor] | None) -> None:
+        (ring,) = _ring(cache)
+        if saved is None:
+            ring.zero_()
+        else:
+            ring.copy_(saved["ring"])
+
+    def restore_carries(self, cache: LayerCache, saved: dict[str, torch.Tensor] | None) -> None:
+        for name, t in _carries(cache).items():
+            if saved is not None:
+                t.copy_(saved[name])
+            else:
+                t.fill_(float("-inf") if name.endswith(".score") else 0.0)
+
+    def snapshot(self, session: ProductionSession) -> Snapshot:
+        """Copies of ``session``'s window rings and carries, its ``pos`` and ``calls``."""
+        layers = [None if c is None else {"ring": _ring(c)[0].clone(), **{k: t.clone() for k, t in
+                                                                         _carries(c).items()}}
+                  for c in session.layers]
+        return Snapshot(session.pos, session.calls, layers)
+
+    def snapshot_bytes(self) -> int:
+        """Bytes every sequence's snapshots hold."""
+        kept = {id(s): s for seq in self.seqs.values() for s in seq.snapshots.values()}  # a fork shares them
+        return sum(s.nbytes() for s in kept.values())
+
+    # ---- one sequence ------------------------------------------------------------------------
     def sites(self) -> frozenset[str]:
         return frozenset(SITES)
 
@@ -76,7 +280,8 @@ class ProductionDecoder(Decoder):
         return self.session.cache_bytes()
 
     def info(self) -> dict:
-        """Which implementation each op took, where a kernel fell back, the routes taken: this decoder's calls."""
+        """Which implementation each op took, where a kernel fell back, the routes taken: this decoder's calls
+        (sequence 0's session); how several sequences run."""
         counts, taken = self.session.counts, self.session.counts.get("routes", {})
         return {
             "max_context": self.model.max_context,
@@ -86,4 +291,5 @@ class ProductionDecoder(Decoder):
             "index_routes": taken.get("index_scores_fp4", {}),
             "attention_routes": {**taken.get("sparse_attention", {}),  # the packed FP8 rows' op as "fp8 KV <route>"
                                  **{f"fp8 KV {r}": n for r, n in taken.get("sparse_attention_fp8kv", {}).items()}},
+            "multi_sequence": MULTI,
         }

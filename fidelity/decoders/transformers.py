@@ -15,15 +15,17 @@ attributes (3 Sinkhorn iterations, shared-expert clamp missing, YaRN on SWA laye
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from fidelity.decoders.base import Decoder
+from fidelity.decoders.base import BATCH, FORK, ROLLBACK, Call, Decoder, DecoderError
 from fidelity.decoders.faults import on
 from fidelity.model.checkpoint import Checkpoint
 from fidelity.model.config import ModelConfig
@@ -39,6 +41,17 @@ FAULTS = ("sink-dropped", "window-127", "window-no-self", "no-inverse-rope", "co
 NOT_REPORTED = ("L{i}.mhc_attn.pre", "L{i}.mhc_ffn.pre")
 REQUIREMENT = "transformers>=5.23"
 INSTALL = "pip install 'dsv4-fidelity[transformers]' (in a checkout: pip install -e '.[transformers]')"
+MARKS = 8  # cache copies kept per sequence, at the starts of its latest calls (fork and rollback points)
+# How forward() batches, for the manifest: what transformers' DSv4 cache can hold in one model call.
+BATCHING = ("calls of one start and one length share a model call (their caches stacked row by row, no padding); "
+            "other calls run in a model call each: transformers' DeepseekV4HCACache / CSACache keep one position "
+            "(window length, compressor entry count and buffers) for all rows of a batch, and a padded row's "
+            "compressor pools the padding (transformers #45938: a left-padded prompt's logits differ from its own "
+            "run by max|diff|/max|logit| 0.54, cos 0.968, tiny fp32)")
+ROLLBACK_HOW = ("restores the cache copied at the start of the latest kept call at or before the position and "
+                "feeds the remaining tokens again in one call: transformers' DSv4 cache layers are not croppable "
+                "(DeepseekV4HCACache.is_croppable is False: crop trims the window keys but keeps the compressor's "
+                "buffers, entries, entry count and overlap state, and raises once the window is full)")
 
 
 class TransformersMissing(ImportError):
@@ -101,9 +114,40 @@ def hf_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: str |
     return model.to(device)
 
 
+@dataclass
+class _Mark:
+    """A sequence's state at a call start: the position, a copy of its cache (None: empty), the hooks' counts."""
+
+    pos: int
+    cache: object | None
+    entries: dict[str, int]
+
+
+@dataclass
+class _Seq:
+    """One sequence: its cache (None until its first call), position, token ids so far, the hooks' per-layer entry
+    counts and the marks (state copies) at the starts of its latest calls, oldest first."""
+
+    cache: object | None = None
+    pos: int = 0
+    ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    entries: dict[str, int] = field(default_factory=dict)
+    marks: list[_Mark] = field(default_factory=list)
+
+    def mark_at(self, pos: int) -> _Mark | None:
+        """The latest state at or before ``pos`` that can be restored (the empty state at 0 always can)."""
+        found = [m for m in self.marks if m.pos <= pos]
+        return found[-1] if found else _Mark(0, None, {})
+
+
 class TransformersDecoder(Decoder):
     """``DeepseekV4ForCausalLM`` under test. ``TransformersDecoder(model)`` for a model in memory;
-    ``from_pretrained(dir, dtype, device)`` for a checkpoint directory in any layout the loader reads."""
+    ``from_pretrained(dir, dtype, device)`` for a checkpoint directory in any layout the loader reads.
+
+    Several sequences (``forward``, ``fork``, ``rollback``): each has its own ``DynamicCache``; sequence 0 is the
+    one ``prefill`` / ``step`` continue and the only one whose sites are recorded. See ``BATCHING`` for how calls
+    share model calls, ``ROLLBACK_HOW`` for rollbacks; a fork copies the parent's cache at its position or at the
+    start of one of its latest ``MARKS`` calls."""
 
     def __init__(self, model, config: ModelConfig | None = None):
         require_transformers()
@@ -126,13 +170,22 @@ class TransformersDecoder(Decoder):
         self._hook_handles = self._instrument()
 
     def reset(self) -> None:
-        """A new cache at position 0, and the per-layer entry counts of the hooks emptied."""
-        self.pos = 0
+        """Sequence 0 alone, at position 0 with no cache, and the per-layer entry counts of the hooks emptied."""
         self.calls = 0
-        self.cache = None
-        self._entries: dict[str, int] = {}  # compressed entries / indexer keys emitted so far, per layer
+        self._seqs: dict[int, _Seq] = {0: _Seq()}
+        self._entries: dict[str, int] = self._seqs[0].entries  # compressed entries / indexer keys emitted so far
         self._layer_entries: dict[int, int] = {}  # compressed entries the attention of a layer sees this call
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def pos(self) -> int:
+        """Sequence 0's position."""
+        return self._seqs[0].pos
+
+    @property
+    def cache(self):
+        """Sequence 0's ``DynamicCache`` (None before its first call)."""
+        return self._seqs[0].cache
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | str = torch.bfloat16,
@@ -154,7 +207,12 @@ class TransformersDecoder(Decoder):
         import transformers
 
         return {"decoder_dtype": str(self.dtype).removeprefix("torch."), "transformers": transformers.__version__,
-                "decoder_stop_ids": list(self.stop_ids() or ())}
+                "decoder_stop_ids": list(self.stop_ids() or ()), "decoder_batching": BATCHING,
+                "decoder_rollback": ROLLBACK_HOW}
+
+    def capabilities(self) -> dict[str, str | None]:
+        """Batches, forks and rollbacks are all served (``BATCHING`` and ``ROLLBACK_HOW`` say how)."""
+        return {BATCH: None, FORK: None, ROLLBACK: None}
 
     def stop_ids(self) -> tuple[int, ...] | None:
         """``generation_config.eos_token_id`` (an id or a list), as ``generate()`` would stop; None without one."""
@@ -166,26 +224,106 @@ class TransformersDecoder(Decoder):
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Prompt tokens at positions pos..: the first call makes the cache, later ones continue it (chunks)."""
-        from transformers import DynamicCache
-
-        if self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
-        return self._call(torch.as_tensor(ids).long().flatten())
+        return self._run([0], torch.as_tensor(ids).long().flatten()[None])[0]
 
     @torch.no_grad()
     def step(self, token: int) -> torch.Tensor:
-        return self._call(torch.tensor([int(token)]))[0]
+        return self._run([0], torch.tensor([[int(token)]]))[0][0]
 
-    def _call(self, ids: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def forward(self, calls: list[Call]) -> list[torch.Tensor]:
+        """Calls of one start and length run as one batched model call (sequence 0 first, the recorded row), the
+        others one model call each; a sequence not seen before starts at 0 with an empty cache."""
+        seqs = [c.seq for c in calls]
+        if not calls or len(set(seqs)) != len(seqs):
+            raise DecoderError(f"{self.label}: forward needs calls of distinct sequences, got sequences {seqs}")
+        for c in calls:
+            st = self._seqs.get(c.seq)
+            have = st.pos if st is not None else 0
+            if c.start != have or torch.as_tensor(c.ids).numel() == 0:
+                raise DecoderError(f"{self.label}: sequence {c.seq} stands at position {have}; a call of "
+                                   f"{torch.as_tensor(c.ids).numel()} tokens starting at {c.start} cannot continue it")
+        groups: dict[tuple[int, int], list[Call]] = {}
+        for c in sorted(calls, key=lambda c: c.seq != 0):  # sequence 0 first: row 0 is the recorded row
+            groups.setdefault((c.start, torch.as_tensor(c.ids).numel()), []).append(c)
+        out: dict[int, torch.Tensor] = {}
+        for group in groups.values():
+            for c in group:
+                self._seqs.setdefault(c.seq, _Seq())
+            ids = torch.stack([torch.as_tensor(c.ids).long().flatten() for c in group])
+            for c, logits in zip(group, self._run([c.seq for c in group], ids), strict=True):
+                out[c.seq] = logits
+        return [out[s] for s in seqs]
+
+    def fork(self, seq: int, parent: int, pos: int) -> None:
+        """A copy of ``parent``'s cache at ``pos``: its position now or the start of one of its kept calls."""
+        src = self._seqs.get(parent)
+        if src is None or seq == parent:
+            raise DecoderError(f"{self.label}: cannot fork sequence {seq} from sequence {parent}: "
+                               + ("it is the same sequence" if seq == parent else "there is no such sequence"))
+        points = sorted({0, src.pos, *(m.pos for m in src.marks)})
+        if pos not in points:
+            raise DecoderError(f"{self.label}: cannot fork sequence {parent} at position {pos}: its cache is kept "
+                               f"only at positions {points} (now and at the starts of its latest {MARKS} calls)")
+        mark = _Mark(src.pos, src.cache, src.entries) if pos == src.pos else src.mark_at(pos)
+        self._seqs[seq] = _Seq(cache=copy.deepcopy(mark.cache), pos=pos, ids=src.ids[:pos].clone(),
+                               entries=dict(mark.entries), marks=[m for m in src.marks if m.pos < pos])
+        if seq == 0:
+            self._entries = self._seqs[0].entries
+
+    @torch.no_grad()
+    def rollback(self, seq: int, pos: int) -> None:
+        """Restore the latest kept call start at or before ``pos`` and feed its tokens up to ``pos`` again."""
+        st = self._seqs.get(seq)
+        if st is None or not 0 <= pos <= st.pos:
+            have = "there is no such sequence" if st is None else f"it stands at position {st.pos}"
+            raise DecoderError(f"{self.label}: cannot roll sequence {seq} back to position {pos}: {have}")
+        if pos == st.pos:
+            return
+        mark, ids = st.mark_at(pos), st.ids[:pos]
+        st.marks = [m for m in st.marks if m.pos < mark.pos]
+        st.cache, st.pos, st.ids = copy.deepcopy(mark.cache), mark.pos, ids[:mark.pos]
+        st.entries.clear()
+        st.entries.update(mark.entries)
+        if pos > mark.pos:
+            self._run([seq], ids[mark.pos:][None], replay=True)
+
+    def _run(self, seqs: list[int], ids: torch.Tensor, replay: bool = False) -> list[torch.Tensor]:
+        """One model call: ``ids`` [rows, n] continue sequences ``seqs`` (all at one position); row 0's sites are
+        recorded when it is sequence 0 (and this is no replay). -> fp32 logits [n, vocab] per row."""
+        from transformers import DynamicCache
+
+        states = [self._seqs[s] for s in seqs]
+        start = states[0].pos
+        for st in states:
+            st.marks = [*st.marks, _Mark(st.pos, copy.deepcopy(st.cache), dict(st.entries))][-MARKS:]
+        if states[0].cache is None:
+            cache = DynamicCache(config=self.model.config)
+        else:
+            cache = states[0].cache if len(states) == 1 else _stack([st.cache for st in states])
+        recording = seqs[0] == 0 and not replay
+        saved_rec, saved_entries = self.rec, self._entries
+        self.rec = self.rec if recording else None
+        self._entries = states[0].entries
         if self.rec is not None:
             self.rec.step = self.calls
-        self._positions = torch.arange(self.pos, self.pos + len(ids))
-        with self._faults():
-            out = self.model(input_ids=ids[None].to(self.device), cache=self.cache, use_cache=True)
-        self.cache = out.cache
-        self.pos += len(ids)
-        self.calls += 1
-        return out.logits[0].float().cpu()
+        self._positions = torch.arange(start, start + ids.shape[1])
+        try:
+            with self._faults():
+                out = self.model(input_ids=ids.to(self.device), cache=cache, use_cache=True)
+        finally:
+            self.rec, self._entries = saved_rec, saved_entries
+        rows = [out.cache] if len(states) == 1 else _split(out.cache, len(states))
+        for st, row in zip(states, rows, strict=True):
+            st.cache, st.pos = row, start + ids.shape[1]
+        for st, row_ids in zip(states, ids.cpu(), strict=True):
+            st.ids = torch.cat([st.ids, row_ids])
+            if st is not states[0]:
+                st.entries.clear()
+                st.entries.update(states[0].entries)
+        if seqs[0] == 0 and not replay:
+            self.calls += 1
+        return [row.float().cpu() for row in out.logits]
 
     def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         """Record ``tensor`` at the site ``template`` of ``layer`` (None outside the layers) if the recorder wants
@@ -349,8 +487,59 @@ class TransformersDecoder(Decoder):
         q_pos = self._positions.to(mask.device)
         hide = col_pos[None] == (q_pos[:, None] if on("window-no-self") else q_pos[:, None] - (
             self.config.window_size - 1))
-        mask[0, 0, :, :window_len] = mask[0, 0, :, :window_len].masked_fill(hide, -math.inf)
+        mask[..., :window_len] = mask[..., :window_len].masked_fill(hide, -math.inf)
         return mask
+
+
+def _stack(caches: list) -> object:
+    """One ``DynamicCache`` whose rows are ``caches`` (each of batch 1, all at one position): every tensor of a
+    layer's state concatenated on the batch axis, everything else (lengths, entry counts) shared."""
+    out = copy.copy(caches[0])
+    out.layers = [_merge([c.layers[i].__dict__ for c in caches], layer) for i, layer in enumerate(caches[0].layers)]
+    return out
+
+
+def _merge(states: list[dict], layer) -> object:
+    merged = copy.copy(layer)
+    merged.__dict__ = _merge_values(states)
+    if getattr(layer, "values", None) is getattr(layer, "keys", None):  # K = V: one tensor, as update() keeps it
+        merged.values = merged.keys
+    return merged
+
+
+def _merge_values(values: list):
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: _merge_values([v[k] for v in values]) for k in first}
+    if isinstance(first, torch.Tensor) and first.ndim > 0:
+        return torch.cat(values)
+    if any(v is not first and v != first for v in values if not isinstance(v, torch.Tensor)):
+        raise DecoderError(f"rows at different cache states cannot share a transformers cache: {values}")
+    return first
+
+
+def _split(cache, rows: int) -> list:
+    """``_stack`` undone: one ``DynamicCache`` per row."""
+    out = []
+    for b in range(rows):
+        row = copy.copy(cache)
+        row.layers = []
+        for layer in cache.layers:
+            part = copy.copy(layer)
+            part.__dict__ = _take(layer.__dict__, b)
+            if getattr(layer, "values", None) is getattr(layer, "keys", None):
+                part.values = part.keys
+            row.layers.append(part)
+        out.append(row)
+    return out
+
+
+def _take(value, b: int):
+    if isinstance(value, dict):
+        return {k: _take(v, b) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.ndim > 0:
+        return value[b:b + 1].clone()
+    return value
 
 
 def _one_more_entry(block_bias: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:

@@ -211,6 +211,8 @@ def cmd_scenarios(args) -> int:
           f"{int(p['passed'].sum()) if len(p) else 0}/{len(p)} pairs pass")
     for line in res.failures():
         print(f"FAIL {line}")
+    for name, why in res.skipped.items():
+        print(f"SKIPPED {name}: {why}")
     print(f"report: {res.out_dir / 'report.md'} (and report.html, matrix.csv, pairs.csv, plots/, runs/)")
     return 1 if args.gate and not res.passed else 0
 
@@ -587,10 +589,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run these scenarios instead (repeatable): the same as fidelity scenarios --scenario NAME")
     r.set_defaults(func=cmd_run)
 
-    sc = sub.add_parser("scenarios", help="the scenario catalogue (lengths, chunks, decode-boundaries, long-decode) "
+    sc = sub.add_parser("scenarios", help="the scenario catalogue (lengths, chunks, decode-boundaries, long-decode, "
+                        "batch, prefix, verify) "
                         "against the oracle and against the decoder itself; one combined report directory")
     sc.add_argument("--scenario", action="append", metavar="NAME",
-                    help="lengths, chunks, decode-boundaries or long-decode (repeatable; default: all)")
+                    help="lengths, chunks, decode-boundaries, long-decode, batch, prefix or verify (repeatable; "
+                    "default: all)")
     src = sc.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="checkpoint directory (default: the trained default checkpoint)")
     src.add_argument("--preset", help="synthesize this preset's random weights instead (e.g. tiny)")

@@ -14,7 +14,10 @@ twice:
   the pair must be bitwise equal; elsewhere it is gated by bounds on the logits' difference (``COS_MIN``,
   ``REL_L2_MAX``; the clean decoder's values are in docs/scenarios.md).
 
-Single sequences only; batches, forks and rollbacks need a wider Decoder interface (a later step).
+Scenarios over several sequences (``batch``, ``prefix``, ``verify``) need decoder capabilities (``Decoder.
+capabilities``: batch, fork, rollback); a decoder without one has the scenario skipped with its reason (listed as
+skipped, not passed). Their self-consistency plays :class:`Script` s (forward calls, forks, proposals rolled back)
+and compares one script's sequence with another's at the positions both have (:class:`Check`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import html
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -33,7 +36,7 @@ from matplotlib.figure import Figure
 
 from fidelity.api import CheckpointPlan, open_decoder, run, warn
 from fidelity.atomic_write import write_dir_atomic
-from fidelity.decoders.base import Decoder
+from fidelity.decoders.base import Call, Decoder
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.outputs.plots import DPI, FLOOR
 from fidelity.outputs.report import html_table, md_table
@@ -58,6 +61,10 @@ class Run:
     decode_steps: int = 4
     chunks: tuple[int, ...] | None = None
     param: tuple[str, int] = ("prompt_len", 0)
+    stream: tuple[tuple[int, int], ...] = ()  # its tokens: (offset, length) segments of the default prompt's ids
+
+    def prompt(self, ids: torch.Tensor) -> torch.Tensor:
+        return tokens(ids, self.stream)[: self.prompt_len] if self.stream else ids[: self.prompt_len]
 
     @property
     def positions(self) -> int:
@@ -78,12 +85,82 @@ class Pair:
     b: str
 
 
+def tokens(ids: torch.Tensor, stream: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """A token stream: its (offset, length) segments of ``ids`` one after another."""
+    return torch.cat([ids[o : o + n] for o, n in stream])
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One ``forward``: each (seq, n) feeds sequence seq its next n stream tokens (one token after the first call:
+    a decode step)."""
+
+    calls: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Fork:
+    """``fork(seq, parent, pos)``: seq's stream starts with the parent's first pos tokens."""
+
+    seq: int
+    parent: int
+    pos: int
+
+
+@dataclass(frozen=True)
+class Propose:
+    """MTP verification on ``seq``: ``n`` tokens in one call, the first ``accept`` its own next stream tokens, the
+    others drafts that differ (stream token + 1); their logits are dropped and the sequence rolled back to
+    ``pos + accept``. A script that never proposed feeds the accepted tokens as one call instead."""
+
+    seq: int
+    n: int
+    accept: int
+
+
+@dataclass(frozen=True)
+class Script:
+    """Sequences' token streams (seq, segments) and what is done with them, on a fresh decoder."""
+
+    label: str
+    streams: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+    ops: tuple[Feed | Fork | Propose, ...]
+
+    @property
+    def positions(self) -> int:
+        return max(sum(n for _, n in segs) for _, segs in self.streams)
+
+    def never_proposed(self, label: str) -> Script:
+        """This script with every proposal replaced by a call of its accepted tokens (none if it accepts none)."""
+        ops = tuple(Feed(((op.seq, op.accept),)) if isinstance(op, Propose) else op
+                    for op in self.ops if not (isinstance(op, Propose) and op.accept == 0))
+        return Script(label, self.streams, ops)
+
+
+@dataclass(frozen=True)
+class Check:
+    """A multi-sequence self-consistency pair: sequence ``b[1]`` of script ``b[0]`` against sequence ``a[1]`` of
+    script ``a[0]`` at the positions both computed; ``bitwise``: why equal bits are promised (production decoder
+    on the CPU), '' for the bounds."""
+
+    kind: str
+    a: tuple[str, int]
+    b: tuple[str, int]
+    bitwise: str = ""
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
     description: str  # the port-bug mechanism it targets
     runs: tuple[Run, ...]
     pairs: tuple[Pair, ...] = ()
+    needs: tuple[str, ...] = ()  # decoder capabilities (fidelity.decoders.base.CAPABILITIES)
+    scripts: tuple[Script, ...] = ()
+    checks: tuple[Check, ...] = ()
+
+    def script(self, label: str) -> Script:
+        return next(s for s in self.scripts if s.label == label)
 
     def run(self, label: str) -> Run:
         return next(r for r in self.runs if r.label == label)
@@ -128,7 +205,89 @@ def _long_decode() -> Scenario:
                     (Pair("decode==prefill", ref.label, long.label),))
 
 
-CATALOGUE: dict[str, Scenario] = {s.name: s for s in (_lengths(), _chunks(), _decode_boundaries(), _long_decode())}
+def _batch() -> Scenario:
+    """Five sequences (prompts 37, 130, 255, 64, 201 at different offsets) prefilled in one forward, then decoded
+    together one token each per call, two finishing early."""
+    seqs = [(0, 37, 8), (40, 130, 3), (80, 255, 8), (120, 64, 1), (160, 201, 5)]  # (offset, prompt, steps)
+    streams = tuple((k, ((o, n + d),)) for k, (o, n, d) in enumerate(seqs))
+    ops = [Feed(tuple((k, n) for k, (_, n, _) in enumerate(seqs)))]
+    ops += [Feed(tuple((k, 1) for k, (_, _, d) in enumerate(seqs) if d > step)) for step in range(8)]
+    scripts = [Script("batched", streams, tuple(ops))]
+    scripts += [Script(f"alone {k}", ((0, segs),), (Feed(((0, n),)), *[Feed(((0, 1),))] * d))
+                for (k, segs), (_, n, d) in zip(streams, seqs, strict=True)]
+    checks = tuple(Check("batched==alone", (f"alone {k}", 0), ("batched", k), "independent sequences")
+                   for k in range(len(seqs)))
+    runs = tuple(Run(f"seq {k}: prompt {n}", n, d, param=("prompt_len", n), stream=((o, n + d),))
+                 for k, (o, n, d) in enumerate(seqs))
+    return Scenario("batch", "sequences of different, non-aligned prompt lengths prefilled in one forward and "
+                    "decoded together, some finishing early: state shared or mixed between sequences, rows of one "
+                    "sequence read at another's positions", runs, needs=("batch",), scripts=tuple(scripts),
+                    checks=checks)
+
+
+def _prefix() -> Scenario:
+    """A 300-token request, second requests forked from it at 130 (inside its one prefill call), 201 (a call
+    boundary) and 256 (a multiple of 128), each continuing with 70 tokens of its own and 4 decode steps."""
+    parent = ((0, 304),)
+
+    def child(at: int) -> tuple[tuple[int, int], ...]:
+        return ((0, at), (400, 74))
+
+    def steps(*seqs: int) -> tuple[Feed, ...]:
+        return tuple(Feed(((s, 1),)) for _ in range(4) for s in seqs)
+
+    def cold(at: int, whole: bool) -> Script:
+        calls = (Feed(((0, at + 70),)),) if whole else (Feed(((0, at),)), Feed(((0, 70),)))
+        return Script(f"cold {at}{' whole' if whole else ''}", ((0, child(at)),), (*calls, *steps(0)))
+
+    scripts = (
+        Script("fork 130, 256", ((0, parent), (1, child(130)), (2, child(256))),
+               (Feed(((0, 300),)), Fork(1, 0, 130), Fork(2, 0, 256), Feed(((1, 70),)), Feed(((2, 70),)),
+                *steps(0, 1, 2))),
+        Script("fork 201", ((0, parent), (1, child(201))),
+               (Feed(((0, 201),)), Feed(((0, 99),)), Fork(1, 0, 201), Feed(((1, 70),)), *steps(0, 1))),
+        Script("parent alone", ((0, parent),), (Feed(((0, 300),)), *steps(0))),
+        cold(130, False), cold(201, False), cold(130, True), cold(256, True))
+    checks = (
+        Check("forked==cold", ("cold 130", 0), ("fork 130, 256", 1),
+              "130 is inside the parent's call: the fork replays its first 130 tokens as one call, as the cold run "
+              "feeds them"),
+        Check("forked==cold", ("cold 201", 0), ("fork 201", 1), "201 ends a parent call: the fork restores its "
+              "snapshot; the cold run feeds the same calls"),
+        Check("forked==cold whole", ("cold 256 whole", 0), ("fork 130, 256", 2),
+              f"the fork's boundary 256 is a multiple of {ALIGN} (chunked==whole's promise)"),
+        Check("forked==cold whole", ("cold 130 whole", 0), ("fork 130, 256", 1)),
+        Check("parent==alone", ("parent alone", 0), ("fork 130, 256", 0), "independent sequences"))
+    runs = (Run("parent: prompt 300", 300, 4, param=("prompt_len", 300), stream=parent),
+            Run("fork 130 + 70", 200, 4, param=("prompt_len", 200), stream=child(130)),
+            Run("fork 201 + 70", 271, 4, param=("prompt_len", 271), stream=child(201)))
+    return Scenario("prefix", "a request forked from another at a shared prefix of non-aligned length (inside a "
+                    "prefill call and at a call boundary), continuing with its own tokens: the fork's window ring, "
+                    "compressor carries and compressed entries, the parent left as it was", runs, needs=("fork",),
+                    scripts=scripts, checks=checks)
+
+
+def _verify() -> Scenario:
+    """Prompt 250, then decode with MTP-style proposals rolled back: 3 proposed / 1 accepted across the CSA block
+    end at 251, 4 / 1 across the HCA block end at 255 (and CSA), 2 / 0 at 255, 4 / 2 across 263; 272 positions."""
+    stream = ((0, 272),)
+    one = Feed(((0, 1),))
+    ops = (Feed(((0, 250),)), Propose(0, 3, 1), one, one, one, Propose(0, 4, 1), Propose(0, 2, 0), *[one] * 8,
+           Propose(0, 4, 2), *[one] * 7)
+    verified = Script("verified", ((0, stream),), ops)
+    never = verified.never_proposed("never proposed")
+    checks = (Check("rolled back==never proposed", (never.label, 0), (verified.label, 0),
+                    "the rollback restores the snapshot and replays the accepted tokens as the other run feeds "
+                    "them"),)
+    runs = (Run("prompt 250, 22 steps", 250, 22, param=("prompt_len", 250), stream=stream),)
+    return Scenario("verify", "speculative (MTP) verification: multi-token calls of proposed tokens, rejected ones "
+                    "rolled back, across CSA (4) and HCA (128) block ends: compressor carries, window ring and "
+                    "indexer keys that do not return with the rollback", runs, needs=("rollback",),
+                    scripts=(verified, never), checks=checks)
+
+
+CATALOGUE: dict[str, Scenario] = {s.name: s for s in (_lengths(), _chunks(), _decode_boundaries(), _long_decode(),
+                                                      _batch(), _prefix(), _verify())}
 
 
 def check_names(names: Sequence[str | Scenario] | None) -> list[Scenario]:
@@ -148,9 +307,10 @@ def decoder_logits(decoder: Decoder, ids: torch.Tensor, r: Run) -> torch.Tensor:
     ``r.decode_steps`` steps fed ``ids[prompt_len:]``; nothing recorded."""
     decoder.reset()
     decoder.rec = None
-    prompt = ids[: r.prompt_len]
+    seq = tokens(ids, r.stream) if r.stream else ids
+    prompt = seq[: r.prompt_len]
     rows = [decoder.prefill(c).float() for c in prompt.split(list(r.chunks or (r.prompt_len,)))]
-    rows += [decoder.step(int(t)).float()[None] for t in ids[r.prompt_len : r.positions]]
+    rows += [decoder.step(int(t)).float()[None] for t in seq[r.prompt_len : r.positions]]
     return torch.cat(rows)
 
 
@@ -192,16 +352,71 @@ def check_pair(scenario: Scenario, pair: Pair, logits: dict[str, torch.Tensor], 
             "worst_position": span.start + got["worst_position"], "bound": bound, "passed": passed}
 
 
+def play(decoder: Decoder, ids: torch.Tensor, script: Script) -> dict[int, dict[int, torch.Tensor]]:
+    """``script`` on ``decoder`` from a reset: {seq: {position: fp32 logits [vocab]}} of every call but the
+    proposals; nothing recorded."""
+    decoder.reset()
+    decoder.rec = None
+    streams = {seq: tokens(ids, segs) for seq, segs in script.streams}
+    pos: dict[int, int] = {}
+    rows: dict[int, dict[int, torch.Tensor]] = {seq: {} for seq in streams}
+    for op in script.ops:
+        if isinstance(op, Fork):
+            decoder.fork(op.seq, op.parent, op.pos)
+            pos[op.seq] = op.pos
+        elif isinstance(op, Propose):
+            p = pos.get(op.seq, 0)
+            draft = streams[op.seq][p : p + op.n].clone()
+            draft[op.accept :] = (draft[op.accept :] + 1) % decoder.config.vocab_size
+            decoder.forward([Call(op.seq, draft, p)])
+            decoder.rollback(op.seq, p + op.accept)
+            pos[op.seq] = p + op.accept
+        else:
+            calls = [Call(seq, streams[seq][pos.get(seq, 0) : pos.get(seq, 0) + n], pos.get(seq, 0))
+                     for seq, n in op.calls]
+            for call, out in zip(calls, decoder.forward(calls), strict=True):
+                for j, row in enumerate(out.float()):
+                    rows[call.seq][call.start + j] = row
+                pos[call.seq] = call.start + len(call.ids)
+    return rows
+
+
+def check_script_pair(scenario: Scenario, check: Check, rows: dict[str, dict[int, dict[int, torch.Tensor]]],
+                      decoder: Decoder) -> dict:
+    a, b = rows[check.a[0]][check.a[1]], rows[check.b[0]][check.b[1]]
+    span = sorted(set(a) & set(b))
+    got = compare(torch.stack([a[p] for p in span]), torch.stack([b[p] for p in span]))
+    cpu = isinstance(decoder, ProductionDecoder) and decoder.model.device.type == "cpu"
+    why = f"production on the CPU: {check.bitwise}" if cpu and check.bitwise else ""
+    passed = got["bitwise"] if why else got["cos_min"] >= COS_MIN and got["rel_l2"] <= REL_L2_MAX
+    bound = "bitwise" if why else f"cos_min >= {COS_MIN}, rel_l2 <= {REL_L2_MAX}"
+    return {"scenario": scenario.name, "pair": check.kind, "a": f"{check.a[0]} / seq {check.a[1]}",
+            "b": f"{check.b[0]} / seq {check.b[1]}", "positions": f"{span[0]}-{span[-1]} ({len(span)})",
+            "bitwise promised": why or "no", **got, "worst_position": span[got["worst_position"]], "bound": bound,
+            "passed": passed}
+
+
+def missing(scenario: Scenario, decoder: Decoder) -> str:
+    """Why ``decoder`` cannot run ``scenario`` (the capabilities it lacks and their reasons), '' when it can."""
+    have = decoder.capabilities()
+    return "; ".join(f"{need}: {have[need]}" for need in scenario.needs if have.get(need) is not None)
+
+
 def self_consistency(scenario: Scenario, ids: torch.Tensor, fresh: Callable[[int], Decoder]) -> list[dict]:
-    """Every pair of ``scenario`` on decoders from ``fresh(max_context)`` (one per run)."""
+    """Every pair of ``scenario`` on decoders from ``fresh(max_context)`` (one per run or script)."""
     needed = {label for p in scenario.pairs for label in (p.a, p.b)}
-    context = max(r.positions for r in scenario.runs)
+    context = max([r.positions for r in scenario.runs] + [s.positions for s in scenario.scripts])
     logits, decoder = {}, None
     for r in scenario.runs:
         if r.label in needed:
             decoder = fresh(context)
             logits[r.label] = decoder_logits(decoder, ids, r)
-    return [check_pair(scenario, p, logits, decoder) for p in scenario.pairs]
+    out = [check_pair(scenario, p, logits, decoder) for p in scenario.pairs]
+    rows = {}
+    for s in scenario.scripts:
+        decoder = fresh(context)
+        rows[s.label] = play(decoder, ids, s)
+    return out + [check_script_pair(scenario, c, rows, decoder) for c in scenario.checks]
 
 
 # ---- the oracle side and the combined report --------------------------------------------------------------------
@@ -219,21 +434,34 @@ def worst_local_cos(run_dir: Path) -> float:
 
 @dataclass
 class ScenarioResult:
-    """``matrix`` (a row per run), ``pairs`` (a row per self-consistency pair), the report directory."""
+    """``matrix`` (a row per run), ``pairs`` (a row per self-consistency pair), the report directory; ``skipped``:
+    {scenario: why} for the scenarios the decoder lacks a capability for (not judged, so not passed)."""
 
     out_dir: Path
     matrix: pd.DataFrame
     pairs: pd.DataFrame
     seconds: float
+    skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
-        return bool((self.matrix["verdict"] == "PASS").all() and self.pairs["passed"].all())
+        """No judged run or pair fails (skipped scenarios are listed apart)."""
+        runs = self.matrix["verdict"] if len(self.matrix) else pd.Series([], dtype=str)
+        pairs = self.pairs["passed"] if len(self.pairs) else pd.Series([], dtype=bool)
+        return bool((runs == "PASS").all() and pairs.all())
 
     def failures(self) -> list[str]:
         bad = [f"{r.scenario}/{r.run}: {r.first_divergence}" for r in self.matrix.itertuples()
                if r.verdict != "PASS"]
         return bad + [f"{r.scenario}/{r.pair} {r.b} vs {r.a}" for r in self.pairs.itertuples() if not r.passed]
+
+    def verdict(self) -> str:
+        """PASS / FAIL: the failures, then the skipped scenarios (SKIPPED when nothing was judged)."""
+        skipped = "; ".join(f"{name} skipped ({why})" for name, why in self.skipped.items())
+        if not len(self.matrix) and not len(self.pairs) and skipped:
+            return f"SKIPPED: {skipped}"
+        head = "PASS" if self.passed else "FAIL: " + "; ".join(self.failures())
+        return f"{head}; not judged: {skipped}" if skipped else head
 
 
 def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None = None,
@@ -248,7 +476,8 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
     scenarios = check_names(names)
     target = check_output(out, run_id or f"scenarios-{new_run_id()}", overwrite)
     ckpt = plan.open()
-    longest = max(r.positions for s in scenarios for r in s.runs)
+    longest = max([r.positions + sum(o for o, _ in r.stream) for s in scenarios for r in s.runs] +
+                  [o + n for s in scenarios for sc in s.scripts for _, segs in sc.streams for o, n in segs])
     ids = plan.prompt(longest)
     tell = progress or (lambda line: None)
     t0 = time.perf_counter()
@@ -257,11 +486,15 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
         return open_decoder(decoder, ckpt, profile, context, device, decoder_dtype)
 
     def fill(tmp: Path) -> ScenarioResult:
-        rows, pairs = [], []
+        rows, pairs, skipped = [], [], {}
         for s in scenarios:
+            if s.needs and (why := missing(s, fresh(max(r.positions for r in s.runs)))):
+                skipped[s.name] = why
+                tell(f"{s.name}: skipped: {why}")
+                continue
             for r in s.runs:
                 t = time.perf_counter()
-                res = run(decoder, plan, ids[: r.prompt_len], r.decode_steps, modes, tmp / "runs",
+                res = run(decoder, plan, r.prompt(ids), r.decode_steps, modes, tmp / "runs",
                           run_id=_slug(f"{s.name}-{r.label}"), profile=profile, decoder_dtype=decoder_dtype,
                           device=device, notify=notify, prefill_chunk=list(r.chunks) if r.chunks else None)
                 rows.append({"scenario": s.name, "run": r.label, "parameter": f"{r.param[0]}={r.param[1] or 'mixed'}",
@@ -275,11 +508,13 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
             got = self_consistency(s, ids, fresh)
             pairs += got
             for row in rows:
-                mine = [p["passed"] for p in got if p["scenario"] == s.name and p["b"] == row["run"]]
+                mine = [p["passed"] for p in got if p["scenario"] == s.name and (p["b"] == row["run"] or s.checks)]
                 if row["scenario"] == s.name and mine:
                     row["self_consistency"] = "PASS" if all(mine) else "FAIL"
             tell(f"{s.name}: self-consistency {sum(p['passed'] for p in got)}/{len(got)} pairs pass")
-        result = ScenarioResult(target, pd.DataFrame(rows), pd.DataFrame(pairs), time.perf_counter() - t0)
+        result = ScenarioResult(target, pd.DataFrame(rows, columns=list(ROW_COLUMNS)),
+                                pd.DataFrame(pairs, columns=list(PAIR_COLUMNS)),
+                                time.perf_counter() - t0, skipped)
         write_report(tmp, result, plan.what, decoder)
         return result
 
@@ -288,6 +523,8 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
     return box[0]
 
 
+ROW_COLUMNS = ("scenario", "run", "parameter", "prompt_len", "chunks", "decode_steps", "verdict", "first_divergence",
+               "worst_local_cos", "self_consistency", "run_dir", "seconds", "param_name", "param_value")
 MATRIX_COLUMNS = ("scenario", "run", "parameter", "verdict", "first_divergence", "worst_local_cos",
                   "self_consistency", "seconds")
 PAIR_COLUMNS = ("scenario", "pair", "b", "a", "positions", "bitwise promised", "bitwise", "max_abs", "rel_max",
@@ -304,17 +541,21 @@ def plot(matrix: pd.DataFrame, path: Path) -> Path:
               (axes[1], matrix[(matrix["param_name"] == "chunk") & (matrix["param_value"] > 0)], "param_value",
                "prefill chunk size (tokens; the whole prompt is the largest)"))
     for ax, rows, x, xlabel in panels:
+        rows = rows.dropna(subset=["worst_local_cos"])  # free mode only, or nothing judged: no point
         for name, group in rows.groupby("scenario", sort=False):
             y = (1 - group["worst_local_cos"]).clip(lower=FLOOR)
             ax.scatter(group[x], y, label=name, s=18)
             bad = group[group["verdict"] != "PASS"]
             ax.scatter(bad[x], (1 - bad["worst_local_cos"]).clip(lower=FLOOR), marker="x", color="red", s=50)
-        ax.set_yscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("1 - worst local cos (layer/op)")
+        if not len(rows):
+            continue
+        ax.set_yscale("log")
         if x == "param_value":
             ax.set_xscale("log")
-    axes[0].legend(fontsize=7, loc="best")
+    if len(matrix.dropna(subset=["worst_local_cos"])):
+        axes[0].legend(fontsize=7, loc="best")
     fig.suptitle("worst local cos per run (red x: the run fails against the oracle)")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)
@@ -327,12 +568,15 @@ def write_report(folder: Path, result: ScenarioResult, checkpoint: str, decoder:
     pairs.to_csv(folder / "pairs.csv", index=False)
     png = plot(matrix, folder / "plots" / "worst_local_cos.png")
     label = decoder.label if isinstance(decoder, Decoder) else decoder
-    verdict = "PASS" if result.passed else "FAIL: " + "; ".join(result.failures())
+    verdict = result.verdict()
     head = (f"decoder {label} on {checkpoint}; {len(matrix)} runs, {len(pairs)} self-consistency pairs, "
-            f"{result.seconds:.0f} s")
+            f"{len(result.skipped)} scenarios skipped, {result.seconds:.0f} s")
     gate = f"self-consistency bound where bits may differ: cos_min >= {COS_MIN}, rel_l2 <= {REL_L2_MAX}"
     tables = [("Scenario matrix", matrix[list(MATRIX_COLUMNS)]),
               ("Self-consistency (the decoder against itself)", pairs[list(PAIR_COLUMNS)] if len(pairs) else pairs)]
+    if result.skipped:
+        tables.append(("Skipped (the decoder lacks a capability; not judged)",
+                       pd.DataFrame({"scenario": list(result.skipped), "why": list(result.skipped.values())})))
     md = [f"# Scenarios\n\nverdict: {verdict}\n\n{head}\n\n{gate}\n"]
     md += [f"## {title}\n\n{md_table(t)}\n" for title, t in tables]
     md.append(f"## Plot\n\n![worst local cos]({png.relative_to(folder)})\n\nEach run's own report: runs/<run>/.\n")

@@ -29,7 +29,7 @@ def plan():
 
 
 def test_catalogue_covers_every_residue_and_the_edges():
-    assert set(CATALOGUE) == {"lengths", "chunks", "decode-boundaries", "long-decode"}
+    assert set(CATALOGUE) == {"lengths", "chunks", "decode-boundaries", "long-decode", "batch", "prefix", "verify"}
     lengths = {r.prompt_len for r in CATALOGUE["lengths"].runs}
     assert {n % 4 for n in lengths} == {0, 1, 2, 3}
     assert {127, 128, 129, 255, 256, 257} <= lengths
@@ -43,8 +43,32 @@ def test_catalogue_covers_every_residue_and_the_edges():
     assert max(r.decode_steps for r in CATALOGUE["long-decode"].runs) >= 512
     for s in CATALOGUE.values():
         labels = [r.label for r in s.runs]
-        assert len(set(labels)) == len(labels) and s.pairs and s.description
+        assert len(set(labels)) == len(labels) and (s.pairs or s.checks) and s.description
         assert all({p.a, p.b} <= set(labels) for p in s.pairs)
+        assert all({c.a[0], c.b[0]} <= {x.label for x in s.scripts} for c in s.checks)
+        assert bool(s.needs) == bool(s.scripts)
+    batch = CATALOGUE["batch"].runs
+    assert 3 <= len(batch) <= 8 and len({r.prompt_len % 4 for r in batch}) > 1
+    assert len({r.decode_steps for r in batch}) > 1  # some finish early
+    proposed = _proposals(CATALOGUE["verify"].script("verified"))
+    assert any(op.accept < op.n for _, op in proposed)
+    crosses = [range(p, p + op.n) for p, op in proposed]
+    assert any(any(q % 4 == 3 for q in r[:-1]) for r in crosses)  # a CSA block ends inside a proposal
+    assert any(any(q % 128 == 127 for q in r[:-1]) for r in crosses)  # and an HCA block
+
+
+def _proposals(script):
+    """(position, Propose) of every proposal of a one-sequence script."""
+    from fidelity.scenarios import Feed, Propose
+
+    pos, out = 0, []
+    for op in script.ops:
+        if isinstance(op, Propose):
+            out.append((pos, op))
+            pos += op.accept
+        elif isinstance(op, Feed):
+            pos += sum(n for _, n in op.calls)
+    return out
 
 
 def test_a_scenario_passes_on_the_clean_production_decoder(plan, tmp_path):
@@ -123,4 +147,4 @@ def test_a_bad_scenario_name_is_one_line_exit_2(command, tmp_path, capsys):
     assert main([command, "--scenario", "lengths", "--scenario", "nope", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["fidelity: error: --scenario: expected one of lengths, chunks, decode-boundaries, long-decode, "
-                   "found nope"]
+                   "batch, prefix, verify, found nope"]

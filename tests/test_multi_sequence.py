@@ -111,3 +111,20 @@ def test_a_decoder_without_the_capabilities_gets_them_skipped(plan, tmp_path):
     assert "Skipped" in md and why in md
     only = run_scenarios(plan, ["verify"], dec, out=tmp_path, run_id="t", modes=("free",))
     assert only.verdict() == f"SKIPPED: verify skipped (rollback: {dec.capabilities()[ROLLBACK]})"
+
+
+class ForksAtCallEnds(ProductionDecoder):
+    """Forks only where the parent's call ended (as transformers' decoder, which keeps cache copies at call ends)."""
+
+    def fork(self, seq: int, parent: int, pos: int) -> None:
+        if pos != self.seqs[parent].session.pos:
+            raise DecoderError(f"{self.label}: cannot fork sequence {parent} at position {pos}: only where it stands")
+        super().fork(seq, parent, pos)
+
+
+def test_a_capability_held_only_in_part_skips_that_self_consistency_with_the_reason(plan, tmp_path):
+    dec = ForksAtCallEnds(plan.ckpt, max_context=400)
+    res = run_scenarios(plan, ["prefix"], dec, out=tmp_path, run_id="p", modes=("free",))
+    assert len(res.matrix) and res.pairs.empty
+    assert "only where it stands" in res.skipped["prefix self-consistency"]
+    assert "not judged: prefix self-consistency skipped" in res.verdict()

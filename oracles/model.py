@@ -86,6 +86,28 @@ class OracleModel:
         experts = "" if self.keep_experts else "; routed experts dequantized at each use"
         return f"{kept} ({self.fp32_bytes / 2**30:.1f} GiB in fp32 in all){experts}"
 
+    def moe_layer(self, i: int, x: torch.Tensor, ids: torch.Tensor, emit) -> torch.Tensor:
+        """Layer i's MoE on x [n, dim] (token ids [n] for hash routing) -> [n, dim]; ``emit(template, tensor or
+        callable)`` receives the gate's selection scores (score-routed layers), experts and weights."""
+        w, cfg = self.w, self.cfg
+        p = f"layers.{i}.ffn."
+        hashed = cfg.is_hash_layer(i)
+        bias = None if hashed else w(p + "gate.bias")
+        weights, experts = moe_ops.gate(x, w(p + "gate.weight"), bias, w(p + "gate.tid2eid") if hashed else None,
+                                        ids, cfg)
+        if not hashed:
+            emit("L{i}.moe.scores",
+                 lambda: moe_ops.selection_scores(moe_ops.gate_scores(x, w(p + "gate.weight"), cfg), bias))
+        emit("L{i}.moe.experts", experts)
+        emit("L{i}.moe.weights", weights)
+
+        def expert_weights(e: int):
+            q = f"{p}experts.{e}."
+            return w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight")
+
+        shared = tuple(w(f"{p}shared_experts.{k}.weight") for k in ("w1", "w2", "w3"))
+        return moe_ops.moe(x, weights, experts, expert_weights, shared, cfg.swiglu_limit)
+
     def session(self, recorder: Recorder | None = None) -> OracleSession:
         return OracleSession(self, recorder)
 
@@ -310,21 +332,4 @@ class OracleSession:
 
     # ---- MoE -------------------------------------------------------------------------------
     def moe(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        w, cfg = self.m.w, self.cfg
-        p = f"layers.{i}.ffn."
-        hashed = cfg.is_hash_layer(i)
-        bias = None if hashed else w(p + "gate.bias")
-        weights, experts = moe_ops.gate(x, w(p + "gate.weight"), bias, w(p + "gate.tid2eid") if hashed else None,
-                                        ids, cfg)
-        if not hashed:
-            self.emit("L{i}.moe.scores", i,
-                      lambda: moe_ops.selection_scores(moe_ops.gate_scores(x, w(p + "gate.weight"), cfg), bias))
-        self.emit("L{i}.moe.experts", i, experts)
-        self.emit("L{i}.moe.weights", i, weights)
-
-        def expert_weights(e: int):
-            q = f"{p}experts.{e}."
-            return w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight")
-
-        shared = tuple(w(f"{p}shared_experts.{k}.weight") for k in ("w1", "w2", "w3"))
-        return moe_ops.moe(x, weights, experts, expert_weights, shared, cfg.swiglu_limit)
+        return self.m.moe_layer(i, x, ids, lambda template, t: self.emit(template, i, t))

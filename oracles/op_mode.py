@@ -15,7 +15,6 @@ import torch
 
 from fidelity.model.sites import MHC_SITES, Recorder, site_name
 from oracles import attention, indexer, mhc
-from oracles import moe as moe_ops
 from oracles.compressor import CompressorState, compress, compressor_weights
 from oracles.model import OracleModel
 
@@ -129,22 +128,7 @@ class OpReplay:
                                                                         cfg.head_dim**-0.5))
 
     def _moe(self, i: int, take_q: Take, ids: torch.Tensor, out: Recorder) -> None:
-        w, cfg = self.model.w, self.cfg
-        x = take_q("L{i}.moe.in")  # [nq, dim]
-        p = f"layers.{i}.ffn."
-        hashed = cfg.is_hash_layer(i)
-        bias = None if hashed else w(p + "gate.bias")
-        weights, experts = moe_ops.gate(x, w(p + "gate.weight"), bias, w(p + "gate.tid2eid") if hashed else None,
-                                        ids, cfg)
-        if not hashed:
-            out(site_name("L{i}.moe.scores", i),
-                moe_ops.selection_scores(moe_ops.gate_scores(x, w(p + "gate.weight"), cfg), bias))
-        out(site_name("L{i}.moe.experts", i), experts)
-        out(site_name("L{i}.moe.weights", i), weights)
+        def emit(template: str, t) -> None:
+            out(site_name(template, i), t() if callable(t) else t)
 
-        def expert_weights(e: int):
-            q = f"{p}experts.{e}."
-            return w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight")
-
-        shared = tuple(w(f"{p}shared_experts.{k}.weight") for k in ("w1", "w2", "w3"))
-        out(site_name("L{i}.moe.out", i), moe_ops.moe(x, weights, experts, expert_weights, shared, cfg.swiglu_limit))
+        emit("L{i}.moe.out", self.model.moe_layer(i, take_q("L{i}.moe.in"), ids, emit))  # moe.in: [nq, dim]

@@ -28,8 +28,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # RMSNorm and its consumers' quantization as the reference runs them (separate ops), or fused: rms_norm_fp8 (the
     # codes made once per norm for every FP8 GEMM it feeds) and kv_norm_rope_fp8 (kv_norm + RoPE + the FP8 round)
     "norm_fusion": ("unfused", "fused"),
+    # KV cache layout: flat rows, or also paged:<block> (rows in blocks of <block>, a power of two in 1..4096,
+    # addressed through a per-session block table: ``Profile.kv_block``); storage only, same bits
+    "kv_cache": ("flat",),
 }
 _LAYER_SET = re.compile(r"fp32@(\d+(-\d+)?)([+,;]\d+(-\d+)?)*")
+_PAGED = re.compile(r"paged:([1-9]\d*)")
+MAX_KV_BLOCK = 4096
 
 
 @dataclass(frozen=True)
@@ -47,10 +52,14 @@ class Profile:
     index_scores: str = "bf16"
     residual: str = "bf16"
     norm_fusion: str = "unfused"
+    kv_cache: str = "flat"
 
     def __post_init__(self) -> None:
         bad = [f"{k}: expected one of {v}, found {getattr(self, k)!r}" for k, v in CHOICES.items()
-               if k != "residual" and getattr(self, k) not in v]
+               if k not in ("residual", "kv_cache") and getattr(self, k) not in v]
+        if self.kv_cache != "flat" and not self.kv_block:
+            bad.append(f"kv_cache: expected 'flat' or 'paged:<block>' with block a power of two in 1..{MAX_KV_BLOCK} "
+                       f"(e.g. paged:64), found {self.kv_cache!r}")
         if self.residual not in CHOICES["residual"]:
             if not _LAYER_SET.fullmatch(self.residual):
                 bad.append("residual: expected 'bf16', 'fp32' or 'fp32@LAYERS' (e.g. fp32@0-3+7: layers 0 to 3 and 7), "
@@ -70,6 +79,14 @@ class Profile:
         if self.residual in CHOICES["residual"]:
             return self.residual == "fp32"
         return any(a <= layer <= b for a, b in _ranges(self.residual))
+
+    @property
+    def kv_block(self) -> int:
+        """Rows per block of a paged KV cache (``kv_cache`` paged:<block>); 0 for the flat layout or an invalid
+        value."""
+        m = _PAGED.fullmatch(self.kv_cache)
+        block = int(m.group(1)) if m else 0
+        return block if block <= MAX_KV_BLOCK and block & (block - 1) == 0 else 0
 
     def changes(self) -> dict[str, str]:
         """The fields that differ from ``reference``."""
@@ -94,6 +111,7 @@ BUILTIN: dict[str, dict[str, str]] = {
     "no-hadamard": {"hadamard": "off"},
     "fp32-residual": {"residual": "fp32"},
     "fused-norm": {"norm_fusion": "fused"},
+    "paged-kv": {"kv_cache": "paged:64"},
 }
 
 

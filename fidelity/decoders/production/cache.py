@@ -6,6 +6,12 @@ scales, pad: 584 bytes/token at head_dim 512, ``kv_layout``); the indexer key ca
 ``[ceil(max_context/4), index_head_dim]`` as bf16 or packed (FP4 codes + ue8m0 1x32 scales, or e4m3 + ue8m0
 scales); the compressors' fp32 carry state ``[coff*ratio, coff*d]``; and the decode's cache slots for window +
 selected rows, with a bf16 gather buffer for them where decode gathers (:func:`decode_gathers`).
+
+Layout (profile field ``kv_cache``): flat, logical row (slot) s at storage row s; or paged:<block>, the rows in
+physical blocks of ``block`` rows addressed through the store's block table (int64 [n_blocks] on its device): slot s
+at row ``table[s // block] * block + s % block`` (:meth:`_RowStore.physical`), the storage rounded up to whole
+blocks. The table is the fixed permutation :func:`block_table` (blocks in reverse order), so code that addresses a
+paged store by the flat slot reads other rows; each session allocates its own blocks (none shared; a fork copies).
 """
 
 from __future__ import annotations
@@ -23,45 +29,95 @@ from fidelity.model.formats import dequantize_fp4, dequantize_fp8, quantize_fp4,
 BF16 = torch.bfloat16
 
 
+def block_table(n_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A paged store's block table, int64 [n_blocks]: logical block b at physical block ``n_blocks - 1 - b`` (the
+    reversed order: never the identity for two blocks or more)."""
+    return torch.arange(n_blocks - 1, -1, -1, dtype=torch.long, device=device)
+
+
 class _RowStore:
-    """Row writes shared by the stores: ``_parts(rows)`` pairs each storage tensor with the new rows' values."""
+    """Row writes and the slot translation shared by the stores: ``_parts(rows)`` pairs each storage tensor with
+    the new rows' values; ``block`` rows per block (0: flat) and ``table`` (paged) address them."""
+
+    capacity: int
+    block: int = 0
+    table: torch.Tensor | None = None
+
+    def _paged_rows(self, capacity: int, block: int, device: torch.device | str) -> int:
+        """Sets the layout (block 0: flat) and returns the storage rows: capacity, rounded up to whole blocks."""
+        self.block = block
+        if not block:
+            return capacity
+        n_blocks = -(-capacity // block)
+        self.table = block_table(n_blocks, device)
+        return n_blocks * block
 
     def _parts(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         raise NotImplementedError
 
+    def parts(self) -> list[torch.Tensor]:
+        """The storage tensors, rows [physical rows, ...] each."""
+        raise NotImplementedError
+
+    def physical(self, slots: torch.Tensor | slice) -> torch.Tensor | slice:
+        """The storage rows of logical ``slots`` (int64 tensor on the store's device, or a slice; in range): the
+        slots as given when flat; paged, ``table[s // block] * block + s % block`` (a slice becomes an index
+        tensor), computed on the device (no host sync)."""
+        if not self.block:
+            return slots
+        if isinstance(slots, slice):
+            slots = torch.arange(*slots.indices(self.capacity), device=self.table.device)
+        return self.table[slots // self.block] * self.block + slots % self.block
+
+    def physical_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """:meth:`physical` of slots with -1 (masked) entries kept -1 (the FP8-layout attention's ``idx``)."""
+        if not self.block:
+            return slots
+        return torch.where(slots >= 0, self.physical(slots.clamp(min=0)), -1)
+
     def write(self, slots: torch.Tensor | slice, rows: torch.Tensor) -> None:
+        """Logical ``slots`` set to ``rows`` [k, width]."""
+        at = self.physical(slots)
         for store, new in self._parts(rows):
-            store[slots] = new
+            store[at] = new
 
     def write_at_block_end(self, pos: torch.Tensor, ratio: int, offset: int, rows: torch.Tensor) -> None:
         """``write(pos // ratio + offset, rows)`` where the token at ``pos`` (int64 [1], on the store's device)
         completes a block (``pos % ratio == ratio - 1``), else the rows are left as they are: a write decided on
-        the device, with no host sync (graph decode's compressed entries); one row on a GPU is one launch per
-        storage tensor (``kernels.take.put_at_block_end``)."""
+        the device, with no host sync (graph decode's compressed entries); one row of a flat store on a GPU is one
+        launch per storage tensor (``kernels.take.put_at_block_end``); a paged store translates the slot on the
+        device and takes torch's path."""
         for store, new in self._parts(rows):
-            if store.is_cuda and kernels.available() and new.shape[0] == 1 and pos.numel() == 1:
+            if store.is_cuda and kernels.available() and new.shape[0] == 1 and pos.numel() == 1 and not self.block:
                 from fidelity.decoders.production.kernels.take import put_at_block_end
 
                 put_at_block_end(store, pos.reshape(1), ratio, offset, new)
                 continue
-            cond, slots = pos % ratio == ratio - 1, pos // ratio + offset
+            cond, slots = pos % ratio == ratio - 1, self.physical(pos // ratio + offset)
             if store.dtype.itemsize == 1 and store.dtype != torch.uint8:  # torch.where has no float8 kernels
                 store, new = store.view(torch.uint8), new.view(torch.uint8)
             store[slots] = torch.where(cond.view(-1, *([1] * (new.dim() - 1))), new, store[slots])
+
+    def nbytes(self) -> int:
+        """Bytes of the storage (paged: whole blocks)."""
+        return sum(t.numel() * t.element_size() for t in self.parts())
 
 
 class KVStore(_RowStore):
     """Rows [capacity, hd]: bf16, or FP8 packed rows ``packed`` uint8 [capacity, row bytes] (``kv_layout``: e4m3
     nope codes, bf16 rope dims, ue8m0 scale bytes, pad; 584 B at head_dim 512, the layout the FP8-layout attention
-    kernel reads), with ``codes`` / ``rope`` / ``scales`` views of their parts."""
+    kernel reads), with ``codes`` / ``rope`` / ``scales`` views of their parts. ``block`` > 0: paged (module
+    docstring), the storage rounded up to whole blocks; every method takes logical slots."""
 
-    def __init__(self, capacity: int, hd: int, rd: int, fmt: str, device: torch.device | str = "cpu"):
+    def __init__(self, capacity: int, hd: int, rd: int, fmt: str, device: torch.device | str = "cpu",
+                 block: int = 0):
         self.capacity, self.hd, self.rd, self.fmt = capacity, hd, rd, fmt
+        n = self._paged_rows(capacity, block, device)
         if fmt == "fp8":
-            self.packed = torch.zeros(capacity, kv_layout.row_bytes(hd, rd), dtype=torch.uint8, device=device)
+            self.packed = torch.zeros(n, kv_layout.row_bytes(hd, rd), dtype=torch.uint8, device=device)
             self.codes, self.rope, self.scales = kv_layout.views(self.packed, hd, rd)
         else:
-            self.rows = torch.zeros(capacity, hd, dtype=BF16, device=device)
+            self.rows = torch.zeros(n, hd, dtype=BF16, device=device)
 
     def _parts(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """rows [k, hd] bf16 whose nope dims are already FP8 values when fmt is fp8 (stored exactly)."""
@@ -69,64 +125,77 @@ class KVStore(_RowStore):
             return [(self.packed, kv_layout.pack(rows, self.rd))]
         return [(self.rows, rows)]
 
+    def parts(self) -> list[torch.Tensor]:
+        return [self.packed if self.fmt == "fp8" else self.rows]
+
     def read(self, slots: torch.Tensor | slice) -> torch.Tensor:
         """bf16 rows [k, hd]."""
+        at = self.physical(slots)
         if self.fmt != "fp8":
-            return self.rows[slots]
-        rope = self.rope[slots]
-        return self.read_into(slots, rope.new_empty((rope.shape[0], self.hd)))
+            return self.rows[at]
+        rope = self.rope[at]
+        return self._unpack_into(at, rope.new_empty((rope.shape[0], self.hd)))
 
     def read_into(self, slots: torch.Tensor | slice, out: torch.Tensor) -> torch.Tensor:
         """The bf16 rows of ``slots`` written into ``out`` [k, hd] (a preallocated workspace): the FP8 nope dims
         dequantized (rounded to bf16 on the copy), the bf16 rope dims as stored."""
+        at = self.physical(slots)
         if self.fmt != "fp8":
-            return torch.index_select(self.rows, 0, slots, out=out)
-        nope = self.hd - self.rd
-        out[:, :nope] = dequantize_fp8(self.codes[slots], self.scales[slots], 64)
-        out[:, nope:] = self.rope[slots]
-        return out
+            return torch.index_select(self.rows, 0, at, out=out)
+        return self._unpack_into(at, out)
 
-    def nbytes(self) -> int:
-        store = self.packed if self.fmt == "fp8" else self.rows
-        return store.numel() * store.element_size()
+    def _unpack_into(self, at: torch.Tensor | slice, out: torch.Tensor) -> torch.Tensor:
+        """The packed FP8 storage rows ``at`` as bf16 [k, hd] in ``out``."""
+        nope = self.hd - self.rd
+        out[:, :nope] = dequantize_fp8(self.codes[at], self.scales[at], 64)
+        out[:, nope:] = self.rope[at]
+        return out
 
 
 class KeyStore(_RowStore):
-    """Indexer keys [capacity, d]: bf16 rows, or packed codes + ue8m0 scales (FP4 1x32 or FP8 1xmin(128, d))."""
+    """Indexer keys [capacity, d]: bf16 rows, or packed codes + ue8m0 scales (FP4 1x32 or FP8 1xmin(128, d)).
+    ``block`` > 0: paged (module docstring); every method takes logical slots."""
 
-    def __init__(self, capacity: int, d: int, fmt: str, packed: bool, device: torch.device | str = "cpu"):
+    def __init__(self, capacity: int, d: int, fmt: str, packed: bool, device: torch.device | str = "cpu",
+                 block: int = 0):
         self.capacity, self.d, self.fmt, self.packed = capacity, d, fmt, packed
-        self.block = 32 if fmt == "fp4" else min(128, d)
+        self.scale_block = 32 if fmt == "fp4" else min(128, d)
+        n = self._paged_rows(capacity, block, device)
         if not packed:
-            self.rows = torch.zeros(capacity, d, dtype=BF16, device=device)
+            self.rows = torch.zeros(n, d, dtype=BF16, device=device)
         elif fmt == "fp4":
-            self.codes = torch.zeros(capacity, d // 2, dtype=torch.uint8, device=device)
-            self.scales = torch.zeros(capacity, d // 32, dtype=torch.uint8, device=device)
+            self.codes = torch.zeros(n, d // 2, dtype=torch.uint8, device=device)
+            self.scales = torch.zeros(n, d // 32, dtype=torch.uint8, device=device)
         else:
-            self.codes = torch.zeros(capacity, d, dtype=torch.float8_e4m3fn, device=device)
-            self.scales = torch.zeros(capacity, d // self.block, dtype=torch.uint8, device=device)
+            self.codes = torch.zeros(n, d, dtype=torch.float8_e4m3fn, device=device)
+            self.scales = torch.zeros(n, d // self.scale_block, dtype=torch.uint8, device=device)
 
     def _parts(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if not self.packed:
             return [(self.rows, rows)]
-        codes, scales = quantize_fp4(rows, 32) if self.fmt == "fp4" else quantize_fp8(rows, self.block)
+        codes, scales = quantize_fp4(rows, 32) if self.fmt == "fp4" else quantize_fp8(rows, self.scale_block)
         return [(self.codes, codes), (self.scales, scales)]
 
+    def parts(self) -> list[torch.Tensor]:
+        return [self.codes, self.scales] if self.packed else [self.rows]
+
     def read(self, slots: torch.Tensor | slice) -> torch.Tensor:
+        """bf16 keys [k, d]."""
+        at = self.physical(slots)
         if not self.packed:
-            return self.rows[slots]
+            return self.rows[at]
         if self.fmt == "fp4":
-            return dequantize_fp4(self.codes[slots], self.scales[slots], 32).to(BF16)
-        return dequantize_fp8(self.codes[slots], self.scales[slots], self.block).to(BF16)
+            return dequantize_fp4(self.codes[at], self.scales[at], 32).to(BF16)
+        return dequantize_fp8(self.codes[at], self.scales[at], self.scale_block).to(BF16)
 
     def fp4_slices(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The first n keys' packed FP4 codes [n, d/2] and scale bytes [n, d/32] (views), or None when the keys
-        are not stored packed FP4."""
-        return (self.codes[:n], self.scales[:n]) if self.packed and self.fmt == "fp4" else None
-
-    def nbytes(self) -> int:
-        parts = (self.codes, self.scales) if self.packed else (self.rows,)
-        return sum(t.numel() * t.element_size() for t in parts)
+        """The first n keys' packed FP4 codes [n, d/2] and scale bytes [n, d/32] (views when flat; paged, copies
+        gathered through the block table, so the scoring kernel reads them contiguously), or None when the keys are
+        not stored packed FP4."""
+        if not (self.packed and self.fmt == "fp4"):
+            return None
+        at = self.physical(slice(0, n))
+        return self.codes[at], self.scales[at]
 
 
 @dataclass
@@ -154,13 +223,14 @@ class LayerCache:
         ratio, w = cfg.ratio(i), cfg.window_size
         self.ratio, self.window = ratio, w
         self.n_compressed = math.ceil(max_context / ratio) if ratio else 0
-        self.kv = KVStore(w + self.n_compressed, cfg.head_dim, cfg.rope_head_dim, profile.kv_storage, device)
+        block = profile.kv_block  # 0: flat
+        self.kv = KVStore(w + self.n_compressed, cfg.head_dim, cfg.rope_head_dim, profile.kv_storage, device, block)
         self.carry = CompressorCarry.empty(ratio, cfg.head_dim, device) if ratio else None
         self.keys = self.index_carry = None
         if ratio == 4:
             n_keys = math.ceil(max_context / 4)
             self.keys = KeyStore(n_keys, cfg.index_head_dim, profile.indexer_qk,
-                                 profile.indexer_storage == "packed", device)
+                                 profile.indexer_storage == "packed", device, block)
             self.index_carry = CompressorCarry.empty(4, cfg.index_head_dim, device)
         visible = w + (min(cfg.index_topk, self.n_compressed) if ratio == 4 else self.n_compressed)
         rows = visible if decode_gathers(profile) else 0  # packed FP8 rows are attended in place

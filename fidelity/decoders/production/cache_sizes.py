@@ -13,6 +13,10 @@ context. The *padded* figures round every KV / key row up to a multiple of ``PAD
 already the 584 B production layout (448 codes + 128 rope + 7 scales + 1 pad, as FlashMLA reads it); the packed
 FP8 key is 129 B here, 132 B in DeepGEMM (fp32 scale). The gather buffer is a decode workspace: listed in the
 totals, not per token (for HCA it still grows as ``ceil(ctx / 128)`` rows).
+
+A paged cache (profile ``kv_cache`` paged:<block>, ``block`` here) allocates each layer's KV rows (window +
+compressed) and its indexer keys in whole blocks: the rows that round them up are ``block_pad`` (bytes; at padded
+row sizes ``block_pad_padded``), counted in the totals, not per token.
 """
 
 from __future__ import annotations
@@ -51,15 +55,18 @@ class LayerMemory:
     window_padded: int
     compressed_kv_padded: int
     indexer_keys_padded: int
+    block_pad: int = 0  # a paged cache's rows past the KV / key capacity up to whole blocks
+    block_pad_padded: int = 0
 
     @property
     def total(self) -> int:
-        return self.window + self.compressed_kv + self.indexer_keys + self.compressor_state + self.gather
+        return (self.window + self.compressed_kv + self.indexer_keys + self.compressor_state + self.gather
+                + self.block_pad)
 
     @property
     def total_padded(self) -> int:
         return (self.window_padded + self.compressed_kv_padded + self.indexer_keys_padded + self.compressor_state
-                + self.gather)
+                + self.gather + self.block_pad_padded)
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class MemoryReport:
     kv_row: int
     key_row: int
     layers: dict[str, LayerMemory]  # kind -> one layer of that kind (kinds absent from the model omitted)
+    block: int = 0  # rows per block of a paged cache; 0: flat
 
     def total(self, kind: str | None = None, padded: bool = False) -> int:
         """All layers of ``kind`` (all kinds when None)."""
@@ -94,6 +102,11 @@ class MemoryReport:
                        "total": self.total(k), "total_padded": self.total(k, True)} for name, k in kinds.items()}
 
 
+def _block_pad(rows: int, block: int) -> int:
+    """Rows that round ``rows`` up to whole blocks of ``block`` (0: flat, none)."""
+    return -rows % block if block else 0
+
+
 def profile_formats(profile: Profile) -> tuple[str, str]:
     """(kv_fmt, index_fmt) of a precision profile's cache storage."""
     index_fmt = profile.indexer_qk if profile.indexer_storage == "packed" else "bf16"
@@ -101,17 +114,20 @@ def profile_formats(profile: Profile) -> tuple[str, str]:
 
 
 def cache_bytes(config: ModelConfig, max_context: int, kv_fmt: str = "bf16", index_fmt: str = "bf16",
-                gathers: bool | None = None) -> MemoryReport:
+                gathers: bool | None = None, block: int = 0) -> MemoryReport:
     """Analytic cache bytes of a ``ProductionSession`` with ``max_context`` (kv_fmt: bf16 | fp8 rows; index_fmt:
     bf16 rows, or packed fp4 | fp8 codes + ue8m0 scales). ``gathers``: whether decode gathers the visible rows into
     a bf16 workspace (``cache.decode_gathers`` of the profile); by default for bf16 rows only, since packed FP8
-    rows are attended in place unless the FMHA rounds its inputs."""
+    rows are attended in place unless the FMHA rounds its inputs. ``block``: rows per block of a paged cache
+    (``Profile.kv_block``; 0: flat)."""
     if kv_fmt not in KV_FORMATS:
         raise ValueError(f"kv_fmt: expected one of {KV_FORMATS}, found {kv_fmt!r}")
     if index_fmt not in INDEX_FORMATS:
         raise ValueError(f"index_fmt: expected one of {INDEX_FORMATS}, found {index_fmt!r}")
     if not isinstance(max_context, int) or max_context < 1:
         raise ValueError(f"max_context: expected a positive integer, found {max_context!r}")
+    if not isinstance(block, int) or block < 0 or block & (block - 1):
+        raise ValueError(f"block: expected 0 (flat) or a power of two, found {block!r}")
     cfg, w = config, config.window_size
     kv_row = kv_row_bytes(cfg, kv_fmt)
     key_row = key_row_bytes(cfg, index_fmt, index_fmt != "bf16")
@@ -131,12 +147,14 @@ def cache_bytes(config: ModelConfig, max_context: int, kv_fmt: str = "bf16", ind
         if ratio == 4:
             state += 2 * FP32 * (2 * 4) * (2 * cfg.index_head_dim)
         visible = w + (min(cfg.index_topk, n_comp) if ratio == 4 else n_comp)
+        pad_kv, pad_keys = _block_pad(w + n_comp, block), _block_pad(n_keys, block)
         layers[kind] = LayerMemory(
             kind=kind, layers=counts[kind], ratio=ratio, window=w * kv_row, compressed_kv=n_comp * kv_row,
             indexer_keys=n_keys * key_row, compressor_state=state, gather=visible * gather_row,
             window_padded=w * _pad(kv_row), compressed_kv_padded=n_comp * _pad(kv_row),
-            indexer_keys_padded=n_keys * _pad(key_row))
-    return MemoryReport(cfg, max_context, kv_fmt, index_fmt, kv_row, key_row, layers)
+            indexer_keys_padded=n_keys * _pad(key_row), block_pad=pad_kv * kv_row + pad_keys * key_row,
+            block_pad_padded=pad_kv * _pad(kv_row) + pad_keys * _pad(key_row))
+    return MemoryReport(cfg, max_context, kv_fmt, index_fmt, kv_row, key_row, layers, block)
 
 
 def human(n: float) -> str:
@@ -156,7 +174,9 @@ def format_memory(reports: MemoryReport | Sequence[MemoryReport]) -> str:
     out: list[str] = []
     for r in reports:
         out.append(f"KV {r.kv_fmt} ({r.kv_row} B/row, padded {_pad(r.kv_row)}), indexer keys {r.index_fmt} "
-                   f"({r.key_row} B/row, padded {_pad(r.key_row)}); context {r.max_context:,} tokens")
+                   f"({r.key_row} B/row, padded {_pad(r.key_row)}); context {r.max_context:,} tokens"
+                   + (f"; paged in blocks of {r.block} rows (totals include the rows up to whole blocks)"
+                      if r.block else ""))
         rows = []
         for k, m in r.layers.items():
             rows.append((k, str(m.layers), f"{r.per_token(k):.2f}", f"{r.per_token(k, True):.2f}",

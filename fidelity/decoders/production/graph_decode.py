@@ -11,6 +11,9 @@ Same numerics as :class:`~fidelity.decoders.production.model.ProductionSession` 
   -1 (masked), which adds fully masked 64-entry blocks at the end of the attention's online softmax: those
   leave its max, sum and accumulator unchanged (alpha = 1, P = 0);
 * HCA layers attend over every compressed slot with ``j >= (t+1)//ratio`` masked;
+* a paged cache (profile ``kv_cache`` paged:<block>) is addressed through its block table on the device: the
+  stores translate every slot (``cache._RowStore.physical``), the packed FP8 attention gets storage rows, and the
+  packed FP4 indexer keys are gathered into contiguous buffers each step;
 * routed experts run in ascending expert id (the eager order) on weights picked on the device from a per-layer
   stack of all experts (``ProductionModel.expert_stack``).
 

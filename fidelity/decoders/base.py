@@ -60,6 +60,10 @@ class Decoder(ABC):
     profile: dict
     rec: Recorder | None = None
     pos: int = 0
+    # a decoder that records the sites of every sequence of a ``forward`` sets ``records_sequences`` and reads
+    # ``recorders`` ({seq: Recorder}; None: sequence 0's ``rec`` only)
+    records_sequences: bool = False
+    recorders: dict[int, Recorder] | None = None
 
     @abstractmethod
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:

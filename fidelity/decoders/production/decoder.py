@@ -9,6 +9,7 @@ import torch
 
 from fidelity.decoders.base import BATCH, FORK, ROLLBACK, Call, Decoder, DecoderError
 from fidelity.decoders.production import ProductionModel
+from fidelity.decoders.production.batch import forward_batch
 from fidelity.decoders.production.cache import LayerCache
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.model import ProductionSession
@@ -17,8 +18,9 @@ from fidelity.decoders.production.registry import implementations_used
 from fidelity.model.sampling import Sampler, StopSet
 from fidelity.model.sites import SITES
 
-MULTI = ("sequences are independent sessions over one model's weights: a forward with several sequences runs "
-         "them one after another, each as its own prefill (chunk) or decode step, not as one batched launch")
+MULTI = ("a forward with several sequences is one batched model call (varlen): the projections, norms, mHC, MoE "
+         "and head over every sequence's rows at once, the attention core per sequence over its own caches; a "
+         "sequence's logits equal its logits alone up to the rounding of GEMMs over other row counts")
 
 
 @dataclass
@@ -48,9 +50,10 @@ class Sequence:
 
 
 def _ring(cache: LayerCache) -> list[torch.Tensor]:
-    """The window ring's storage (rows ``[:window]``): bf16 rows or packed FP8 rows."""
-    store = cache.kv.packed if cache.kv.fmt == "fp8" else cache.kv.rows
-    return [store[: cache.window]]
+    """The window ring (logical KV rows ``[:window]``) as stored: bf16 rows or packed FP8 rows (a view of a flat
+    cache; a copy gathered through a paged cache's block table)."""
+    (store,) = cache.kv.parts()
+    return [store[cache.kv.physical(slice(0, cache.window))]]
 
 
 def _carries(cache: LayerCache) -> dict[str, torch.Tensor]:
@@ -61,15 +64,17 @@ def _carries(cache: LayerCache) -> dict[str, torch.Tensor]:
     return out
 
 
-def _entries(cache: LayerCache, pos: int) -> list[tuple[torch.Tensor, slice]]:
-    """The compressed entries and indexer keys a state at ``pos`` holds: (storage tensor, rows)."""
+def _entries(cache: LayerCache, pos: int) -> list[tuple[torch.Tensor, slice | torch.Tensor]]:
+    """The compressed entries and indexer keys a state at ``pos`` holds: (storage tensor, its storage rows: a slice
+    when flat, an index tensor when paged; two sessions of one model have the same block tables, so the same
+    rows)."""
     out = []
     if cache.ratio:
-        store = cache.kv.packed if cache.kv.fmt == "fp8" else cache.kv.rows
-        out.append((store, slice(cache.window, cache.window + pos // cache.ratio)))
+        (store,) = cache.kv.parts()
+        out.append((store, cache.kv.physical(slice(cache.window, cache.window + pos // cache.ratio))))
     if cache.keys is not None:
-        parts = (cache.keys.codes, cache.keys.scales) if cache.keys.packed else (cache.keys.rows,)
-        out += [(t, slice(0, pos // 4)) for t in parts]
+        rows = cache.keys.physical(slice(0, pos // 4))
+        out += [(t, rows) for t in cache.keys.parts()]
     return out
 
 
@@ -77,8 +82,10 @@ class ProductionDecoder(Decoder):
     """``ProductionModel(checkpoint, profile, max_context, device)`` and sessions over it, one per sequence.
 
     Sequence 0 is the one ``prefill`` / ``step`` / ``rec`` act on (``session``). ``forward(calls)`` continues each
-    call's sequence (a sequence's first call, at start 0, creates its session); the sequences run one after another
-    on the same weights (``info()['multi_sequence']``), so a sequence's logits do not depend on the others'.
+    call's sequence (a sequence's first call, at start 0, creates its session); several calls are one batched model
+    call (``batch.forward_batch``, ``info()['multi_sequence']``): a sequence's logits depend on the others' only
+    through the rounding of GEMMs over all the rows. ``recorders`` ({seq: Recorder}, default None: only sequence
+    0's ``rec``) gives each sequence of a ``forward`` its recorder; the replays of forks and rollbacks record nothing.
 
     ``fork`` and ``rollback`` restore a :class:`Snapshot`, taken at the end of every ``forward`` call (not by
     ``prefill`` / ``step``, the single-sequence runner's path, which keeps only the token history): at a snapshot's
@@ -99,6 +106,8 @@ class ProductionDecoder(Decoder):
         self.label = f"production ({self.model.profile.name})"
         self.keep_snapshots = snapshots
         self.prompt_len = 0  # tokens prefilled on sequence 0 (the prompt, however many chunks)
+        self.recorders: dict | None = None  # {seq: Recorder} for forward's calls (None: sequence 0's rec only)
+        self.records_sequences = True
         self.used = False  # a call reached a session since the sequences were made
 
     def reset(self) -> None:
@@ -159,11 +168,20 @@ class ProductionDecoder(Decoder):
                                    f"{expected} ({where})")
             if len(call.ids) == 0:
                 raise DecoderError(f"{self.label}: sequence {call.seq}: a call with no tokens")
-        out = []
-        for call in calls:
-            seq = self.seqs.setdefault(call.seq, Sequence(self.model.session()))
-            out.append(self._feed(call.seq, seq, torch.as_tensor(call.ids).long().flatten()))
-            if self.keep_snapshots:
+        seqs = [self.seqs.setdefault(call.seq, Sequence(self.model.session())) for call in calls]
+        if self.recorders is not None:
+            for call, seq in zip(calls, seqs, strict=True):
+                seq.session.rec = self.recorders.get(call.seq)
+        ids = [torch.as_tensor(call.ids).long().flatten() for call in calls]
+        if len(calls) == 1:
+            out = [self._feed(calls[0].seq, seqs[0], ids[0])]
+        else:
+            self.used = True
+            out = forward_batch([s.session for s in seqs], ids)
+            for call, seq, t in zip(calls, seqs, ids, strict=True):
+                self._consumed(call.seq, seq, t)
+        if self.keep_snapshots:
+            for seq in seqs:
                 seq.snapshots[seq.session.pos] = self.snapshot(seq.session)
         return out
 
@@ -171,10 +189,14 @@ class ProductionDecoder(Decoder):
         """One call of sequence ``n``: a decode step for one token after the first call, else a prefill chunk."""
         self.used = True
         logits = seq.session.forward(ids)
+        self._consumed(n, seq, ids)
+        return logits
+
+    def _consumed(self, n: int, seq: Sequence, ids: torch.Tensor) -> None:
+        """Sequence ``n`` took ``ids`` in its last call: its token history (and sequence 0's prompt length)."""
         seq.tokens += ids.tolist()
         if n == 0 and (len(ids) > 1 or seq.session.pos == len(ids)):
             self.prompt_len += len(ids)
-        return logits
 
     def fork(self, seq: int, parent: int, pos: int) -> None:
         """Sequence ``seq`` (new) from ``parent``'s state after its first ``pos`` tokens."""
@@ -225,7 +247,11 @@ class ProductionDecoder(Decoder):
         dst.tokens = tokens[:at]
         dst.snapshots = {p: s for p, s in src.snapshots.items() if p <= at}
         if pos > at:
-            self._feed(-1, dst, torch.tensor(tokens[at:pos]))
+            recorder, session.rec = session.rec, None  # a replay is not a call of the sequence: nothing recorded
+            try:
+                self._feed(-1, dst, torch.tensor(tokens[at:pos]))
+            finally:
+                session.rec = recorder
             if self.keep_snapshots:
                 dst.snapshots[pos] = self.snapshot(session)
 
@@ -235,11 +261,8 @@ class ProductionDecoder(Decoder):
         self.restore_carries(cache, saved)
 
     def restore_ring(self, cache: LayerCache, saved: dict[str, torch.Tensor] | None) -> None:
-        (ring,) = _ring(cache)
-        if saved is None:
-            ring.zero_()
-        else:
-            ring.copy_(saved["ring"])
+        (store,) = cache.kv.parts()
+        store[cache.kv.physical(slice(0, cache.window))] = 0 if saved is None else saved["ring"]
 
     def restore_carries(self, cache: LayerCache, saved: dict[str, torch.Tensor] | None) -> None:
         for name, t in _carries(cache).items():

@@ -317,26 +317,50 @@ class ProductionSession:
 
     # ---- attention ---------------------------------------------------------------------------
     def attention(self, i: int, h: torch.Tensor | Fp8Input, positions: torch.Tensor) -> torch.Tensor:
-        """h: the attention norm's output [n, dim] (an :class:`Fp8Input` under a fused profile)."""
-        w, cfg, x = self.model.w, self.cfg, _plain(h)
-        ratio, pre = cfg.ratio(i), f"layers.{i}.attn."
-        freqs = self.model.freqs[ratio]
+        """h: the attention norm's output [n, dim] (an :class:`Fp8Input` under a fused profile) -> bf16 [n, dim]:
+        the projections (:meth:`attn_project`), this sequence's caches (:meth:`attn_core`), the output
+        projection (:meth:`attn_out`). A batched forward (``batch.forward_batch``) runs the first and last over
+        every sequence's rows and the core per sequence."""
+        qr, q, kv = self.attn_project(i, h, positions)
+        o = self.attn_core(i, _plain(h), qr, q, kv, positions)
+        return self.attn_out(i, o, positions)
+
+    def rope_freqs(self, i: int, device: torch.device) -> torch.Tensor:
+        """Layer i's RoPE inverse frequencies (fault ``yarn-on-swa``: the compressed layers' YaRN ones on SWA)."""
+        ratio = self.cfg.ratio(i)
         if ratio == 0 and on("yarn-on-swa"):
-            freqs = rope_inv_freq(cfg, 4).to(x.device)
-        rope = self.op("apply_rope")
+            return rope_inv_freq(self.cfg, 4).to(device)
+        return self.model.freqs[ratio]
+
+    def attn_project(self, i: int, h: torch.Tensor | Fp8Input, positions: torch.Tensor):
+        """Rows [n] at their positions -> (qr [n, q_lora] (an :class:`Fp8Input` under a fused profile), q [n,
+        heads, hd] after RoPE, window kv [n, hd] bf16); no cache is read or written."""
+        w, cfg, pre = self.model.w, self.cfg, f"layers.{i}.attn."
+        freqs = self.rope_freqs(i, positions.device)
         qr = self.norm(self.linear(h, pre + "wq_a.weight"), w(pre + "q_norm.weight"))
         q = self.linear(qr, pre + "wq_b.weight").unflatten(-1, (cfg.n_heads, cfg.head_dim))
-        q = rope(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
+        q = self.op("apply_rope")(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
         kv = self.kv_path(self.linear(h, pre + "wkv.weight"), w(pre + "kv_norm.weight"), positions, freqs)
         self.emit("L{i}.attn.q", i, q)
         self.emit("L{i}.attn.kv", i, kv)
+        return qr, q, kv
+
+    def attn_core(self, i: int, x: torch.Tensor, qr, q: torch.Tensor, kv: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+        """This sequence's attention at ``self.pos``: caches written (window ring, compressed entries, indexer
+        keys) and read -> o [n, heads, hd] bf16 (before the inverse RoPE)."""
         if self.in_prefill:
             o = self.attend_prefill(i, x, qr, q, kv, positions)
         else:
             o = self.attend_decode(i, x, qr, q, kv, positions)
         self.emit("L{i}.attn.core", i, o)
+        return o
+
+    def attn_out(self, i: int, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """o [n, heads, hd] -> bf16 [n, dim]: the inverse RoPE, the grouped wo_a, wo_b."""
+        cfg, pre = self.cfg, f"layers.{i}.attn."
         if not on("no-inverse-rope"):
-            o = rope(o, positions, freqs, inverse=True)
+            o = self.op("apply_rope")(o, positions, self.rope_freqs(i, o.device), inverse=True)
         stored = self.model.gemv_weight(pre + "wo_a.weight") if o.shape[0] <= ops.GEMV_ROWS else None
         if stored is not None:  # the FP8-stored wo_a read as stored; bf16 o as given, as grouped_out
             o = self.op("fp8_weight_linear")(o.flatten(1), *stored, "bf16", cfg.o_groups)
@@ -451,9 +475,11 @@ class ProductionSession:
     def attend_packed(self, i: int, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Decode attention on layer i's packed FP8 KV rows (op ``sparse_attention_fp8kv``; on an H100 / H200 the
         584 B layout's kernel reads the rows in place, with no gather or dequantization pass): slots [1, k], the
-        cache slots the token sees, -1 masked. Same bits as dequantizing the gathered rows into bf16 first."""
+        cache slots the token sees, -1 masked (a paged cache's slots go to the op as storage rows, -1 kept). Same
+        bits as dequantizing the gathered rows into bf16 first."""
         sink, scale = self.model.w(f"layers.{i}.attn.attn_sink"), self.cfg.head_dim**-0.5
-        return self.op("sparse_attention_fp8kv")(q, self.layers[i].kv.packed, slots, sink, scale,
+        kv = self.layers[i].kv
+        return self.op("sparse_attention_fp8kv")(q, kv.packed, kv.physical_slots(slots), sink, scale,
                                                  self.cfg.rope_head_dim)
 
     def window_slot(self, win: int) -> slice:

@@ -108,7 +108,7 @@ def _json(trace, change) -> None:
 
 
 def _tensor(trace, key, change) -> None:
-    f = trace / "step-00001.safetensors"
+    f = trace / "call-00001.safetensors"
     t = load_file(f)
     t[key] = change(t[key])
     save_file(t, f)
@@ -116,7 +116,12 @@ def _tensor(trace, key, change) -> None:
 
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda t: _json(t, lambda m: m.update(format="other")), "format: expected 'dsv4-fidelity-trace'"),
-    (lambda t: _json(t, lambda m: m["generated"].pop()), "the prefill steps cover 141 positions, the prompt has 140"),
+    (lambda t: _json(t, lambda m: m["events"][1]["rows"][0].__setitem__(1, 141)),
+     "events[1] (call-00001.safetensors): sequence 0 starts at 141; it stands at 140"),
+    (lambda t: _json(t, lambda m: m["events"].insert(2, {"rollback": [0, 150]})),
+     "events[2]: rollback of 0 to 150: position 150 is not in 0..141"),
+    (lambda t: _json(t, lambda m: m["events"].insert(1, {"fork": [1, 0, 141]})),
+     "events[1]: fork 1 from 0 at 141: position 141 is not in 0..140"),
     (lambda t: _json(t, lambda m: m["checkpoint"].update(hash="0" * 16)), "recorded on a checkpoint with hash 0000"),
     (lambda t: _json(t, lambda m: m["config"].update(rope_theta=5000.0)),
      "its config differs from the checkpoint's (rope_theta: 5000.0 vs 10000.0)"),
@@ -138,10 +143,11 @@ def test_a_bad_trace_is_refused_naming_what_differs(tmp_path, round_trip, edit, 
 def test_a_bad_trace_ends_the_command_in_one_line(tmp_path, round_trip, capsys):
     trace = tmp_path / "t"
     shutil.copytree(round_trip[0] / "trace", trace)
-    _json(trace, lambda m: m["generated"].__setitem__(0, 7))
+    _tensor(trace, "positions", lambda x: x + 1)
     assert cli.main(["run", "--decoder", f"trace:{trace}", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("fidelity: error: ") and "differ from the tokens fed [7]" in err[0]
+    assert len(err) == 1 and err[0].startswith("fidelity: error: ")
+    assert "positions: expected 140..140, found [141]" in err[0]
     assert [p.name for p in tmp_path.iterdir()] == ["t"]  # no run directory
 
 
@@ -180,7 +186,7 @@ def test_bugs_planted_in_transformers_are_caught_where_they_were_planted():
                          decoder=lambda: TransformersDecoder.from_checkpoint(ckpt, "fp32"), known=FAULTS)
     assert gate_failures(matrix) == []
     first = matrix[matrix["probe"] == "first"].set_index("mutant")
-    assert not first.loc["clean", "detected"]
+    assert not first.loc[["clean"], "detected"].any()
     assert set(first.index) == {"clean", *FAULTS} and first.drop("clean")["located"].all()
     assert pd.Series(first.drop("clean")["step"]).eq(0).all()
 
@@ -223,30 +229,30 @@ def _refused_by_the_command(tmp_path, round_trip, capsys, edit) -> str:
 def _drop(trace, site: str, file: bool = True, listed: bool = True) -> None:
     """Remove ``site`` from step 1's file and/or from trace.json's list of its sites."""
     if file:
-        f = trace / "step-00001.safetensors"
+        f = trace / "call-00001.safetensors"
         t = load_file(f)
         del t[site]
         save_file(t, f)
     if listed:
-        _json(trace, lambda m: m["steps"][1]["sites"].remove(site))
+        _json(trace, lambda m: m["events"][1]["sites"].remove(site))
 
 
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda t: _drop(t, "L1.attn.q", listed=False),
-     "step-00001.safetensors: L1.attn.q: trace.json lists it for this step, the file does not hold it"),
+     "call-00001.safetensors: L1.attn.q: trace.json lists it for this step, the file does not hold it"),
     (lambda t: _drop(t, "L1.attn.q"),
-     "step-00001.safetensors: L1.attn.q: expected (the trace reports every input of op mode, read at every call "
+     "call-00001.safetensors: L1.attn.q: expected (the trace reports every input of op mode, read at every call "
      "in each layer that has it), found none"),
     (lambda t: _drop(t, "L2.indexer.topk"),
-     "step-00001.safetensors: L2.indexer.topk: expected (step-00000.safetensors holds it, read at every call), "
+     "call-00001.safetensors: L2.indexer.topk: expected (call-00000.safetensors holds it, read at every call), "
      "found none"),
     (lambda t: _drop(t, "L3.moe.out", file=False),
-     "step-00001.safetensors: L3.moe.out: the file holds it, trace.json does not list it for this step"),
+     "call-00001.safetensors: L3.moe.out: the file holds it, trace.json does not list it for this step"),
     (lambda t: _tensor(t, "L0.moe.experts", lambda x: x.float()),
-     "step-00001.safetensors: L0.moe.experts: expected an integer dtype, found F32"),
+     "call-00001.safetensors: L0.moe.experts: expected an integer dtype, found F32"),
     (lambda t: _tensor(t, "L2.attn.q", lambda x: x.long()),
-     "step-00001.safetensors: L2.attn.q: expected a float dtype, found I64"),
-    (lambda t: _tensor(t, "logits", lambda x: x.long()), "step-00001.safetensors: logits: expected a float dtype"),
+     "call-00001.safetensors: L2.attn.q: expected a float dtype, found I64"),
+    (lambda t: _tensor(t, "logits", lambda x: x.long()), "call-00001.safetensors: logits: expected a float dtype"),
 ])
 def test_a_trace_whose_step_files_miss_a_site_is_refused_in_one_line_before_any_work(
         tmp_path, round_trip, capsys, no_synthesis, edit, message):

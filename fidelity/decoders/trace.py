@@ -1,6 +1,6 @@
-"""A recorded trace (``fidelity.decoders.trace_file``) replayed as a decoder under test: the calls must come in the
-recorded order with the recorded tokens; each returns the recorded logits and hands the recorded sites to the
-recorder."""
+"""A recorded trace (``fidelity.decoders.trace_file``) replayed as a decoder under test, one sequence at a time: the
+calls must come in the recorded order with the recorded tokens; each returns the recorded logits and hands the
+recorded sites (this sequence's rows, shards joined) to the recorder."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from fidelity.decoders.base import (
     Decoder,
     required_sites,
 )
-from fidelity.decoders.trace_file import MANIFEST, TraceError, read_manifest
+from fidelity.decoders.trace_file import ENTRY_SITES, MANIFEST, Segment, TraceError, read_trace, stored_name
 from fidelity.model.config import ConfigError, ModelConfig
 from fidelity.model.sites import SITE_TABLE, is_site, same_layer, site_name, site_template, trailing_shape
 
@@ -30,45 +30,62 @@ READ_WITH = {"L{i}.attn.visible": "L{i}.indexer.topk", "L{i}.moe.weights": "L{i}
 
 
 class TraceDecoder(Decoder):
-    """Replays the trace in ``directory``; ``prompt`` and ``generated`` are what a run must feed it."""
+    """Replays one sequence of the trace in ``directory`` (``seq``: which; may be left out when the trace holds
+    one): its timeline (a fork's parent's calls up to the fork, rows a rollback voided left out) as the runner
+    drives a decoder: ``prompt`` in ``chunks`` (its calls up to the last of several tokens), then ``generated``
+    one token per call. Every step file is checked (read from its header) before a run starts."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, seq: int | None = None):
         self.dir = Path(directory)
-        self.manifest = read_manifest(self.dir)
+        self.trace = read_trace(self.dir)
+        self.manifest = self.trace.manifest
         try:
             self.config = ModelConfig.from_dict(self.manifest["config"], source=f"{self.dir}/trace.json: config")
         except ConfigError as err:
             raise TraceError(str(err)) from None
-        self.prompt = torch.tensor(self.manifest["prompt"], dtype=torch.long)
-        self.generated = [int(t) for t in self.manifest["generated"]]
-        self.steps = self.manifest["steps"]
-        self.n_prefill = len(self.steps) - len(self.generated)  # the prompt's calls (chunks), then one per token
-        if self.n_prefill < 1:
-            raise TraceError(f"{self.dir}/trace.json: steps: expected at least {len(self.generated) + 1} (the "
-                             f"prefill and one per generated token), found {len(self.steps)}")
-        self.label = f"trace ({self.manifest.get('decoder', 'unnamed')})"
-        self.profile = dict(self.manifest.get("profile") or {"name": self.dir.name, "precision": "bf16"})
-        self.rec = None
-        self.pos = 0
-        self.calls = 0
-        names = {n for s in self.steps for n in s.get("sites", [])}
+        seqs = self.trace.sequences
+        if seq is None and len(seqs) > 1:
+            raise TraceError(f"trace {self.dir}: holds sequences {seqs}; replay one (TraceDecoder(dir, seq=K), "
+                             "--trace-seq K) or run them all (fidelity run --decoder trace:DIR without --trace-seq)")
+        self.seq = seqs[0] if seq is None else int(seq)
+        self.steps = self.trace.timeline(self.seq)
+        names = {stored_name(n)[0] for c in self.trace.calls for n in c.sites}
         unknown = sorted(n for n in names if not is_site(n))
         if unknown:
             raise TraceError(f"{self.dir}/trace.json: unknown site names {unknown[:5]}; sites are listed in "
                              "fidelity.model.sites.SITES")
-        self._sites = frozenset(site_template(n) for n in names) | {"logits"}
-        sizes = [s["positions"][1] - s["positions"][0] for s in self.steps[: self.n_prefill]]
-        if sum(sizes) != len(self.prompt):
-            raise TraceError(f"{self.dir}/trace.json: the prefill steps cover {sum(sizes)} positions, the prompt has "
-                             f"{len(self.prompt)} tokens")
-        self.chunks = sizes  # the prompt's chunks, as the trace's engine fed them
-        fed = [*self.prompt.split(sizes), *(torch.tensor([t]) for t in self.generated)]
-        pos, held = 0, []
-        for step, ids in zip(self.steps, fed, strict=True):  # every step checked before a run starts
-            held.append(self._check(step, ids, pos))
-            pos += len(ids)
-        self._check_sites(held)
+        held = [self._check(step) for step in self.steps]  # every step checked before a run starts
+        several = [k for k, s in enumerate(self.steps) if s.keep > 1]
+        self.n_prefill = several[-1] + 1 if several else 1  # the prompt's calls (chunks), then one per token
+        fed = [self._ids(s) for s in self.steps]
+        if self.manifest["version"] == 1:
+            self._check_v1_tokens(fed)
         self.fed = fed
+        self.prompt = torch.cat(fed[: self.n_prefill])
+        self.chunks = [len(t) for t in fed[: self.n_prefill]]  # the prompt's chunks, as the trace's engine fed them
+        self.generated = [int(t) for t in fed[self.n_prefill :]]
+        who = self.manifest.get("decoder", "unnamed")
+        self.label = f"trace ({who})" if len(seqs) == 1 else f"trace ({who}), sequence {self.seq}"
+        self.profile = dict(self.manifest.get("profile") or {"name": self.dir.name, "precision": "bf16"})
+        self.rec = None
+        self.pos = 0
+        self.calls = 0
+        self._sites = frozenset(site_template(n) for names in held for n in names) | {"logits"}
+        self._check_sites(held)
+
+    def _check_v1_tokens(self, fed: list[torch.Tensor]) -> None:
+        """A version 1 trace's prompt and generated ids (trace.json) are the tokens its step files hold."""
+        prompt, generated = self.manifest["prompt"], self.manifest["generated"]
+        n_prompt = len(self.steps) - len(generated)
+        sizes = [len(t) for t in fed[: max(n_prompt, 0)]]
+        if n_prompt < 1 or sum(sizes) != len(prompt):
+            raise TraceError(f"{self.dir}/trace.json: the prefill steps cover {sum(sizes)} positions, the prompt has "
+                             f"{len(prompt)} tokens")
+        want = [*torch.tensor(prompt, dtype=torch.long).split(sizes), *(torch.tensor([t]) for t in generated)]
+        for step, got, ids in zip(self.steps, fed, want, strict=True):
+            if not torch.equal(got, ids):
+                raise TraceError(f"{self.dir / step.call.file}: ids {got.tolist()[:8]} differ from the tokens fed "
+                                 f"{ids.tolist()[:8]} (trace.json's prompt and generated)")
 
     def checkpoint_path(self) -> Path | None:
         """trace.json's ``checkpoint.path``, a relative one read from the trace's folder; None when it has none.
@@ -114,12 +131,14 @@ class TraceDecoder(Decoder):
         return self._replay(torch.tensor([int(token)]))[0]
 
     def _replay(self, ids: torch.Tensor) -> torch.Tensor:
-        with safe_open(str(self.dir / self.steps[self.calls]["file"]), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        step = self.steps[self.calls]
+        with safe_open(str(self.dir / step.call.file), framework="pt") as f:
+            tensors = {name: self._rows(step, name, self._joined(f, parts), "@" in parts[0]) for name, parts in
+                       self._resolve(step, list(f.keys())).items()}  # noqa: SIM118 (safe_open has no __iter__)
         if self.rec is not None:
             self.rec.step = self.calls
             for name, t in tensors.items():
-                if name not in RESERVED and self.rec.wants(name):
+                if name != "logits" and self.rec.wants(name):
                     self.rec(name, t)
             if self.rec.wants("logits"):
                 self.rec("logits", tensors["logits"])
@@ -127,56 +146,150 @@ class TraceDecoder(Decoder):
         self.calls += 1
         return tensors["logits"].float()
 
-    def _check(self, step: dict, ids: torch.Tensor, pos: int) -> set[str]:
-        """One step file (read from its header): readable, the ids fed and their positions, the logits' shape,
-        every site's dtype, one row per token for per-token sites and the config's trailing shape; its sites are
-        those trace.json lists for it. Returns the names of its sites."""
-        path = self.dir / step["file"]
-        n, vocab = len(ids), self.config.vocab_size
+    # ---- reading one step's tensors ---------------------------------------------------------------------------
+    def _resolve(self, step: Segment, keys: list[str]) -> dict[str, list[str]]:
+        """This sequence's tensors in ``step``'s file: {site or ``logits``: the stored names holding it (one, or
+        its shards by rank)}; a site stored for this sequence (``@seq``) wins over the call's whole tensor."""
+        chosen: dict[str, tuple[bool, dict[int | None, str]]] = {}
+        for key in keys:
+            if key in ("ids", "positions", "seq"):
+                continue
+            site, seq, rank = stored_name(key)
+            if seq is not None and seq != step.rows.seq:
+                continue
+            own = seq is not None
+            have = chosen.get(site)
+            if have is None or (own and not have[0]):
+                chosen[site] = (own, {})
+            if chosen[site][0] == own:
+                chosen[site][1][rank] = key
+        out = {}
+        for site, (_, parts) in chosen.items():
+            ranks = self.trace.ranks if None not in parts else 1
+            if set(parts) != ({None} if ranks == 1 else set(range(ranks))):
+                missing = sorted(set(range(ranks)) - set(parts))
+                raise TraceError(f"{self.dir / step.call.file}: {site}: shards of ranks {missing} missing (expected "
+                                 f"#0..#{ranks - 1}, trace.json's shards.ranks)")
+            out[site] = [parts[r] for r in sorted(parts, key=lambda r: -1 if r is None else r)]
+        return out
+
+    def _joined(self, f, parts: list[str], header: bool = False):
+        """One stored tensor, or its shards joined along the trace's split dim (``header``: the safetensors
+        slices, for shapes and dtypes without reading data)."""
+        get = f.get_slice if header else f.get_tensor
+        if len(parts) == 1:
+            return get(parts[0])
+        dim = self.trace.split_dim(parts[0])
+        if header:
+            shapes = [list(f.get_slice(p).get_shape()) for p in parts]
+            shape = shapes[0][:dim] + [sum(s[dim] for s in shapes)] + shapes[0][dim + 1 :]
+            return _Header(shape, f.get_slice(parts[0]).get_dtype())
+        return torch.cat([f.get_tensor(p) for p in parts], dim=dim)
+
+    def _rows(self, step: Segment, site: str, t: torch.Tensor, own: bool) -> torch.Tensor:
+        """This sequence's kept rows of ``site``'s tensor ``t``: stored for this sequence (``own``) or the call's
+        whole tensor."""
+        if site_template(site) in ENTRY_SITES:
+            return self._entries(step, site, t)
+        lo = 0 if own else step.rows.offset
+        return t[lo : lo + step.keep]
+
+    def _entries(self, step: Segment, site: str, t):
+        """The compressed entries of ``step``'s kept rows: the first (start + keep)//r - start//r of those its call
+        completed (r: the layer's ratio; 4 for indexer keys)."""
+        layer = int(site[1 : site.index(".")])
+        r = 4 if site.endswith("indexer.keys") else self.config.compress_ratios[layer]
+        full = (step.start + step.rows.n) // r - step.start // r
+        keep = step.stop // r - step.start // r
+        n = t[0] if isinstance(t, list) else t.shape[0]
+        if step.keep < step.rows.n and n != full:
+            raise TraceError(f"{self.dir / step.call.file}: {site}: expected {full} entries (the blocks its call "
+                             f"completes), found {n}; the call is cut by a rollback or fork, so its entries must be "
+                             "these")
+        return t[:keep] if step.keep < step.rows.n else t
+
+    def _ids(self, step: Segment) -> torch.Tensor:
+        with safe_open(str(self.dir / step.call.file), framework="pt") as f:
+            return f.get_tensor("ids").long()[step.rows.offset : step.rows.offset + step.keep]
+
+    def _check(self, step: Segment) -> set[str]:
+        """One step file (read from its header): readable, this sequence's ids, positions and rows, the logits'
+        shape, every site's dtype, one row per token for per-token sites and the config's trailing shape; the
+        file holds what trace.json lists for it. Returns the names of this sequence's sites in it."""
+        path = self.dir / step.call.file
+        vocab, n = self.config.vocab_size, step.keep
         try:
             with safe_open(str(path), framework="pt") as f:
-                headers = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118
-                shapes = {k: tuple(h.get_shape()) for k, h in headers.items()}
-                dtypes = {k: h.get_dtype() for k, h in headers.items()}
-                fed = {k: f.get_tensor(k).long() for k in ("ids", "positions") if k in shapes}
+                keys = list(f.keys())  # noqa: SIM118
+                resolved = self._resolve(step, keys)
+                if missing := [k for k in ("ids", "positions", "logits") if k not in (*keys, *resolved)]:
+                    raise TraceError(f"{path}: missing tensor {missing[0]!r}")
+                headers = {name: (self._joined(f, parts, header=True), "@" in parts[0])
+                           for name, parts in resolved.items()}
+                fed = {k: f.get_tensor(k).long() for k in ("ids", "positions", "seq") if k in keys}
+                dtypes = {k: f.get_slice(k).get_dtype() for k in ("ids", "positions", "seq") if k in keys}
+        except TraceError:
+            raise
         except Exception as err:  # safetensors raises its own error types for missing or corrupt files
             raise TraceError(f"{path}: unreadable safetensors file: {err}") from None
-        for key in RESERVED:
-            if key not in shapes:
-                raise TraceError(f"{path}: missing tensor {key!r}")
-        for key, kind in (("ids", "integer"), ("positions", "integer"), ("logits", "float")):
-            _check_dtype(path, key, kind, dtypes[key])
-        if not torch.equal(fed["ids"], ids):
-            raise TraceError(f"{path}: ids {fed['ids'].tolist()[:8]} differ from the tokens fed {ids.tolist()[:8]} "
-                             "(trace.json's prompt and generated)")
-        if not torch.equal(fed["positions"], torch.arange(pos, pos + n)):
-            raise TraceError(f"{path}: positions: expected {pos}..{pos + n - 1}, found {fed['positions'].tolist()[:8]}")
-        if shapes["logits"] != (n, vocab):
-            raise TraceError(f"{path}: logits: expected shape [{n}, {vocab}], found {list(shapes['logits'])}")
-        for name, shape in shapes.items():
-            if name in RESERVED:
+        for key, kind in (("ids", "integer"), ("positions", "integer"), ("seq", "integer")):
+            if key in dtypes:
+                _check_dtype(path, key, kind, dtypes[key])
+        _check_dtype(path, "logits", "float", headers["logits"][0].get_dtype())
+        total = sum(r.n for r in step.call.rows)
+        if len(fed["ids"]) != total:
+            raise TraceError(f"{path}: ids: expected {total} rows (trace.json's rows for this call), found "
+                             f"{len(fed['ids'])}")
+        want_seq = torch.cat([torch.full((r.n,), r.seq) for r in step.call.rows])
+        if "seq" in fed and not torch.equal(fed["seq"], want_seq):
+            raise TraceError(f"{path}: seq: expected {want_seq.tolist()[:8]} (trace.json's rows), found "
+                             f"{fed['seq'].tolist()[:8]}")
+        if "seq" not in fed and len(step.call.rows) > 1:
+            raise TraceError(f"{path}: missing tensor 'seq' (the call holds {len(step.call.rows)} sequences)")
+        rows = fed["positions"][step.rows.offset : step.rows.offset + step.rows.n]
+        if not torch.equal(rows, torch.arange(step.start, step.start + step.rows.n)):
+            raise TraceError(f"{path}: positions: expected {step.start}..{step.start + step.rows.n - 1}, found "
+                             f"{rows.tolist()[:8]}")
+        self._check_shapes(step, path, headers, total, n, vocab)
+        held = set(headers) - {"logits"}
+        listed = {stored_name(s)[0] for s in step.call.sites if stored_name(s)[1] in (None, step.rows.seq)}
+        stored = {stored_name(k)[0] for k in keys if k not in ("ids", "positions", "seq", "logits")
+                  and stored_name(k)[1] in (None, step.rows.seq)}
+        if self.manifest["version"] == 1 or step.call.sites:
+            if absent := sorted(listed - stored):
+                raise TraceError(f"{path}: {absent[0]}: trace.json lists it for this step, the file does not hold it")
+            if unlisted := sorted(stored - listed):
+                raise TraceError(f"{path}: {unlisted[0]}: the file holds it, trace.json does not list it for this "
+                                 "step")
+        return held
+
+    def _check_shapes(self, step: Segment, path: Path, headers: dict, total: int, n: int, vocab: int) -> None:
+        many = len(step.call.rows) > 1
+        for name, (h, own) in headers.items():
+            shape = list(h.get_shape())
+            rows_stored = step.rows.n if own else total
+            if name == "logits":
+                if shape != [rows_stored, vocab]:
+                    raise TraceError(f"{path}: logits: expected shape [{rows_stored}, {vocab}], found {shape}")
                 continue
             if not is_site(name):
                 raise TraceError(f"{path}: unknown site {name!r}; sites are listed in fidelity.model.sites.SITES")
             template = site_template(name)
-            _check_dtype(path, name, "integer" if template in INTEGER_SITES else "float", dtypes[name])
-            per_token = not name.endswith(("compressed_kv", "indexer.keys"))
-            if per_token and (not shape or shape[0] != n):
-                raise TraceError(f"{path}: {name}: expected {n} rows (one per token of the call), found shape "
-                                 f"{list(shape)}")
+            _check_dtype(path, name, "integer" if template in INTEGER_SITES else "float", h.get_dtype())
+            per_token = template not in ENTRY_SITES
+            if not per_token and many and not own:
+                raise TraceError(f"{path}: {name}: a call of several sequences stores compressed entries per "
+                                 f"sequence ({name}@<seq>), found the call's whole tensor")
+            if per_token and (not shape or shape[0] != rows_stored):
+                whose = "" if rows_stored == total else f" of sequence {step.rows.seq}"
+                raise TraceError(f"{path}: {name}: expected {rows_stored} rows (one per token of the call{whose}), "
+                                 f"found shape {shape}")
             rest = trailing_shape(template, self.config)
-            if rest is not None and shape[1:] != rest:
+            if rest is not None and tuple(shape[1:]) != rest:
                 raise TraceError(f"{path}: {name}: expected shape [{shape[0] if shape else '?'}, "
-                                 f"{', '.join(map(str, rest))}], found {list(shape)}")
-        held = set(shapes) - set(RESERVED)
-        if "sites" in step:
-            listed = set(step["sites"]) - {"logits"}
-            if absent := sorted(listed - held):
-                raise TraceError(f"{path}: {absent[0]}: trace.json lists it for this step, the file does not hold it")
-            if unlisted := sorted(held - listed):
-                raise TraceError(f"{path}: {unlisted[0]}: the file holds it, trace.json does not list it for this "
-                                 "step")
-        return held
+                                 f"{', '.join(map(str, rest))}], found {shape}")
+            if not per_token:
+                self._entries(step, name, shape)
 
     def _check_sites(self, held: list[set[str]]) -> None:
         """Every step file holds the sites the runner reads from its call (``held``: each file's site names): a
@@ -186,7 +299,7 @@ class TraceDecoder(Decoder):
         first: dict[str, str] = {}
         for k, names in enumerate(held):
             for name in sorted(names):
-                first.setdefault(name, self.steps[k]["file"])
+                first.setdefault(name, self.steps[k].call.file)
         inputs: dict[str, str] = {}
         for mode in ("layer", "op"):
             need = required_sites(mode, self.config)
@@ -207,8 +320,21 @@ class TraceDecoder(Decoder):
                     expected.setdefault(other, f"the runner reads it beside {name}")
             missing = sorted(set(expected) - names)
             if missing:
-                raise TraceError(f"{self.dir / self.steps[k]['file']}: {missing[0]}: expected "
+                raise TraceError(f"{self.dir / self.steps[k].call.file}: {missing[0]}: expected "
                                  f"({expected[missing[0]]}), found none")
+
+
+class _Header:
+    """The shape and dtype of shards joined (what a safetensors slice says of one tensor)."""
+
+    def __init__(self, shape: list[int], dtype: str):
+        self.shape, self.dtype = shape, dtype
+
+    def get_shape(self) -> list[int]:
+        return self.shape
+
+    def get_dtype(self) -> str:
+        return self.dtype
 
 
 def _layer_names(template: str, cfg: ModelConfig) -> list[str]:

@@ -208,7 +208,7 @@ class Runner:
             manifest["texts"] = text.continuations(text.load(self.spec.tokenizer), prompt.tolist(),
                                                    self.picks["oracle"], self.picks["decoder"])
         if self.trace is not None:
-            self.trace.finish(self.tokens, manifest["checkpoint"])
+            self.trace.finish(manifest["checkpoint"])
         return df, manifest
 
     @contextmanager

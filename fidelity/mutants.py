@@ -3,8 +3,10 @@ mutant, where it was first detected, and whether that is where the fault was pla
 
 A mutant is a named fault patch point of the production path (``fidelity.decoders.production.faults``) plus where it
 must be caught: the expected first site (regex) and layer (a function of the config: the first layer of the
-kind the fault lives in), and the run options it needs to show (a sampler penalty, an end-of-turn token in
-the stream, a decode step, enough context past top-k * ratio).
+kind the fault lives in), the scenario run it is caught in (a single-sequence run of ``fidelity.scenarios.
+CATALOGUE``: its prompt of the default prompt's ids, prefill chunks and decode steps) and the run options it needs
+on top to show (a sampler penalty, an end-of-turn token in the stream, the default text as the stream, a large
+max_context). The clean decoder runs every scenario run the chosen mutants use.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from fidelity.model.default import default_prompt, prompt_for
 from fidelity.model.sampling import SamplerConfig
 from fidelity.outputs.report import html_table, md_table
 from fidelity.outputs.rundir import check_output, new_run_id
+from fidelity.scenarios import CATALOGUE as SCENARIOS
+from fidelity.scenarios import Run, tokens
 
 if TYPE_CHECKING:
     from fidelity.decoders.base import Decoder
@@ -71,73 +75,126 @@ def _run_level(cfg: ModelConfig) -> set[int]:
     return {-1}
 
 
+OPTIONS = ("eot_at", "text_stream", "sampler", "stream", "max_context", "stop_ids")  # what a mutant adds to its run
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
     site: str  # regex the first detection's site (without the L{i}. prefix) must match
     layers: Callable[[ModelConfig], set[int]]  # where the fault is planted (-1: the decode loop, not a layer)
-    options: dict = field(default_factory=dict)  # RunSpec overrides the fault needs to show
+    scenario: str  # a single-sequence scenario of fidelity.scenarios.CATALOGUE (no ``needs``) ...
+    run: str  # ... and the label of its run the gate runs the mutant on
+    options: dict = field(default_factory=dict)  # what the fault needs on top of the run (OPTIONS)
 
     @property
     def description(self) -> str:
         return FAULTS[self.name]
 
+    @property
+    def where(self) -> tuple[str, str]:
+        return self.scenario, self.run
+
+
+# the scenario runs (fidelity.scenarios) the mutants are caught in
+WINDOW_EDGE = ("lengths", "prompt 128")  # its last prefill query is the first whose window holds 128 keys
+EVERYWHERE = WINDOW_EDGE  # a fault at every position: the shortest run with a full window and top-k (32) CSA entries
+BLOCK_ENDS = ("decode-boundaries", "prompt 250, 10 steps")  # its decode steps close CSA blocks and the HCA block
+LONG_TEXT = ("long-decode", "prompt 128, 512 steps")
 
 CATALOGUE: tuple[Mutant, ...] = (
-    Mutant("indexer-key-width", r"indexer\.keys", _kind("csa")),
-    Mutant("causal-off-by-one", r"indexer\.(scores|topk)|attn\.visible", _kind("csa", "hca")),
-    Mutant("window-127", r"attn\.visible", _every_layer),
-    Mutant("window-no-self", r"attn\.visible", _every_layer),
-    Mutant("no-inverse-rope", r"attn\.out", _every_layer),
-    Mutant("sink-value-row", r"attn\.core", _every_layer),
-    Mutant("sink-dropped", r"attn\.core", _every_layer),
-    Mutant("sinkhorn-3-iters", r"mhc_attn\.comb", _every_layer),
-    Mutant("comb-transposed", r"mhc_attn\.comb", _every_layer),
-    Mutant("hadamard-q-only", r"indexer\.keys", _kind("csa")),
-    Mutant("fp4-scale-floor", r"indexer\.(q|keys)", _kind("csa")),
-    Mutant("compressed-rope-last", r"attn\.compressed_kv", _kind("csa", "hca")),
-    Mutant("yarn-on-swa", r"attn\.q", _kind("swa")),
-    # The trained default's shared experts pass the clamp (10) by at most ~1.5x, so the fault moves one token's
-    # moe.out by at most ~1.4% (cos 0.9857): decode through the default text past position 747, where layer 0 is
-    # moved most (cos 0.9876), one token per step.
-    Mutant("shared-clamp-missing", r"moe\.out", _every_layer, {"prompt_len": 740, "decode_steps": 12,
-                                                               "text_stream": True}),
-    Mutant("routing-bias-in-weights", r"moe\.weights", _routed),
-    Mutant("rep-penalty-no-prompt", r"sampler", _run_level,
-           {"sampler": SamplerConfig(repetition_penalty=2.0), "decode_steps": 24}),
-    Mutant("stop-missing-eot", r"stops", _run_level, {"stream": "given", "eot_at": 3}),
-    Mutant("cache-concat-growth", r"memory", _run_level),
-    # a capacity-sized buffer shows in the allocator / RSS counters within a few steps
-    Mutant("decode-buffer-kept", r"memory", _run_level, {"max_context": 65536, "decode_steps": 16}),
-    Mutant("topk-cap-half", r"indexer\.topk", _kind("csa")),
+    Mutant("indexer-key-width", r"indexer\.keys", _kind("csa"), *EVERYWHERE),
+    # compressed entries visible one position early: in the prefill, and where decode steps complete an entry
+    Mutant("causal-off-by-one", r"indexer\.(scores|topk)|attn\.visible", _kind("csa", "hca"), *BLOCK_ENDS),
+    Mutant("window-127", r"attn\.visible", _every_layer, *WINDOW_EDGE),
+    Mutant("window-no-self", r"attn\.visible", _every_layer, *WINDOW_EDGE),
+    Mutant("no-inverse-rope", r"attn\.out", _every_layer, *EVERYWHERE),
+    Mutant("sink-value-row", r"attn\.core", _every_layer, *EVERYWHERE),
+    Mutant("sink-dropped", r"attn\.core", _every_layer, *EVERYWHERE),
+    Mutant("sinkhorn-3-iters", r"mhc_attn\.comb", _every_layer, *EVERYWHERE),
+    Mutant("comb-transposed", r"mhc_attn\.comb", _every_layer, *EVERYWHERE),
+    Mutant("hadamard-q-only", r"indexer\.keys", _kind("csa"), *EVERYWHERE),
+    Mutant("fp4-scale-floor", r"indexer\.(q|keys)", _kind("csa"), *EVERYWHERE),
+    # every compressed entry's RoPE position, among them the entries decode steps complete
+    Mutant("compressed-rope-last", r"attn\.compressed_kv", _kind("csa", "hca"), *BLOCK_ENDS),
+    Mutant("yarn-on-swa", r"attn\.q", _kind("swa"), *EVERYWHERE),
+    # The trained default's shared experts pass the clamp (10) by at most ~1.5x, on a few tokens of its text: the
+    # fault moves one token's moe.out by ~1-2%, which only a decode step (one token) through the text shows. Of the
+    # scenario runs only the 512 steps reach such a token (step 181, position 308: L5.moe.out).
+    Mutant("shared-clamp-missing", r"moe\.out", _every_layer, *LONG_TEXT, {"text_stream": True}),
+    Mutant("routing-bias-in-weights", r"moe\.weights", _routed, *EVERYWHERE),
+    # a penalty below 1 favours seen ids: the reference doubles every prompt id's positive logit, which the fault
+    # forgets, so the first pick differs once a prompt id's doubled logit passes the top one (a penalty above 1
+    # shows only where the top id is a prompt id: the trained default at its second pick, random weights by chance)
+    Mutant("rep-penalty-no-prompt", r"sampler", _run_level, *BLOCK_ENDS,
+           {"sampler": SamplerConfig(repetition_penalty=0.5)}),
+    Mutant("stop-missing-eot", r"stops", _run_level, *BLOCK_ENDS, {"stream": "given", "eot_at": 3}),
+    Mutant("cache-concat-growth", r"memory", _run_level, *BLOCK_ENDS),
+    # a capacity-sized buffer kept per decode step (8.4 MiB at max_context 65536) passes the 50 MiB band at step 8
+    Mutant("decode-buffer-kept", r"memory", _run_level, *BLOCK_ENDS, {"max_context": 65536}),
+    Mutant("topk-cap-half", r"indexer\.topk", _kind("csa"), *EVERYWHERE),
 )
 BY_NAME = {m.name: m for m in CATALOGUE}
 
 
+def scenario_run(scenario: str, label: str) -> Run:
+    """The run ``label`` of ``scenario``, a single-sequence scenario of fidelity.scenarios.CATALOGUE; ValueError
+    naming the field, what was expected and what was found."""
+    found = SCENARIOS.get(scenario)
+    if found is None:
+        raise ValueError(f"scenario: expected one of {sorted(SCENARIOS)}, found {scenario!r}")
+    if found.needs:
+        raise ValueError(f"scenario: expected a single-sequence scenario (no needs), found {scenario!r} (needs "
+                         f"{', '.join(found.needs)})")
+    runs = {r.label: r for r in found.runs}
+    if label not in runs:
+        raise ValueError(f"run: expected a run of {scenario!r} ({list(runs)}), found {label!r}")
+    return runs[label]
+
+
+def check_catalogue(mutants: tuple[Mutant, ...] = CATALOGUE) -> list[str]:
+    """What is wrong with ``mutants``: a scenario run that is not a run of a single-sequence scenario of the
+    catalogue, an option that is not one of OPTIONS (the prompt, chunks and decode steps are the run's)."""
+    bad = []
+    for m in mutants:
+        try:
+            scenario_run(*m.where)
+        except ValueError as err:
+            bad.append(f"{m.name}: {err}")
+        if extra := sorted(set(m.options) - set(OPTIONS)):
+            bad.append(f"{m.name}: options: expected some of {list(OPTIONS)}, found {extra}")
+    return bad
+
+
+CLEAN_RUN = ("chunks", "whole")  # the clean decoder's run when none is named: 300 tokens prefilled whole, 4 steps
+
+
 @dataclass
 class MutantSettings:
-    prompt_len: int = 300
-    decode_steps: int = 8
     modes: tuple[str, ...] = ("layer", "op")
-    seed: int = 0
+    seed: int = 0  # the random checkpoint's default prompt (and the end-of-turn stream's) seed
     device: str = "cpu"  # the production decoder's and the oracle's device
+    decode_steps: int | None = None  # every run's decode steps instead of its scenario run's own (None: the run's)
 
 
-def _spec(checkpoint, s: MutantSettings, options: dict) -> RunSpec:
+def run_spec(checkpoint, s: MutantSettings, run: Run, options: dict) -> RunSpec:
+    """``run`` as a RunSpec: its prompt of the default prompt's ids (``prompt_for``, seed ``s.seed``), its prefill
+    chunks and decode steps (``s.decode_steps`` when set), then ``options`` on top."""
     cfg = checkpoint.config
     opts = dict(options)
     eot_at = opts.pop("eot_at", None)
-    decode = opts.pop("decode_steps", s.decode_steps)
-    prompt_len = opts.pop("prompt_len", s.prompt_len)
     text_stream = opts.pop("text_stream", False)
-    prompt = prompt_for(checkpoint, prompt_len, s.seed)
-    spec = RunSpec(prompt=prompt, decode_steps=decode, modes=s.modes, device=s.device, **opts)
+    decode = run.decode_steps if s.decode_steps is None else s.decode_steps
+    ids = prompt_for(checkpoint, run.prompt_len + decode + 1 + sum(o for o, _ in run.stream), s.seed)
+    seq = tokens(ids, run.stream) if run.stream else ids  # the run's token stream: its prompt, then its text
+    spec = RunSpec(prompt=run.prompt(ids), decode_steps=decode, modes=s.modes, device=s.device,
+                   prefill_chunk=list(run.chunks) if run.chunks else None, **opts)
     if text_stream:  # decode through the prompt's own continuation (the default text), one token per step
-        spec.stream, spec.continuation = "given", prompt_for(checkpoint, prompt_len + decode + 1, s.seed)[prompt_len:]
+        spec.stream, spec.continuation = "given", seq[run.prompt_len : run.prompt_len + decode + 1]
     if eot_at is not None:
         if not cfg.stop_token_ids:
             raise ValueError("stop-missing-eot: the config names no end-of-turn id (stop_token_ids)")
-        cont = default_prompt(cfg.vocab_size, decode + 1, s.seed + 1)
+        cont = default_prompt(cfg.vocab_size, max(decode, eot_at) + 1, s.seed + 1)
         cont[eot_at] = cfg.stop_token_ids[0]
         spec.continuation = cont
     return spec
@@ -146,11 +203,13 @@ def _spec(checkpoint, s: MutantSettings, options: dict) -> RunSpec:
 DecoderFactory = Callable[[], "Decoder"]
 
 
-def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings,
-            decoder: DecoderFactory | None = None) -> pd.DataFrame:
+def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings, decoder: DecoderFactory | None = None,
+            where: tuple[str, str] | None = None) -> pd.DataFrame:
     """Judged metric rows of one run (the clean decoder when ``mutant`` is None) on a fresh decoder from
-    ``decoder()`` (default: the production decoder)."""
-    spec = _spec(checkpoint, s, mutant.options if mutant else {})
+    ``decoder()`` (default: the production decoder), on the scenario run ``where`` (scenario, run label;
+    default: the mutant's, CLEAN_RUN for the clean decoder)."""
+    where = where or (mutant.where if mutant else CLEAN_RUN)
+    spec = run_spec(checkpoint, s, scenario_run(*where), mutant.options if mutant else {})
     names = (mutant.name,) if mutant else ()
     dec = decoder() if decoder else None
     with inject(*names):  # the default decoder is made with the fault injected, as it runs
@@ -201,57 +260,76 @@ def check_names(names: list[str] | None, known: tuple[str, ...] | None = None) -
         raise ValueError(f"mutants: unknown name(s) {unknown} for this decoder; expected some of {sorted(known)}")
 
 
+def _where(scenario: str, run: str, decode_steps: int | None = None) -> str:
+    """'scenario / run', with '(N decode steps)' when N is not the run's own."""
+    cut = decode_steps is not None and decode_steps != scenario_run(scenario, run).decode_steps
+    return f"{scenario} / {run}" + (f" ({int(decode_steps)} decode steps)" if cut else "")
+
+
 def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSettings | None = None,
                 progress: Callable[[int, int, str], None] | None = None, decoder: DecoderFactory | None = None,
                 known: tuple[str, ...] | None = None) -> pd.DataFrame:
-    """The detection matrix: the clean decoder first, then each mutant (``names`` = all of ``known`` by default:
-    the faults the decoder can carry, the whole catalogue for the production decoder). ``decoder()`` makes a
-    fresh decoder under test for each run."""
+    """The detection matrix: the clean decoder on every scenario run the chosen mutants use, then each mutant on
+    its own run (``names`` = all of ``known`` by default: the faults the decoder can carry, the whole catalogue
+    for the production decoder). ``decoder()`` makes a fresh decoder under test for each run. A row per
+    (mutant, scenario run) and probe, plus its "first" row."""
     s = settings or MutantSettings()
     check_names(names, known)
     chosen = [BY_NAME[n] for n in names] if names else [m for m in CATALOGUE if known is None or m.name in known]
+    jobs = [(None, where) for where in dict.fromkeys(m.where for m in chosen)] + [(m, m.where) for m in chosen]
     rows = []
-    for k, mutant in enumerate([None, *chosen]):
+    for k, (mutant, where) in enumerate(jobs):
         name = mutant.name if mutant else "clean"
         if progress:
-            progress(k, len(chosen) + 1, name)
+            progress(k, len(jobs), f"{name} on {_where(*where)}")
         t0 = time.perf_counter()
-        judged = run_one(checkpoint, mutant, s, decoder)
+        judged = run_one(checkpoint, mutant, s, decoder, where)
+        decode = scenario_run(*where).decode_steps if s.decode_steps is None else s.decode_steps
         for r in detection_rows(name, judged, mutant, checkpoint.config):
-            rows.append({**r, "seconds": round(time.perf_counter() - t0, 2)})
+            rows.append({"scenario": where[0], "run": where[1], "decode_steps": decode, **r,
+                         "seconds": round(time.perf_counter() - t0, 2)})
     return pd.DataFrame(rows)
 
 
 def gate_failures(matrix: pd.DataFrame) -> list[str]:
-    """Why ``--gate`` fails: the clean decoder alarmed, a mutant went undetected, or was found elsewhere."""
+    """Why ``--gate`` fails: the clean decoder alarmed on a scenario run, a mutant went undetected on its run, or
+    was found elsewhere than planted."""
     first = matrix[matrix["probe"] == "first"]
     out = []
     for r in first.itertuples():
+        where = _where(r.scenario, r.run, r.decode_steps)
         if r.mutant == "clean":
             if r.detected:
-                out.append(f"clean decoder raised an alarm: {r.site} {r.metric} {r.value:g} ({r.threshold})")
+                out.append(f"clean decoder raised an alarm on {where}: {r.site} {r.metric} {r.value:g} "
+                           f"({r.threshold})")
         elif not r.detected:
-            out.append(f"{r.mutant}: not detected")
+            out.append(f"{r.mutant}: not detected on {where}")
         elif not r.located:
-            out.append(f"{r.mutant}: first detected at {r.site} (step {int(r.step)}, {r.mode} mode), "
+            out.append(f"{r.mutant}: first detected at {r.site} (step {int(r.step)}, {r.mode} mode) on {where}, "
                        f"expected {r.expected}")
     return out
 
 
 def matrix_table(matrix: pd.DataFrame) -> pd.DataFrame:
-    """mutant x probe table: first detection step/site per probe, '-' when the probe stayed silent."""
+    """(mutant, scenario run) x probe table: first detection step/site per probe, '-' when the probe stayed
+    silent; the clean decoder's runs first, then the mutants in catalogue order. A run given other decode steps
+    than its own (``MutantSettings.decode_steps``) says so."""
+    key = ["mutant", "scenario run"]
+    label = [_where(*w) for w in zip(matrix["scenario"], matrix["run"], matrix["decode_steps"], strict=True)]
+    matrix = matrix.assign(**{"scenario run": label})
     probe_rows = matrix[matrix["probe"] != "first"]
     cell = probe_rows.apply(lambda r: f"step {int(r.step)} {r.site}" if r.detected else "-", axis=1)
-    wide = probe_rows.assign(cell=cell).pivot(index="mutant", columns="probe", values="cell")
-    first = matrix[matrix["probe"] == "first"].set_index("mutant")
+    wide = probe_rows.assign(cell=cell).pivot(index=key, columns="probe", values="cell")
+    first = matrix[matrix["probe"] == "first"].set_index(key)
     wide.insert(0, "first detection", first.apply(
         lambda r: f"step {int(r.step)} {r.site} {r.metric} {r['value']:.4g} ({r.threshold}, {r['mode']})"
         if r.detected else "none", axis=1))
     if "located" in first:
         wide.insert(1, "where planted", first["expected"].fillna("-"))
         wide.insert(2, "located", first["located"].map({True: "yes", False: "NO"}).fillna("-"))
-    order = ["clean"] + [m.name for m in CATALOGUE]
-    return wide.reindex([m for m in order if m in wide.index]).reset_index()
+    order = {name: k for k, name in enumerate(["clean"] + [m.name for m in CATALOGUE])}
+    keys = sorted(first.index, key=lambda mk: order.get(mk[0], len(order)))  # clean runs in run order
+    return wide.reindex(keys).reset_index()
 
 
 def write_matrix(matrix: pd.DataFrame, out_dir: str | Path, run_id: str | None = None,

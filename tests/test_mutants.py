@@ -1,14 +1,30 @@
-"""Fault injection: every catalogued DSv4 port bug is caught by a named probe where it was planted, and the
-clean decoder stays silent with the default thresholds (on two synthetic seeds)."""
+"""Fault injection: every catalogued DSv4 port bug is caught by a named probe where it was planted, in the scenario
+run it names, and the clean decoder stays silent on every scenario run the mutants use, with the default thresholds
+(on two synthetic seeds)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from fidelity.decoders.production.faults import FAULTS, inject, on
 from fidelity.model.config import ModelConfig
+from fidelity.model.default import prompt_for
 from fidelity.model.synthesize import synthesize
-from fidelity.mutants import CATALOGUE, MutantSettings, gate_failures, matrix_table, run_mutants, write_matrix
+from fidelity.mutants import (
+    BY_NAME,
+    CATALOGUE,
+    MutantSettings,
+    check_catalogue,
+    gate_failures,
+    matrix_table,
+    run_mutants,
+    run_spec,
+    scenario_run,
+    write_matrix,
+)
+from fidelity.scenarios import CATALOGUE as SCENARIOS
 
 EXPECTED_PROBE = {
     "indexer-key-width": "similarity", "causal-off-by-one": "visible", "window-127": "visible",
@@ -20,18 +36,90 @@ EXPECTED_PROBE = {
     "decode-buffer-kept": "memory",
     "topk-cap-half": "indexer",
 }  # fmt: skip
+LONG = 64  # decode steps past which a scenario run is left to the slow tests (~0.15 s a step in layer + op mode)
+CUT = 4  # the decode steps the long runs are cut to in the quick check of their mutants
+
+
+def _long(where: tuple[str, str]) -> bool:
+    return scenario_run(*where).decode_steps > LONG
+
+
+QUICK = [m.name for m in CATALOGUE if not _long(m.where)]
+SLOW = [m.name for m in CATALOGUE if _long(m.where)]
+
+
+def _runs(names: list[str]) -> list[tuple[str, str]]:
+    return list(dict.fromkeys(BY_NAME[n].where for n in names))
+
+
+def _param(value, where: tuple[str, str], name: str = ""):
+    marks = [pytest.mark.slow] if _long(where) else []
+    return pytest.param(value, marks=marks, id=f"{name}{'@' if name else ''}{where[0]}/{where[1]}")
+
+
+def _first(matrix, name: str, where: tuple[str, str], probe: str = "first"):
+    rows = matrix[(matrix["mutant"] == name) & (matrix["scenario"] == where[0]) & (matrix["run"] == where[1])
+                  & (matrix["probe"] == probe)]
+    assert len(rows) == 1, f"{name} on {where}: expected one {probe!r} row, found {len(rows)}"
+    return rows.iloc[0]
 
 
 @pytest.fixture(scope="class")
-def matrix(request):
-    """The detection matrix of the class's seed (one class per seed: xdist's loadscope runs them in parallel)."""
-    ckpt = synthesize(ModelConfig.preset("tiny"), seed=request.cls.seed)
-    return run_mutants(ckpt, None, MutantSettings(seed=request.cls.seed))
+def ckpt(request):
+    return synthesize(ModelConfig.preset("tiny"), seed=request.cls.seed)
+
+
+@pytest.fixture(scope="class")
+def matrix(request, ckpt):
+    """The detection matrix of the class's seed over the mutants on moderate runs (one class per seed: xdist's
+    loadscope runs them in parallel)."""
+    return run_mutants(ckpt, QUICK, MutantSettings(seed=request.cls.seed))
+
+
+@pytest.fixture(scope="class")
+def long_matrix(request, ckpt):
+    """The detection matrix over the mutants on runs of more than LONG decode steps (the slow tests)."""
+    return run_mutants(ckpt, SLOW, MutantSettings(seed=request.cls.seed))
+
+
+def _matrix_of(request, where: tuple[str, str]):
+    return request.getfixturevalue("long_matrix" if _long(where) else "matrix")
 
 
 def test_catalogue_covers_every_fault_once():
     assert sorted(m.name for m in CATALOGUE) == sorted(FAULTS)
     assert len(CATALOGUE) >= 17
+
+
+def test_every_mutant_names_a_run_of_a_single_sequence_scenario():
+    assert check_catalogue() == []
+    for m in CATALOGUE:
+        assert not SCENARIOS[m.scenario].needs and m.run in [r.label for r in SCENARIOS[m.scenario].runs], m.name
+    base = BY_NAME["window-127"]
+    bad = (replace(base, name="a", scenario="nope"), replace(base, name="b", run="prompt 7"),
+           replace(base, name="c", scenario="batch", run=SCENARIOS["batch"].runs[0].label),
+           replace(base, name="d", options={"decode_steps": 3}))
+    problems = check_catalogue(bad)
+    assert len(problems) == 4
+    assert problems[0].startswith("a: scenario: expected one of [") and problems[0].endswith("found 'nope'")
+    assert problems[1].startswith("b: run: expected a run of 'lengths' (['prompt 125', ") and \
+        problems[1].endswith("found 'prompt 7'")
+    assert problems[2] == "c: scenario: expected a single-sequence scenario (no needs), found 'batch' (needs batch)"
+    assert problems[3].startswith("d: options: expected some of ['eot_at', ") and problems[3].endswith(
+        "found ['decode_steps']")
+
+
+def test_a_mutant_runs_its_scenario_runs_prompt_chunks_and_decode_steps():
+    ckpt = synthesize(ModelConfig.preset("tiny"), seed=1)
+    run = scenario_run("chunks", "chunks 5,6,7,63,130,89")
+    spec = run_spec(ckpt, MutantSettings(seed=1), run, {})
+    assert spec.prompt.tolist() == prompt_for(ckpt, 300, 1).tolist()
+    assert spec.chunk_sizes() == [5, 6, 7, 63, 130, 89] and spec.decode_steps == run.decode_steps == 4
+    text = run_spec(ckpt, MutantSettings(seed=1, decode_steps=6), scenario_run("lengths", "prompt 128"),
+                    {"text_stream": True, "max_context": 999})
+    ids = prompt_for(ckpt, 135, 1)
+    assert text.prompt.tolist() == ids[:128].tolist() and text.continuation.tolist() == ids[128:135].tolist()
+    assert (text.stream, text.decode_steps, text.max_context, text.prefill_chunk) == ("given", 6, 999, None)
 
 
 def test_faults_are_off_unless_injected():
@@ -47,35 +135,64 @@ def test_faults_are_off_unless_injected():
 class GateOnOneSeed:
     seed = 0
 
-    def test_clean_decoder_raises_no_alarm(self, matrix):
-        clean = matrix[(matrix["mutant"] == "clean") & (matrix["probe"] == "first")].iloc[0]
-        assert not clean["detected"], f"clean alarm: {clean['site']} {clean['metric']} {clean['value']}"
+    @pytest.mark.parametrize("where", [_param(w, w) for w in _runs([m.name for m in CATALOGUE])])
+    def test_clean_decoder_raises_no_alarm_on_each_run_the_mutants_use(self, request, where):
+        clean = _first(_matrix_of(request, where), "clean", where)
+        assert not clean["detected"], f"clean alarm on {where}: {clean['site']} {clean['metric']} {clean['value']}"
 
-    @pytest.mark.parametrize("name", [m.name for m in CATALOGUE])
-    def test_mutant_is_detected_where_it_was_planted(self, matrix, name):
-        first = matrix[(matrix["mutant"] == name) & (matrix["probe"] == "first")].iloc[0]
-        assert first["detected"], f"{name} went undetected"
-        assert first["located"], f"{name}: first detected at {first['site']}, expected {first['expected']}"
-        probe = matrix[(matrix["mutant"] == name) & (matrix["probe"] == EXPECTED_PROBE[name])].iloc[0]
-        assert probe["detected"], f"{name}: probe {EXPECTED_PROBE[name]} stayed silent"
+    @pytest.mark.parametrize("name", [_param(m.name, m.where, m.name) for m in CATALOGUE])
+    def test_mutant_is_detected_where_it_was_planted_in_its_run(self, request, name):
+        where = BY_NAME[name].where
+        first = _first(_matrix_of(request, where), name, where)
+        assert first["detected"], f"{name} went undetected on {where}"
+        assert first["located"], f"{name}: first detected at {first['site']} on {where}, expected {first['expected']}"
+        probe = _first(_matrix_of(request, where), name, where, EXPECTED_PROBE[name])
+        assert probe["detected"], f"{name}: probe {EXPECTED_PROBE[name]} stayed silent on {where}"
+
+    def test_the_clean_decoder_runs_exactly_the_runs_of_the_mutants(self, matrix):
+        first = matrix[matrix["probe"] == "first"]
+        clean = first[first["mutant"] == "clean"]
+        assert list(zip(clean["scenario"], clean["run"], strict=True)) == _runs(QUICK)
+        for r in first[first["mutant"] != "clean"].itertuples():
+            assert (r.scenario, r.run) == BY_NAME[r.mutant].where
+
+    def test_long_run_mutants_show_in_their_runs_cut_short(self, ckpt):
+        """The quick stand-in for the slow tests: on random weights the shared experts pass the clamp on many
+        tokens, so the prefill of its run already shows it."""
+        cut = run_mutants(ckpt, SLOW, MutantSettings(seed=self.seed, decode_steps=CUT))
+        assert gate_failures(cut) == []
+        first = cut[(cut["probe"] == "first") & (cut["mutant"] != "clean")]
+        assert set(first["mutant"]) == set(SLOW) and (first["step"] == 0).all()
+        where = BY_NAME[SLOW[0]].where
+        assert f"{where[0]} / {where[1]} ({CUT} decode steps)" in set(matrix_table(cut)["scenario run"])
 
     def test_gate_passes_and_matrix_is_written(self, matrix, tmp_path):
         assert gate_failures(matrix) == []
         out = write_matrix(matrix, tmp_path, "m")
         assert {p.name for p in out.iterdir()} == {"detection.parquet", "detection.md", "detection.html"}
         table = matrix_table(matrix)
-        assert list(table["mutant"])[0] == "clean" and len(table) == len(CATALOGUE) + 1
-        assert "gate: PASS" in (out / "detection.md").read_text()
+        runs = _runs(QUICK)
+        assert list(table["mutant"]) == ["clean"] * len(runs) + QUICK
+        assert list(table["scenario run"][: len(runs)]) == [f"{s} / {r}" for s, r in runs]
+        md = (out / "detection.md").read_text()
+        assert "gate: PASS" in md and "| mutant | scenario run | first detection |" in md
+        assert "| window-127 | lengths / prompt 128 | step 0 L0.attn.visible" in md
 
-    def test_gate_reports_an_undetected_mutant_and_a_misplaced_one(self, matrix):
+    def test_gate_reports_an_undetected_mutant_a_misplaced_one_and_a_clean_alarm(self, matrix):
         broken = matrix.copy()
         row = (broken["mutant"] == "window-127") & (broken["probe"] == "first")
         broken.loc[row, "detected"] = False
         row = (broken["mutant"] == "yarn-on-swa") & (broken["probe"] == "first")
         broken.loc[row, "located"] = False
+        row = (broken["mutant"] == "clean") & (broken["probe"] == "first") & (broken["scenario"] == "decode-boundaries")
+        broken.loc[row, ["detected", "site", "metric", "value", "threshold"]] = [True, "L2.attn.q", "cos", 0.5,
+                                                                                 ">= 0.99"]
         failures = gate_failures(broken)
-        assert any("window-127: not detected" in f for f in failures)
-        assert any(f.startswith("yarn-on-swa: first detected at") for f in failures)
+        assert "window-127: not detected on lengths / prompt 128" in failures
+        assert any(f.startswith("yarn-on-swa: first detected at") and "on lengths / prompt 128, expected" in f
+                   for f in failures)
+        assert "clean decoder raised an alarm on decode-boundaries / prompt 250, 10 steps: L2.attn.q cos 0.5 " \
+               "(>= 0.99)" in failures
 
 
 class TestSeed0(GateOnOneSeed):

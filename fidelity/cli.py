@@ -25,7 +25,9 @@ EXAMPLES = """examples:
   fidelity run --profile fp8-fmha --decode 16 --mode layer --mode op --gate
   fidelity run --checkpoint ckpt/ --prompt-file ids.txt --profile my_profile.toml --thresholds th.toml
   fidelity report runs/<run-id>              re-render the report (optionally --thresholds)
-  fidelity compare runs/<a> runs/<b> ...     profiles or versions side by side (runs/compare-<a>-vs-<b>/)
+  fidelity compare runs/<a> runs/<b> ...     profiles or versions side by side (runs/compare-<a>-vs-<b>/); run
+                                             or scenario report directories
+  fidelity run --decoder trace:DIR           judge a recorded trace, every sequence (docs/traces.md)
   fidelity memory --preset flash --context 1048576
   fidelity oracle                            the oracle alone on the trained default
   fidelity oracle --prompt-text-file f.py    mean NLL per token of a text, and the greedy continuation as text
@@ -120,7 +122,7 @@ def _threads(args, cfg: ModelConfig, device: str = "cpu") -> int:
 def cmd_run(args) -> int:
     if args.scenario:
         return cmd_scenarios(args)
-    from fidelity.api import plural, run
+    from fidelity.api import run
     from fidelity.atomic_write import check_new_dir
     from fidelity.decoders.production import get_profile
     from fidelity.harness.thresholds import load_thresholds
@@ -146,7 +148,8 @@ def cmd_run(args) -> int:
     if args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
     _require_transformers(args)
-    replay = _trace(args)
+    replays = _traces(args)  # every sequence to judge, each view checked before any run starts
+    replay = replays[0] if replays else None
     plan = _plan(args, replay)
     prompt = _run_prompt(args, plan, replay)
     continuation = _read_ids(args.continuation_file, plan.config.vocab_size, "--continuation-file") \
@@ -155,30 +158,43 @@ def cmd_run(args) -> int:
     tok = _given_tokenizer(args)
     extra = {} if replay is not None else {"stream": args.stream, "continuation": continuation,
                                            "prefill_chunk": args.prefill_chunk}
-    t0 = time.perf_counter()
-    progress = Progress()
-    try:
-        res = run(replay or args.decoder, plan, prompt, None if replay is not None else args.decode,
-                  tuple(args.mode or ("free", "layer", "op")), args.out, run_id=run_id, profile=profile,
-                  decoder_dtype=args.decoder_dtype, device=args.device, oracle_dtype=args.oracle_dtype,
-                  thresholds=args.thresholds, trace=args.write_trace, overwrite=args.overwrite, progress=progress,
-                  notify=_notify, names=OPTION_NAMES, sampler=sampler, stop_ids=_stops(args, plan.config),
-                  max_context=args.max_context, sample_queries=args.sample_queries,
-                  oracle_device=args.oracle_device, tokenizer=str(tok) if tok else None,
-                  **extra)
-    finally:
-        progress.close()  # ends a bar (a run that stopped on a stop token, or one interrupted) on its own line
+    run_ids = [run_id] if len(replays) < 2 else [f"{run_id}-seq{r.seq}" for r in replays]
+    for rid in run_ids[1:]:
+        check_output(args.out, rid, args.overwrite)
+    passed = True
+    for decoder, rid in zip(replays or [args.decoder], run_ids, strict=True):
+        t0 = time.perf_counter()
+        progress = Progress()
+        try:
+            res = run(decoder, plan, prompt, None if replay is not None else args.decode,
+                      tuple(args.mode or ("free", "layer", "op")), args.out, run_id=rid, profile=profile,
+                      decoder_dtype=args.decoder_dtype, device=args.device, oracle_dtype=args.oracle_dtype,
+                      thresholds=args.thresholds, trace=args.write_trace, overwrite=args.overwrite,
+                      progress=progress, notify=_notify, names=OPTION_NAMES, sampler=sampler,
+                      stop_ids=_stops(args, plan.config), max_context=args.max_context,
+                      sample_queries=args.sample_queries, oracle_device=args.oracle_device,
+                      tokenizer=str(tok) if tok else None, **extra)
+        finally:
+            progress.close()  # ends a bar (a run that stopped on a stop token, or one interrupted) on its own line
+        passed = passed and res.passed
+        _print_run(res, plan.what, time.perf_counter() - t0, threads)
+    if args.write_trace:
+        print(f"trace: {args.write_trace}")
+    return 1 if args.gate and not passed else 0
+
+
+def _print_run(res, checkpoint: str, seconds: float, threads: int) -> None:
+    """A run's summary: decoder, modes (and why any was skipped), prompt and steps, verdict, report."""
+    from fidelity.api import plural
+
     steps, modes = res.manifest["decode_steps"], res.manifest["modes"]
-    print(f"dsv4-fidelity {__version__}: {res.manifest['decoder']} vs oracle on {plan.what}, modes {'+'.join(modes)}")
+    print(f"dsv4-fidelity {__version__}: {res.manifest['decoder']} vs oracle on {checkpoint}, modes {'+'.join(modes)}")
     for mode, why in res.manifest["modes_skipped"].items():
         print(f"skipped {mode} mode: {why}")
     print(f"prompt {plural(res.manifest['prompt_len'], 'token')}, {plural(steps, 'decode step')} "
-          f"({res.manifest['stop_reason']}), {time.perf_counter() - t0:.1f} s, {plural(threads, 'thread')}")
+          f"({res.manifest['stop_reason']}), {seconds:.1f} s, {plural(threads, 'thread')}")
     _print_verdict(res.judgement)
     print(f"report: {res.run_dir / 'report.md'} (and report.html, metrics.parquet, plots/)")
-    if args.write_trace:
-        print(f"trace: {args.write_trace}")
-    return 1 if args.gate and not res.passed else 0
 
 
 def cmd_scenarios(args) -> int:
@@ -228,17 +244,23 @@ def _require_transformers(args) -> None:
             raise UsageError(str(err)) from None
 
 
-def _trace(args):
-    """The TraceDecoder of ``--decoder trace:DIR`` (its manifest checked now), else None."""
+def _traces(args) -> list:
+    """The TraceDecoders of ``--decoder trace:DIR``: the sequence ``--trace-seq`` names, else every sequence the
+    trace holds (each judged as its own run); every file checked now. Empty for a live decoder."""
     from fidelity.decoders.trace import TraceDecoder
+    from fidelity.decoders.trace_file import read_trace
 
     if args.decoder in ("production", "transformers"):
-        return None
+        if args.trace_seq is not None:
+            raise UsageError("--trace-seq: needs --decoder trace:DIR")
+        return []
     if not args.decoder.startswith("trace:"):
         raise UsageError(f"--decoder: expected production, transformers or trace:DIR, found {args.decoder!r}")
     if args.write_trace:
         raise UsageError("--write-trace: a replayed trace is not recorded again")
-    return TraceDecoder(args.decoder.removeprefix("trace:"))
+    directory = args.decoder.removeprefix("trace:")
+    seqs = [args.trace_seq] if args.trace_seq is not None else read_trace(directory).sequences
+    return [TraceDecoder(directory, seq) for seq in seqs]
 
 
 def _run_prompt(args, plan, replay) -> torch.Tensor | None:
@@ -341,13 +363,14 @@ def cmd_mutants(args) -> int:
         check_names(args.only, known)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if args.decode is not None and args.decode < 0:
+        raise UsageError(f"--decode: expected >= 0, found {args.decode}")
     run_id = args.run_id or f"mutants-{new_run_id()}"
     check_output(args.out, run_id, args.overwrite)
     plan = _plan(args)
     threads = _threads(args, plan.config)
     ckpt = plan.open()
-    settings = MutantSettings(args.prompt_len, args.decode, tuple(args.mode or ("layer", "op")), args.seed,
-                              args.device)
+    settings = MutantSettings(tuple(args.mode or ("layer", "op")), args.seed, args.device, args.decode)
     factory = None
     if args.decoder == "transformers":
         def factory():
@@ -559,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
     _decoder_args(r, "the decoder under test: production (default), transformers (DeepseekV4ForCausalLM), or "
                      "trace:DIR (a recorded trace, replayed with its own prompt and tokens)", "bf16")
     r.add_argument("--write-trace", metavar="DIR", help="also record the decoder's calls as a trace in DIR")
+    r.add_argument("--trace-seq", type=int, metavar="K",
+                   help="with --decoder trace:DIR: judge sequence K only (default: every sequence of the trace, "
+                        "each its own run directory <run-id>-seq<K> when there are several)")
     r.add_argument("--profile", default="reference",
                    help="built-in profile, base:field=value,..., or a .toml/.json profile file")
     r.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="repeatable (default: all)")
@@ -611,13 +637,15 @@ def build_parser() -> argparse.ArgumentParser:
     _threads_arg(sc)
     sc.set_defaults(func=cmd_scenarios)
 
-    mu = sub.add_parser("mutants", help="inject known DSv4 port bugs; which probe catches each, and where")
+    mu = sub.add_parser("mutants", help="inject known DSv4 port bugs, each in its scenario run; which probe "
+                        "catches each, and where")
     mu.add_argument("--checkpoint", help="checkpoint directory (default: the trained default)")
     mu.add_argument("--preset", help="synthesize this preset instead (random weights, e.g. tiny)")
-    mu.add_argument("--seed", type=int, default=0)
-    mu.add_argument("--only", action="append", help="mutant name (repeatable; default: the whole catalogue)")
-    mu.add_argument("--prompt-len", type=int, default=300)
-    mu.add_argument("--decode", type=int, default=8)
+    mu.add_argument("--seed", type=int, default=0, help="synthetic weights and default prompt seed")
+    mu.add_argument("--only", action="append", help="mutant name (repeatable; default: the whole catalogue); the "
+                    "clean decoder runs every scenario run the chosen mutants use")
+    mu.add_argument("--decode", type=int, help="decode steps of every run instead of its scenario run's own (a "
+                    "quicker look; a mutant that needs decode steps to show may then go undetected)")
     mu.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="default: layer and op")
     _decoder_args(mu, "production (default: the whole catalogue) or transformers (DeepseekV4ForCausalLM with the "
                       "faults it can carry planted at run time)", "fp32")
@@ -639,9 +667,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="re-draw a run's plots")
     pl.add_argument("run")
     pl.set_defaults(func=cmd_plot)
-    cmp_ = sub.add_parser("compare", help="two or more runs side by side: one table and one plot")
-    cmp_.add_argument("runs", nargs="+", metavar="RUN", help="run directories (at least two)")
-    cmp_.add_argument("--out", help="folder for compare.md and the plot (default: runs/compare-<A>-vs-<B>...)")
+    cmp_ = sub.add_parser("compare", help="two or more runs (or scenario reports) side by side: tables and a plot")
+    cmp_.add_argument("runs", nargs="+", metavar="RUN", help="run directories, or scenario report directories "
+                      "(runs/scenarios-*), at least two of one kind")
+    cmp_.add_argument("--out", help="folder for compare.md and the plot (default: compare-<A>-vs-<B>... next to A)")
     cmp_.add_argument("--overwrite", action="store_true")
     cmp_.set_defaults(func=cmd_compare)
     mem = sub.add_parser("memory", help="cache bytes per token and in total, bf16 vs packed storage")

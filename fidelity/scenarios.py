@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import html
 import re
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -38,6 +40,10 @@ from fidelity.api import CheckpointPlan, open_decoder, run, warn
 from fidelity.atomic_write import write_dir_atomic
 from fidelity.decoders.base import Call, Decoder, DecoderError
 from fidelity.decoders.production.decoder import ProductionDecoder
+from fidelity.decoders.trace import TraceDecoder
+from fidelity.decoders.trace_file import TraceWriter, read_trace
+from fidelity.harness.thresholds import Divergence, site_order_key
+from fidelity.model.sites import Recorder
 from fidelity.outputs.plots import DPI, FLOOR
 from fidelity.outputs.report import html_table, md_table
 from fidelity.outputs.rundir import check_output, new_run_id
@@ -159,6 +165,16 @@ class Scenario:
     scripts: tuple[Script, ...] = ()
     checks: tuple[Check, ...] = ()
 
+    @property
+    def judged(self) -> tuple[str, ...]:
+        """The scripts judged against the oracle as played (each sequence on its own timeline): those the checks
+        exercise (their ``b`` side)."""
+        return tuple(dict.fromkeys(c.b[0] for c in self.checks))
+
+    def checks_of(self, label: str) -> list[tuple[str, int]]:
+        """The (script, sequence) sides ``b`` of the checks on script ``label``."""
+        return [c.b for c in self.checks if c.b[0] == label]
+
     def script(self, label: str) -> Script:
         return next(s for s in self.scripts if s.label == label)
 
@@ -206,23 +222,35 @@ def _long_decode() -> Scenario:
 
 
 def _batch() -> Scenario:
-    """Five sequences (prompts 37, 130, 255, 64, 201 at different offsets) prefilled in one forward, then decoded
-    together one token each per call, two finishing early."""
-    seqs = [(0, 37, 8), (40, 130, 3), (80, 255, 8), (120, 64, 1), (160, 201, 5)]  # (offset, prompt, steps)
-    streams = tuple((k, ((o, n + d),)) for k, (o, n, d) in enumerate(seqs))
-    ops = [Feed(tuple((k, n) for k, (_, n, _) in enumerate(seqs)))]
-    ops += [Feed(tuple((k, 1) for k, (_, _, d) in enumerate(seqs) if d > step)) for step in range(8)]
+    """Continuous batching of five sequences (prompts 37, 130, 255, 64 and 201 at different offsets of the default
+    prompt): three prefilled in one call, then decoded together one token each per call; a fourth arrives at the
+    third call (its prefill in the same call as the others' decode steps), a fifth at the fourth call in two
+    prefill chunks (100 + 101); some finish early. Each is compared with the same calls made alone. No equal bits
+    are promised: a batched call's GEMMs run over every sequence's rows (the production decoder:
+    ``batch.forward_batch``)."""
+    seqs = [(0, (37,), 8, 0), (40, (130,), 3, 0), (80, (255,), 8, 0), (120, (64,), 1, 2),
+            (160, (100, 101), 5, 3)]  # (offset, prefill chunks, decode steps, the call it arrives at)
+    pieces = [[*chunks, *[1] * d] for _, chunks, d, _ in seqs]  # each sequence's calls, in order
+    streams = tuple((k, ((o, sum(chunks) + d),)) for k, (o, chunks, d, _) in enumerate(seqs))
+    ops, done = [], [0] * len(seqs)
+    for call in range(max(a + len(p) for (*_, a), p in zip(seqs, pieces, strict=True))):
+        feed = []
+        for k, ((*_, arrive), mine) in enumerate(zip(seqs, pieces, strict=True)):
+            if call >= arrive and done[k] < len(mine):
+                feed.append((k, mine[done[k]]))
+                done[k] += 1
+        ops.append(Feed(tuple(feed)))
     scripts = [Script("batched", streams, tuple(ops))]
-    scripts += [Script(f"alone {k}", ((0, segs),), (Feed(((0, n),)), *[Feed(((0, 1),))] * d))
-                for (k, segs), (_, n, d) in zip(streams, seqs, strict=True)]
-    checks = tuple(Check("batched==alone", (f"alone {k}", 0), ("batched", k), "independent sequences")
-                   for k in range(len(seqs)))
-    runs = tuple(Run(f"seq {k}: prompt {n}", n, d, param=("prompt_len", n), stream=((o, n + d),))
-                 for k, (o, n, d) in enumerate(seqs))
-    return Scenario("batch", "sequences of different, non-aligned prompt lengths prefilled in one forward and "
-                    "decoded together, some finishing early: state shared or mixed between sequences, rows of one "
-                    "sequence read at another's positions", runs, needs=("batch",), scripts=tuple(scripts),
-                    checks=checks)
+    scripts += [Script(f"alone {k}", ((0, segs),), tuple(Feed(((0, n),)) for n in mine))
+                for (k, segs), mine in zip(streams, pieces, strict=True)]
+    checks = tuple(Check("batched==alone", (f"alone {k}", 0), ("batched", k)) for k in range(len(seqs)))
+    runs = tuple(Run(f"seq {k}: prompt {sum(c)}", sum(c), d, c if len(c) > 1 else None, ("prompt_len", sum(c)),
+                     ((o, sum(c) + d),)) for k, (o, c, d, _) in enumerate(seqs))
+    return Scenario("batch", "continuous batching: sequences of different, non-aligned prompt lengths prefilled "
+                    "together, decoded together, arriving while others decode (a prefill, and prefill chunks, in "
+                    "the same call as decode steps), some finishing early: state shared or mixed between "
+                    "sequences, a sequence's rows placed at another's positions or offsets", runs,
+                    needs=("batch",), scripts=tuple(scripts), checks=checks)
 
 
 def _prefix() -> Scenario:
@@ -352,33 +380,62 @@ def check_pair(scenario: Scenario, pair: Pair, logits: dict[str, torch.Tensor], 
             "worst_position": span.start + got["worst_position"], "bound": bound, "passed": passed}
 
 
-def play(decoder: Decoder, ids: torch.Tensor, script: Script) -> dict[int, dict[int, torch.Tensor]]:
+def play(decoder: Decoder, ids: torch.Tensor, script: Script,
+         writer: TraceWriter | None = None) -> dict[int, dict[int, torch.Tensor]]:
     """``script`` on ``decoder`` from a reset: {seq: {position: fp32 logits [vocab]}} of every call but the
-    proposals; nothing recorded."""
+    proposals. With ``writer``, every call, fork and rollback is also written to it as a trace (version 2): each
+    sequence's sites where the decoder records every sequence of a call (``Decoder.records_sequences``), else the
+    logits only."""
     decoder.reset()
     decoder.rec = None
     streams = {seq: tokens(ids, segs) for seq, segs in script.streams}
     pos: dict[int, int] = {}
     rows: dict[int, dict[int, torch.Tensor]] = {seq: {} for seq in streams}
-    for op in script.ops:
-        if isinstance(op, Fork):
-            decoder.fork(op.seq, op.parent, op.pos)
-            pos[op.seq] = op.pos
-        elif isinstance(op, Propose):
-            p = pos.get(op.seq, 0)
-            draft = streams[op.seq][p : p + op.n].clone()
-            draft[op.accept :] = (draft[op.accept :] + 1) % decoder.config.vocab_size
-            decoder.forward([Call(op.seq, draft, p)])
-            decoder.rollback(op.seq, p + op.accept)
-            pos[op.seq] = p + op.accept
-        else:
-            calls = [Call(seq, streams[seq][pos.get(seq, 0) : pos.get(seq, 0) + n], pos.get(seq, 0))
-                     for seq, n in op.calls]
-            for call, out in zip(calls, decoder.forward(calls), strict=True):
+    sites = writer is not None and decoder.records_sequences
+    try:
+        for op in script.ops:
+            if isinstance(op, Fork):
+                decoder.fork(op.seq, op.parent, op.pos)
+                pos[op.seq] = op.pos
+                if writer is not None:
+                    writer.fork(op.seq, op.parent, op.pos)
+                continue
+            if isinstance(op, Propose):
+                p = pos.get(op.seq, 0)
+                draft = streams[op.seq][p : p + op.n].clone()
+                draft[op.accept :] = (draft[op.accept :] + 1) % decoder.config.vocab_size
+                calls = [Call(op.seq, draft, p)]
+            else:
+                calls = [Call(seq, streams[seq][pos.get(seq, 0) : pos.get(seq, 0) + n], pos.get(seq, 0))
+                         for seq, n in op.calls]
+            if sites:
+                decoder.recorders = {c.seq: Recorder() for c in calls}
+            outs = decoder.forward(calls)
+            if writer is not None:
+                _write_call(writer, calls, outs, decoder.recorders if sites else None)
+            if isinstance(op, Propose):
+                decoder.rollback(op.seq, calls[0].start + op.accept)
+                pos[op.seq] = calls[0].start + op.accept
+                if writer is not None:
+                    writer.rollback(op.seq, pos[op.seq])
+                continue
+            for call, out in zip(calls, outs, strict=True):
                 for j, row in enumerate(out.float()):
                     rows[call.seq][call.start + j] = row
                 pos[call.seq] = call.start + len(call.ids)
+    finally:
+        if sites:
+            decoder.recorders = None
     return rows
+
+
+def _write_call(writer: TraceWriter, calls: list[Call], outs: list[torch.Tensor], recorders: dict | None) -> None:
+    """One played call into the trace: each sequence's recorded sites (``@seq``), the ids and logits."""
+    for call in calls:
+        rec = (recorders or {}).get(call.seq)
+        for name in rec.records if rec is not None else ():
+            writer(name, rec.get(name), seq=call.seq)
+    writer.end_call([(c.seq, c.ids) for c in calls], [o.float() for o in outs])
 
 
 def check_script_pair(scenario: Scenario, check: Check, rows: dict[str, dict[int, dict[int, torch.Tensor]]],
@@ -402,8 +459,10 @@ def missing(scenario: Scenario, decoder: Decoder) -> str:
     return "; ".join(f"{need}: {have[need]}" for need in scenario.needs if have.get(need) is not None)
 
 
-def self_consistency(scenario: Scenario, ids: torch.Tensor, fresh: Callable[[int], Decoder]) -> list[dict]:
-    """Every pair of ``scenario`` on decoders from ``fresh(max_context)`` (one per run or script)."""
+def self_consistency(scenario: Scenario, ids: torch.Tensor, fresh: Callable[[int], Decoder],
+                     writers: Callable[[Script, Decoder], TraceWriter | None] | None = None) -> list[dict]:
+    """Every pair of ``scenario`` on decoders from ``fresh(max_context)`` (one per run or script); a script for
+    which ``writers(script, decoder)`` gives a writer is recorded into it as it plays (finished by the caller)."""
     needed = {label for p in scenario.pairs for label in (p.a, p.b)}
     context = max([r.positions for r in scenario.runs] + [s.positions for s in scenario.scripts])
     logits, decoder = {}, None
@@ -415,7 +474,7 @@ def self_consistency(scenario: Scenario, ids: torch.Tensor, fresh: Callable[[int
     rows = {}
     for s in scenario.scripts:
         decoder = fresh(context)
-        rows[s.label] = play(decoder, ids, s)
+        rows[s.label] = play(decoder, ids, s, writers(s, decoder) if writers else None)
     return out + [check_script_pair(scenario, c, rows, decoder) for c in scenario.checks]
 
 
@@ -430,6 +489,15 @@ def worst_local_cos(run_dir: Path) -> float:
     df = pd.read_parquet(run_dir / "metrics.parquet", columns=["mode", "metric", "value"])
     rows = df[(df["metric"] == "cos") & df["mode"].isin(("layer", "op"))]["value"]
     return float(rows.min()) if len(rows) else float("nan")
+
+
+def _where(div: Divergence | None) -> dict:
+    """The matrix's first-divergence columns: its step, site and layer (-1 for a site outside the layers); step -1,
+    site 'none' for a run without one."""
+    if div is None:
+        return {"first_step": -1, "first_site": "none", "first_layer": -1}
+    m = re.match(r"L(\d+)\.", div.site)
+    return {"first_step": div.step, "first_site": div.site, "first_layer": int(m.group(1)) if m else -1}
 
 
 @dataclass
@@ -488,7 +556,7 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
     def fill(tmp: Path) -> ScenarioResult:
         rows, pairs, skipped = [], [], {}
         for s in scenarios:
-            if s.needs and (why := missing(s, fresh(max(r.positions for r in s.runs)))):
+            if s.needs and (why := missing(s, fresh(_context(s)))):
                 skipped[s.name] = why
                 tell(f"{s.name}: skipped: {why}")
                 continue
@@ -497,24 +565,26 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
                 res = run(decoder, plan, r.prompt(ids), r.decode_steps, modes, tmp / "runs",
                           run_id=_slug(f"{s.name}-{r.label}"), profile=profile, decoder_dtype=decoder_dtype,
                           device=device, notify=notify, prefill_chunk=list(r.chunks) if r.chunks else None)
-                rows.append({"scenario": s.name, "run": r.label, "parameter": f"{r.param[0]}={r.param[1] or 'mixed'}",
-                             "prompt_len": r.prompt_len, "chunks": len(r.chunks or (1,)),
-                             "decode_steps": r.decode_steps, "verdict": res.verdict,
-                             "first_divergence": str(res.first_divergence or "none"),
-                             "worst_local_cos": worst_local_cos(res.run_dir), "self_consistency": "-",
-                             "run_dir": str(res.run_dir.relative_to(tmp)), "seconds": time.perf_counter() - t,
-                             "param_name": r.param[0], "param_value": r.param[1]})
+                rows.append(_row(s, r.label, r.param, (r.prompt_len, len(r.chunks or (1,)), r.decode_steps), res,
+                                 time.perf_counter() - t, tmp))
                 tell(f"{s.name} / {r.label}: {res.verdict} ({rows[-1]['seconds']:.1f} s)")
+            writers: dict[str, TraceWriter] = {}
             try:
-                got = self_consistency(s, ids, fresh)
+                got = self_consistency(s, ids, fresh, partial(_writer, writers, tmp, s))
             except DecoderError as err:  # a capability the decoder has only in part (e.g. forks at call ends)
+                for w in writers.values():
+                    w.abort()
                 skipped[f"{s.name} self-consistency"] = str(err)
                 tell(f"{s.name}: self-consistency skipped: {err}")
                 continue
+            for label, w in writers.items():  # the scripts as played, each sequence against the oracle
+                rows += judge_trace(s, label, w.finish(), plan, modes, tmp, device, notify, tell)
+            shutil.rmtree(tmp / "traces", ignore_errors=True)  # judged: the run directories hold the metrics
             pairs += got
-            for row in rows:
-                mine = [p["passed"] for p in got if p["scenario"] == s.name and (p["b"] == row["run"] or s.checks)]
-                if row["scenario"] == s.name and mine:
+            played = {f"{label} / seq {seq}" for label in writers for _, seq in s.checks_of(label)}
+            for row in (r for r in rows if r["scenario"] == s.name):  # a run's own pairs; a played sequence's checks
+                mine = [p["passed"] for p in got if p["b"] == row["run"] or (s.checks and row["run"] not in played)]
+                if mine:
                     row["self_consistency"] = "PASS" if all(mine) else "FAIL"
             tell(f"{s.name}: self-consistency {sum(p['passed'] for p in got)}/{len(got)} pairs pass")
         result = ScenarioResult(target, pd.DataFrame(rows, columns=list(ROW_COLUMNS)),
@@ -528,12 +598,67 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
     return box[0]
 
 
+def _context(s: Scenario) -> int:
+    return max([r.positions for r in s.runs] + [sc.positions for sc in s.scripts])
+
+
+def _row(s: Scenario, label: str, param: tuple[str, int], shape: tuple[int, int, int], res, seconds: float,
+         tmp: Path) -> dict:
+    """One matrix row: a run of ``s`` (``shape``: prompt length, prefill calls, decode steps) and its result."""
+    prompt_len, chunks, decode_steps = shape
+    return {"scenario": s.name, "run": label, "parameter": f"{param[0]}={param[1] or 'mixed'}",
+            "prompt_len": prompt_len, "chunks": chunks, "decode_steps": decode_steps, "verdict": res.verdict,
+            "first_divergence": str(res.first_divergence or "none"), "worst_local_cos": worst_local_cos(res.run_dir),
+            "self_consistency": "-", "run_dir": str(res.run_dir.relative_to(tmp)), "seconds": seconds,
+            "param_name": param[0], "param_value": param[1], **_where(res.first_divergence)}
+
+
+def _writer(writers: dict[str, TraceWriter], tmp: Path, s: Scenario, script: Script,
+            decoder: Decoder) -> TraceWriter | None:
+    """A trace writer for ``script`` played on ``decoder`` when ``s`` judges it against the oracle (a script its
+    checks exercise)."""
+    if script.label not in s.judged:
+        return None
+    writers[script.label] = TraceWriter(tmp / "traces" / _slug(f"{s.name}-{script.label}"), decoder.config,
+                                        decoder=decoder.label, profile=decoder.profile)
+    return writers[script.label]
+
+
+def judge_trace(s: Scenario, label: str, trace: Path, plan: CheckpointPlan, modes: Sequence[str], tmp: Path,
+                device: str, notify: Callable[[str, str], None], tell: Callable[[str], None]) -> list[dict]:
+    """Each sequence of the trace of script ``label`` as played against the oracle: a matrix row per sequence
+    (``<label> / seq <k>``), its run directory under ``runs/``."""
+    rows = []
+    for seq in read_trace(trace).sequences:
+        t = time.perf_counter()
+        view = TraceDecoder(trace, seq)
+        res = run(view, plan, modes=modes, out=tmp / "runs", run_id=_slug(f"{s.name}-{label}-seq{seq}"),
+                  device=device, notify=notify)
+        rows.append(_row(s, f"{label} / seq {seq}", ("prompt_len", len(view.prompt)),
+                         (len(view.prompt), len(view.chunks), len(view.generated)), res, time.perf_counter() - t,
+                         tmp))
+        tell(f"{s.name} / {label} / seq {seq}: {res.verdict} ({rows[-1]['seconds']:.1f} s)")
+    return rows
+
+
 ROW_COLUMNS = ("scenario", "run", "parameter", "prompt_len", "chunks", "decode_steps", "verdict", "first_divergence",
-               "worst_local_cos", "self_consistency", "run_dir", "seconds", "param_name", "param_value")
+               "worst_local_cos", "self_consistency", "run_dir", "seconds", "param_name", "param_value", "first_step",
+               "first_site", "first_layer")
 MATRIX_COLUMNS = ("scenario", "run", "parameter", "verdict", "first_divergence", "worst_local_cos",
                   "self_consistency", "seconds")
 PAIR_COLUMNS = ("scenario", "pair", "b", "a", "positions", "bitwise promised", "bitwise", "max_abs", "rel_max",
                 "rel_l2", "cos_min", "worst_position", "bound", "passed")
+
+
+MARKERS = "osD^v<>ph*"
+
+
+def _panels(matrix: pd.DataFrame) -> list[tuple[pd.DataFrame, str, str]]:
+    """(rows, x column, x label) of the two panels: every run over prompt length, the chunks scenario's runs of
+    one chunk size over that size."""
+    chunked = matrix[(matrix["param_name"] == "chunk") & (matrix["param_value"] > 0)]
+    return [(matrix, "prompt_len", "prompt length (tokens)"),
+            (chunked, "param_value", "prefill chunk size (tokens; the whole prompt is the largest)")]
 
 
 def plot(matrix: pd.DataFrame, path: Path) -> Path:
@@ -542,10 +667,7 @@ def plot(matrix: pd.DataFrame, path: Path) -> Path:
     fig = Figure(figsize=(11, 3.8), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2)
-    panels = ((axes[0], matrix, "prompt_len", "prompt length (tokens)"),
-              (axes[1], matrix[(matrix["param_name"] == "chunk") & (matrix["param_value"] > 0)], "param_value",
-               "prefill chunk size (tokens; the whole prompt is the largest)"))
-    for ax, rows, x, xlabel in panels:
+    for ax, (rows, x, xlabel) in zip(axes, _panels(matrix), strict=True):
         rows = rows.dropna(subset=["worst_local_cos"])  # free mode only, or nothing judged: no point
         for name, group in rows.groupby("scenario", sort=False):
             y = (1 - group["worst_local_cos"]).clip(lower=FLOOR)
@@ -567,11 +689,60 @@ def plot(matrix: pd.DataFrame, path: Path) -> Path:
     return path
 
 
+def divergence_rows(matrix: pd.DataFrame) -> tuple[pd.Series, dict[float, str]]:
+    """The first-divergence plot's y per run and its tick labels {y: label}: a layer site at its layer index, a
+    site before the layers (embed) below layer 0, one after them (logits, tokens, ...) above the last layer, in
+    data-flow order; runs without a divergence on a baseline row ('none') under all of them."""
+    sites, layers = matrix["first_site"].astype(str), matrix["first_layer"].astype(int)
+    failing = sites != "none"
+    inside = failing & (layers >= 0)
+    top = int(layers[inside].max()) if inside.any() else -1
+    outside = sorted(set(sites[failing & ~inside]), key=site_order_key)
+    before = [s for s in outside if site_order_key(s)[0] == 0]
+    after = [s for s in outside if site_order_key(s)[0] != 0]
+    at = {s: k - len(before) for k, s in enumerate(before)} | {s: top + 1 + k for k, s in enumerate(after)}
+    y = pd.Series([layer if layer >= 0 else at.get(site, 0) for site, layer in zip(sites, layers, strict=True)],
+                  index=matrix.index, dtype=float)
+    none = (float(y[failing].min()) if failing.any() else 0.0) - 1.5
+    ticks = {float(v): f"L{int(v)}" for v in sorted(set(y[inside]))} | {float(v): s for s, v in at.items()}
+    return y.where(failing, none), {none: "none (passes)", **ticks}
+
+
+def divergence_figure(matrix: pd.DataFrame) -> Figure:
+    """The layer (or site outside the layers) of each run's first divergence over prompt length and over chunk
+    size, a marker per scenario; passing runs on the 'none' row below a dashed line."""
+    fig = Figure(figsize=(11, 3.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    y, ticks = divergence_rows(matrix)
+    markers = {name: MARKERS[k % len(MARKERS)] for k, name in enumerate(matrix["scenario"].unique())}
+    for ax, (rows, x, xlabel) in zip(axes, _panels(matrix), strict=True):
+        for name, group in rows.groupby("scenario", sort=False):
+            ax.scatter(group[x], y[group.index], marker=markers[name], s=24, label=name)
+        if x == "param_value" and len(rows):
+            ax.set_xscale("log")
+        ax.set_yticks(list(ticks), list(ticks.values()), fontsize=8)
+        ax.axhline(min(ticks) + 0.75, color="grey", ls="--", lw=0.8)
+        ax.set(xlabel=xlabel, ylabel="first divergence: layer (or site)", ylim=(min(ticks) - 0.75,
+                                                                                 max(ticks) + 0.75))
+    if len(matrix):
+        axes[0].legend(fontsize=7, loc="best")
+    fig.suptitle("where each run first diverges from the oracle (a boundary bug: a column of failures)")
+    return fig
+
+
+def plot_divergence(matrix: pd.DataFrame, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    divergence_figure(matrix).savefig(path, dpi=DPI)
+    return path
+
+
 def write_report(folder: Path, result: ScenarioResult, checkpoint: str, decoder: Decoder | str) -> None:
     matrix, pairs = result.matrix, result.pairs
     matrix.to_csv(folder / "matrix.csv", index=False)
     pairs.to_csv(folder / "pairs.csv", index=False)
-    png = plot(matrix, folder / "plots" / "worst_local_cos.png")
+    pngs = {"worst local cos": plot(matrix, folder / "plots" / "worst_local_cos.png"),
+            "first divergence": plot_divergence(matrix, folder / "plots" / "first_divergence.png")}
     label = decoder.label if isinstance(decoder, Decoder) else decoder
     verdict = result.verdict()
     head = (f"decoder {label} on {checkpoint}; {len(matrix)} runs, {len(pairs)} self-consistency pairs, "
@@ -584,10 +755,12 @@ def write_report(folder: Path, result: ScenarioResult, checkpoint: str, decoder:
                        pd.DataFrame({"scenario": list(result.skipped), "why": list(result.skipped.values())})))
     md = [f"# Scenarios\n\nverdict: {verdict}\n\n{head}\n\n{gate}\n"]
     md += [f"## {title}\n\n{md_table(t)}\n" for title, t in tables]
-    md.append(f"## Plot\n\n![worst local cos]({png.relative_to(folder)})\n\nEach run's own report: runs/<run>/.\n")
+    images = "\n\n".join(f"![{alt}]({png.relative_to(folder)})" for alt, png in pngs.items())
+    md.append(f"## Plots\n\n{images}\n\nEach run's own report: runs/<run>/.\n")
     (folder / "report.md").write_text("\n".join(md), encoding="utf-8")
     body = "".join(f"<h2>{html.escape(title)}</h2>{html_table(t)}" for title, t in tables)
     (folder / "report.html").write_text(
         "<!doctype html><meta charset='utf-8'><title>scenarios</title><h1>Scenarios</h1>"
         f"<p>verdict: {html.escape(verdict)}</p><p>{html.escape(head)}</p><p>{html.escape(gate)}</p>{body}"
-        f"<h2>Plot</h2><img src='{png.relative_to(folder)}' alt='worst local cos'>", encoding="utf-8")
+        "<h2>Plots</h2>" + "".join(f"<p><img src='{png.relative_to(folder)}' alt='{alt}'></p>"
+                                   for alt, png in pngs.items()), encoding="utf-8")

@@ -148,3 +148,47 @@ def test_a_bad_scenario_name_is_one_line_exit_2(command, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["fidelity: error: --scenario: expected one of lengths, chunks, decode-boundaries, long-decode, "
                    "batch, prefix, verify, found nope"]
+
+
+def test_the_matrix_and_plot_place_each_first_divergence(plan, tmp_path):
+    """A planted chunk-boundary bug (LocalPositions) fails the chunked runs against the oracle: the matrix names
+    their first divergence's step, site and layer; the first-divergence plot draws them at that layer over prompt
+    length and chunk size, the passing runs on the 'none' row."""
+    chunky = Scenario("chunky", "whole and chunked prompts", (
+        Run("whole", 40, 1, param=("chunk", 40)), Run("chunks 7,33", 40, 1, (7, 33), ("chunk", 7)),
+        Run("chunks 20,20", 40, 1, (20, 20), ("chunk", 20)), Run("prompt 24", 24, 1, param=("prompt_len", 24))))
+    res = run_scenarios(plan, [chunky], LocalPositions(plan.ckpt, max_context=64), out=tmp_path, run_id="d",
+                        modes=("op",))
+    m = res.matrix.set_index("run")
+    assert list(m.index[m["verdict"] == "FAIL"]) == ["chunks 7,33", "chunks 20,20"]
+    for run, row in m.iterrows():
+        if row["verdict"] == "PASS":
+            assert (row["first_divergence"], row["first_step"], row["first_site"], row["first_layer"]) == \
+                ("none", -1, "none", -1), run
+        else:
+            assert row["first_divergence"].startswith(f"step {row['first_step']} (prefill), {row['first_site']} ")
+            assert row["first_step"] >= 1 and row["first_site"].startswith(f"L{row['first_layer']}.")  # 2nd chunk
+    where = ["first_step", "first_site", "first_layer"]
+    on_disk = pd.read_csv(tmp_path / "d" / "matrix.csv", keep_default_na=False)
+    assert on_disk[where].values.tolist() == res.matrix[where].values.tolist()
+    y, ticks = scenarios.divergence_rows(res.matrix)
+    none = min(ticks)
+    assert ticks[none] == "none (passes)"
+    assert list(y) == [none if v == "PASS" else float(layer)
+                       for v, layer in zip(res.matrix["verdict"], res.matrix["first_layer"], strict=True)]
+    fig = scenarios.divergence_figure(res.matrix)
+    chunk_panel = {tuple(p) for c in fig.axes[1].collections for p in c.get_offsets()}
+    assert chunk_panel == {(40.0, none), (7.0, float(m.loc["chunks 7,33", "first_layer"])),
+                           (20.0, float(m.loc["chunks 20,20", "first_layer"]))}
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == list(ticks.values())
+    md = (tmp_path / "d" / "report.md").read_text()
+    assert "![first divergence](plots/first_divergence.png)" in md
+    assert (tmp_path / "d" / "plots" / "first_divergence.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_sites_outside_the_layers_get_rows_below_and_above_them():
+    matrix = pd.DataFrame({"first_site": ["none", "L1.attn.q", "logits", "embed", "L3.ffn.out"],
+                           "first_layer": [-1, 1, -1, -1, 3]})
+    y, ticks = scenarios.divergence_rows(matrix)
+    assert list(y) == [-2.5, 1.0, 4.0, -1.0, 3.0]
+    assert ticks == {-2.5: "none (passes)", 1.0: "L1", 3.0: "L3", -1.0: "embed", 4.0: "logits"}

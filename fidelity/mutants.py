@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import re
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,10 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pandas as pd
+import torch
 
 from fidelity.atomic_write import write_dir_atomic
 from fidelity.decoders import default_decoder
 from fidelity.decoders.production.faults import FAULTS, inject
+from fidelity.decoders.trace import TraceDecoder
+from fidelity.decoders.trace_file import TraceWriter
 from fidelity.harness.runner import Runner, RunSpec
 from fidelity.job import tidy
 from fidelity.model.config import ModelConfig
@@ -32,7 +36,7 @@ from fidelity.model.sampling import SamplerConfig
 from fidelity.outputs.report import html_table, md_table
 from fidelity.outputs.rundir import check_output, new_run_id
 from fidelity.scenarios import CATALOGUE as SCENARIOS
-from fidelity.scenarios import Run, tokens
+from fidelity.scenarios import Run, Scenario, Script, play, tokens
 
 if TYPE_CHECKING:
     from fidelity.decoders.base import Decoder
@@ -75,7 +79,8 @@ def _run_level(cfg: ModelConfig) -> set[int]:
     return {-1}
 
 
-OPTIONS = ("eot_at", "text_stream", "sampler", "stream", "max_context", "stop_ids")  # what a mutant adds to its run
+OPTIONS = ("eot_at", "text_stream", "sampler", "stream", "max_context", "stop_ids", "profile")  # added to its run
+DECODER_OPTIONS = ("profile",)  # options that make another decoder: the clean one runs with them too
 
 
 @dataclass(frozen=True)
@@ -83,9 +88,11 @@ class Mutant:
     name: str
     site: str  # regex the first detection's site (without the L{i}. prefix) must match
     layers: Callable[[ModelConfig], set[int]]  # where the fault is planted (-1: the decode loop, not a layer)
-    scenario: str  # a single-sequence scenario of fidelity.scenarios.CATALOGUE (no ``needs``) ...
-    run: str  # ... and the label of its run the gate runs the mutant on
+    scenario: str  # a scenario of fidelity.scenarios.CATALOGUE ...
+    run: str  # ... and the run the gate runs the mutant on: a run's label, or "<script> / seq <k>" (played)
     options: dict = field(default_factory=dict)  # what the fault needs on top of the run (OPTIONS)
+    silent_in: tuple[tuple[str, str], ...] = ()  # scenario runs where it cannot show: the gate wants no alarm there
+    requires: Callable[[ModelConfig], str | None] | None = None  # why a model cannot show it (None: it can)
 
     @property
     def description(self) -> str:
@@ -94,6 +101,13 @@ class Mutant:
     @property
     def where(self) -> tuple[str, str]:
         return self.scenario, self.run
+
+    def decoder_options(self) -> dict:
+        """The options that make its decoder (a profile, a capacity): the clean decoder's run takes them too."""
+        return {k: v for k, v in self.options.items() if k in DECODER_OPTIONS}
+
+    def cannot_show(self, cfg: ModelConfig) -> str | None:
+        return self.requires(cfg) if self.requires is not None else None
 
 
 # the scenario runs (fidelity.scenarios) the mutants are caught in
@@ -137,30 +151,44 @@ CATALOGUE: tuple[Mutant, ...] = (
 BY_NAME = {m.name: m for m in CATALOGUE}
 
 
-def scenario_run(scenario: str, label: str) -> Run:
-    """The run ``label`` of ``scenario``, a single-sequence scenario of fidelity.scenarios.CATALOGUE; ValueError
-    naming the field, what was expected and what was found."""
+@dataclass(frozen=True)
+class Played:
+    """Sequence ``seq`` of ``script`` of a multi-sequence scenario, as played and recorded (a trace), judged on its
+    own timeline."""
+
+    scenario: Scenario
+    script: Script
+    seq: int
+
+    @property
+    def decode_steps(self) -> int:
+        return 0  # a played sequence's steps are the script's; no override applies
+
+
+def scenario_run(scenario: str, label: str) -> Run | Played:
+    """The run ``label`` of ``scenario`` (fidelity.scenarios.CATALOGUE): a run's label, or ``<script> / seq <k>``
+    for a sequence of a script a multi-sequence scenario judges as played; ValueError naming the field, what was
+    expected and what was found."""
     found = SCENARIOS.get(scenario)
     if found is None:
         raise ValueError(f"scenario: expected one of {sorted(SCENARIOS)}, found {scenario!r}")
-    if found.needs:
-        raise ValueError(f"scenario: expected a single-sequence scenario (no needs), found {scenario!r} (needs "
-                         f"{', '.join(found.needs)})")
-    runs = {r.label: r for r in found.runs}
+    runs = {r.label: r for r in found.runs} | {f"{label} / seq {k}": Played(found, found.script(label), k)
+                                               for label in found.judged for _, k in found.checks_of(label)}
     if label not in runs:
         raise ValueError(f"run: expected a run of {scenario!r} ({list(runs)}), found {label!r}")
     return runs[label]
 
 
 def check_catalogue(mutants: tuple[Mutant, ...] = CATALOGUE) -> list[str]:
-    """What is wrong with ``mutants``: a scenario run that is not a run of a single-sequence scenario of the
-    catalogue, an option that is not one of OPTIONS (the prompt, chunks and decode steps are the run's)."""
+    """What is wrong with ``mutants``: a scenario run (caught or silent) that is not in the catalogue, an option
+    that is not one of OPTIONS (the prompt, chunks and decode steps are the run's)."""
     bad = []
     for m in mutants:
-        try:
-            scenario_run(*m.where)
-        except ValueError as err:
-            bad.append(f"{m.name}: {err}")
+        for where in (m.where, *m.silent_in):
+            try:
+                scenario_run(*where)
+            except ValueError as err:
+                bad.append(f"{m.name}: {err}")
         if extra := sorted(set(m.options) - set(OPTIONS)):
             bad.append(f"{m.name}: options: expected some of {list(OPTIONS)}, found {extra}")
     return bad
@@ -204,19 +232,50 @@ DecoderFactory = Callable[[], "Decoder"]
 
 
 def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings, decoder: DecoderFactory | None = None,
-            where: tuple[str, str] | None = None) -> pd.DataFrame:
-    """Judged metric rows of one run (the clean decoder when ``mutant`` is None) on a fresh decoder from
-    ``decoder()`` (default: the production decoder), on the scenario run ``where`` (scenario, run label;
-    default: the mutant's, CLEAN_RUN for the clean decoder)."""
+            where: tuple[str, str] | None = None, options: dict | None = None) -> pd.DataFrame:
+    """Judged metric rows of one run (the clean decoder when ``mutant`` is None, with ``options``: a mutant's
+    decoder options) on a fresh decoder from ``decoder()`` (default: the production decoder), on the scenario run
+    ``where`` (scenario, run label; default: the mutant's, CLEAN_RUN for the clean decoder). A played sequence
+    (``<script> / seq <k>``) is the script played on the decoder with the fault injected, recorded as a trace and
+    replayed against the oracle."""
     where = where or (mutant.where if mutant else CLEAN_RUN)
-    spec = run_spec(checkpoint, s, scenario_run(*where), mutant.options if mutant else {})
+    target = scenario_run(*where)
+    opts = mutant.options if mutant else dict(options or {})
     names = (mutant.name,) if mutant else ()
-    dec = decoder() if decoder else None
-    with inject(*names):  # the default decoder is made with the fault injected, as it runs
-        dec = dec or default_decoder(checkpoint, spec.profile, spec.context(), spec.device)
+    if isinstance(target, Played):
+        spec, dec = _played(checkpoint, target, s, opts, names, decoder)
+    else:
+        spec = run_spec(checkpoint, s, target, opts)
+        dec = decoder() if decoder else None
+        with inject(*names):  # the default decoder is made with the fault injected, as it runs
+            dec = dec or default_decoder(checkpoint, spec.profile, spec.context(), spec.device)
+    with inject(*names):
         df, manifest = Runner(checkpoint, spec, decoder=dec).run()
     df = tidy(df, mutant.name if mutant else "clean", str(manifest["profile"]["name"]))
     return apply_thresholds(df, rules_for(manifest["profile"], checkpoint.config, dec.sites()))
+
+
+def _played(checkpoint, target: Played, s: MutantSettings, opts: dict, names: tuple[str, ...],
+            decoder: DecoderFactory | None) -> tuple[RunSpec, TraceDecoder]:
+    """The script of ``target`` played on a fresh decoder with ``names`` injected and recorded as a trace in a
+    temporary folder, then sequence ``target.seq``'s view of it and the spec that replays it (the trace's
+    steps are read into memory first, so the folder can go)."""
+    script = target.script
+    ids = prompt_for(checkpoint, max(o + n for _, segs in script.streams for o, n in segs), s.seed)
+    profile = opts.get("profile", "reference")
+    with tempfile.TemporaryDirectory() as tmp, inject(*names):
+        dec = decoder() if decoder else default_decoder(checkpoint, profile, script.positions, s.device)
+        writer = TraceWriter(Path(tmp) / "trace", checkpoint.config, decoder=dec.label, profile=dec.profile)
+        try:
+            play(dec, ids, script, writer)
+        except BaseException:
+            writer.abort()
+            raise
+        view = TraceDecoder(writer.finish(), target.seq).in_memory()
+    spec = RunSpec(prompt=view.prompt, decode_steps=len(view.generated), modes=s.modes, device=s.device,
+                   stream="given", continuation=torch.tensor(view.generated, dtype=torch.long),
+                   prefill_chunk=view.chunks, profile=profile)
+    return spec, view
 
 
 def _split_site(site: str) -> tuple[int, str]:
@@ -269,45 +328,68 @@ def _where(scenario: str, run: str, decode_steps: int | None = None) -> str:
 def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSettings | None = None,
                 progress: Callable[[int, int, str], None] | None = None, decoder: DecoderFactory | None = None,
                 known: tuple[str, ...] | None = None) -> pd.DataFrame:
-    """The detection matrix: the clean decoder on every scenario run the chosen mutants use, then each mutant on
-    its own run (``names`` = all of ``known`` by default: the faults the decoder can carry, the whole catalogue
-    for the production decoder). ``decoder()`` makes a fresh decoder under test for each run. A row per
-    (mutant, scenario run) and probe, plus its "first" row."""
+    """The detection matrix: the clean decoder on every scenario run the chosen mutants use (with their decoder
+    options), then each mutant on its own run (``expect`` caught) and on the runs where it cannot show (silent);
+    a mutant the model cannot show is listed (cannot show) and not run. ``names`` = all of ``known`` by default
+    (the faults the decoder can carry; the whole catalogue for the production decoder); ``decoder()`` makes a
+    fresh decoder under test for each run. A row per (mutant, scenario run) and probe, plus its "first" row."""
     s = settings or MutantSettings()
     check_names(names, known)
     chosen = [BY_NAME[n] for n in names] if names else [m for m in CATALOGUE if known is None or m.name in known]
-    jobs = [(None, where) for where in dict.fromkeys(m.where for m in chosen)] + [(m, m.where) for m in chosen]
-    rows = []
-    for k, (mutant, where) in enumerate(jobs):
+    cfg = checkpoint.config
+    able = [m for m in chosen if m.cannot_show(cfg) is None]
+    clean = {(w, tuple(sorted(m.decoder_options().items()))): None for m in able for w in (m.where, *m.silent_in)}
+    jobs = [(None, where, dict(opts), "clean") for where, opts in clean]
+    jobs += [(m, w, None, expect) for m in able for w, expect in ((m.where, "caught"),
+                                                                  *((x, "silent") for x in m.silent_in))]
+    rows = [{"scenario": m.scenario, "run": m.run, "decode_steps": 0, "mutant": m.name, "probe": "first",
+             "detected": False, "expect": "cannot show", "note": m.cannot_show(cfg), "seconds": 0.0}
+            for m in chosen if m not in able]
+    for k, (mutant, where, opts, expect) in enumerate(jobs):
         name = mutant.name if mutant else "clean"
         if progress:
             progress(k, len(jobs), f"{name} on {_where(*where)}")
         t0 = time.perf_counter()
-        judged = run_one(checkpoint, mutant, s, decoder, where)
-        decode = scenario_run(*where).decode_steps if s.decode_steps is None else s.decode_steps
-        for r in detection_rows(name, judged, mutant, checkpoint.config):
-            rows.append({"scenario": where[0], "run": where[1], "decode_steps": decode, **r,
-                         "seconds": round(time.perf_counter() - t0, 2)})
+        judged = run_one(checkpoint, mutant, s, decoder, where, opts)
+        target = scenario_run(*where)
+        decode = target.decode_steps if s.decode_steps is None or isinstance(target, Played) else s.decode_steps
+        profile = (mutant.options if mutant else opts).get("profile", "reference")
+        for r in detection_rows(name, judged, mutant if expect == "caught" else None, cfg):
+            rows.append({"scenario": where[0], "run": where[1], "decode_steps": decode, "profile": profile, **r,
+                         "expect": expect, "seconds": round(time.perf_counter() - t0, 2)})
     return pd.DataFrame(rows)
 
 
 def gate_failures(matrix: pd.DataFrame) -> list[str]:
-    """Why ``--gate`` fails: the clean decoder alarmed on a scenario run, a mutant went undetected on its run, or
-    was found elsewhere than planted."""
+    """Why ``--gate`` fails: the clean decoder alarmed on a scenario run, a mutant went undetected on its run or
+    was found elsewhere than planted, or it alarmed on a run where it cannot show."""
     first = matrix[matrix["probe"] == "first"]
     out = []
     for r in first.itertuples():
         where = _where(r.scenario, r.run, r.decode_steps)
-        if r.mutant == "clean":
+        expect = getattr(r, "expect", "clean" if r.mutant == "clean" else "caught")
+        if expect == "clean":
             if r.detected:
                 out.append(f"clean decoder raised an alarm on {where}: {r.site} {r.metric} {r.value:g} "
                            f"({r.threshold})")
-        elif not r.detected:
+        elif expect == "silent":
+            if r.detected:
+                out.append(f"{r.mutant}: detected on {where}, where it cannot show: {r.site} {r.metric} "
+                           f"{r.value:g} ({r.threshold})")
+        elif expect == "caught" and not r.detected:
             out.append(f"{r.mutant}: not detected on {where}")
-        elif not r.located:
+        elif expect == "caught" and not r.located:
             out.append(f"{r.mutant}: first detected at {r.site} (step {int(r.step)}, {r.mode} mode) on {where}, "
                        f"expected {r.expected}")
     return out
+
+
+def _first_cell(r) -> str:
+    if r.get("expect") == "cannot show":
+        return f"cannot show: {r['note']}"
+    if not r.detected:
+        return "none"
+    return f"step {int(r.step)} {r.site} {r.metric} {r['value']:.4g} ({r.threshold}, {r['mode']})"
 
 
 def matrix_table(matrix: pd.DataFrame) -> pd.DataFrame:
@@ -315,18 +397,21 @@ def matrix_table(matrix: pd.DataFrame) -> pd.DataFrame:
     silent; the clean decoder's runs first, then the mutants in catalogue order. A run given other decode steps
     than its own (``MutantSettings.decode_steps``) says so."""
     key = ["mutant", "scenario run"]
-    label = [_where(*w) for w in zip(matrix["scenario"], matrix["run"], matrix["decode_steps"], strict=True)]
+    profiles = matrix["profile"] if "profile" in matrix else pd.Series("reference", index=matrix.index)
+    label = [_where(*w) + ("" if p in ("reference", None) or p != p else f" [profile {p}]")
+             for *w, p in zip(matrix["scenario"], matrix["run"], matrix["decode_steps"], profiles, strict=True)]
     matrix = matrix.assign(**{"scenario run": label})
     probe_rows = matrix[matrix["probe"] != "first"]
     cell = probe_rows.apply(lambda r: f"step {int(r.step)} {r.site}" if r.detected else "-", axis=1)
     wide = probe_rows.assign(cell=cell).pivot(index=key, columns="probe", values="cell")
     first = matrix[matrix["probe"] == "first"].set_index(key)
-    wide.insert(0, "first detection", first.apply(
-        lambda r: f"step {int(r.step)} {r.site} {r.metric} {r['value']:.4g} ({r.threshold}, {r['mode']})"
-        if r.detected else "none", axis=1))
+    wide = wide.reindex(first.index)
+    wide.insert(0, "first detection", first.apply(_first_cell, axis=1))
     if "located" in first:
         wide.insert(1, "where planted", first["expected"].fillna("-"))
         wide.insert(2, "located", first["located"].map({True: "yes", False: "NO"}).fillna("-"))
+    if "expect" in first:
+        wide.insert(3 if "located" in first else 1, "expect", first["expect"])
     order = {name: k for k, name in enumerate(["clean"] + [m.name for m in CATALOGUE])}
     keys = sorted(first.index, key=lambda mk: order.get(mk[0], len(order)))  # clean runs in run order
     return wide.reindex(keys).reset_index()

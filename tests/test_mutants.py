@@ -16,6 +16,7 @@ from fidelity.mutants import (
     BY_NAME,
     CATALOGUE,
     MutantSettings,
+    Played,
     check_catalogue,
     gate_failures,
     matrix_table,
@@ -24,7 +25,6 @@ from fidelity.mutants import (
     scenario_run,
     write_matrix,
 )
-from fidelity.scenarios import CATALOGUE as SCENARIOS
 
 EXPECTED_PROBE = {
     "indexer-key-width": "similarity", "causal-off-by-one": "visible", "window-127": "visible",
@@ -91,22 +91,26 @@ def test_catalogue_covers_every_fault_once():
     assert len(CATALOGUE) >= 17
 
 
-def test_every_mutant_names_a_run_of_a_single_sequence_scenario():
+def test_every_mutant_names_a_run_of_its_scenario():
     assert check_catalogue() == []
     for m in CATALOGUE:
-        assert not SCENARIOS[m.scenario].needs and m.run in [r.label for r in SCENARIOS[m.scenario].runs], m.name
+        assert scenario_run(*m.where) is not None and all(scenario_run(*w) for w in m.silent_in), m.name
+    assert isinstance(scenario_run("verify", "verified / seq 0"), Played)  # a played sequence of a script
     base = BY_NAME["window-127"]
     bad = (replace(base, name="a", scenario="nope"), replace(base, name="b", run="prompt 7"),
-           replace(base, name="c", scenario="batch", run=SCENARIOS["batch"].runs[0].label),
-           replace(base, name="d", options={"decode_steps": 3}))
+           replace(base, name="c", scenario="batch", run="batched / seq 9"),
+           replace(base, name="d", options={"decode_steps": 3}),
+           replace(base, name="e", silent_in=(("chunks", "chunk 1"),)))
     problems = check_catalogue(bad)
-    assert len(problems) == 4
+    assert len(problems) == 5
     assert problems[0].startswith("a: scenario: expected one of [") and problems[0].endswith("found 'nope'")
     assert problems[1].startswith("b: run: expected a run of 'lengths' (['prompt 125', ") and \
         problems[1].endswith("found 'prompt 7'")
-    assert problems[2] == "c: scenario: expected a single-sequence scenario (no needs), found 'batch' (needs batch)"
+    assert problems[2].startswith("c: run: expected a run of 'batch' (['seq 0: prompt 37', ") and \
+        "'batched / seq 4'" in problems[2] and problems[2].endswith("found 'batched / seq 9'")
     assert problems[3].startswith("d: options: expected some of ['eot_at', ") and problems[3].endswith(
         "found ['decode_steps']")
+    assert problems[4].startswith("e: run: expected a run of 'chunks'") and problems[4].endswith("'chunk 1'")
 
 
 def test_a_mutant_runs_its_scenario_runs_prompt_chunks_and_decode_steps():

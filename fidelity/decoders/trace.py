@@ -70,6 +70,7 @@ class TraceDecoder(Decoder):
         self.rec = None
         self.pos = 0
         self.calls = 0
+        self._held: list[dict[str, torch.Tensor]] | None = None  # every step's tensors, once ``in_memory``
         self._sites = frozenset(site_template(n) for names in held for n in names) | {"logits"}
         self._check_sites(held)
 
@@ -130,11 +131,19 @@ class TraceDecoder(Decoder):
                              f"{self.generated[k]}; replay with the trace's tokens (stream 'given')")
         return self._replay(torch.tensor([int(token)]))[0]
 
-    def _replay(self, ids: torch.Tensor) -> torch.Tensor:
-        step = self.steps[self.calls]
+    def in_memory(self) -> TraceDecoder:
+        """Every step's tensors read now (this sequence's rows, shards joined), so that the trace's folder may go;
+        returns itself."""
+        self._held = [self._tensors(step) for step in self.steps]
+        return self
+
+    def _tensors(self, step: Segment) -> dict[str, torch.Tensor]:
         with safe_open(str(self.dir / step.call.file), framework="pt") as f:
-            tensors = {name: self._rows(step, name, self._joined(f, parts), "@" in parts[0]) for name, parts in
-                       self._resolve(step, list(f.keys())).items()}  # noqa: SIM118 (safe_open has no __iter__)
+            return {name: self._rows(step, name, self._joined(f, parts), "@" in parts[0]) for name, parts in
+                    self._resolve(step, list(f.keys())).items()}  # noqa: SIM118 (safe_open has no __iter__)
+
+    def _replay(self, ids: torch.Tensor) -> torch.Tensor:
+        tensors = self._held[self.calls] if self._held is not None else self._tensors(self.steps[self.calls])
         if self.rec is not None:
             self.rec.step = self.calls
             for name, t in tensors.items():

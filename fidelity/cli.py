@@ -212,6 +212,15 @@ def cmd_scenarios(args) -> int:
     if args.decoder not in ("production", "transformers"):
         raise UsageError(f"--decoder: expected production or transformers for scenarios, found {args.decoder!r}")
     _require_transformers(args)
+    faults = tuple(getattr(args, "inject", None) or ())
+    if faults:
+        from fidelity.decoders.production.faults import FAULTS
+        from fidelity.decoders.transformers import FAULTS as HF_FAULTS
+
+        known = sorted(FAULTS) if args.decoder == "production" else sorted(HF_FAULTS)
+        if unknown := sorted(set(faults) - set(known)):
+            raise UsageError(f"--inject: expected faults of the {args.decoder} decoder ({', '.join(known)}), found "
+                             f"{', '.join(unknown)}")
     run_id = args.run_id or f"scenarios-{new_run_id()}"
     check_output(args.out, run_id, args.overwrite)
     plan = _plan(args)
@@ -219,9 +228,11 @@ def cmd_scenarios(args) -> int:
     res = run_scenarios(plan, [s.name for s in scenarios], args.decoder, args.out, run_id,
                         modes=tuple(args.mode or ("free", "layer", "op")), profile=args.profile,
                         decoder_dtype=args.decoder_dtype, device=args.device, overwrite=args.overwrite,
-                        progress=lambda line: print(line, file=sys.stderr, flush=True), notify=_notify)
+                        progress=lambda line: print(line, file=sys.stderr, flush=True), notify=_notify,
+                        faults=faults)
     m, p = res.matrix, res.pairs
-    print(f"dsv4-fidelity {__version__}: scenarios {', '.join(s.name for s in scenarios)} on {args.decoder} "
+    planted = f" with {', '.join(faults)} planted" if faults else ""
+    print(f"dsv4-fidelity {__version__}: scenarios {', '.join(s.name for s in scenarios)} on {args.decoder}{planted} "
           f"({plan.what}), {res.seconds:.0f} s, {threads} thread(s)")
     print(f"oracle: {int((m['verdict'] == 'PASS').sum())}/{len(m)} runs pass; self-consistency: "
           f"{int(p['passed'].sum()) if len(p) else 0}/{len(p)} pairs pass")
@@ -628,6 +639,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--seed", type=int, default=0, help="synthetic weights and default prompt seed")
     _decoder_args(sc, "production (default) or transformers (DeepseekV4ForCausalLM)", "bf16")
     sc.add_argument("--profile", default="reference", help="the production decoder's profile")
+    sc.add_argument("--inject", action="append", metavar="FAULT",
+                    help="plant this fault of the mutant catalogue in the decoder (repeatable; docs/mutants.md): "
+                         "the catalogue must find it")
     sc.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="repeatable (default: all)")
     sc.add_argument("--device", default="cpu", help="the decoder's device (default cpu)")
     sc.add_argument("--out", default="runs", help="parent folder of the report directory (default runs/)")

@@ -39,6 +39,7 @@ from matplotlib.figure import Figure
 from fidelity.api import CheckpointPlan, open_decoder, run, warn
 from fidelity.atomic_write import write_dir_atomic
 from fidelity.decoders.base import Call, Decoder, DecoderError
+from fidelity.decoders.faults import active, inject
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.trace_file import TraceWriter, read_trace
@@ -537,7 +538,7 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
                   modes: Sequence[str] = ("free", "layer", "op"),
                   profile: str = "reference", decoder_dtype: str = "bf16", device: str = "cpu",
                   overwrite: bool = False, progress: Callable[[str], None] | None = None,
-                  notify: Callable[[str, str], None] = warn) -> ScenarioResult:
+                  notify: Callable[[str, str], None] = warn, faults: Sequence[str] = ()) -> ScenarioResult:
     """Run ``names`` (default: the whole catalogue) on ``decoder`` against the oracle and against itself, and
     write one report directory ``out/<run_id>/`` (default id ``scenarios-<UTC time>-<random>``) atomically:
     report.md/.html, matrix.csv, pairs.csv, plots/, runs/<scenario>-<run>/ (each run's own directory)."""
@@ -594,7 +595,8 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
         return result
 
     box: list[ScenarioResult] = []
-    write_dir_atomic(target, lambda tmp: box.append(fill(tmp)), overwrite)
+    with inject(*faults):  # planted in the decoder for every run and play (the oracle never reads them)
+        write_dir_atomic(target, lambda tmp: box.append(fill(tmp)), overwrite)
     return box[0]
 
 
@@ -744,6 +746,8 @@ def write_report(folder: Path, result: ScenarioResult, checkpoint: str, decoder:
     pngs = {"worst local cos": plot(matrix, folder / "plots" / "worst_local_cos.png"),
             "first divergence": plot_divergence(matrix, folder / "plots" / "first_divergence.png")}
     label = decoder.label if isinstance(decoder, Decoder) else decoder
+    if planted := sorted(active()):
+        label += f" with {', '.join(planted)} planted"
     verdict = result.verdict()
     head = (f"decoder {label} on {checkpoint}; {len(matrix)} runs, {len(pairs)} self-consistency pairs, "
             f"{len(result.skipped)} scenarios skipped, {result.seconds:.0f} s")

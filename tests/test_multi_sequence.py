@@ -202,3 +202,21 @@ def test_a_capability_held_only_in_part_skips_that_self_consistency_with_the_rea
     assert len(res.matrix) and res.pairs.empty
     assert "only where it stands" in res.skipped["prefix self-consistency"]
     assert "not judged: prefix self-consistency skipped" in res.verdict()
+
+
+def test_a_planted_fault_is_found_by_the_scenarios_command_and_named_in_the_report(tmp_path, monkeypatch, capsys):
+    """``fidelity scenarios --inject``: the catalogue (here the two-sequence batch) with a batch fault planted fails
+    at the played sequence, and the report says what was planted; an unknown fault is one line, exit 2."""
+    from fidelity import scenarios
+    from fidelity.cli import main
+
+    monkeypatch.setitem(scenarios.CATALOGUE, "two", _two_in_a_batch())
+    argv = ["scenarios", "--scenario", "two", "--mode", "op", "--out", str(tmp_path), "--gate"]
+    assert main([*argv, "--run-id", "bug", "--inject", "batch-key-range"]) == 1
+    out = capsys.readouterr().out
+    assert "with batch-key-range planted" in out and "FAIL two/batched / seq 1: step 0 (prefill), L2.indexer" in out
+    assert "with batch-key-range planted" in (tmp_path / "bug" / "report.md").read_text()
+    assert main([*argv, "--run-id", "x", "--inject", "no-such-fault"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--inject: expected faults of the production decoder (" in err[0]
+    assert "found no-such-fault" in err[0] and not (tmp_path / "x").exists()

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from fidelity.decoders.production.call_counts import counting
+from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.model import ProductionSession, _plain
 from fidelity.model.sites import record
@@ -47,8 +48,14 @@ class BatchedCall(ProductionSession):
         """h [n_all, dim] (every sequence's rows) -> bf16 [n_all, dim]; the core per sequence."""
         qr, q, kv = self.attn_project(i, h, positions)
         x = _plain(h)
+        if on("batch-key-range"):  # every sequence's indexer key range ends where the first sequence's does
+            first = self.sessions[0]
+            for s in self.sessions[1:]:
+                s.key_range_end = first.pos + self.spans[0].stop - self.spans[0].start
         o = torch.cat([s.attn_core(i, x[sl], qr[sl], q[sl], kv[sl], positions[sl])
                        for s, sl in zip(self.sessions, self.spans, strict=True)])
+        for s in self.sessions:
+            s.key_range_end = None
         return self.attn_out(i, o, positions)
 
 

@@ -242,7 +242,17 @@ class ProductionDecoder(Decoder):
             if dst is not src:  # a new session: the entries and keys the state at ``at`` holds
                 for (to, rows), (frm, _) in zip(_entries(cache, at), _entries(source, at), strict=True):
                     to[rows] = frm[rows]
-            self.restore_layer(cache, snap.layers[i] if snap else None)
+            saved = snap.layers[i] if snap else None
+            if dst is not src and on("fork-stale-ring"):  # the child attends the ring its new session has
+                self.restore_carries(cache, saved)
+            elif dst is not src and on("fork-drops-carry"):  # the child's compressors start empty
+                self.restore_ring(cache, saved)
+                self.restore_carries(cache, None)
+            elif dst is src and on("rollback-partial-carry"):
+                self.restore_ring(cache, saved)
+                self.restore_carries(cache, saved, keep_current=True)
+            else:
+                self.restore_layer(cache, saved)
         session.pos, session.calls = at, snap.calls if snap else 0
         dst.tokens = tokens[:at]
         dst.snapshots = {p: s for p, s in src.snapshots.items() if p <= at}
@@ -264,12 +274,18 @@ class ProductionDecoder(Decoder):
         (store,) = cache.kv.parts()
         store[cache.kv.physical(slice(0, cache.window))] = 0 if saved is None else saved["ring"]
 
-    def restore_carries(self, cache: LayerCache, saved: dict[str, torch.Tensor] | None) -> None:
+    def restore_carries(self, cache: LayerCache, saved: dict[str, torch.Tensor] | None,
+                        keep_current: bool = False) -> None:
+        """The compressors' carries from ``saved`` (None: empty). ``keep_current`` (fault
+        ``rollback-partial-carry``): an overlap carry gets back only its previous-block rows ``[:ratio]``; its
+        current block stays as the calls since the snapshot left it."""
         for name, t in _carries(cache).items():
-            if saved is not None:
-                t.copy_(saved[name])
-            else:
+            if saved is None:
                 t.fill_(float("-inf") if name.endswith(".score") else 0.0)
+            elif keep_current and t.shape[0] == 2 * (ratio := 4 if name.startswith("index") else cache.ratio):
+                t[:ratio].copy_(saved[name][:ratio])  # an overlap carry (CSA): [previous block | current block]
+            else:
+                t.copy_(saved[name])
 
     def snapshot(self, session: ProductionSession) -> Snapshot:
         """Copies of ``session``'s window rings and carries, its ``pos`` and ``calls``."""

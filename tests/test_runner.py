@@ -116,7 +116,7 @@ def test_the_installed_command_ends_a_bad_input_in_one_line_without_a_traceback(
     res = _cli("run", "--profile", "fp7", "--out", str(tmp_path))
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         "fidelity: error: profile: expected one of ['bf16', 'fp32-residual', 'fp4-indexer-packed', 'fp8-fmha', "
-        "'fp8-fmha-nope', 'fp8-indexer', 'fp8-kv-storage', 'fused-norm', 'no-hadamard', 'reference'] (or a "
+        "'fp8-fmha-nope', 'fp8-indexer', 'fp8-kv-storage', 'fused-norm', 'no-hadamard', 'paged-kv', 'reference'] (or a "
         ".toml/.json file), found 'fp7'"]
 
 

@@ -6,6 +6,7 @@ reading values back, and returns ``dict[str, torch.Tensor]`` of 0-d (or [n] per 
 """
 
 from probes.indexer import indexer_recall
+from probes.kv_cache import kv_storage
 from probes.memory import PeakMemory, memory_stats
 from probes.mhc import sinkhorn
 from probes.residual import residual_norms
@@ -20,6 +21,7 @@ __all__ = [
     "collect",
     "expected_visible",
     "indexer_recall",
+    "kv_storage",
     "memory_stats",
     "residual_norms",
     "routing_agreement",

@@ -70,6 +70,12 @@ METRICS: dict[str, str] = {
                         "comparison of the MoE output and the streams after it",
     "ambiguous_queries": "indexer (layer mode, no decoder top-k): queries whose oracle selection is a near-tie, "
                          "left out of the comparison of the sites after it",
+    # kv_storage (a decoder's stored KV cache rows, L{i}.attn.kv_cache, against its own attn.kv)
+    "rows_mismatch": "kv_storage: stored rows whose decoded values differ from the decoder's attn.kv bit for bit",
+    "rule_mismatch": "kv_storage: stored rows with an FP8 scale neither scale-floor rule gives for its codes",
+    "other_rule_rows": "kv_storage: stored rows only the other scale-floor rule (not the profile's kv_scale_floor) "
+                       "can have written",
+    "rule_rows": "kv_storage: stored rows one scale-floor rule can have written and the other not (informational)",
     # tokens (free mode, logits)
     "agree": "tokens: 1 when the greedy tokens agree",
     "ref_token": "tokens: the oracle's greedy token",

@@ -148,7 +148,8 @@ def test_every_metric_a_run_writes_is_a_known_metric(run):
     assert set(METRICS) - written <= {"token_flip_with_margin", "max_abs_index", "nonfinite_first", "nonfinite",
                                       "pick_flip_with_margin", "routing_agree", "routing_flips", "test_invisible",
                                       "first_row", "miss_gap", "rows_missing", "rows_extra", "shape_mismatch",
-                                      "ambiguous_queries", "ambiguous_tokens"} | cuda_only | written
+                                      "ambiguous_queries", "ambiguous_tokens", "rows_mismatch", "rule_mismatch",
+                                      "other_rule_rows", "rule_rows"} | cuda_only | written  # kv_storage=fp8 only
 
 
 def test_threshold_files_take_the_memory_probes_names_and_refuse_the_old_ones(tmp_path):

@@ -18,6 +18,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "gemm_act": ("fp8", "bf16"),  # activations entering the FP8/FP4 GEMMs: e4m3 1x128 ue8m0, or bf16
     "kv_nope": ("fp8", "bf16"),  # 448 nope dims of window and compressed KV: FP8-rounded 1x64, or plain bf16
     "kv_storage": ("bf16", "fp8"),  # KV cache storage: bf16 rows, or e4m3 codes + ue8m0 scales + bf16 rope
+    # the KV FP8 round's scale floor (kv_nope fp8, and the packed rows): on the block amax, max(amax, 1e-4) / 448
+    # (the official kernel.py rule), or on the scale, max(amax / 448, 1e-4) (FlashMLA's); equal for amax > 0.0274
+    "kv_scale_floor": ("amax", "scale"),
     # attention core: bf16 QK/PV (P rounded to bf16); e4m3 Q, K, V and P; or e4m3 with the rope dims of Q, K/V bf16
     "fmha": ("bf16", "fp8", "fp8-nope"),
     "indexer_qk": ("fp4", "fp8", "bf16"),  # indexer q and keys: FP4 1x32 sim, FP8 e4m3, or bf16
@@ -45,6 +48,7 @@ class Profile:
     gemm_act: str = "fp8"
     kv_nope: str = "fp8"
     kv_storage: str = "bf16"
+    kv_scale_floor: str = "amax"
     fmha: str = "bf16"
     indexer_qk: str = "fp4"
     indexer_storage: str = "bf16"

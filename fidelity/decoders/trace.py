@@ -22,7 +22,8 @@ from fidelity.model.config import ConfigError, ModelConfig
 from fidelity.model.sites import SITE_TABLE, is_site, same_layer, site_name, site_template, trailing_shape
 
 RESERVED = ("ids", "positions", "logits")
-INTEGER_SITES = frozenset({"L{i}.indexer.topk", "L{i}.attn.visible", "L{i}.moe.experts"})  # the rest are floats
+# the rest are floats; attn.kv_cache holds raw bytes (uint8 / any integer dtype of 1 byte)
+INTEGER_SITES = frozenset({"L{i}.indexer.topk", "L{i}.attn.visible", "L{i}.moe.experts", "L{i}.attn.kv_cache"})
 MODE_INPUTS = frozenset({*LAYER_INPUTS, *OP_INPUTS, *OP_INPUTS_COMPRESSED, *OP_INPUTS_INDEXER})
 # sites the runner reads beside another one of the same layer and call: a CSA layer's visible set is judged
 # against the decoder's own top-k picks, routing weights per expert id

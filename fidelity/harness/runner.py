@@ -31,7 +31,7 @@ from fidelity.decoders.profiles import Profile
 from fidelity.decoders.trace_file import TraceWriter
 from fidelity.harness.oracle_run import dtype_name
 from fidelity.harness.site_pairs import Margins, compare_recordings
-from fidelity.harness.thresholds import ROUTING_GAP, ROUTING_GAP_LAYER, SELECTION_MARGIN, profile_class
+from fidelity.harness.thresholds import ROUTING_GAP, ROUTING_GAP_LAYER, SELECTION_MARGIN, kv_scale_floor, profile_class
 from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, SamplerConfig, StopSet
 from fidelity.model.sites import Recorder
@@ -156,6 +156,7 @@ class Runner:
         klass = profile_class(self.dec.profile)
         self.margins = {"layer": Margins(SELECTION_MARGIN.get(klass), ROUTING_GAP_LAYER[klass]),
                         "op": Margins(routing=ROUTING_GAP[klass]), "free": Margins()}
+        self.kv_scale_floor = kv_scale_floor(self.dec.profile)  # the FP8 scale rule its stored KV rows are held to
         self.oracle_numerics = exact_float32()
         self.oracle = OracleModel(checkpoint, spec.oracle_dtype, device=spec.oracle_device or spec.device)
         self.references = {m: Reference(self.oracle, m) for m in MODES if m in self.modes}  # free, layer, op
@@ -265,7 +266,7 @@ class Runner:
                 out["oracle"] = rec.get("logits")[-1]
             with self._timed(phase, "probes"):
                 pending[mode] = compare_recordings(rec, prod_rec, positions, self.cfg, sampled, prefill,
-                                                   self.margins[mode])
+                                                   self.margins[mode], self.kv_scale_floor)
         tell(passes, "compared")
         with self._timed(phase, "probes"):
             for mode, rows_ in pending.items():

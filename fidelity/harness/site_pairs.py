@@ -3,7 +3,9 @@
 Which probe a site gets, and when, is the site table's (``fidelity.model.sites.SITE_TABLE``): Sinkhorn matrices
 -> ``sinkhorn`` (with orientation); indexer picks -> tie-aware ``indexer_recall``; visible sets ->
 ``visible_range``; routed experts -> routing agreement; logits -> also ``token_agreement``; residual streams ->
-also ``residual_norms``; every other float site -> ``similarity``.
+also ``residual_norms``; every other float site -> ``similarity``. A decoder's stored KV cache rows
+(``L{i}.attn.kv_cache``) have no oracle record: they are judged against the decoder's own ``attn.kv`` and its
+profile's FP8 scale rule (``kv_storage``).
 """
 
 from __future__ import annotations
@@ -13,10 +15,19 @@ from dataclasses import dataclass
 import torch
 
 from fidelity.model.config import ModelConfig
-from fidelity.model.sites import LAYER_SITE_ORDER, Recorder, same_layer, site_name, site_of
+from fidelity.model.sites import (
+    LAYER_SITE_ORDER,
+    Recorder,
+    same_layer,
+    site_name,
+    site_of,
+    site_template,
+    trailing_shape,
+)
 from probes import (
     expected_visible,
     indexer_recall,
+    kv_storage,
     residual_norms,
     routing_agreement,
     similarity,
@@ -186,12 +197,13 @@ class Margins:
 
 def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, cfg: ModelConfig,
                        rows: torch.Tensor | None = None, per_position: bool = False,
-                       margins: Margins = Margins()) -> list[dict]:
+                       margins: Margins = Margins(), kv_scale_floor: str = "amax") -> list[dict]:
     """Every site recorded by both: pending probe rows (no host transfer yet). Where the decoder does not report
     a layer's top-k (or its experts), the sites after that selection are compared on the rows whose oracle
     selection is unambiguous at ``margins`` (``_decided_rows``); the others are counted as ``ambiguous_queries``
-    at ``indexer.topk`` (``ambiguous_tokens`` at ``moe.experts``)."""
-    pending: list[dict] = []
+    at ``indexer.topk`` (``ambiguous_tokens`` at ``moe.experts``). The decoder's stored KV rows are judged on their
+    own (``stored_kv_rows``, with the profile's ``kv_scale_floor``)."""
+    pending: list[dict] = stored_kv_rows(test, cfg, kv_scale_floor)
     device = next((recs[0][1].device for recs in test.records.values() if recs), positions.device)
     positions, rows = positions.to(device), rows.to(device) if rows is not None else None  # the decoder's device
     sel = positions if rows is None else positions[rows]
@@ -222,6 +234,30 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
             continue  # scores are compared through indexer recall (widths differ when the oracle pads)
         pending += compare_site(site, r, t, site_ctx, per_position)
     return pending
+
+
+def stored_kv_rows(test: Recorder, cfg: ModelConfig, kv_scale_floor: str) -> list[dict]:
+    """Pending rows of every ``kv_storage`` site the decoder reported (``L{i}.attn.kv_cache``: uint8 [n,
+    row_bytes]): ``probes.kv_storage`` against the same layer's ``attn.kv`` where reported (its rows; a
+    different count is ``rows_missing`` / ``rows_extra``, a row width other than the layout's ``shape_mismatch``,
+    and the site is then not decoded) and the profile's scale rule."""
+    out: list[dict] = []
+    for site in test.records:
+        if site_of(site).probe != "kv_storage":
+            continue
+        cache, layer = test.get(site), _layer(site)
+        if cache.dim() != 2 or (cache.shape[1],) != trailing_shape(site_template(site), cfg):
+            out += to_rows(site, layer, {"shape_mismatch": torch.tensor(1)})
+            continue
+        kv_site = same_layer("L{i}.attn.kv", site)
+        kv = test.get(kv_site) if kv_site in test.records else None
+        if kv is not None and len(kv) != len(cache):
+            out += to_rows(site, layer, {"rows_missing": torch.tensor(max(0, len(kv) - len(cache))),
+                                         "rows_extra": torch.tensor(max(0, len(cache) - len(kv)))})
+            n = min(len(kv), len(cache))
+            kv, cache = kv[:n], cache[:n]
+        out += to_rows(site, layer, kv_storage(cache, kv, cfg.head_dim, cfg.rope_head_dim, kv_scale_floor))
+    return out
 
 
 AFTER_SELECTION = LAYER_SITE_ORDER[LAYER_SITE_ORDER.index("attn.visible") + 1:]  # a CSA layer's sites after the top-k

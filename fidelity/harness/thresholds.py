@@ -110,6 +110,7 @@ ROWS_SITES = ".*"  # a different number of rows (tokens, entries, experts) than 
 EXPECTED_NONFINITE = r"L\d+\.indexer\.scores"  # -inf marks causally invisible entries in both models
 NONFINITE_SITES = rf"(?!{EXPECTED_NONFINITE}$).*"
 COMB_SITES = sites_regex(lambda site: site.probe == "sinkhorn")
+KV_CACHE_SITES = sites_regex(lambda site: site.probe == "kv_storage")  # stored KV rows vs the decoder's own attn.kv
 
 
 class ThresholdError(ValueError):
@@ -166,6 +167,16 @@ def profile_fields(profile: object) -> dict[str, str] | None:
         return profile_fields(get_profile(str(profile)))
     except (ValueError, OSError):
         return None
+
+
+def kv_scale_floor(profile: object) -> str:
+    """The FP8 scale rule a decoder's stored KV rows are held to: its profile's ``kv_scale_floor`` ("amax", the
+    official rule, where the profile does not name one). ValueError naming the profile for another value."""
+    value = (profile_fields(profile) or {}).get("kv_scale_floor", "amax")
+    if value not in CHOICES["kv_scale_floor"]:
+        raise ValueError(f"profile {profile_label(profile)!r}: kv_scale_floor: expected one of "
+                         f"{CHOICES['kv_scale_floor']}, found {value!r}")
+    return value
 
 
 def profile_class(profile: object) -> str:
@@ -237,6 +248,11 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None,
         # mixed from slightly different streams can land nearer the oracle's transpose (clean 512-step runs on the
         # trained default: a few such steps)
         Threshold(COMB_SITES, "orientation_flip", "<=", 0, modes=("op",)),
+        # the decoder's stored KV rows hold its own attn.kv, packed with its profile's scale rule (every mode: no
+        # oracle involved); rows only the other rule explains fail on their own metric, whose hint names the rule
+        Threshold(KV_CACHE_SITES, "rows_mismatch", "<=", 0),
+        Threshold(KV_CACHE_SITES, "rule_mismatch", "<=", 0),
+        Threshold(KV_CACHE_SITES, "other_rule_rows", "<=", 0),
         Threshold(r"L\d+\.attn\.visible", "missing", "<=", 0),
         Threshold(r"L\d+\.attn\.visible", "extra", "<=", 0),
         Threshold("tokens", "token_flip_with_margin", "<=", 0, modes=("free",)),
@@ -451,6 +467,16 @@ def sort_divergence(rows: pd.DataFrame) -> pd.DataFrame:
 SITE_HINTS = {
     "embed": "the decoder's embeddings are not the checkpoint's: wrong weights, tokenizer or vocabulary mapping",
 }
+# ... and at these metrics (any site)
+METRIC_HINTS = {
+    "other_rule_rows": "the stored KV rows follow the other FP8 scale-floor rule, not the profile's kv_scale_floor "
+                       "('amax': max(amax, 1e-4) / 448, the official rule; 'scale': max(amax / 448, 1e-4), "
+                       "FlashMLA's): judge them with the engine's rule (kv_scale_floor in its profile); the rules "
+                       "differ only for blocks with amax below 0.0274, so this is the rule, not a bug",
+    "rule_mismatch": "the stored KV rows' FP8 scales follow neither scale-floor rule (kv_scale_floor 'amax' or "
+                     "'scale') for their codes: a quantizer or cache layout bug",
+    "rows_mismatch": "the stored KV rows do not decode to the decoder's own attn.kv: a cache layout or store bug",
+}
 
 
 @dataclass(frozen=True)
@@ -478,8 +504,9 @@ class Divergence:
             check = f"{self.metric} {fmt_num(self.value)} {'<' if self.op == '>=' else '>'} {fmt_num(self.limit)}"
         where = f"{self.mode} mode" + (f", position {self.position}" if self.position >= 0 else "")
         text = f"step {self.step} ({self.phase}), {self.site} {check} ({where})"
-        if self.site in SITE_HINTS:
-            text += f": {SITE_HINTS[self.site]}"
+        hint = SITE_HINTS.get(self.site) or METRIC_HINTS.get(self.metric)
+        if hint:
+            text += f": {hint}"
         if self.consequences:
             many = self.consequences > 1
             text += (f"; {self.consequences} free-mode failure{'s' if many else ''} downstream "

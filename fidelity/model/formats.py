@@ -12,6 +12,12 @@ Formats
   fp32 ``amax`` (tests check every mantissa of a binade; power-of-two scaling carries it to the rest).  Bytes
   are the biased exponent (byte ``b`` is ``2^(b-127)``, ``0xFF`` is NaN), i.e. the bits of
   ``torch.float8_e8m0fnu``.
+* Scale floor (``floor_on``, FP8 only): ``"amax"`` is the official rule above (the amax floored at 1e-4 before
+  the division); ``"scale"`` is FlashMLA's (``max(amax / 448, 1e-4)``, then the same power-of-two rounding).  The
+  two give the same scale, hence the same codes, for every block with ``amax > 448 * 2^-14`` (0.02734; they
+  agree on ``v`` from ``amax >= 448e-4 = 0.0448`` and on ``2^ceil(log2 v)`` below that down to 448 * 2^-14);
+  below it FlashMLA's scale stays 2^-13 where the official one shrinks with the amax (down to 2^-22).
+  :func:`fp8_scale_follows_rule` says whether stored bytes can come from a rule.
 * FP8 e4m3 (``torch.float8_e4m3fn``): RNE, saturating: the value is clamped to [-448, 448] before rounding,
   as the reference does (a raw ml_dtypes cast of 464 or more gives NaN; torch's cast has varied by version).
 * FP4 e2m1: magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}, RNE with ties to the even code, clamped to [-6, 6].
@@ -65,6 +71,7 @@ __all__ = [
     "FP8_AMAX_FLOOR",
     "FP8_MAX",
     "FP8_WEIGHT_BLOCK",
+    "SCALE_FLOORS",
     "Block",
     "decode_e8m0",
     "dequantize_fp4",
@@ -73,6 +80,7 @@ __all__ = [
     "fake_quant_fp4",
     "fake_quant_fp8",
     "fp4_code_values",
+    "fp8_scale_follows_rule",
     "hadamard",
     "pack_fp4_codes",
     "quantize_fp4",
@@ -93,6 +101,9 @@ FP8_WEIGHT_BLOCK = (128, 128)
 FP4_BLOCK = 32
 E8M0_NAN = 0xFF
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# where the FP8 scale rule applies its floor: "amax" (official kernel.py: max(amax, floor) / qmax) or "scale"
+# (FlashMLA: max(amax / qmax, floor)); see ``ue8m0_scale``
+SCALE_FLOORS = ("amax", "scale")
 
 Block = int | tuple[int, int]
 
@@ -188,20 +199,22 @@ def _scale_shape(shape: torch.Size, block: Block) -> tuple[int, ...]:
 
 
 def _blockwise(
-    x: torch.Tensor, block: Block, qmax: float, floor: float, round_fn: Callable[[torch.Tensor], torch.Tensor]
+    x: torch.Tensor, block: Block, qmax: float, floor: float, round_fn: Callable[[torch.Tensor], torch.Tensor],
+    floor_on: str = "amax",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared quantizer: returns (grid values ``round_fn(clamp(x/s))`` in the working dtype, x's shape;
-    fp32 scales of shape ``_scale_shape``).  ``s`` may be +inf / NaN for non-finite blocks."""
+    fp32 scales of shape ``_scale_shape``; the scale rule of ``ue8m0_scale(..., floor_on)``).  ``s`` may be
+    +inf / NaN for non-finite blocks."""
     xw = x.to(_work_dtype(x.dtype))
     if isinstance(block, tuple):
         (bo, bi), (rows, cols) = block, xw.shape
         nbo, nbi = _scale_shape(xw.shape, block)
         xp = torch.nn.functional.pad(xw, (0, nbi * bi - cols, 0, nbo * bo - rows)).view(nbo, bo, nbi, bi)
-        s = ue8m0_scale(xp.abs().amax(dim=(1, 3)), qmax, floor)
+        s = ue8m0_scale(xp.abs().amax(dim=(1, 3)), qmax, floor, floor_on)
         q = round_fn(xp / s.to(xw.dtype)[:, None, :, None])
         return q.reshape(nbo * bo, nbi * bi)[:rows, :cols], s
     xb = xw.unflatten(-1, (xw.shape[-1] // block, block))
-    s = ue8m0_scale(xb.abs().amax(dim=-1), qmax, floor)
+    s = ue8m0_scale(xb.abs().amax(dim=-1), qmax, floor, floor_on)
     q = round_fn(xb / s.to(xw.dtype)[..., None])
     return q.flatten(-2), s
 
@@ -274,25 +287,35 @@ def round_fp4_e2m1(v: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def ue8m0_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:
+def ue8m0_scale(amax: torch.Tensor, qmax: float, floor: float, floor_on: str = "amax") -> torch.Tensor:
     """Power-of-two block scale of kernel.py ``fast_round_scale`` (spec §3), as fp32, amax's shape.
 
-    amax: block absolute maxima, any float dtype (rounded to fp32 first).  ``a = max(amax, fp32(floor))``,
-    ``v = fp32(a * fp32(1/qmax))``, scale ``= 2^(exp(v) - 127 + (mantissa(v) != 0))`` from v's bits, i.e.
-    ``2^ceil(log2 v)`` for normal v.  Use (FP8_MAX, FP8_AMAX_FLOOR) for FP8 and (FP4_MAX, FP4_AMAX_FLOOR) for
-    FP4 (where this equals ``2^ceil(log2(a/6))`` exactly).  A subnormal v gives 2^-126 and v == 0 gives 2^-127
-    (bit rule; unreachable with the reference floors).  +inf amax gives +inf, NaN amax gives NaN.
+    amax: block absolute maxima, any float dtype (rounded to fp32 first).  ``floor_on="amax"`` (the official
+    rule): ``a = max(amax, fp32(floor))``, ``v = fp32(a * fp32(1/qmax))``; ``floor_on="scale"`` (FlashMLA's KV
+    quantizer): ``v = max(fp32(amax * fp32(1/qmax)), fp32(floor))``.  Then scale ``= 2^(exp(v) - 127 +
+    (mantissa(v) != 0))`` from v's bits, i.e. ``2^ceil(log2 v)`` for normal v.  Use (FP8_MAX, FP8_AMAX_FLOOR) for
+    FP8 and (FP4_MAX, FP4_AMAX_FLOOR) for FP4 (where this equals ``2^ceil(log2(a/6))`` exactly).  A subnormal v
+    gives 2^-126 and v == 0 gives 2^-127 (bit rule; unreachable with the reference floors).  +inf amax gives
+    +inf, NaN amax gives NaN (either rule).
     """
     if not (qmax > 0 and qmax < float("inf")):
         raise ValueError(f"qmax: expected a finite positive number, found {qmax!r}")
     if not (floor > 0 and floor < float("inf")):
         raise ValueError(f"floor: expected a finite positive number, found {floor!r}")
-    a = torch.maximum(amax.to(torch.float32), _fp32_const(floor))
-    v = a * _fp32_const(1.0 / qmax)
+    _check_floor_on(floor_on)
+    if floor_on == "amax":
+        v = torch.maximum(amax.to(torch.float32), _fp32_const(floor)) * _fp32_const(1.0 / qmax)
+    else:
+        v = torch.maximum(amax.to(torch.float32) * _fp32_const(1.0 / qmax), _fp32_const(floor))
     e = _log2_ceil_bits(v)
     s = _pow2(e.clamp(max=127), torch.float32)
     s = torch.where(e > 127, torch.full_like(s, float("inf")), s)
     return torch.where(torch.isnan(v), torch.full_like(s, float("nan")), s)
+
+
+def _check_floor_on(floor_on: object) -> None:
+    if floor_on not in SCALE_FLOORS:
+        raise ValueError(f"floor_on: expected one of {SCALE_FLOORS}, found {floor_on!r}")
 
 
 def encode_e8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -343,18 +366,19 @@ def decode_e8m0(b: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def quantize_fp8(x: torch.Tensor, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(x: torch.Tensor, block: Block, floor_on: str = "amax") -> tuple[torch.Tensor, torch.Tensor]:
     """Block-wise FP8 e4m3 quantization with ue8m0 scales (spec §3 ``act_quant``, spec §2 weight layout).
 
     x: float tensor.  ``block`` an int in (32, 64, 128): blocks of contiguous elements along the last dim
     (K must be a multiple), scales [..., K/block].  ``block=(128, 128)``: x must be 2-D [out, in], scales
-    [ceil(out/128), ceil(in/128)], edge blocks may be ragged.  amax floor 1e-4, scale rule of
-    :func:`ue8m0_scale` with qmax 448, codes ``e4m3(clamp(x/s, -448, 448))`` (RNE).
+    [ceil(out/128), ceil(in/128)], edge blocks may be ragged.  Floor 1e-4 on the amax (``floor_on="amax"``, the
+    official rule) or on the scale (``"scale"``, FlashMLA's), scale rule of :func:`ue8m0_scale` with qmax 448,
+    codes ``e4m3(clamp(x/s, -448, 448))`` (RNE).
     Returns (codes: float8_e4m3fn, x's shape; scales: uint8 e8m0 bytes).
     """
     _check_float(x)
     block = _fp8_block(x, block)
-    q, s = _blockwise(x, block, FP8_MAX, FP8_AMAX_FLOOR, round_fp8_e4m3)
+    q, s = _blockwise(x, block, FP8_MAX, FP8_AMAX_FLOOR, round_fp8_e4m3, floor_on)
     return q.to(torch.float8_e4m3fn), _e8m0_bytes(s.to(torch.float32))
 
 
@@ -375,17 +399,56 @@ def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, block: Block) -> t
     return _times_scales(codes.to(torch.float32), decode_e8m0(sb), block)
 
 
-def fake_quant_fp8(x: torch.Tensor, block: Block) -> torch.Tensor:
+def fake_quant_fp8(x: torch.Tensor, block: Block, floor_on: str = "amax") -> torch.Tensor:
     """FP8 quantize-dequantize in x's dtype: the reference's in-place ``act_quant`` (current rev., spec §3).
 
-    x: float tensor, same block rules as :func:`quantize_fp8`.  Result ``dtype(fp32(q) * s)``; for a bf16
-    x this is bit-identical to ``act_quant(x, block, "ue8m0", inplace=True)``.  Always equals
-    ``dequantize_fp8(*quantize_fp8(x, block), block).to(x.dtype)``.
+    x: float tensor, same block rules as :func:`quantize_fp8` (``floor_on``: its scale rule).  Result
+    ``dtype(fp32(q) * s)``; for a bf16 x and ``floor_on="amax"`` this is bit-identical to ``act_quant(x, block,
+    "ue8m0", inplace=True)``.  Always equals ``dequantize_fp8(*quantize_fp8(x, block, floor_on), block).to(x.dtype)``.
     """
     _check_float(x)
     block = _fp8_block(x, block)
-    q, s = _blockwise(x, block, FP8_MAX, FP8_AMAX_FLOOR, round_fp8_e4m3)
+    q, s = _blockwise(x, block, FP8_MAX, FP8_AMAX_FLOOR, round_fp8_e4m3, floor_on)
     return _times_scales(q.to(torch.float32), s, block).to(x.dtype)
+
+
+def fp8_scale_follows_rule(codes: torch.Tensor, scales: torch.Tensor, block: int,
+                           floor_on: str = "amax") -> torch.Tensor:
+    """bool [..., K/block]: whether each block's stored ue8m0 scale is one the FP8 rule ``floor_on`` gives
+    (:func:`ue8m0_scale` with qmax 448, floor 1e-4) for some block amax that rounds onto the block's largest
+    |code| at that scale; i.e. whether a quantizer with that rule can have written these bytes, whatever the
+    unrounded values were (spec §3 scales; §5 FP8 KV rows).
+
+    codes: float8_e4m3fn (or its uint8 bits) [..., K]; scales: uint8 / float8_e8m0fnu [..., K/block]; ``block``
+    an int in (32, 64, 128).  With m the largest |code| and [lo, hi] its rounding interval on the e4m3 grid
+    (midpoints to the neighbouring codes; 0 to 2^-10 for m = 0, up to +inf for m = 448), the rule's scale is
+    monotone in the amax, so the answer is ``rule(s * lo) <= s <= rule(s * hi)``.  Both ends are taken closed,
+    so an amax exactly on a rounding tie is allowed either way.  Bytes re-quantized from already rounded values
+    (a block whose largest value rounded down to 224 s, stored again at s / 2) follow the rule too.  A NaN code
+    or scale byte (0xFF) never does.
+    """
+    if codes.dtype == torch.float8_e4m3fn:
+        codes = codes.view(torch.uint8)
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes: expected dtype float8_e4m3fn (or uint8 bits), found {codes.dtype}")
+    if codes.dim() == 0:
+        raise ValueError("codes: expected at least 1 dim, found a 0-d tensor")
+    block = _act_block(codes, block, FP8_ACT_BLOCKS)
+    sb = _scale_bytes(scales, _scale_shape(codes.shape, block))
+    _check_floor_on(floor_on)
+    mag = (codes & 0x7F).unflatten(-1, (codes.shape[-1] // block, block)).amax(-1).to(torch.int32)  # e4m3 order
+    nan = mag == 0x7F
+    mag = mag.clamp(max=0x7E)
+
+    def value(bits: torch.Tensor) -> torch.Tensor:
+        return bits.clamp(0, 0x7E).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+    m = value(mag)
+    lo = torch.where(mag > 0, (value(mag - 1) + m) * 0.5, 0.0)
+    hi = torch.where(mag < 0x7E, (m + value(mag + 1)) * 0.5, float("inf"))
+    s = decode_e8m0(sb)
+    low, high = (ue8m0_scale(s * bound, FP8_MAX, FP8_AMAX_FLOOR, floor_on) for bound in (lo, hi))
+    return (low <= s) & (s <= high) & ~nan & ~torch.isnan(s)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 PROBES = ("similarity", "residual", "logits", "sinkhorn", "indexer_recall", "visible_range", "routing",
-          "routing_weights")
+          "routing_weights", "kv_storage")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,9 @@ class Site:
     ``shape``: the dims after the first (token or entry) dim, as ``ModelConfig`` field names (None where they
     vary from call to call). ``probe``: how a pair of records is compared (``harness.site_pairs``):
     ``similarity`` (cosine, calc_diff, ...), ``residual`` (also the streams' norms), ``logits`` (also token
-    agreement), ``sinkhorn``, ``indexer_recall``, ``visible_range``, ``routing`` (expert sets), ``routing_weights``.
+    agreement), ``sinkhorn``, ``indexer_recall``, ``visible_range``, ``routing`` (expert sets), ``routing_weights``,
+    ``kv_storage`` (a decoder's stored cache bytes against its own ``attn.kv`` and the profile's FP8 scale rule;
+    no oracle record: only a decoder that stores packed FP8 rows reports it).
     ``every_step``: compared at every decode step (False: in the prefill only; its errors show downstream).
     ``per_position``: a prefill also gets per-position cosine rows. ``after_routing``: compared on the tokens both
     models routed to the same experts (a routing flip is counted once, at ``moe.experts``). ``gated``: its cosine
@@ -52,6 +54,10 @@ SITE_TABLE: dict[str, Site] = {
                         "[n, H, head_dim] queries after weightless norm and RoPE", gated=True),
     "L{i}.attn.kv": Site(("head_dim",), "similarity", "[n, head_dim] window KV rows after norm and RoPE",
                          gated=True),
+    "L{i}.attn.kv_cache": Site(("kv_row_bytes",), "kv_storage",
+                               "[n, row_bytes] uint8 the window KV rows as the cache stores them for the call's "
+                               "tokens (spec §5 FP8 layout: e4m3 nope codes, bf16 rope dims, ue8m0 1x64 scale bytes, "
+                               "zero pad; 584 B at head_dim 512); kv_storage=fp8 decoders only"),
     "L{i}.attn.compressed_kv": Site(("head_dim",), "similarity",
                                     "[m, head_dim] compressed entries emitted by this call (after norm and RoPE)",
                                     gated=True),
@@ -105,11 +111,23 @@ def site_of(name: str) -> Site:
     return SITE_TABLE[site_template(name)]
 
 
+def _kv_row_bytes(cfg) -> int:
+    from fidelity.decoders.production.kv_layout import row_bytes  # the layout's one formula (imported late: cycle)
+
+    return row_bytes(cfg.head_dim, cfg.rope_head_dim)
+
+
+DERIVED_DIMS = {"kv_row_bytes": _kv_row_bytes}  # shape names that are not ModelConfig fields
+
+
 def trailing_shape(template: str, cfg) -> tuple[int, ...] | None:
     """The shape of a record of site ``template`` after its first (token or entry) dim, from ``cfg``
-    (a ``ModelConfig``); None where it varies from call to call (index scores, visible sets)."""
+    (a ``ModelConfig``; ``DERIVED_DIMS`` for the packed KV row's bytes); None where it varies from call to call
+    (index scores, visible sets)."""
     shape = SITE_TABLE[template].shape
-    return None if shape is None else tuple(getattr(cfg, field) for field in shape)
+    if shape is None:
+        return None
+    return tuple(DERIVED_DIMS[f](cfg) if f in DERIVED_DIMS else getattr(cfg, f) for f in shape)
 
 
 def site_name(template: str, layer: int | None = None) -> str:

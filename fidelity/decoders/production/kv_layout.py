@@ -21,14 +21,16 @@ def row_bytes(head_dim: int, rope_dims: int) -> int:
     return -(-(nope + 2 * rope_dims + nope // BLOCK) // 8) * 8
 
 
-def pack(kv: torch.Tensor, rope_dims: int) -> torch.Tensor:
+def pack(kv: torch.Tensor, rope_dims: int, scale_floor: str = "amax") -> torch.Tensor:
     """kv [m, d] -> uint8 [m, row_bytes(d, rope_dims)]: the e4m3 codes of the d - rope_dims nope dims (1x64 ue8m0
-    blocks), the rope dims as raw bf16, the scale bytes, zero pad. The nope dims round as ``ops.kv_round``'s."""
+    blocks), the rope dims as raw bf16, the scale bytes, zero pad. The nope dims round as ``ops.kv_round``'s, with
+    the scale rule ``scale_floor`` (profile field ``kv_scale_floor``: "amax" official, "scale" FlashMLA's;
+    ``formats.ue8m0_scale``)."""
     nope = kv.shape[1] - rope_dims
     if kv.dim() != 2 or nope <= 0 or nope % BLOCK:
         raise ValueError(f"kv: expected [m, d] with d - {rope_dims} rope dims a positive multiple of {BLOCK}, "
                          f"found {list(kv.shape)}")
-    codes, scales = quantize_fp8(kv[:, :nope], BLOCK)
+    codes, scales = quantize_fp8(kv[:, :nope], BLOCK, scale_floor)
     rope = kv[:, nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
     width = row_bytes(kv.shape[1], rope_dims)
     pad = torch.zeros((kv.shape[0], width - nope - 2 * rope_dims - nope // BLOCK), dtype=torch.uint8,

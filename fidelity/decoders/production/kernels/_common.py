@@ -31,6 +31,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 GEMV_ROWS = 8  # GEMMs of at most this many rows may read the stored FP8 / FP4 weights (weight_gemv.py)
 UNSUPPORTED = "input dtype, shape or format not supported"  # a kernel's ``takes`` reason for inputs it does not take
+# ``takes`` reason of the KV FP8 round's kernels (kv_round, kv_norm_rope_fp8) under FlashMLA's scale rule
+SCALE_FLOOR_FALLBACK = "kv_scale_floor 'scale' (FlashMLA's FP8 scale rule): the kernels round with the official one"
 # How the RoPE complex product rounds (``rotated``): 0 every product rounded; 1 fma(a, c, -(b s)) / fma(a, s, b c);
 # 2 fma(-b, s, a c) / fma(b, c, a s). On the H200 (torch 2.11) 1 gives torch's complex64 bits: 0 of 303K elements
 # differ at Flash's shapes and frequencies, where 0 and 2 each differ in one

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from fidelity.decoders.production.kernels._common import (
     PDL_LAUNCH,
+    SCALE_FLOOR_FALLBACK,
     UNSUPPORTED,
     e4m3_blocks,
     on_device,
@@ -62,18 +63,24 @@ def _kv_path_kernel(x_ptr, w_ptr, cis_ptr, y_ptr, n, eps, stride_x, stride_y, RO
 
 
 def takes_kv_norm_rope_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                           freqs: torch.Tensor, fmt: str = "fp8") -> str | None:
+                           freqs: torch.Tensor, fmt: str = "fp8", scale_floor: str = "amax") -> str | None:
     """Why :func:`kv_norm_rope_fp8` cannot take these inputs (None: it can): bf16 x [n, 512], weight [512],
-    freqs [32], positions [n]."""
+    freqs [32], positions [n], the official scale rule (``scale_floor`` "amax"; FlashMLA's "scale" runs the
+    emulation, and says so)."""
+    if scale_floor != "amax":
+        return SCALE_FLOOR_FALLBACK
     ok = (on_device(x) and x.dim() == 2 and x.shape[1] == 512 and x.dtype == torch.bfloat16
           and weight.shape == (512,) and freqs.numel() == 32 and positions.shape == (x.shape[0],))
     return None if ok else UNSUPPORTED
 
 
 def kv_norm_rope_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                     freqs: torch.Tensor, fmt: str = "fp8", *, rows: int = 1, num_warps: int = 2) -> torch.Tensor:
+                     freqs: torch.Tensor, fmt: str = "fp8", scale_floor: str = "amax", *, rows: int = 1,
+                     num_warps: int = 2) -> torch.Tensor:
     """x [n, 512] bf16 (the ``wkv`` GEMM output), weight [512] (``kv_norm``), positions [n] int, freqs [32]
-    -> kv bf16 [n, 512] as the emulation's three ops."""
+    -> kv bf16 [n, 512] as the emulation's three ops (the official scale rule only: ``takes_kv_norm_rope_fp8``)."""
+    if scale_floor != "amax":
+        raise ValueError(f"kv_norm_rope_fp8: implements scale_floor 'amax' only, found {scale_floor!r}")
     n = x.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty((n, 512), dtype=torch.bfloat16, device=x.device)

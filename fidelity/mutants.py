@@ -75,6 +75,10 @@ def _routed(cfg: ModelConfig) -> set[int]:
     return {i for i in range(cfg.n_layers) if not cfg.is_hash_layer(i)}
 
 
+def _hash_layers(cfg: ModelConfig) -> set[int]:
+    return {i for i in range(cfg.n_layers) if cfg.is_hash_layer(i)}
+
+
 def _run_level(cfg: ModelConfig) -> set[int]:
     return {-1}
 
@@ -147,6 +151,66 @@ CATALOGUE: tuple[Mutant, ...] = (
     # a capacity-sized buffer kept per decode step (8.4 MiB at max_context 65536) passes the 50 MiB band at step 8
     Mutant("decode-buffer-kept", r"memory", _run_level, *BLOCK_ENDS, {"max_context": 65536}),
     Mutant("topk-cap-half", r"indexer\.topk", _kind("csa"), *EVERYWHERE),
+    # Several sequences: each caught on a sequence of a played script (recorded, replayed against the oracle) and
+    # silent where its path is not taken.
+    # GDzhu01/vllm-ascend-deepseekv4#131: the overlap compressor's SaveState() kept only the tail-side window, so
+    # a verifier's rollback lost the current block's state (MTP output degraded; fixed by #132)
+    Mutant("rollback-partial-carry", r"attn\.compressed_kv|indexer\.keys", _kind("csa"), "verify", "verified / seq 0",
+           silent_in=(("verify", "prompt 250, 22 steps"),)),  # the same tokens, never proposed
+    # ROCm/ATOM#1417: on a cross-request prefix-cache hit the sliding-window rows were read from a stale
+    # per-request ring, not from the cached prefix. A fork at a parent's call end restores the snapshot; one
+    # inside a call replays the prefix from position 0, which rebuilds the ring
+    Mutant("fork-stale-ring", r"attn\.core", _every_layer, "prefix", "fork 201 / seq 1",
+           silent_in=(("prefix", "fork 130, 256 / seq 1"),)),
+    # sgl-project/sglang#34562 (RFC): a hierarchical prefix hit does not reproduce a cold run unless the
+    # sliding-window and compressor state are restored with the prefix
+    Mutant("fork-drops-carry", r"attn\.compressed_kv|indexer\.keys", _kind("csa", "hca"), "prefix",
+           "fork 201 / seq 1", silent_in=(("prefix", "fork 130, 256 / seq 1"),)),
+    # sgl-project/sglang#12583: the V3.2 indexer built every sequence's key range (ks, ke) from one offset
+    # where two were needed, so a batched sequence's queries scored another range of keys
+    Mutant("batch-key-range", r"indexer\.(scores|topk)|attn\.visible", _kind("csa"), "batch", "batched / seq 2",
+           silent_in=(("batch", "batched / seq 0"), ("batch", "seq 2: prompt 255"))),
+    # Cache layouts: each needs its profile (the layout exists only there), which the clean decoder runs too.
+    # vllm-project/vllm#47783 (fix #47493; flashinfer-ai/flashinfer#3856): after the DSv4 KV caches were packed per
+    # block (#44577) the FlashInfer sparse-MLA decode still addressed the pool by flat token id times the token
+    # stride, ignoring the block stride, so rows past a block boundary were read from the wrong address. Here the
+    # decode gather reads storage rows at the flat slot ids; the reversed block table moves every block but a
+    # middle one. Every decode step of every layer gathers (a run without decode steps would stay silent: none is
+    # in the catalogue); prefill reads are untouched. A full window alone (a sliding-window layer past 127 tokens)
+    # is read permuted, which attention does not see: the compressed layers' rows show it (L2 on tiny and default).
+    Mutant("paged-flat-addressing", r"attn\.core", _every_layer, *EVERYWHERE,
+           {"profile": "reference:kv_cache=paged:16"}),
+    # vllm-project/vllm#40991 (comment "Indexer KV Cache Layout Mismatch on SM120"; also #50576 on SM8x): the
+    # compressor writes each block of 64 FP8 indexer keys planar (all values, then all scales) while the Triton
+    # fallback reads it interleaved per key, so keys drift and scales are value bytes. Here the key store's codes
+    # and scales are laid out planar per block of 64 keys and parsed interleaved on read (cache.
+    # planar_read_interleaved); the keys as written (indexer.keys) stay right, the scores on them do not.
+    Mutant("indexer-keys-planar", r"indexer\.(scores|topk)", _kind("csa"), *EVERYWHERE,
+           {"profile": "reference:indexer_qk=fp8,indexer_storage=packed"}),
+    # ml-explore/mlx-lm#1189 (DSv4 needle retrieval): in a chunked prefill the indexer scored only the compressed
+    # keys of the current chunk, so entries written by earlier chunks were never picked. The second chunk of 130
+    # (position 130) is the first call that has earlier keys; a whole prefill has none.
+    Mutant("indexer-chunk-local", r"indexer\.(scores|topk)|attn\.visible", _kind("csa"), "chunks", "chunk 130",
+           silent_in=(("chunks", "whole"),)),
+    # ROCm/ATOM#1591: the SGLang bridge hard-coded index_topk=1024 (metadata and graph buffers) for a 512 model;
+    # the extra picks only exist past 4 * index_topk tokens (128 on index_topk 32: prompt 125 never gets there)
+    Mutant("index-topk-hardcoded", r"indexer\.topk|attn\.visible", _kind("csa"), "lengths", "prompt 257",
+           silent_in=(("lengths", "prompt 125"),)),
+    # GDzhu01/vllm-ascend-deepseekv4#76 (fix #77): DSA called the compressor op with seqused=None, which gave NaN
+    # or zero-like compressed rows at the C4 boundary. Here a call at pos > 0 pools from an empty carry, so every
+    # entry a later call completes is wrong (first in decode at t = 251); prompt 261's two steps complete none.
+    Mutant("compressor-no-used-length", r"attn\.compressed_kv|indexer\.keys", _kind("csa"), *BLOCK_ENDS,
+           silent_in=(("decode-boundaries", "prompt 261"),)),
+    # sgl-project/sglang#28418 (also huggingface/transformers#46763): FP8 codes quantized with the exact amax/448
+    # scale, then the scale rounded up to ue8m0 for the GEMM / stored inverse: dequantized values grow by
+    # s_pow2/s_exact (mean 1.31 there). Planted in the window / compressed KV round: every run, first at L0.attn.kv.
+    Mutant("ue8m0-round-after", r"attn\.kv", _every_layer, *EVERYWHERE),
+    # verl-project/verl-ascend-recipe#126 (root cause ISEEKYAN/mbridge#159): mbridge's blanket bf16 cast took the
+    # integer tid2eid along: ids 257..383 moved to even neighbours, 383 to 384 (out of range). Only a model with
+    # more than 257 routed experts has an id that bf16 cannot hold.
+    Mutant("tid2eid-bf16", r"moe\.experts", _hash_layers, *EVERYWHERE,
+           requires=lambda cfg: None if cfg.n_routed_experts > 257 else
+           f"{cfg.n_routed_experts} routed experts: every id (<= 256) is exact in bf16"),
 )
 BY_NAME = {m.name: m for m in CATALOGUE}
 
@@ -325,6 +389,12 @@ def _where(scenario: str, run: str, decode_steps: int | None = None) -> str:
     return f"{scenario} / {run}" + (f" ({int(decode_steps)} decode steps)" if cut else "")
 
 
+def _decode_steps(where: tuple[str, str], s: MutantSettings) -> int:
+    """The decode steps a scenario run is run with: its own, or ``s.decode_steps`` (not for a played sequence)."""
+    target = scenario_run(*where)
+    return target.decode_steps if s.decode_steps is None or isinstance(target, Played) else s.decode_steps
+
+
 def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSettings | None = None,
                 progress: Callable[[int, int, str], None] | None = None, decoder: DecoderFactory | None = None,
                 known: tuple[str, ...] | None = None) -> pd.DataFrame:
@@ -342,8 +412,10 @@ def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSett
     jobs = [(None, where, dict(opts), "clean") for where, opts in clean]
     jobs += [(m, w, None, expect) for m in able for w, expect in ((m.where, "caught"),
                                                                   *((x, "silent") for x in m.silent_in))]
-    rows = [{"scenario": m.scenario, "run": m.run, "decode_steps": 0, "mutant": m.name, "probe": "first",
-             "detected": False, "expect": "cannot show", "note": m.cannot_show(cfg), "seconds": 0.0}
+    rows = [{"scenario": m.scenario, "run": m.run, "decode_steps": _decode_steps(m.where, s),
+             "profile": m.options.get("profile", "reference"),
+             "mutant": m.name, "probe": "first", "detected": False, "expect": "cannot show", "note": m.cannot_show(cfg),
+             "seconds": 0.0}
             for m in chosen if m not in able]
     for k, (mutant, where, opts, expect) in enumerate(jobs):
         name = mutant.name if mutant else "clean"
@@ -351,8 +423,7 @@ def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSett
             progress(k, len(jobs), f"{name} on {_where(*where)}")
         t0 = time.perf_counter()
         judged = run_one(checkpoint, mutant, s, decoder, where, opts)
-        target = scenario_run(*where)
-        decode = target.decode_steps if s.decode_steps is None or isinstance(target, Played) else s.decode_steps
+        decode = _decode_steps(where, s)
         profile = (mutant.options if mutant else opts).get("profile", "reference")
         for r in detection_rows(name, judged, mutant if expect == "caught" else None, cfg):
             rows.append({"scenario": where[0], "run": where[1], "decode_steps": decode, "profile": profile, **r,
@@ -402,10 +473,10 @@ def matrix_table(matrix: pd.DataFrame) -> pd.DataFrame:
              for *w, p in zip(matrix["scenario"], matrix["run"], matrix["decode_steps"], profiles, strict=True)]
     matrix = matrix.assign(**{"scenario run": label})
     probe_rows = matrix[matrix["probe"] != "first"]
-    cell = probe_rows.apply(lambda r: f"step {int(r.step)} {r.site}" if r.detected else "-", axis=1)
+    cell = [f"step {int(r.step)} {r.site}" if r.detected else "-" for r in probe_rows.itertuples()]  # none: cannot show
     wide = probe_rows.assign(cell=cell).pivot(index=key, columns="probe", values="cell")
     first = matrix[matrix["probe"] == "first"].set_index(key)
-    wide = wide.reindex(first.index)
+    wide = wide.reindex(first.index).fillna("-")  # a mutant listed as "cannot show" has no probe rows
     wide.insert(0, "first detection", first.apply(_first_cell, axis=1))
     if "located" in first:
         wide.insert(1, "where planted", first["expected"].fillna("-"))

@@ -187,8 +187,10 @@ def test_bugs_planted_in_transformers_are_caught_where_they_were_planted():
     assert gate_failures(matrix) == []
     first = matrix[matrix["probe"] == "first"].set_index("mutant")
     assert not first.loc[["clean"], "detected"].any()
-    assert set(first.index) == {"clean", *FAULTS} and first.drop("clean")["located"].all()
-    assert pd.Series(first.drop("clean")["step"]).eq(0).all()
+    caught = first[first["expect"] == "caught"]  # the others: silent runs, and models that cannot show a fault
+    assert set(first.index) == {"clean", *FAULTS} and caught["located"].all()
+    assert pd.Series(caught["step"]).eq(0).all()
+    assert first[first["expect"] == "cannot show"].index.tolist() == ["tid2eid-bf16"]  # 8 experts
 
 
 def test_the_command_line_runs_transformers_records_a_trace_and_replays_it(hf_dir, tmp_path, capsys):

@@ -35,6 +35,11 @@ EXPECTED_PROBE = {
     "rep-penalty-no-prompt": "sampler", "stop-missing-eot": "stops", "cache-concat-growth": "memory",
     "decode-buffer-kept": "memory",
     "topk-cap-half": "indexer",
+    "paged-flat-addressing": "similarity", "indexer-keys-planar": "similarity",
+    "indexer-chunk-local": "indexer", "index-topk-hardcoded": "visible", "compressor-no-used-length": "similarity",
+    "ue8m0-round-after": "similarity", "tid2eid-bf16": "routing",
+    "rollback-partial-carry": "similarity", "fork-stale-ring": "similarity", "fork-drops-carry": "similarity",
+    "batch-key-range": "indexer",
 }  # fmt: skip
 LONG = 64  # decode steps past which a scenario run is left to the slow tests (~0.15 s a step in layer + op mode)
 CUT = 4  # the decode steps the long runs are cut to in the quick check of their mutants
@@ -52,14 +57,24 @@ def _runs(names: list[str]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(BY_NAME[n].where for n in names))
 
 
+def _profile(name: str) -> str:
+    return BY_NAME[name].options.get("profile", "reference")
+
+
+def _clean_runs(names: list[str]) -> list[tuple[str, str, str]]:
+    """The clean decoder's runs for these mutants, in the gate's order: (scenario, run, profile) of each one's run
+    and of the runs where it must stay silent, with its profile."""
+    return list(dict.fromkeys((*w, _profile(n)) for n in names for w in (BY_NAME[n].where, *BY_NAME[n].silent_in)))
+
+
 def _param(value, where: tuple[str, str], name: str = ""):
     marks = [pytest.mark.slow] if _long(where) else []
     return pytest.param(value, marks=marks, id=f"{name}{'@' if name else ''}{where[0]}/{where[1]}")
 
 
-def _first(matrix, name: str, where: tuple[str, str], probe: str = "first"):
+def _first(matrix, name: str, where: tuple[str, str], probe: str = "first", profile: str = "reference"):
     rows = matrix[(matrix["mutant"] == name) & (matrix["scenario"] == where[0]) & (matrix["run"] == where[1])
-                  & (matrix["probe"] == probe)]
+                  & (matrix["probe"] == probe) & (matrix["profile"].fillna("reference") == profile)]
     assert len(rows) == 1, f"{name} on {where}: expected one {probe!r} row, found {len(rows)}"
     return rows.iloc[0]
 
@@ -139,26 +154,31 @@ def test_faults_are_off_unless_injected():
 class GateOnOneSeed:
     seed = 0
 
-    @pytest.mark.parametrize("where", [_param(w, w) for w in _runs([m.name for m in CATALOGUE])])
-    def test_clean_decoder_raises_no_alarm_on_each_run_the_mutants_use(self, request, where):
-        clean = _first(_matrix_of(request, where), "clean", where)
+    @pytest.mark.parametrize("run", [_param(r, r[:2], "" if r[2] == "reference" else r[2])
+                                     for r in _clean_runs([m.name for m in CATALOGUE])])
+    def test_clean_decoder_raises_no_alarm_on_each_run_the_mutants_use(self, request, run):
+        where, profile = run[:2], run[2]
+        clean = _first(_matrix_of(request, where), "clean", where, profile=profile)
         assert not clean["detected"], f"clean alarm on {where}: {clean['site']} {clean['metric']} {clean['value']}"
 
     @pytest.mark.parametrize("name", [_param(m.name, m.where, m.name) for m in CATALOGUE])
     def test_mutant_is_detected_where_it_was_planted_in_its_run(self, request, name):
         where = BY_NAME[name].where
-        first = _first(_matrix_of(request, where), name, where)
+        first = _first(_matrix_of(request, where), name, where, profile=_profile(name))
+        if first["expect"] == "cannot show":  # listed, not run (tests/test_port_bug_mutants.py shows it caught)
+            pytest.skip(f"{name}: {first['note']}")
         assert first["detected"], f"{name} went undetected on {where}"
         assert first["located"], f"{name}: first detected at {first['site']} on {where}, expected {first['expected']}"
-        probe = _first(_matrix_of(request, where), name, where, EXPECTED_PROBE[name])
+        probe = _first(_matrix_of(request, where), name, where, EXPECTED_PROBE[name], _profile(name))
         assert probe["detected"], f"{name}: probe {EXPECTED_PROBE[name]} stayed silent on {where}"
 
     def test_the_clean_decoder_runs_exactly_the_runs_of_the_mutants(self, matrix):
         first = matrix[matrix["probe"] == "first"]
         clean = first[first["mutant"] == "clean"]
-        assert list(zip(clean["scenario"], clean["run"], strict=True)) == _runs(QUICK)
+        assert list(zip(clean["scenario"], clean["run"], clean["profile"], strict=True)) == _clean_runs(QUICK)
         for r in first[first["mutant"] != "clean"].itertuples():
-            assert (r.scenario, r.run) == BY_NAME[r.mutant].where
+            m = BY_NAME[r.mutant]
+            assert (r.scenario, r.run) in m.silent_in if r.expect == "silent" else (r.scenario, r.run) == m.where
 
     def test_long_run_mutants_show_in_their_runs_cut_short(self, ckpt):
         """The quick stand-in for the slow tests: on random weights the shared experts pass the clamp on many
@@ -175,9 +195,10 @@ class GateOnOneSeed:
         out = write_matrix(matrix, tmp_path, "m")
         assert {p.name for p in out.iterdir()} == {"detection.parquet", "detection.md", "detection.html"}
         table = matrix_table(matrix)
-        runs = _runs(QUICK)
-        assert list(table["mutant"]) == ["clean"] * len(runs) + QUICK
-        assert list(table["scenario run"][: len(runs)]) == [f"{s} / {r}" for s, r in runs]
+        runs = _clean_runs(QUICK)
+        assert list(table["mutant"]) == ["clean"] * len(runs) + [n for n in QUICK for _ in (0, *BY_NAME[n].silent_in)]
+        assert list(table["scenario run"][: len(runs)]) == [f"{s} / {r}" + ("" if p == "reference" else
+                                                                            f" [profile {p}]") for s, r, p in runs]
         md = (out / "detection.md").read_text()
         assert "gate: PASS" in md and "| mutant | scenario run | first detection |" in md
         assert "| window-127 | lengths / prompt 128 | step 0 L0.attn.visible" in md

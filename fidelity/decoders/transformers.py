@@ -10,7 +10,8 @@ The injected faults of the production catalogue (``fidelity.decoders.production.
 (``FAULTS``) are planted in the model at call time while ``fidelity.decoders.faults.inject`` holds them: through
 the attention function (sink dropped, window of 127 or without self, no inverse RoPE), hooks (comb transposed,
 routing bias in the weights, top-k capped at half, compressed-entry causality off by one on HCA layers) and module
-attributes (3 Sinkhorn iterations, shared-expert clamp missing, YaRN on SWA layers).
+attributes (3 Sinkhorn iterations, shared-expert clamp missing, YaRN on SWA layers, the indexer's top-k hard-coded
+to twice index_topk, the hash-routing table cast through bf16).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ ATTENTION = "dsv4-fidelity"  # the name the reporting attention function is regi
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 FAULTS = ("sink-dropped", "window-127", "window-no-self", "no-inverse-rope", "comb-transposed",
           "routing-bias-in-weights", "topk-cap-half", "causal-off-by-one", "sinkhorn-3-iters",
-          "shared-clamp-missing", "yarn-on-swa")
+          "shared-clamp-missing", "yarn-on-swa", "index-topk-hardcoded", "tid2eid-bf16")
 NOT_REPORTED = ("L{i}.mhc_attn.pre", "L{i}.mhc_ffn.pre")
 REQUIREMENT = "transformers>=5.23"
 INSTALL = "pip install 'dsv4-fidelity[transformers]' (in a checkout: pip install -e '.[transformers]')"
@@ -452,6 +453,12 @@ class TransformersDecoder(Decoder):
                     stack.enter_context(_attribute(layer.mlp.shared_experts, "limit", math.inf))
                 if on("yarn-on-swa") and self.config.compress_ratios[i] == 0:
                     stack.enter_context(_attribute(layer.self_attn, "rope_layer_type", "compress"))
+                indexer = getattr(layer.self_attn.compressor, "indexer", None)
+                if on("index-topk-hardcoded") and indexer is not None:
+                    stack.enter_context(_attribute(indexer, "index_topk", 2 * self.config.index_topk))
+                if on("tid2eid-bf16") and layer.mlp.is_hash:
+                    table = layer.mlp.gate.tid2eid
+                    stack.enter_context(_attribute(layer.mlp.gate, "tid2eid", table.to(torch.bfloat16).to(table.dtype)))
             yield
 
     # ---- the attention's view ---------------------------------------------------------------------------------

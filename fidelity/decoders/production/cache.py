@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from fidelity.decoders.production import kernels, kv_layout
+from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.profiles import Profile
+from fidelity.decoders.production.topk import topk_width
 from fidelity.model.config import ModelConfig
 from fidelity.model.formats import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
 
@@ -110,8 +112,9 @@ class KVStore(_RowStore):
     docstring), the storage rounded up to whole blocks; every method takes logical slots."""
 
     def __init__(self, capacity: int, hd: int, rd: int, fmt: str, device: torch.device | str = "cpu",
-                 block: int = 0):
+                 block: int = 0, scale_floor: str = "amax"):
         self.capacity, self.hd, self.rd, self.fmt = capacity, hd, rd, fmt
+        self.scale_floor = scale_floor  # the packed rows' FP8 scale rule (profile field kv_scale_floor)
         n = self._paged_rows(capacity, block, device)
         if fmt == "fp8":
             self.packed = torch.zeros(n, kv_layout.row_bytes(hd, rd), dtype=torch.uint8, device=device)
@@ -122,8 +125,16 @@ class KVStore(_RowStore):
     def _parts(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """rows [k, hd] bf16 whose nope dims are already FP8 values when fmt is fp8 (stored exactly)."""
         if self.fmt == "fp8":
-            return [(self.packed, kv_layout.pack(rows, self.rd))]
+            return [(self.packed, kv_layout.pack(rows, self.rd, self.scale_floor))]
         return [(self.rows, rows)]
+
+    def stored_bytes(self, slots: torch.Tensor | slice, rows: torch.Tensor) -> torch.Tensor:
+        """uint8 [n, row bytes] (fmt fp8): the packed bytes held for the last rows of ``rows`` [n, hd] (the rows
+        just written to ``slots``, read back through the block table), the first ``n - len(slots)`` (a prefill
+        longer than the window, whose earlier rows the ring never keeps) packed as a write packs them."""
+        held = self.packed[self.physical(slots)]
+        lost = rows.shape[0] - held.shape[0]
+        return torch.cat((kv_layout.pack(rows[:lost], self.rd, self.scale_floor), held)) if lost else held
 
     def parts(self) -> list[torch.Tensor]:
         return [self.packed if self.fmt == "fp8" else self.rows]
@@ -139,7 +150,7 @@ class KVStore(_RowStore):
     def read_into(self, slots: torch.Tensor | slice, out: torch.Tensor) -> torch.Tensor:
         """The bf16 rows of ``slots`` written into ``out`` [k, hd] (a preallocated workspace): the FP8 nope dims
         dequantized (rounded to bf16 on the copy), the bf16 rope dims as stored."""
-        at = self.physical(slots)
+        at = slots if on("paged-flat-addressing") else self.physical(slots)  # fault: the block table ignored
         if self.fmt != "fp8":
             return torch.index_select(self.rows, 0, at, out=out)
         return self._unpack_into(at, out)
@@ -186,7 +197,10 @@ class KeyStore(_RowStore):
             return self.rows[at]
         if self.fmt == "fp4":
             return dequantize_fp4(self.codes[at], self.scales[at], 32).to(BF16)
-        return dequantize_fp8(self.codes[at], self.scales[at], self.scale_block).to(BF16)
+        codes, scales = self.codes, self.scales
+        if on("indexer-keys-planar"):
+            codes, scales = planar_read_interleaved(codes, scales, self.block or PLANAR_BLOCK)
+        return dequantize_fp8(codes[at], scales[at], self.scale_block).to(BF16)
 
     def fp4_slices(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The first n keys' packed FP4 codes [n, d/2] and scale bytes [n, d/32] (views when flat; paged, copies
@@ -196,6 +210,25 @@ class KeyStore(_RowStore):
             return None
         at = self.physical(slice(0, n))
         return self.codes[at], self.scales[at]
+
+
+PLANAR_BLOCK = 64  # keys per block of fault ``indexer-keys-planar``'s writer on a flat store (a paged one: its block)
+
+
+def planar_read_interleaved(codes: torch.Tensor, scales: torch.Tensor, block: int) -> tuple[torch.Tensor,
+                                                                                          torch.Tensor]:
+    """Fault ``indexer-keys-planar``: the e4m3 ``codes`` [n, d] and ue8m0 ``scales`` [n, s] of the stored keys as a
+    reader that expects them interleaved per key (key j's d code bytes, then its s scale bytes, at j * (d + s)) parses
+    a writer's block-planar bytes (a block's ``block`` keys' code bytes, then their scale bytes). The storage rows are
+    zero-padded to whole blocks; the same bytes, permuted: key 0 of a block keeps its codes and reads the next key's
+    first code bytes as its scales, later keys drift by s bytes per key."""
+    n, d = codes.shape
+    s, pad = scales.shape[1], -codes.shape[0] % block
+    raw = torch.cat((codes.view(torch.uint8), scales), dim=1)
+    raw = torch.cat((raw, raw.new_zeros(pad, d + s)))
+    planar = torch.cat((raw[:, :d].reshape(-1, block * d), raw[:, d:].reshape(-1, block * s)), dim=1)
+    parsed = planar.reshape(-1, d + s)[:n]
+    return parsed[:, :d].contiguous().view(torch.float8_e4m3fn), parsed[:, d:].contiguous()
 
 
 @dataclass
@@ -224,7 +257,8 @@ class LayerCache:
         self.ratio, self.window = ratio, w
         self.n_compressed = math.ceil(max_context / ratio) if ratio else 0
         block = profile.kv_block  # 0: flat
-        self.kv = KVStore(w + self.n_compressed, cfg.head_dim, cfg.rope_head_dim, profile.kv_storage, device, block)
+        self.kv = KVStore(w + self.n_compressed, cfg.head_dim, cfg.rope_head_dim, profile.kv_storage, device, block,
+                          profile.kv_scale_floor)
         self.carry = CompressorCarry.empty(ratio, cfg.head_dim, device) if ratio else None
         self.keys = self.index_carry = None
         if ratio == 4:
@@ -232,7 +266,7 @@ class LayerCache:
             self.keys = KeyStore(n_keys, cfg.index_head_dim, profile.indexer_qk,
                                  profile.indexer_storage == "packed", device, block)
             self.index_carry = CompressorCarry.empty(4, cfg.index_head_dim, device)
-        visible = w + (min(cfg.index_topk, self.n_compressed) if ratio == 4 else self.n_compressed)
+        visible = w + (min(topk_width(cfg.index_topk), self.n_compressed) if ratio == 4 else self.n_compressed)
         rows = visible if decode_gathers(profile) else 0  # packed FP8 rows are attended in place
         self.gather = torch.zeros(rows, cfg.head_dim, dtype=BF16, device=device)
         self.slots = torch.zeros(1, visible, dtype=torch.long, device=device)  # decode: cache slot per gathered row

@@ -30,6 +30,23 @@ FAULTS: dict[str, str] = {
     "cache-concat-growth": "KV cache grows by concatenation every decode step",
     "decode-buffer-kept": "each decode step gathers into a fresh full-capacity buffer that stays referenced",
     "topk-cap-half": "indexer top-k capped at half of index_topk (only shows past topk/2 * ratio tokens)",
+    "rollback-partial-carry": "a rollback restores only the previous-block rows of the overlap compressors' "
+                              "carry; their current block stays as the rejected tokens left it",
+    "fork-stale-ring": "a fork (reused prefix) does not restore the sliding-window ring: the child attends the "
+                       "ring its own session holds",
+    "fork-drops-carry": "a fork (reused prefix) restores the window ring but not the compressors' carries: the "
+                        "child's first compressed block pools from an empty state",
+    "batch-key-range": "in a batched call every sequence's indexer key range ends where the first sequence's does",
+    "paged-flat-addressing": "decode gathers paged KV rows at their flat slot ids (the block table ignored)",
+    "indexer-keys-planar": "packed FP8 indexer keys written block-planar (codes, then scales) and read back "
+                           "interleaved per key (codes then scale of each key)",
+    "indexer-chunk-local": "a prefill chunk's indexer scores only the keys its own chunk wrote (earlier keys unseen)",
+    "index-topk-hardcoded": "indexer top-k hard-coded to twice index_topk (shows past 4 * index_topk tokens)",
+    "compressor-no-used-length": "compressor called without the used length: a call at pos > 0 starts from an "
+                                 "empty carry",
+    "ue8m0-round-after": "KV FP8 codes quantized with the exact scale amax/448, dequantized with it rounded up to "
+                         "a power of two (ue8m0) afterwards",
+    "tid2eid-bf16": "hash-routing table tid2eid cast through bf16 (expert ids above 256 move to a bf16 neighbour)",
 }
 
 # faults planted inside an op's emulation that a GPU kernel fuses away, with the ops whose emulations reach it
@@ -43,6 +60,7 @@ IN_EMULATION: dict[str, tuple[str, ...]] = {
     "fp4-scale-floor": ("indexer_round",),
     "compressed-rope-last": ("compressor_decode",),
     "shared-clamp-missing": ("expert",),
+    "ue8m0-round-after": ("kv_round", "kv_norm_rope_fp8"),
 }
 
 register(FAULTS)

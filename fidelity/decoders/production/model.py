@@ -21,7 +21,7 @@ from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.profiles import Profile, get_profile
 from fidelity.decoders.production.registry import implementation
 from fidelity.decoders.production.rope_freqs import rope_inv_freq
-from fidelity.decoders.production.topk import stable_topk
+from fidelity.decoders.production.topk import stable_topk, topk_width
 from fidelity.model.formats import decode_e8m0, hadamard
 from fidelity.model.sites import MHC_SITES, Recorder, record
 from fidelity.model.weights import fp32_nbytes
@@ -163,6 +163,7 @@ class ProductionSession:
         self.calls = 0
         self.kept: list[torch.Tensor] = []  # only the ``decode-buffer-kept`` fault ever appends here
         self.in_prefill = False  # a prefill (chunk) takes the prefill paths, even for one token
+        self.key_range_end: int | None = None  # only the ``batch-key-range`` fault reads it
         self.counts: Counts = {}  # this session's implementations, kernel fallbacks and routes (call_counts)
         self.res_dtypes = [torch.float32 if self.profile.residual_fp32(i) else BF16 for i in range(self.cfg.n_layers)]
         self.fused = self.profile.norm_fusion == "fused"
@@ -311,9 +312,10 @@ class ProductionSession:
         (``kv_norm_rope_fp8``) under ``norm_fusion = "fused"``, else the reference's three."""
         cfg, fmt = self.cfg, self.profile.kv_nope
         if self.fused:
-            return self.op("kv_norm_rope_fp8")(x, weight, cfg.norm_eps, positions, freqs, fmt)
+            return self.op("kv_norm_rope_fp8")(x, weight, cfg.norm_eps, positions, freqs, fmt,
+                                               self.profile.kv_scale_floor)
         kv = self.op("apply_rope")(self.op("rms_norm")(x, weight, cfg.norm_eps), positions, freqs)
-        return self.op("kv_round")(kv, cfg.rope_head_dim, fmt)
+        return self.op("kv_round")(kv, cfg.rope_head_dim, fmt, self.profile.kv_scale_floor)
 
     # ---- attention ---------------------------------------------------------------------------
     def attention(self, i: int, h: torch.Tensor | Fp8Input, positions: torch.Tensor) -> torch.Tensor:
@@ -378,13 +380,17 @@ class ProductionSession:
                                     self.model.w_as(pre + "wgate.weight", fp32), w(pre + "ape"), w(pre + "norm.weight"),
                                     self.model.stacked_bf16((pre + "wkv.weight", pre + "wgate.weight")))
         carry = cache.index_carry if index else cache.carry
+        if on("compressor-no-used-length") and self.pos > 0:  # fault: no used length, so nothing carried over
+            carry.kv.zero_()
+            carry.score.fill_(float("-inf"))
         return weights, carry, 4 if index else ratio, self.model.freqs[ratio]
 
     def round_entries(self, entries: torch.Tensor, index: bool) -> torch.Tensor:
         """New compressed entries as their cache stores them: indexer keys Hadamard-rotated and rounded to the
         profile's format, main entries with FP8-rounded nope dims."""
         if not index:
-            return self.op("kv_round")(entries, self.cfg.rope_head_dim, self.profile.kv_nope)
+            return self.op("kv_round")(entries, self.cfg.rope_head_dim, self.profile.kv_nope,
+                                       self.profile.kv_scale_floor)
         rotate = self.profile.hadamard == "on" and not on("hadamard-q-only")
         entries = self.op("indexer_round")(entries, self.profile.indexer_qk, rotate)
         if on("indexer-key-width"):
@@ -418,7 +424,9 @@ class ProductionSession:
         before = min(start, win - 1)  # earlier positions start-before .. start-1 that the chunk's window reaches
         earlier = cache.kv.read((torch.arange(start - before, start) % win).to(kv.device))
         tail = kv[-win:]
-        cache.kv.write((torch.arange(start + t - len(tail), start + t) % win).to(kv.device), tail)
+        slots = (torch.arange(start + t - len(tail), start + t) % win).to(kv.device)
+        cache.kv.write(slots, tail)
+        self.emit_kv_cache(i, kv, slots)
         table = torch.cat((earlier, kv)) if before else kv
         offset = len(table)
         comp = None
@@ -450,6 +458,7 @@ class ProductionSession:
         temporaries (masks, the FP8 dequantization), which graph decode replays without allocating."""
         cfg, cache = self.cfg, self.layers[i]
         cache.kv.write(self.window_slot(cache.window), kv)
+        self.emit_kv_cache(i, kv, self.window_slot(cache.window))
         if on("cache-concat-growth"):
             cache.spill.append(kv.clone())
         comp = self.decode_compressed(i, x, qr, positions) if cfg.ratio(i) else None
@@ -512,10 +521,26 @@ class ProductionSession:
         self.emit("L{i}.indexer.weights", i, weights)
         return q, weights
 
+    def emit_kv_cache(self, i: int, kv: torch.Tensor, slots: torch.Tensor | slice) -> None:
+        """Site ``L{i}.attn.kv_cache`` where the window KV is stored packed (``kv_storage = "fp8"``): the call's
+        rows kv [n, hd] as the cache holds them, read back from the window ``slots`` just written
+        (``KVStore.stored_bytes``)."""
+        store = self.layers[i].kv
+        if store.fmt == "fp8":
+            self.emit("L{i}.attn.kv_cache", i, lambda: store.stored_bytes(slots, kv))
+
     def emit_keys(self, i: int, new: torch.Tensor | None) -> None:
         if new is None:
             new = torch.zeros(0, self.cfg.index_head_dim, device=self.model.device)
         self.emit("L{i}.indexer.keys", i, lambda: _unrotated(new, self.profile))
+
+    def keys_visible(self, end: int) -> int:
+        """The indexer keys a call whose tokens end at position ``end`` (exclusive) scores: those of the blocks
+        completed before ``end``. Fault ``batch-key-range``: the end another sequence of a batched call gives
+        (``key_range_end``, set by ``batch.BatchedCall``)."""
+        if on("batch-key-range") and self.key_range_end is not None:
+            end = self.key_range_end
+        return end // 4
 
     def _scorer(self, store: KeyStore, n: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """Scores (q [m, h, d], weights [m, h]) -> [m, n] against the first n cached keys: straight from the packed
@@ -534,18 +559,20 @@ class ProductionSession:
         new = self.compress(i, x, positions, index=True)
         self.emit_keys(i, new)
         t = len(positions)
-        n = (self.pos + t) // 4
+        n = self.keys_visible(self.pos + t)
         score = self._scorer(cache.keys, n)
         k = min(_topk_cap(cfg.index_topk), n)
+        first = self.pos // 4 if on("indexer-chunk-local") else 0  # fault: keys written before this call unseen
         out = []
         for s in range(0, t, QUERY_CHUNK):
             sl = slice(s, s + QUERY_CHUNK)
             scores = score(q[sl], weights[sl])  # as the op returns them (bf16): no fp32 copy of the logits
             limit = ((positions[sl] + 1) // 4 + (1 if on("causal-off-by-one") else 0))[:, None]
-            scores = scores.masked_fill(torch.arange(n, device=x.device)[None] >= limit, float("-inf"))
+            j = torch.arange(n, device=x.device)[None]
+            scores = scores.masked_fill((j >= limit) | (j < first), float("-inf"))
             self.emit("L{i}.indexer.scores", i, scores.float)
             picks = stable_topk(scores, k)
-            out.append(torch.where(picks >= limit, -1, picks))
+            out.append(torch.where((picks >= limit) | (picks < first), -1, picks))
         picks = torch.cat(out)
         self.emit("L{i}.indexer.topk", i, _pad(picks, cfg.index_topk))
         return picks
@@ -555,7 +582,7 @@ class ProductionSession:
         q, weights = self.index_query(i, x, qr, positions)
         new = self.compress(i, x, positions, index=True)
         self.emit_keys(i, new)
-        n = (t + 1) // 4
+        n = self.keys_visible(t + 1)
         scores = self._scorer(cache.keys, n)(q, weights)
         self.emit("L{i}.indexer.scores", i, scores.float)
         picks = stable_topk(scores, min(_topk_cap(cfg.index_topk), n))
@@ -569,7 +596,7 @@ class ProductionSession:
         hashed = cfg.is_hash_layer(i)
         weights, experts = self.op("gate")(x.float(), self.model.w_as(p + "gate.weight", torch.float32),
                                            None if hashed else w(p + "gate.bias"),
-                                           w(p + "gate.tid2eid") if hashed else None, ids, cfg)
+                                           _tid2eid(w(p + "gate.tid2eid")) if hashed else None, ids, cfg)
         if on("routing-bias-in-weights") and not hashed:
             weights = _biased_weights(x, w(p + "gate.weight"), w(p + "gate.bias"), experts, cfg.route_scale)
         if not hashed:
@@ -687,7 +714,14 @@ def _unrotated(x: torch.Tensor, prof: Profile) -> torch.Tensor:
 
 
 def _topk_cap(topk: int) -> int:
+    topk = topk_width(topk)
     return topk // 2 if on("topk-cap-half") else topk
+
+
+def _tid2eid(table: torch.Tensor) -> torch.Tensor:
+    """The hash-routing table as the gate reads it (fault ``tid2eid-bf16``: cast through bf16, as a blanket
+    weight-dtype conversion does; ids above 256 move to a bf16 neighbour)."""
+    return table.to(BF16).to(table.dtype) if on("tid2eid-bf16") else table
 
 
 def _selection_scores(x, gate_w, bias) -> torch.Tensor:

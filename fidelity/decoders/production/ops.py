@@ -16,6 +16,8 @@ from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.kernels._common import GEMV_ROWS as GEMV_ROWS  # noqa: F401 (re-exported)
 from fidelity.decoders.production.kernels._common import rope_table
 from fidelity.model.formats import (
+    FP8_AMAX_FLOOR,
+    FP8_MAX,
     decode_e8m0,
     dequantize_fp4,
     encode_e8m0,
@@ -26,6 +28,7 @@ from fidelity.model.formats import (
     quantize_fp8,
     round_fp4_e2m1,
     round_fp8_e4m3,
+    ue8m0_scale,
     unpack_fp4_codes,
 )
 
@@ -120,11 +123,12 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, in
 
 
 def kv_norm_rope_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                     freqs: torch.Tensor, fmt: str) -> torch.Tensor:
+                     freqs: torch.Tensor, fmt: str, scale_floor: str = "amax") -> torch.Tensor:
     """The attention KV path (spec §4 Attention steps 2-3) as the reference runs it, three ops: ``kv_norm``
-    (rms_norm), RoPE on the last ``2 * len(freqs)`` dims, the 1x64 FP8 round of the nope dims (``kv_round``).
-    x [n, hd] bf16 (the wkv GEMM output) -> kv [n, hd] bf16. One fused kernel on CUDA (``kernels.kv_path``)."""
-    return kv_round(apply_rope(rms_norm(x, weight, eps), positions, freqs), 2 * freqs.numel(), fmt)
+    (rms_norm), RoPE on the last ``2 * len(freqs)`` dims, the 1x64 FP8 round of the nope dims (``kv_round``, scale
+    rule ``scale_floor``). x [n, hd] bf16 (the wkv GEMM output) -> kv [n, hd] bf16. One fused kernel on CUDA
+    (``kernels.kv_path``; the official rule only)."""
+    return kv_round(apply_rope(rms_norm(x, weight, eps), positions, freqs), 2 * freqs.numel(), fmt, scale_floor)
 
 
 def compressor_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, carry_kv: torch.Tensor,
@@ -160,12 +164,26 @@ def compressor_decode(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, 
     return entry, carry_kv, carry_score
 
 
-def kv_round(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tensor:
+def kv_round(kv: torch.Tensor, rope_dims: int, fmt: str, scale_floor: str = "amax") -> torch.Tensor:
     """Window / compressed KV [n, hd] bf16: nope dims FP8-rounded in 1x64 ue8m0 blocks (``act_quant(kv[..., :-rd],
-    64, inplace=True)``) when ``fmt == "fp8"``; rope dims stay bf16."""
+    64, inplace=True)``) when ``fmt == "fp8"``, the scale floored on the amax (``scale_floor`` "amax", official) or
+    on the scale ("scale", FlashMLA's; profile field ``kv_scale_floor``, ``formats.ue8m0_scale``); rope dims stay
+    bf16."""
     if fmt != "fp8":
         return kv
-    return torch.cat((fake_quant_fp8(kv[..., :-rope_dims], 64), kv[..., -rope_dims:]), dim=-1)
+    nope = _fp8_round_after(kv[..., :-rope_dims], 64) if on("ue8m0-round-after") else \
+        fake_quant_fp8(kv[..., :-rope_dims], 64, scale_floor)
+    return torch.cat((nope, kv[..., -rope_dims:]), dim=-1)
+
+
+def _fp8_round_after(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Fault ``ue8m0-round-after``: codes ``e4m3(x / (amax/448))`` with the exact scale, dequantized with the scale
+    rounded up to a power of two after quantizing (the stored ue8m0 one): each block grows by s_pow2/s_exact, in
+    [1, 2)."""
+    blocks = x.float().unflatten(-1, (-1, block))
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=FP8_AMAX_FLOOR)
+    codes = round_fp8_e4m3(blocks / (amax / FP8_MAX))
+    return (codes * ue8m0_scale(amax, FP8_MAX, FP8_AMAX_FLOOR)).flatten(-2).to(x.dtype)
 
 
 def indexer_round(x: torch.Tensor, fmt: str, rotate: bool) -> torch.Tensor:

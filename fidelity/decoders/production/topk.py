@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from fidelity.decoders.production import kernels, routes
+from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.kernels._common import INTERPRET
 
 ID_BITS = 32
@@ -37,6 +38,12 @@ _INT_VIEW = {torch.float32: (torch.int32, 31, 0x7FFFFFFF, 0x7FC00000),
 CUDA_KEYS_MIN_ROWS = 128  # H200, fp32 scores (BENCHMARKS.md, top-k): the sort is faster at 1-64 rows, the keys from 128
 TORCH_ROUTES = ("sort", "keys")
 ROUTES = (*TORCH_ROUTES, "radix")
+
+
+def topk_width(index_topk: int) -> int:
+    """The indexer's top-k width, which the selection and the decode buffers (``cache.LayerCache``) take: the
+    config's ``index_topk`` (fault ``index-topk-hardcoded``: a constant twice that, the config ignored)."""
+    return 2 * index_topk if on("index-topk-hardcoded") else index_topk
 
 
 def _check_dtype(scores: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from fidelity.decoders.production.kernels._common import (
     PDL_LAUNCH,
+    SCALE_FLOOR_FALLBACK,
     UNSUPPORTED,
     e4m3_blocks,
     next_pow2,
@@ -67,19 +68,26 @@ def takes_act_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") ->
 
 
 def act_linear_cuda(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") -> torch.Tensor:
-    """Same signature and result as ``ops.act_linear``: x bf16 [n, k] quantized e4m3 1x128 in one launch, then
-    ``x_q.float() @ W^T`` -> bf16 [n, m]."""
-    return (fake_quant_fp8(x, 128).float() @ weight.float().T).to(torch.bfloat16)
+    """Same signature and result as ``ops.act_linear``: x bf16 [n, k] quantized e4m3 1x128 in one launch (``act``
+    "fp8"; "bf16" multiplies x as given), then ``x_q.float() @ W^T`` -> bf16 [n, m]."""
+    xq = fake_quant_fp8(x, 128) if act == "fp8" else x
+    return (xq.float() @ weight.float().T).to(torch.bfloat16)
 
 
-def takes_kv_round(kv: torch.Tensor, rope_dims: int, fmt: str) -> str | None:
-    """Why :func:`kv_round_cuda` cannot take these inputs (None: it can): fmt "fp8", bf16 kv with 64 k nope dims."""
+def takes_kv_round(kv: torch.Tensor, rope_dims: int, fmt: str, scale_floor: str = "amax") -> str | None:
+    """Why :func:`kv_round_cuda` cannot take these inputs (None: it can): fmt "fp8", bf16 kv with 64 k nope dims,
+    the official scale rule (``scale_floor`` "amax"; FlashMLA's "scale" runs the emulation, and says so)."""
+    if scale_floor != "amax":
+        return SCALE_FLOOR_FALLBACK
     nope = kv.shape[-1] - rope_dims
     if fmt != "fp8" or not on_device(kv) or kv.dtype != torch.bfloat16 or nope % 64 or nope < 0:
         return UNSUPPORTED
     return None
 
 
-def kv_round_cuda(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tensor:
-    """Same signature and result as ``ops.kv_round`` (bit-exact): kv bf16 [n, hd], nope dims rounded 1x64 e4m3."""
+def kv_round_cuda(kv: torch.Tensor, rope_dims: int, fmt: str, scale_floor: str = "amax") -> torch.Tensor:
+    """Same signature and result as ``ops.kv_round`` (bit-exact): kv bf16 [n, hd], nope dims rounded 1x64 e4m3
+    with the official scale rule (``takes_kv_round`` refuses another ``scale_floor``)."""
+    if scale_floor != "amax":
+        raise ValueError(f"kv_round_cuda: implements scale_floor 'amax' only, found {scale_floor!r}")
     return fake_quant_fp8(kv, 64, kv.shape[-1] - rope_dims, num_warps=2)

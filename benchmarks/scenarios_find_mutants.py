@@ -1,7 +1,8 @@
 """Does the scenario catalogue find each planted port bug without being told where? ``fidelity scenarios`` with one
-fault of the mutant catalogue planted at a time (``run_scenarios(..., faults=(name,))``), on the trained default
-(or ``--checkpoint``): per mutant the verdict, how many runs and pairs fail, the first failing run with its first
-divergence, and whether the mutant's own scenario run is among the failures.
+fault of the mutant catalogue planted at a time (``run_scenarios(..., faults=(name,))``, under the mutant's profile
+where it names one), on the trained default (or ``--checkpoint``): per mutant the verdict, how many runs and pairs
+fail, the first failing run with its first divergence, and whether the mutant's own scenario run is among the
+failures.
 
     python benchmarks/scenarios_find_mutants.py --out benchmarks/results/<date>-scenarios-find-mutants \
         [--only NAME ...] [--mode op ...]
@@ -27,12 +28,14 @@ def find(plan, name: str, out: Path, modes: tuple[str, ...]) -> dict:
     """One mutant planted through the whole catalogue: a summary row."""
     m = BY_NAME[name]
     t0 = time.perf_counter()
-    res = run_scenarios(plan, None, out=out / "reports", run_id=name, modes=modes, overwrite=True, faults=(name,))
+    profile = m.options.get("profile", "reference")  # a fault of a cache layout needs the layout's profile
+    res = run_scenarios(plan, None, out=out / "reports", run_id=name, modes=modes, overwrite=True, faults=(name,),
+                        profile=profile)
     runs = res.matrix[res.matrix["verdict"] != "PASS"]
     pairs = res.pairs[~res.pairs["passed"]] if len(res.pairs) else res.pairs
     first = runs.iloc[0] if len(runs) else None
     own = f"{m.scenario} / {m.run}"
-    return {"mutant": name, "verdict": "FAIL" if not res.passed else "PASS",
+    return {"mutant": name, "profile": profile, "verdict": "FAIL" if not res.passed else "PASS",
             "runs failing": f"{len(runs)}/{len(res.matrix)}", "pairs failing": f"{len(pairs)}/{len(res.pairs)}",
             "first failing run": f"{first['scenario']} / {first['run']}" if first is not None else "-",
             "its first divergence": first["first_divergence"] if first is not None else "-",

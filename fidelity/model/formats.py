@@ -574,3 +574,14 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         h *= 2
     y = y.reshape(*lead, n) * torch.tensor(n**-0.5, dtype=wd)
     return y.to(x.dtype)
+
+
+KV_SCALE_BLOCK = 64  # nope dims of a packed KV row per ue8m0 scale byte
+
+
+def packed_kv_row_bytes(head_dim: int, rope_dims: int) -> int:
+    """Bytes of one KV row in the packed FP8 layout (spec §5; FlashMLA's MODEL1 row): e4m3 codes of the head_dim -
+    rope_dims nope dims, the rope dims as bf16, one ue8m0 byte per 64 nope dims, padded to a multiple of 8 (584 at
+    head_dim 512, 64 rope dims)."""
+    nope = head_dim - rope_dims
+    return -(-(nope + 2 * rope_dims + nope // KV_SCALE_BLOCK) // 8) * 8

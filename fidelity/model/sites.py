@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fidelity.model.formats import packed_kv_row_bytes
+
 PROBES = ("similarity", "residual", "logits", "sinkhorn", "indexer_recall", "visible_range", "routing",
           "routing_weights", "kv_storage")
 
@@ -112,9 +114,7 @@ def site_of(name: str) -> Site:
 
 
 def _kv_row_bytes(cfg) -> int:
-    from fidelity.decoders.production.kv_layout import row_bytes  # the layout's one formula (imported late: cycle)
-
-    return row_bytes(cfg.head_dim, cfg.rope_head_dim)
+    return packed_kv_row_bytes(cfg.head_dim, cfg.rope_head_dim)
 
 
 DERIVED_DIMS = {"kv_row_bytes": _kv_row_bytes}  # shape names that are not ModelConfig fields

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from fidelity.model.formats import dequantize_fp8, quantize_fp8
+from fidelity.model.formats import KV_SCALE_BLOCK, dequantize_fp8, packed_kv_row_bytes, quantize_fp8
 
-BLOCK = 64  # nope dims per ue8m0 scale byte (the in-place act_quant's block)
+BLOCK = KV_SCALE_BLOCK  # nope dims per ue8m0 scale byte (the in-place act_quant's block)
 
 
 def row_bytes(head_dim: int, rope_dims: int) -> int:
     """Bytes of one packed row: codes + rope bf16 + scale bytes, padded to a multiple of 8 (584 at 512 / 64)."""
-    nope = head_dim - rope_dims
-    return -(-(nope + 2 * rope_dims + nope // BLOCK) // 8) * 8
+    return packed_kv_row_bytes(head_dim, rope_dims)
 
 
 def pack(kv: torch.Tensor, rope_dims: int, scale_floor: str = "amax") -> torch.Tensor:

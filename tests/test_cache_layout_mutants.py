@@ -75,7 +75,8 @@ def test_flat_addressing_reads_storage_rows_at_the_flat_slots_only_when_paged():
 def test_planar_keys_read_back_as_interleaved_bytes():
     d, n = 64, PLANAR_BLOCK + 6
     store = KeyStore(n, d, "fp8", packed=True)
-    store.write(slice(0, n), torch.randn(n, d) * torch.logspace(-3, 3, n)[:, None])
+    g = torch.Generator().manual_seed(0)
+    store.write(slice(0, n), torch.randn(n, d, generator=g) * torch.logspace(-3, 3, n)[:, None])
     right = store.read(slice(0, n))
     with inject("indexer-keys-planar"):
         got = store.read(slice(0, n))
@@ -91,7 +92,9 @@ def test_planar_keys_read_back_as_interleaved_bytes():
         want = key[:d].view(torch.float8_e4m3fn).float() * 2.0 ** (key[d].item() - 127)
         # a code byte 0x7F / 0xFF (the e4m3 NaN) can come from the scale bytes: NaN where the reader's is
         torch.testing.assert_close(got[j], want.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True, msg=str(j))
-    assert (got != right).any(dim=1).all()  # every key read wrong (a code byte read as its scale)
+    # every key after the first read wrong (its codes shifted, a code byte read as its scale); the first keeps its
+    # codes and reads the next key's first code byte as its scale (right only where the two bytes agree)
+    assert (got != right).any(dim=1)[1:].all()
 
 
 @pytest.mark.parametrize("fmt,packed", [("fp8", False), ("fp4", True), ("fp4", False)])

@@ -382,18 +382,24 @@ def quantize_fp8(x: torch.Tensor, block: Block, floor_on: str = "amax") -> tuple
     return q.to(torch.float8_e4m3fn), _e8m0_bytes(s.to(torch.float32))
 
 
+def _fp8_code_bits(codes: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes (float8_e4m3fn, or their uint8 bits) as uint8 bits; ValueError for another dtype or a 0-d tensor."""
+    if codes.dtype == torch.float8_e4m3fn:
+        codes = codes.view(torch.uint8)
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes: expected dtype float8_e4m3fn (or uint8 bits), found {codes.dtype}")
+    if codes.dim() == 0:
+        raise ValueError("codes: expected at least 1 dim, found a 0-d tensor")
+    return codes
+
+
 def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, block: Block) -> torch.Tensor:
     """Inverse of :func:`quantize_fp8`: ``fp32(code) * 2^(scale_byte-127)`` as fp32, codes' shape (exact).
 
     codes: float8_e4m3fn (or its uint8 bits); scales: uint8 or float8_e8m0fnu with the shape
     :func:`quantize_fp8` produces for ``block``.  A 0xFF scale byte makes its block NaN.
     """
-    if codes.dtype == torch.uint8:
-        codes = codes.view(torch.float8_e4m3fn)
-    if codes.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"codes: expected dtype float8_e4m3fn (or uint8 bits), found {codes.dtype}")
-    if codes.dim() == 0:
-        raise ValueError("codes: expected at least 1 dim, found a 0-d tensor")
+    codes = _fp8_code_bits(codes).view(torch.float8_e4m3fn)
     block = _fp8_block(codes, block)
     sb = _scale_bytes(scales, _scale_shape(codes.shape, block))
     return _times_scales(codes.to(torch.float32), decode_e8m0(sb), block)
@@ -427,12 +433,7 @@ def fp8_scale_follows_rule(codes: torch.Tensor, scales: torch.Tensor, block: int
     (a block whose largest value rounded down to 224 s, stored again at s / 2) follow the rule too.  A NaN code
     or scale byte (0xFF) never does.
     """
-    if codes.dtype == torch.float8_e4m3fn:
-        codes = codes.view(torch.uint8)
-    if codes.dtype != torch.uint8:
-        raise ValueError(f"codes: expected dtype float8_e4m3fn (or uint8 bits), found {codes.dtype}")
-    if codes.dim() == 0:
-        raise ValueError("codes: expected at least 1 dim, found a 0-d tensor")
+    codes = _fp8_code_bits(codes)
     block = _act_block(codes, block, FP8_ACT_BLOCKS)
     sb = _scale_bytes(scales, _scale_shape(codes.shape, block))
     _check_floor_on(floor_on)

@@ -30,6 +30,9 @@ METRICS: dict[str, str] = {
     "orientation_flip": "sinkhorn: 1 when C is closer to the oracle's transpose",
     # residual
     "rms_max": "residual: largest RMS over the mHC streams",
+    "rms": "residual: RMS over every mHC stream (the whole [n, hc, dim] record)",
+    "ref_rms_max": "residual: the oracle's rms_max",
+    "ref_rms": "residual: the oracle's rms",
     # indexer
     "recall": "indexer: recall@k of production's top-k against the oracle's",
     "recall_queries": "indexer: queries with at least one visible entry",
@@ -120,6 +123,7 @@ METRICS: dict[str, str] = {
 }
 METRIC_PATTERNS: dict[str, str] = {
     r"rms_stream\d+": "residual: RMS of mHC stream k",
+    r"ref_rms_stream\d+": "residual: the oracle's RMS of mHC stream k",
     r"growth_.+": "residual: RMS ratio to the previous layer",
 }
 

@@ -124,8 +124,11 @@ def test_residual_norms_per_stream():
     streams = torch.arange(1.0, 5.0)[None, :, None].expand(3, 4, 8) * torch.tensor([1.0, -1.0]).repeat(4)
     m = residual_norms(streams)
     assert [m[f"rms_stream{k}"].item() for k in range(4)] == [1, 2, 3, 4] and m["rms_max"].item() == 4
+    assert m["rms"].item() == pytest.approx(7.5 ** 0.5)  # over every stream: sqrt((1 + 4 + 9 + 16) / 4)
     per = residual_norms(streams, per_position=True)
-    assert per["rms_stream2"].tolist() == [3, 3, 3]
+    assert per["rms_stream2"].tolist() == [3, 3, 3] and per["rms"].tolist() == pytest.approx([7.5 ** 0.5] * 3)
+    assert sorted(residual_norms(streams, prefix="ref_")) == ["ref_rms", "ref_rms_max"] + [
+        f"ref_rms_stream{k}" for k in range(4)]
 
 
 # ---- indexer recall ---------------------------------------------------------------------------------------

@@ -103,7 +103,7 @@ def rules_for(profile: object, config, decoder_sites: frozenset[str] | None = No
     its config's CSA and hash layers and whether it reports its top-k (``decoder_sites``: its site templates; None:
     the built-in decoder, which does), then the rules of the threshold file ``path``."""
     reports_topk = decoder_sites is None or "L{i}.indexer.topk" in decoder_sites
-    return thresholds_for(profile, path, csa_layers(config), reports_topk, hash_layers(config))
+    return thresholds_for(profile, path, csa_layers(config), reports_topk, hash_layers(config), config.index_topk)
 
 
 def stored_rules(manifest: Mapping) -> list[Threshold] | None:
@@ -125,5 +125,7 @@ def run_rules(manifest: Mapping, df: pd.DataFrame, extra: str | Path | None = No
     klass = manifest.get("profile_class") or profile_class(profile)
     rules = stored_rules(manifest)
     if rules is None:
-        rules = default_thresholds(profile, csa_layers(manifest.get("config")))
+        config = manifest.get("config")
+        rules = default_thresholds(profile, csa_layers(config),
+                                   index_topk=config.get("index_topk") if isinstance(config, Mapping) else None)
     return rules + (load_thresholds(extra) if extra is not None else []), klass

@@ -3,9 +3,9 @@
 Which probe a site gets, and when, is the site table's (``fidelity.model.sites.SITE_TABLE``): Sinkhorn matrices
 -> ``sinkhorn`` (with orientation); indexer picks -> tie-aware ``indexer_recall``; visible sets ->
 ``visible_range``; routed experts -> routing agreement; logits -> also ``token_agreement``; residual streams ->
-also ``residual_norms``; every other float site -> ``similarity``. A decoder's stored KV cache rows
-(``L{i}.attn.kv_cache``) have no oracle record: they are judged against the decoder's own ``attn.kv`` and its
-profile's FP8 scale rule (``kv_storage``).
+also ``residual_norms`` of both models (``residual_rows``); every other float site -> ``similarity``. A decoder's
+stored KV cache rows (``L{i}.attn.kv_cache``) have no oracle record: they are judged against the decoder's own
+``attn.kv`` and its profile's FP8 scale rule (``kv_storage``).
 """
 
 from __future__ import annotations
@@ -132,8 +132,6 @@ def compare_site(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict, pe
         out += to_rows(site, layer, _routing(site, ref, test, ctx))
     elif ref.is_floating_point():
         out += to_rows(site, layer, similarity(ref, test))
-        if entry.probe == "residual":
-            out += to_rows(site, layer, residual_norms(test.float()))
         if per_position and entry.per_position and ref.shape[0] > 1:
             pp = similarity_per_position(ref, test)
             out += to_rows(site, layer, {"cos": pp["cos"]}, positions=ctx["positions"])
@@ -226,6 +224,8 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
         t = _align(r, test.get(site), rows)
         r, t, counts = _rows_matched(site, r.to(t.device), t)
         pending += to_rows(site, _layer(site), counts)
+        if site_of(site).probe == "residual" and "shape_mismatch" not in counts:
+            pending += residual_rows(site, r, t)
         site_ctx = ctx
         keep = _comparable_rows(site, r, t, ref, test, rows, selections, routings)
         if keep is not None:
@@ -234,6 +234,13 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
             continue  # scores are compared through indexer recall (widths differ when the oracle pads)
         pending += compare_site(site, r, t, site_ctx, per_position)
     return pending
+
+
+def residual_rows(site: str, ref: torch.Tensor, test: torch.Tensor) -> list[dict]:
+    """Pending ``residual_norms`` rows of both models' streams at ``site`` over every row both recorded (routing flips
+    included: a norm is no comparison): the decoder's ``rms*``, the oracle's ``ref_rms*``."""
+    layer = _layer(site)
+    return to_rows(site, layer, residual_norms(test)) + to_rows(site, layer, residual_norms(ref, prefix="ref_"))
 
 
 def stored_kv_rows(test: Recorder, cfg: ModelConfig, kv_scale_floor: str) -> list[dict]:

@@ -69,8 +69,10 @@ def _layer_lines(fig: Figure, axes: list, frames: list[pd.DataFrame], x: str) ->
 
 
 def _legend(fig: Figure, ax, title: str) -> None:
-    """The legend of ``ax`` outside the axes, right of the figure's panels (it never covers data)."""
-    handles, labels = ax.get_legend_handles_labels()
+    """The legend of ``ax`` (an axes, or a list of them: their entries in turn) outside the axes, right of the
+    figure's panels (it never covers data)."""
+    pairs = [a.get_legend_handles_labels() for a in (ax if isinstance(ax, list) else [ax])]
+    handles, labels = [h for hs, _ in pairs for h in hs], [lb for _, lbs in pairs for lb in lbs]
     fig.legend(handles, labels, loc="outside right upper", fontsize=7, title=title, title_fontsize=7)
 
 
@@ -136,20 +138,45 @@ def _ticks(setter: Callable, labels: list) -> None:
 
 
 def plot_residual_norms(df: pd.DataFrame) -> Figure | None:
-    """RMS of each of production's mHC streams leaving each layer (max over steps and positions), log scale."""
-    sel = df[df["site"].str.fullmatch(r"L\d+\.residual") & df["metric"].str.fullmatch(r"rms_stream\d+|rms_max")]
+    """RMS of each of production's mHC streams leaving each layer (max over steps and positions), and where the rows
+    hold both models' RMS over every stream a second panel: the oracle's (solid) beside the decoder's (dashed) per
+    layer, in the prefill (its largest chunk) and at the last decode step; log scale."""
+    sel = df[df["site"].str.fullmatch(r"L\d+\.residual")]
     sel, mode = _one_mode(_finite(sel[sel["layer"] >= 0]))
-    if sel.empty:
+    streams = sel[sel["metric"].str.fullmatch(r"rms_stream\d+|rms_max")]
+    both = sel[sel["metric"].isin(["rms", "ref_rms"])]
+    panels = [p for p, rows in (("streams", streams), ("models", both)) if not rows.empty]
+    if not panels:
         return None
-    fig, (ax,) = _figure()
-    for metric, g in sel.groupby("metric"):
-        worst = g.groupby("layer")["value"].max()
-        style = {"lw": 2.5, "color": "black"} if metric == "rms_max" else {"lw": 1}
-        ax.plot(worst.index, worst.to_numpy(), marker="o", ms=3, label=str(metric), **style)
-    ax.set(yscale="log", xlabel="layer", ylabel="RMS (max over steps)")
-    ax.set_title(f"production's residual stream norms ({mode} mode rows)", fontsize=10)
-    _legend(fig, ax, "stream")
+    fig, axes = _figure(len(panels))
+    for ax, panel in zip(axes, panels, strict=True):
+        if panel == "streams":
+            for metric, g in streams.groupby("metric"):
+                worst = g.groupby("layer")["value"].max()
+                style = {"lw": 2.5, "color": "black"} if metric == "rms_max" else {"lw": 1}
+                ax.plot(worst.index, worst.to_numpy(), marker="o", ms=3, label=str(metric), **style)
+            ax.set_title(f"production's residual stream norms ({mode} mode rows)", fontsize=10)
+            ax.set_ylabel("RMS (max over steps)")
+        else:
+            _oracle_beside_decoder(ax, both)
+            ax.set_title(f"RMS over every stream, oracle vs decoder ({mode} mode rows)", fontsize=10)
+        ax.set(yscale="log", xlabel="layer")
+    _legend(fig, axes, "series")
     return fig
+
+
+def _oracle_beside_decoder(ax, rows: pd.DataFrame) -> None:
+    """Per layer ``ref_rms`` (oracle, solid) and ``rms`` (decoder, dashed): the prefill's largest chunk, the last
+    decode step."""
+    last = int(rows["step"].max())
+    calls = {"prefill": rows[rows["phase"] == "prefill"],
+             f"last decode step ({last})": rows[(rows["phase"] == "decode") & (rows["step"] == last)]}
+    for (call, g), colour in zip(calls.items(), ("tab:purple", "tab:brown"), strict=True):  # not the streams'
+        for metric, who, ls, marker in (("ref_rms", "oracle", "-", "o"), ("rms", "decoder", "--", "x")):
+            by_layer = g[g["metric"] == metric].groupby("layer")["value"].max()
+            if len(by_layer):
+                ax.plot(by_layer.index, by_layer.to_numpy(), ls=ls, marker=marker, ms=4, lw=1, color=colour,
+                        label=f"{who}, {call}")
 
 
 SINKHORN_METRICS = ("row_dev_excess", "col_dev", "row_dev")  # the sums' deviations a rule may judge

@@ -1,8 +1,8 @@
 """Run report: ``report.md`` and a self-contained ``report.html`` (inline CSS, plots as base64 PNG).
 
 Sections: verdict and first divergence (the report's first lines), what ran, per-layer local (op/layer mode) vs
-inherited (free mode) error, Sinkhorn, indexer recall, visible range, anomalies, token agreement, memory flatness,
-plots, the thresholds applied.
+inherited (free mode) error, residual RMS (oracle beside decoder), Sinkhorn, indexer recall, visible range,
+anomalies, token agreement, memory flatness, plots, the thresholds applied.
 Tables are rendered here from pandas (no tabulate); every string taken from data is escaped for both formats.
 """
 
@@ -45,7 +45,7 @@ FAILURE_ROWS = 25
 PLOT_CAPTIONS = {
     "cos_over_steps.png": "Per-layer worst 1 - cos over steps",
     "heatmap_1mcos.png": "Layer x step heatmap of 1 - cos (log colour scale)",
-    "residual_norms.png": "Residual stream RMS per layer",
+    "residual_norms.png": "Residual stream RMS per layer: production's streams; oracle vs decoder over every stream",
     "sinkhorn.png": "Sinkhorn deviations as judged (row excess over the oracle's, columns) per layer, with limits",
     "recall.png": "Indexer recall@k over steps",
 }
@@ -325,6 +325,97 @@ def layer_error_section(df: pd.DataFrame) -> Section:
     text = [f"Worst over steps and positions. local = op/layer mode (present: {local}): what the layer's own kernels "
             "and cache precision add; inherited = free mode: everything upstream included."]
     return Section(title, text, _sort_sites(pd.DataFrame(cols).rename_axis("site").reset_index()))
+
+
+RESIDUAL_SITE = r"L\d+\.residual"
+RESIDUAL_MODES = {"free": "free mode: the oracle's own model on the same tokens (its growth is the model's)",
+                  "layer": "layer mode: each oracle layer on the decoder's input to that layer",
+                  "op": "op mode: the oracle's ops on the decoder's op inputs"}
+
+
+def _by_step(rows: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """``metric`` as a layer x step grid (empty without such rows)."""
+    return rows[rows["metric"] == metric].pivot_table(index="layer", columns="step", values="value", aggfunc="max")
+
+
+def _farthest_from_one(ratio: pd.DataFrame) -> pd.Series:
+    """Per layer, the ratio whose log is largest in magnitude over the steps (NaN where it has none)."""
+    if ratio.empty:
+        return pd.Series(np.nan, index=ratio.index)
+    dist = np.log(ratio.astype(float)).abs()
+    return pd.Series([ratio.loc[i, dist.loc[i].idxmax()] if dist.loc[i].notna().any() else np.nan
+                      for i in ratio.index], index=ratio.index)
+
+
+def residual_rms_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per layer of one mode's ``L{i}.residual`` rows: the oracle's (``ref_rms``) and the decoder's (``rms``) RMS in
+    the prefill (the largest chunk's) and over the decode steps (the oracle's first, last and largest, the
+    decoder's largest), and decoder / oracle at the step where it is farthest from 1; a model's columns only where
+    the rows hold its RMS."""
+    oracle, decoder = _by_step(rows, "ref_rms"), _by_step(rows, "rms")
+    layers = sorted(set(oracle.index) | set(decoder.index))
+    oracle, decoder = oracle.reindex(layers), decoder.reindex(layers)
+    phase = rows.groupby("step")["phase"].first()
+    cols: dict[str, pd.Series] = {"layer": pd.Series([f"L{i}" for i in layers], index=layers, dtype=object)}
+    for label in ("prefill", "decode"):
+        steps = list(phase[phase == label].index)
+        o, d = oracle[[s for s in steps if s in oracle]], decoder[[s for s in steps if s in decoder]]
+        if label == "prefill":
+            cols |= {"oracle prefill": o.max(axis=1)} if not o.empty else {}
+            cols |= {"decoder prefill": d.max(axis=1)} if not d.empty else {}
+        else:
+            cols |= {"oracle decode first": o.iloc[:, 0], "oracle decode last": o.iloc[:, -1],
+                     "oracle decode max": o.max(axis=1)} if not o.empty else {}
+            cols |= {"decoder decode max": d.max(axis=1)} if not d.empty else {}
+        both = [s for s in steps if s in oracle and s in decoder]
+        if both:
+            cols[f"ratio {label}"] = _farthest_from_one(decoder[both] / oracle[both])
+    return pd.DataFrame(cols).reset_index(drop=True)
+
+
+def _growth_text(table: pd.DataFrame, mode: str) -> str:
+    """One line: the oracle's RMS at the first and the last layer in the prefill, and the last layer's over the
+    decode steps."""
+    first, last = table.iloc[0], table.iloc[-1]
+    parts = []
+    if "oracle prefill" in table:
+        parts.append(f"prefill {first['layer']} {fmt_num(first['oracle prefill'])} -> {last['layer']} "
+                     f"{fmt_num(last['oracle prefill'])} (x{last['oracle prefill'] / first['oracle prefill']:.3g})")
+    if "oracle decode first" in table:
+        parts.append(f"decode {last['layer']}: first step {fmt_num(last['oracle decode first'])}, last step "
+                     f"{fmt_num(last['oracle decode last'])}, max {fmt_num(last['oracle decode max'])}")
+    ratios = table[[c for c in ("ratio prefill", "ratio decode") if c in table]].to_numpy(dtype=float)
+    if ratios.size and np.isfinite(ratios).any():
+        parts.append(f"decoder / oracle {fmt_num(np.nanmin(ratios))} .. {fmt_num(np.nanmax(ratios))}")
+    return f"Oracle residual RMS ({mode} mode): " + "; ".join(parts) + "." if parts else ""
+
+
+def residual_section(df: pd.DataFrame) -> Section:
+    """Residual growth: per layer, the oracle's RMS of the streams leaving the layer beside the decoder's (and their
+    ratio), in the prefill and over the decode steps, a table per mode; says what the run's rows lack."""
+    title = "Residual stream RMS"
+    sub = _sites(df, RESIDUAL_SITE)
+    if sub.empty:
+        return Section(title, ["No L{i}.residual rows in this run: the decoder reports no residual streams."])
+    text = ["RMS over every mHC stream of L{i}.residual (the streams leaving layer i), per model call: the "
+            "prefill's over the prompt's tokens (the largest chunk's when chunked), a decode step's over its token. "
+            "ratio = decoder / oracle at the same call, the call farthest from 1. Growth over layers reads down a "
+            "column, growth over a long decode from 'decode first' to 'decode last'."]
+    tables, lines = [], []
+    for mode in ("free", "layer", "op"):
+        rows = sub[(sub["mode"] == mode) & sub["metric"].isin(["rms", "ref_rms"])]
+        if rows.empty:
+            continue
+        table = residual_rms_table(rows)
+        tables.append((RESIDUAL_MODES[mode], table))
+        lines.append(_growth_text(table, mode))
+    missing = [f"{who} ({metric})" for metric, who in (("ref_rms", "the oracle's"), ("rms", "the decoder's"))
+               if not (sub["metric"] == metric).any()]
+    if missing:
+        text.append("This run's table holds no RMS of " + " or ".join(missing) + " at L{i}.residual (a run "
+                    "recorded before both were written); the decoder's per-stream RMS, where present, is in the "
+                    "residual_norms plot.")
+    return Section(title, [*text, *filter(None, lines)], tables=tables)
 
 
 def _with_first(table: pd.DataFrame, loc: pd.Series, label: str) -> pd.DataFrame:
@@ -661,7 +752,7 @@ def build_sections(df: pd.DataFrame, manifest: dict, judgement: Judgement,
                    token_margin: float = TOKEN_FLIP_MARGIN) -> list[Section]:
     """All report sections in reading order, plots excluded."""
     return [verdict_section(judgement), header_section(df, manifest), modes_section(df, manifest),
-            layer_error_section(df), sinkhorn_section(df, judgement),
+            layer_error_section(df), residual_section(df), sinkhorn_section(df, judgement),
             indexer_section(df), visible_section(df), anomaly_section(df), token_section(df, token_margin),
             *filter(None, [repetition_section(df, manifest), continuation_section(manifest)]),
             memory_section(df, judgement),

@@ -20,7 +20,8 @@ of its floor (``max(bytes / bandwidth, flops / rate)``) for both the vendor peak
 ``2 * H * entries * (d_qk + d_v)`` per query; bytes: Q + O + each unique KV entry + indices.
 
 Writes DIR/bench_kernels.json and DIR/bench_kernels.md; prints the markdown table last. The benchmarks of each
-kernel family are in ``benchmarks/kernel_sections/`` (``--only`` keys: norm, act, post, kv, index, topk, mhc, attn).
+kernel family are in ``benchmarks/kernel_sections/`` (``--only`` keys: norm, act, post, kv, index, topk, mhc, attn,
+moe).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_sections import act, attention, common, indexer, kv, mhc, norm, topk  # noqa: E402
+from kernel_sections import act, attention, common, indexer, kv, mhc, moe, norm, topk  # noqa: E402
 
 
 def markdown() -> str:
@@ -70,7 +71,7 @@ def markdown() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", default="attn,index,norm,mhc,post,kv,act,topk")
+    ap.add_argument("--only", default="attn,index,norm,mhc,post,kv,act,topk,moe")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cases", default="", help="attention shapes to run, e.g. 'Flash decode b64' (default: all)")
     ap.add_argument("--attn-configs", default="",
@@ -86,7 +87,7 @@ def main() -> None:
     common.measure_ceilings()
     for key, fn in (("norm", norm.bench_norm), ("act", act.bench_act), ("post", mhc.bench_post), ("kv", kv.bench_kv),
                     ("index", indexer.bench_indexer), ("topk", topk.bench_topk),
-                    ("mhc", mhc.bench_mhc), ("attn", attention.bench_attention)):
+                    ("mhc", mhc.bench_mhc), ("attn", attention.bench_attention), ("moe", moe.bench_moe)):
         if key not in a.only.split(","):
             continue
         try:

@@ -4,7 +4,8 @@ time, peak host memory, peak GPU memory and the values checked (from the run's m
     python benchmarks/bench_long_context.py --out results/ --device cuda --contexts 8192 131072 1048576
 
 Every run uses layer and op modes on ``--sample-queries`` prefill queries, the oracle on the run's device, prefill
-chunks of ``--chunk`` tokens and ``--decode`` decode steps; the run directories stay under ``--out/runs``.
+chunks of ``--chunk`` tokens and ``--decode`` decode steps; the run directories stay under ``--out/runs``. Each row
+prints the decoder's prefill seconds (``prefill_decoder_s``) and their mean per chunk (``decoder_s_per_chunk``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def one(context: int, args, out: Path) -> dict:
                    host_peak_gib=round(max(p["host_rss_peak_bytes"] for p in peaks.values()) / 2**30, 2),
                    gpu_peak_gib=round(max(p.get("gpu_reserved_peak_bytes", 0) for p in peaks.values()) / 2**30, 2),
                    by_part=m.get("seconds_by_part"))
+        chunks = -(-context // args.chunk)
+        decoder = (m.get("seconds_by_part") or {}).get("prefill decoder")
+        if decoder is not None:  # the decoder's own prefill time (no probes, no oracle), per chunk
+            row.update(prefill_decoder_s=round(decoder, 1), decoder_s_per_chunk=round(decoder / chunks, 3))
     return row
 
 

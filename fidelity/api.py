@@ -32,7 +32,8 @@ from fidelity.model.weights import fp32_nbytes
 
 DECODERS = ("production", "transformers", "trace:DIR")
 SYNTH_LIMIT_BYTES = 4 << 30  # a preset larger than this in fp32 is synthesized on the GPU only
-NAMES = {"checkpoint": "given", "preset": "given", "max_context": "max_context"}  # how errors name the inputs
+NAMES = {"checkpoint": "given", "preset": "given", "max_context": "max_context",
+         "graphs": "graphs"}  # how errors name the inputs
 
 
 class InputError(ValueError):
@@ -161,17 +162,29 @@ def plural(n: int, word: str) -> str:
 
 
 def open_decoder(decoder: Decoder | str, ckpt: Checkpoint, profile="reference", max_context: int = 4096,
-                 device: str = "cpu", dtype: str = "bf16") -> Decoder:
-    """``production``, ``transformers`` or ``trace:DIR`` (or a Decoder, returned as it is)."""
+                 device: str = "cpu", dtype: str = "bf16", graphs: bool | None = None) -> Decoder:
+    """``production`` (``graphs``: its graph decode, ``ProductionDecoder``), ``transformers`` or ``trace:DIR`` (or a
+    Decoder, returned as it is)."""
     if isinstance(decoder, Decoder):
         return decoder
     if decoder == "production":
-        return ProductionDecoder(ckpt, profile, max_context, device)
+        return ProductionDecoder(ckpt, profile, max_context, device, graphs=graphs)
     if decoder == "transformers":
         return TransformersDecoder.from_checkpoint(ckpt, dtype, device)
     if decoder.startswith("trace:"):
         return TraceDecoder(decoder.removeprefix("trace:"))
     raise ValueError(f"decoder: expected one of {DECODERS} or a Decoder, found {decoder!r}")
+
+
+def check_graphs(graphs: bool | None, decoder: Decoder | str, name: str = "graphs") -> None:
+    """``graphs`` given (True or False) for a decoder other than the one ``run`` builds as ``production`` is
+    refused: graph decode is the production decoder's, and a Decoder passed in was built with its own setting."""
+    if graphs is None or decoder == "production":
+        return
+    option = ("--graphs" if graphs else "--no-graphs") if name.startswith("--") else f"{name}={graphs}"
+    found = decoder if isinstance(decoder, str) else f"a {type(decoder).__name__} passed in (built with its own)"
+    raise InputError(f"{option}: graph decode applies to the production decoder that the run builds "
+                     f"(decoder 'production'), found {found}")
 
 
 def load_trace_checkpoint(trace: TraceDecoder) -> Checkpoint:
@@ -228,7 +241,7 @@ def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | Checkpoi
         profile: str = "reference", decoder_dtype: str = "bf16", device: str = "cpu", oracle_dtype: str = "fp32",
         thresholds: str | Path | None = None, trace: str | Path | None = None, overwrite: bool = False,
         progress: Callable[..., None] | None = None, notify: Callable[[str, str], None] = warn,
-        names: dict[str, str] | None = None, **spec_fields) -> RunResult:
+        names: dict[str, str] | None = None, graphs: bool | None = None, **spec_fields) -> RunResult:
     """Run ``decoder`` side by side with the oracle on ``checkpoint`` and write ``out/<run-id>/``.
 
     ``decoder``: ``production`` (the built-in decoder with ``profile``), ``transformers`` (DeepseekV4ForCausalLM in
@@ -236,12 +249,16 @@ def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | Checkpoi
     ``checkpoint``: a Checkpoint, a directory, a ``CheckpointPlan`` (``plan_checkpoint``) or None (``plan_checkpoint``'s
     default). ``prompt``: token ids, or a length for the deterministic default prompt (the trained default's own
     text, else 1024 random ids, when None; the first ``prompt`` ids of that text or random ids for a length).
-    ``trace``: also record the decoder's calls as a trace there. ``notify(kind, message)`` hears notes and warnings
-    (default: ``UserWarning``); ``names``: how errors name inputs (``max_context``). ``spec_fields``: further
+    ``graphs`` (production only; None: on for ``device`` cuda, off on the CPU): decode in CUDA graphs, the sites
+    recorded from the graph's outputs; True on the CPU runs the same fixed-shape step uncaptured; the manifest says
+    which ran (``decode_graphs``, docs/running.md). ``trace``: also record the decoder's calls as a trace there.
+    ``notify(kind, message)`` hears notes and warnings (default: ``UserWarning``); ``names``: how errors name inputs
+    (``max_context``, ``graphs``). ``spec_fields``: further
     ``RunSpec`` fields (``stream``, ``continuation``, ``sampler``, ``stop_ids``, ``max_context``,
     ``sample_queries``). Every input is checked before the checkpoint is synthesized or the run starts.
     """
     names = {**NAMES, **(names or {})}
+    check_graphs(graphs, decoder, names["graphs"])
     replay = TraceDecoder(decoder.removeprefix("trace:")) if isinstance(decoder, str) and \
         decoder.startswith("trace:") else (decoder if isinstance(decoder, TraceDecoder) else None)
     plan = checkpoint if isinstance(checkpoint, CheckpointPlan) else \
@@ -267,5 +284,5 @@ def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | Checkpoi
     spec_fields["max_context"] = max_context
     spec = RunSpec(prompt=prompt, decode_steps=steps, profile=profile, modes=tuple(modes), device=device,
                    oracle_dtype=ORACLE_DTYPES[oracle_dtype], **spec_fields)
-    dec = replay or open_decoder(decoder, ckpt, profile, max_context, device, decoder_dtype)
+    dec = replay or open_decoder(decoder, ckpt, profile, max_context, device, decoder_dtype, graphs)
     return run_job(ckpt, spec, out, run_id, thresholds, overwrite, progress, dec, trace)

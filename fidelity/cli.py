@@ -32,13 +32,16 @@ EXAMPLES = """examples:
   fidelity oracle                            the oracle alone on the trained default
   fidelity oracle --prompt-text-file f.py    mean NLL per token of a text, and the greedy continuation as text
   fidelity oracle --prompt-len 4096 --decode 32 --oracle-dtype fp64
+  fidelity recall --contexts 16384           the indexer's top-k recall per precision against the exact fp32
+                                             selection, at k 32/128/512/1024 (docs/recall.md)
   fidelity synth --preset tiny --seed 1 --out ckpt/ --layout deepseek
   fidelity oracle --checkpoint ckpt/         any checkpoint: deepseek, official or transformers layout
   fidelity inspect ckpt/                     validate a checkpoint and list what it holds
   fidelity config --preset flash --spelling hf
 """
 
-OPTION_NAMES = {"checkpoint": "--checkpoint", "preset": "--preset", "max_context": "--max-context"}
+OPTION_NAMES = {"checkpoint": "--checkpoint", "preset": "--preset", "max_context": "--max-context",
+                "graphs": "--graphs"}
 SAMPLER_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "repetition_penalty": "--repetition-penalty",
                  "seed": "--sample-seed"}
 DEFAULT_PROMPT_LEN = RANDOM_PROMPT_LEN
@@ -121,8 +124,11 @@ def _threads(args, cfg: ModelConfig, device: str = "cpu") -> int:
 
 def cmd_run(args) -> int:
     if args.scenario:
+        if args.graphs is not None:
+            raise UsageError(f"{'--graphs' if args.graphs else '--no-graphs'}: applies to a run's decoder, not to "
+                             "--scenario (drop it; scenario runs take the default: graphs on CUDA)")
         return cmd_scenarios(args)
-    from fidelity.api import run
+    from fidelity.api import check_graphs, run
     from fidelity.atomic_write import check_new_dir
     from fidelity.decoders.production import get_profile
     from fidelity.harness.thresholds import load_thresholds
@@ -147,6 +153,7 @@ def cmd_run(args) -> int:
         check_new_dir(args.write_trace, args.overwrite, "--write-trace")
     if args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
+    check_graphs(args.graphs, args.decoder, OPTION_NAMES["graphs"])
     _require_transformers(args)
     replays = _traces(args)  # every sequence to judge, each view checked before any run starts
     replay = replays[0] if replays else None
@@ -173,7 +180,7 @@ def cmd_run(args) -> int:
                       progress=progress, notify=_notify, names=OPTION_NAMES, sampler=sampler,
                       stop_ids=_stops(args, plan.config), max_context=args.max_context,
                       sample_queries=args.sample_queries, oracle_device=args.oracle_device,
-                      tokenizer=str(tok) if tok else None, **extra)
+                      tokenizer=str(tok) if tok else None, graphs=args.graphs, **extra)
         finally:
             progress.close()  # ends a bar (a run that stopped on a stop token, or one interrupted) on its own line
         passed = passed and res.passed
@@ -423,6 +430,27 @@ def cmd_oracle(args) -> int:
     return 0
 
 
+def cmd_recall(args) -> int:
+    """``fidelity recall``: the indexer recall study (``fidelity.recall``) on one checkpoint; a table and files."""
+    from fidelity import recall
+    from fidelity.api import open_checkpoint
+
+    ckpt = open_checkpoint(args.checkpoint)
+    _threads(args, ckpt.config, args.device)
+    try:
+        recall.check_request(ckpt.config, args.contexts, args.topk, args.precisions, args.queries)
+        result = recall.run_study(ckpt, args.contexts, args.topk, args.precisions, args.queries, args.chunk,
+                                  args.device, progress=lambda s: _notify("progress", s) if args.verbose else None)
+    except recall.RecallError as err:
+        raise UsageError(str(err)) from None
+    paths = recall.write_outputs(result, Path(args.out))
+    print(f"dsv4-fidelity {__version__}: indexer recall on {ckpt.path or 'the checkpoint'} (index_topk "
+          f"{ckpt.config.index_topk}); recall over the queries with more visible entries than k")
+    print(recall.format_table(recall.summarize(result.queries, by_layer=False)))
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
 def cmd_dtype_flow(args) -> int:
     import pandas as pd
 
@@ -616,6 +644,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per prefill call (default: the whole prompt up to 8192 tokens, else 8192 at a "
                         "time)")
     r.add_argument("--device", default="cpu", help="the decoder's device (default cpu)")
+    r.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="production decoder: decode steps as CUDA-graph replays, the sites recorded from the graph's "
+                        "outputs (default: on with a CUDA --device, off on the CPU, where --graphs runs the same "
+                        "fixed-shape step uncaptured); the manifest's decode_graphs says which ran")
     r.add_argument("--oracle-device", help="the oracle's device (default: the decoder's); its fp32 runs without TF32")
     r.add_argument("--out", default="runs", help="parent folder of run directories (default runs/)")
     r.add_argument("--run-id")
@@ -704,6 +736,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "corpus's held-out files (fidelity train's rule), with the checkpoint's tokenizer")
     o.add_argument("--corpus", help="with --held-out: the corpus folder (default: this Python's standard library)")
     o.set_defaults(func=cmd_oracle)
+
+    rc = sub.add_parser("recall", help="the indexer's top-k recall per precision against the exact fp32 selection "
+                        "(and bf16), tie-aware, and the attention mass kept, per CSA layer (docs/recall.md)")
+    rc.add_argument("--checkpoint", help="checkpoint folder (default: the trained default)")
+    rc.add_argument("--contexts", type=int, nargs="+", default=[16384], help="context lengths (default 16384)")
+    rc.add_argument("--topk", type=int, nargs="+", default=[32, 128, 512, 1024], help="top-k values")
+    rc.add_argument("--precisions", nargs="+", default=["bf16", "fp8", "fp4", "fp4-no-hadamard", "fp4-packed"],
+                    help="indexer precisions: bf16, fp8, fp4, fp4-no-hadamard, fp4-packed, fp32 (the exact path)")
+    rc.add_argument("--queries", type=int, default=256, help="sampled query positions per context (default 256)")
+    rc.add_argument("--chunk", type=int, default=4096, help="oracle prefill chunk in tokens (default 4096)")
+    rc.add_argument("--device", default="cpu")
+    rc.add_argument("--out", default="recall", help="output folder (default ./recall)")
+    rc.add_argument("--verbose", action="store_true", help="progress lines on stderr")
+    _threads_arg(rc)
+    rc.set_defaults(func=cmd_recall)
 
     df_ = sub.add_parser("dtype-flow", help="where the production decoder narrows a value and its next use widens it "
                          "again, per site (a prefill and one decode step)")

@@ -115,9 +115,21 @@ def _value(df: pd.DataFrame, site: str, metric: str, how: str, mode: str | None 
     return getattr(rows["value"], how)() if len(rows) else "-"
 
 
+def decode_path(manifest: dict) -> str:
+    """How the run's decoder decoded (the manifest's ``decode_graphs`` fields): CUDA graphs with their replays, the
+    uncaptured graph step, eager, or '-' where the manifest does not say (another decoder, an older run)."""
+    if "decode_graphs" not in manifest:
+        return "-"
+    if not manifest["decode_graphs"]:
+        return "eager"
+    if manifest.get("decode_graph_captured"):
+        return f"CUDA graphs ({manifest.get('decode_graph_replays', 0)} replays)"
+    return "graph step, uncaptured"
+
+
 def summary_row(label: str, df: pd.DataFrame, manifest: dict) -> dict:
     """One run in one row: verdict, worst logits cos (free mode), indexer recall (layer mode), token agreement,
-    repetition of the stream, peak memory and cache growth."""
+    how it decoded, repetition of the stream, peak memory and cache growth."""
     verdict = manifest.get("verdict", {})
     tokens = df[(df["site"] == "tokens") & (df["metric"] == "agree") & (df["mode"] == "free")]
     loop = _value(df, "repetition", "loop_onset", "max")
@@ -130,6 +142,7 @@ def summary_row(label: str, df: pd.DataFrame, manifest: dict) -> dict:
         "layer recall mean": _value(df, r"L\d+\.indexer\.topk", "recall", "mean", "layer"),
         "token agreement": float((tokens["value"] != 0).mean()) if len(tokens) else "-",
         "decode steps": manifest.get("decode_steps", "-"),
+        "decode": decode_path(manifest),
         "4-gram repeat rate": _value(df, "repetition", "repeat_rate", "max"),
         "loop onset": ("none" if loop < 0 else int(loop)) if loop != "-" else "-",
         "peak memory (decode)": f"{peak / 2**20:.0f} MiB" if peak else "-",

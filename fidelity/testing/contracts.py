@@ -271,6 +271,24 @@ def _expected_expert(c: Case) -> tuple[torch.Tensor, ...]:
     return (moe_oracle.expert(_d(c["x"]), _d(c["w1"]), _d(c["w2"]), _d(c["w3"]), c["limit"], _d(c["weight"])),)
 
 
+
+def _stored_fp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp64 [..., out, in]: e2m1 codes (low nibble first; bit 3 the sign) times their 1x32 scales."""
+    p = packed.to(torch.int64)
+    codes = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
+    mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=FP64)[codes & 7]
+    values = torch.where(codes >= 8, -mag, mag)
+    return (values.unflatten(-1, (-1, 32)) * scales.to(FP64)[..., None]).flatten(-2)
+
+
+def _expected_grouped_expert(c: Case) -> tuple[torch.Tensor, ...]:
+    """fp64 [n, k, dim]: the expert oracle of each (token, slot) on its expert's dequantized weights."""
+    x, weights, f = _d(c["x"]), _d(c["weights"]), c["w13"].shape[1] // 2
+    w13, w2 = _stored_fp4(c["w13"], c["w13_scales"]), _stored_fp4(c["w2"], c["w2_scales"])
+    rows = [[moe_oracle.expert(x[t : t + 1], w13[e][:f], w2[e], w13[e][f:], c["limit"], weights[t, j].view(1, 1))[0]
+             for j, e in enumerate(c["experts"][t].tolist())] for t in range(x.shape[0])]
+    return (torch.stack([torch.stack(r) for r in rows]).reshape(*c["experts"].shape, -1),)
+
 # --------------------------------------------------------------------------------------------------------------
 # contracts
 # --------------------------------------------------------------------------------------------------------------
@@ -498,6 +516,14 @@ expert = OpContract(
         "the routing weight is applied (before/after w2 differ only by act-quant noise)"))),),
     "Clamped SwiGLU with FP8 (1x128 ue8m0) activation quantization before each GEMM, fp32 accumulation, "
     "routing weight applied to h before w2, bf16 output (spec §4 MoE).")
+grouped_expert = OpContract(
+    "tolerance", _expected_grouped_expert,
+    (Output("y", BF16, _rel(2 * U_FP8 + 4 * U_BF16, (
+        "expert's per (token, slot) row: the same roundings (two e4m3 activation roundings, bf16 g, u, h, y); "
+        "the fp32 accumulation order of the grouped GEMM is far below them"))),),
+    "expert for many tokens on the stored FP4 experts (e2m1 codes two per byte, low nibble first, 1x32 "
+    "power-of-two scales, spec §2; w1 and w3 stacked): y[t, j] = expert experts[t, j] of x[t] with routing "
+    "weight weights[t, j] (spec §4 MoE); quantized: x already on its e4m3 grid (not quantized again).")
 
 
 def _record(op_name: str):

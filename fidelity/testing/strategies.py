@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from fidelity.model.config import ModelConfig
 from fidelity.model.formats import (
     dequantize_fp4,
+    fake_quant_fp8,
     quantize_fp4,
     quantize_fp8,
 )
@@ -617,6 +618,42 @@ def fp4_picked_linear_inputs(dims: Sequence[int] = (256, 512), out_dims: Sequenc
         x = (_randn(g, rows, k) * torch.exp2(_uniform(g, -8, 8, rows, 1))).to(BF16)
         args = {"x": x, "experts": experts, "packed": packed, "scales": s[..., 0].contiguous(),
                 "act": draw(st.sampled_from(("fp8", "fp8", "bf16")))}
+        return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
+
+    return build()
+
+
+def _fp4_stored(g: torch.Generator, e_count: int, rows: int, cols: int, gain: float) -> tuple[torch.Tensor, ...]:
+    """e_count random FP4 weights [rows, cols] of scale gain / sqrt(cols) as stored: (packed e2m1 codes uint8
+    [e_count, rows, cols/2], low nibble first; power-of-two 1x32 scales fp32 [e_count, rows, cols/32])."""
+    b = (_randn(g, e_count, rows, cols) * gain * cols**-0.5).unflatten(-1, (-1, 32))
+    s = torch.exp2(torch.ceil(torch.log2(b.abs().amax(-1, keepdim=True).clamp(min=2.0**-100) / 6)))
+    mag = torch.bucketize((b / s).abs(), (_FP4_VALUES[1:] + _FP4_VALUES[:-1]) / 2)
+    codes = (mag + 8 * (b < 0)).to(torch.uint8).flatten(-2)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), s[..., 0].contiguous()
+
+
+def grouped_expert_inputs(dims: Sequence[int] = (128, 256), inter_dims: Sequence[int] = (128, 256),
+                          max_rows: int = 6, nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
+    """``grouped_expert(x bf16 [n, dim], weights fp32 [n, k], experts int64 [n, k], w13 uint8 [E, 2 f, dim/2],
+    w13_scales fp32 [E, 2 f, dim/32], w2 uint8 [E, dim, f/2], w2_scales fp32 [E, dim, f/32], limit, act,
+    quantized)``: distinct experts per token, some experts without tokens; magnitudes as ``expert_inputs``'
+    routed case (pre-activations reach ~+-30, so the clamp at 10 bites); ``quantized`` x on its e4m3 grid."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, dim = draw(st.integers(1, max_rows)), draw(st.sampled_from(tuple(dims)))
+        inter, e_count = draw(st.sampled_from(tuple(inter_dims))), draw(st.integers(1, 5))
+        k = draw(st.integers(1, min(3, e_count)))
+        gain, g = draw(st.sampled_from((0.5, 4.0))), _gen(draw)
+        w13, w13_scales = _fp4_stored(g, e_count, 2 * inter, dim, gain)
+        w2, w2_scales = _fp4_stored(g, e_count, dim, inter, 1.0)
+        experts = torch.stack([torch.randperm(e_count, generator=g)[:k] for _ in range(n)])
+        x = (_randn(g, n, dim) * torch.exp2(_uniform(g, -2, 2, n, 1))).to(BF16)
+        act, quantized = draw(st.sampled_from((("fp8", False), ("fp8", True), ("bf16", False))))
+        args = {"x": fake_quant_fp8(x, 128) if quantized else x, "weights": _uniform(g, 0.05, 1.0, n, k),
+                "experts": experts, "w13": w13, "w13_scales": w13_scales, "w2": w2, "w2_scales": w2_scales,
+                "limit": draw(st.sampled_from((0.0, 10.0))), "act": act, "quantized": quantized}
         return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
 
     return build()

@@ -1,5 +1,6 @@
 """The built-in production decoder (``fidelity.decoders.production``) as a decoder under test: every site, every
-mode, and several sequences (``forward``, ``fork``, ``rollback``: docs/scenarios.md)."""
+mode, and several sequences (``forward``, ``fork``, ``rollback``: docs/scenarios.md). On CUDA the runner's decode
+steps are CUDA-graph replays by default (``graphs``; docs/running.md "Graph decode")."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from fidelity.decoders.production import ProductionModel
 from fidelity.decoders.production.batch import forward_batch
 from fidelity.decoders.production.cache import LayerCache
 from fidelity.decoders.production.faults import on
+from fidelity.decoders.production.graph_decode import GraphDecodeSession, graph_blockers
 from fidelity.decoders.production.model import ProductionSession
 from fidelity.decoders.production.profiles import Profile, profile_dict
 from fidelity.decoders.production.registry import implementations_used
 from fidelity.model.sampling import Sampler, StopSet
 from fidelity.model.sites import SITES
 
+GRAPHS_OFF_CPU = ("off by default on the CPU: CUDA graphs need a CUDA device (graphs=True runs the same fixed-shape "
+                  "decode step uncaptured)")
+GRAPHS_OFF_FORWARD = "forward, fork and rollback run eager sessions (sequence 0 decodes eagerly from then on)"
 MULTI = ("a forward with several sequences is one batched model call (varlen): the projections, norms, mHC, MoE "
          "and head over every sequence's rows at once, the attention core per sequence over its own caches; a "
          "sequence's logits equal its logits alone up to the rounding of GEMMs over other row counts")
@@ -95,12 +100,24 @@ class ProductionDecoder(Decoder):
     two HCA layers' 128-token carries are half of it), one per forward call, freed by ``reset`` and by a rollback
     past them (a fork shares its parent's).
     ``snapshots=False`` keeps none (every fork and rollback then replays from position 0).
+
+    ``graphs`` (None: on for a CUDA model, off on the CPU): sequence 0's session, the runner's ``prefill`` /
+    ``step`` path, is a :class:`GraphDecodeSession`: its decode steps are fixed-shape and sync-free, captured in a
+    CUDA graph and replayed on CUDA (uncaptured on the CPU), and record the same sites. The prefill stays eager, and
+    so do ``forward``, ``fork`` and ``rollback``: the first of them switches sequence 0 to an eager session over the
+    same caches, as does an injected fault that a graph step cannot run (``graph_decode.GRAPH_FAULTS``); ``info()``
+    says whether graphs ran, why not, and how many steps' sites came from the graph's outputs.
     """
 
     def __init__(self, checkpoint, profile: str | Profile = "reference", max_context: int = 4096,
-                 device: str | torch.device = "cpu", snapshots: bool = True):
+                 device: str | torch.device = "cpu", snapshots: bool = True, graphs: bool | None = None):
         self.model = ProductionModel(checkpoint, profile, max_context, device)
-        self.seqs: dict[int, Sequence] = {0: Sequence(self.model.session())}
+        self.graphs = self.model.device.type == "cuda" if graphs is None else graphs
+        self.graphs_off: str | None = None  # why sequence 0 decodes eagerly (None: it runs graph decode)
+        if not self.graphs:
+            self.graphs_off = GRAPHS_OFF_CPU if graphs is None else "off (graphs=False, --no-graphs)"
+        self.decode_sites = {"graph outputs": 0, "eager": 0}  # sequence 0's decode steps by where their sites came from
+        self.seqs: dict[int, Sequence] = {0: Sequence(self._session0())}
         self.config = checkpoint.config
         self.profile = profile_dict(self.model.profile)
         self.label = f"production ({self.model.profile.name})"
@@ -116,8 +133,27 @@ class ProductionDecoder(Decoder):
         if self.used:
             recorder = self.session.rec
             self.seqs = {}
-            self.seqs[0] = Sequence(self.model.session(recorder))
+            self.seqs[0] = Sequence(self._session0(recorder))
             self.prompt_len, self.used = 0, False
+            self.decode_sites = dict.fromkeys(self.decode_sites, 0)
+
+    def _session0(self, recorder=None) -> ProductionSession:
+        """Sequence 0's new session: a :class:`GraphDecodeSession` (captured on CUDA) while graphs are on and no
+        injected fault rules them out, else eager."""
+        if self.graphs and (blocked := graph_blockers()):
+            self.graphs_off = _fault_reason(blocked)
+        elif self.graphs:
+            self.graphs_off = None
+            return GraphDecodeSession(self.model, self.model.device.type == "cuda", recorder)
+        return self.model.session(recorder)
+
+    def _eager0(self, reason: str) -> None:
+        """Sequence 0 decodes eagerly from now on (``reason``): its graph session, if any, becomes a
+        ``ProductionSession`` over the same caches and state."""
+        session = self.session
+        if isinstance(session, GraphDecodeSession):
+            self.seqs[0].session = session.eager_session()
+            self.graphs_off = reason
 
     @property
     def session(self) -> ProductionSession:
@@ -144,7 +180,12 @@ class ProductionDecoder(Decoder):
 
     def step(self, token: int) -> torch.Tensor:
         self.used = True
-        logits = self.session.step(token)
+        if blocked := graph_blockers():
+            self._eager0(_fault_reason(blocked))
+        session = self.session
+        replays = getattr(session, "replays", 0)
+        logits = session.step(token)
+        self.decode_sites["graph outputs" if getattr(session, "replays", 0) > replays else "eager"] += 1
         self.seqs[0].tokens.append(int(token))
         return logits
 
@@ -168,6 +209,8 @@ class ProductionDecoder(Decoder):
                                    f"{expected} ({where})")
             if len(call.ids) == 0:
                 raise DecoderError(f"{self.label}: sequence {call.seq}: a call with no tokens")
+        if 0 in seen:
+            self._eager0(GRAPHS_OFF_FORWARD)
         seqs = [self.seqs.setdefault(call.seq, Sequence(self.model.session())) for call in calls]
         if self.recorders is not None:
             for call, seq in zip(calls, seqs, strict=True):
@@ -212,6 +255,8 @@ class ProductionDecoder(Decoder):
         """Sequence ``seq`` back to position ``pos``; its snapshots past ``pos`` are dropped."""
         s = self._sequence(seq, "roll back")
         self._check_pos(seq, s, pos)
+        if seq == 0:
+            self._eager0(GRAPHS_OFF_FORWARD)
         if pos == s.session.pos:
             return
         s.snapshots = {p: snap for p, snap in s.snapshots.items() if p <= pos}
@@ -320,10 +365,12 @@ class ProductionDecoder(Decoder):
 
     def info(self) -> dict:
         """Which implementation each op took, where a kernel fell back, the routes taken: this decoder's calls
-        (sequence 0's session); how several sequences run."""
+        (sequence 0's session); whether its decode steps ran graph decode (:meth:`graph_info`); how several
+        sequences run."""
         counts, taken = self.session.counts, self.session.counts.get("routes", {})
         return {
             "max_context": self.model.max_context,
+            **self.graph_info(),
             "implementations": implementations_used(counts.get("implementations", {})),
             "kernel_fallbacks": counts.get("kernel_fallbacks", {}),
             "topk_routes": taken.get("topk", {}),
@@ -332,3 +379,20 @@ class ProductionDecoder(Decoder):
                                  **{f"fp8 KV {r}": n for r, n in taken.get("sparse_attention_fp8kv", {}).items()}},
             "multi_sequence": MULTI,
         }
+
+    def graph_info(self) -> dict:
+        """The manifest's graph decode fields: ``decode_graphs`` (sequence 0 runs graph decode), ``decode_graphs_off``
+        (why not, else None), ``decode_graph_captured`` (its steps are CUDA-graph replays, not the same step run
+        uncaptured), ``decode_graph_replays``, and ``decode_sites``: sequence 0's decode steps by where their
+        sites came from ("graph outputs": a replay's; "eager": a step that ran, whether the first step before a
+        capture, the fixed-shape step uncaptured, or the eager session's)."""
+        session = self.session
+        graph = isinstance(session, GraphDecodeSession)
+        return {"decode_graphs": graph, "decode_graphs_off": self.graphs_off,
+                "decode_graph_captured": graph and session.graphs,
+                "decode_graph_replays": self.decode_sites["graph outputs"], "decode_sites": dict(self.decode_sites)}
+
+
+def _fault_reason(blocked: list[str]) -> str:
+    return (f"fault {', '.join(blocked)} injected: a decode step that allocates what it keeps cannot run in a graph "
+            "decode step")

@@ -18,11 +18,21 @@ Same numerics as :class:`~fidelity.decoders.production.model.ProductionSession` 
   stack of all experts (``ProductionModel.expert_stack``).
 
 The cost of fixed shapes: the indexer and HCA layers work on the whole ``max_context`` capacity rather than on
-the entries visible so far, so size ``max_context`` to the run. Prefill stays eager. No probe sites: a captured
-step cannot hand tensors to a recorder, so the session has none (use ``ProductionSession`` for probes).
+the entries visible so far, so size ``max_context`` to the run. Prefill stays eager.
+
+Sites: a decode step emits every site the eager session's does, with the same names, shapes and values (tested
+bit for bit on the CPU). A step that runs (``graphs=False``, and the eager warm-up before a capture) records at
+once; a captured step clones each site its recorder wants inside the capture, so the clone is a graph output that
+every replay refreshes, and after each replay the clones go to the recorder. Where the step's tensor has a fixed
+capacity shape, a host-side finisher (:meth:`GraphDecodeSession.finisher`, which knows the position) turns it into
+the eager record: the index scores cut to the ``(t+1)//4`` visible keys, the visible set cut to the window and
+the entries attended, the compressed entry and indexer key (computed every step) kept only where the block
+completes, else an empty [0, d] record. No site needs an eager replay of a step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -32,10 +42,36 @@ from fidelity.decoders.production.compressor import compress_decode_on_device
 from fidelity.decoders.production.decode_slots import decode_slots, mask_past
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.fp8_input import Fp8Input
-from fidelity.decoders.production.model import ProductionModel, ProductionSession, _plain, _topk_cap
+from fidelity.decoders.production.model import (
+    ProductionModel,
+    ProductionSession,
+    _pad,
+    _plain,
+    _topk_cap,
+    _unrotated,
+    _visible,
+)
 from fidelity.decoders.production.topk import stable_topk
+from fidelity.model.sites import Recorder, record, site_name
 
 SLOT_FAULTS = ("window-127", "window-no-self", "causal-off-by-one")  # faults that move the rows a decode step reads
+GRAPH_FAULTS = ("cache-concat-growth", "decode-buffer-kept")  # faults whose decode step a graph step cannot run
+Finisher = Callable[[torch.Tensor], torch.Tensor]
+Output = tuple[str, "int | None", torch.Tensor, "Finisher | None"]  # a captured site: template, layer, clone, finisher
+
+
+def graph_blockers() -> list[str]:
+    """The injected faults (of ``GRAPH_FAULTS``) that a graph decode step cannot run: each allocates per step
+    what it keeps."""
+    return [f for f in GRAPH_FAULTS if on(f)]
+
+
+def _wants_key(rec) -> object:
+    """What decides which sites a captured step clones: the recorder's patterns (None: no recorder)."""
+    if rec is None:
+        return None
+    patterns = getattr(rec, "patterns", None)
+    return tuple(patterns) if isinstance(patterns, (list, tuple)) else id(rec)
 
 
 class GraphDecodeSession(ProductionSession):
@@ -43,10 +79,12 @@ class GraphDecodeSession(ProductionSession):
 
     The first step (and the first after the injected faults or an op's selected implementation change) runs
     eagerly, which compiles the kernels and loads the weights, then the step is captured; later steps copy the
-    token and position into the graph's input buffers and replay it. ``replays`` counts replayed steps."""
+    token and position into the graph's input buffers and replay it. ``replays`` counts replayed steps,
+    ``captures`` captured graphs (a change of the faults, the ops' selections or the recorder's patterns captures
+    anew). ``recorder``: the sites of every call, as ``ProductionSession`` records them (module docstring)."""
 
-    def __init__(self, model: ProductionModel, graphs: bool | None = None):
-        super().__init__(model, None)
+    def __init__(self, model: ProductionModel, graphs: bool | None = None, recorder: Recorder | None = None):
+        super().__init__(model, recorder)
         dev = model.device
         self.graphs = dev.type == "cuda" if graphs is None else graphs
         if self.graphs and dev.type != "cuda":
@@ -54,19 +92,23 @@ class GraphDecodeSession(ProductionSession):
         self.pos_dev = torch.zeros(1, dtype=torch.long, device=dev)
         self.ids_dev = torch.zeros(1, dtype=torch.long, device=dev)
         self.replays = 0
+        self.captures = 0
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_key: tuple | None = None
         self._graph_logits: torch.Tensor | None = None
+        self._graph_outputs: list[Output] = []  # the captured step's site clones (graph outputs)
+        self._capturing: list[Output] | None = None  # set while a step is being captured
 
     @torch.no_grad()
     def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
         ids = self._check(torch.as_tensor([int(token_id)]), prefill=False, to_device=False)  # copied in place
-        for fault in ("cache-concat-growth", "decode-buffer-kept"):
-            if on(fault):
-                raise ValueError(f"fault {fault}: a step that allocates what it keeps cannot run in a graph decode "
-                                 "step; use ProductionSession")
+        if blocked := graph_blockers():
+            raise ValueError(f"fault {blocked[0]}: a step that allocates what it keeps cannot run in a graph decode "
+                             "step; use ProductionSession")
         self.ids_dev.copy_(ids)
         self.pos_dev.fill_(self.pos)
+        if self.rec is not None:
+            self.rec.step = self.calls
         with counting(self.counts):
             logits = self._graph_step() if self.graphs else self._forward(self.ids_dev, self.pos_dev)
         self.pos += 1
@@ -74,21 +116,76 @@ class GraphDecodeSession(ProductionSession):
         return logits[0].clone()
 
     def _graph_step(self) -> torch.Tensor:
-        key = (faults.active(), tuple(sorted(registry.selections().items())))
+        key = (faults.active(), tuple(sorted(registry.selections().items())), _wants_key(self.rec))
         if self._graph is not None and key == self._graph_key:
             self._graph.replay()
             self.replays += 1
+            for template, layer, t, finish in self._graph_outputs:  # the replay's sites, from the graph's outputs
+                record(self.rec, template, layer, finish(t) if finish else t)
             return self._graph_logits
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # eager step: compiles, loads weights, warms cuBLAS on a side stream
             logits = self._forward(self.ids_dev, self.pos_dev)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # records the next steps; runs nothing now
-            self._graph_logits = self._forward(self.ids_dev, self.pos_dev)
+        self._graph, self._graph_outputs = None, []  # the old graph's memory goes before the new one is captured
+        graph, self._capturing = torch.cuda.CUDAGraph(), []
+        try:
+            with torch.cuda.graph(graph):  # records the next steps; runs nothing now
+                self._graph_logits = self._forward(self.ids_dev, self.pos_dev)
+        finally:
+            self._graph_outputs, self._capturing = self._capturing, None
         self._graph, self._graph_key = graph, key
+        self.captures += 1
         return logits
+
+    def eager_session(self) -> ProductionSession:
+        """A ``ProductionSession`` that continues this sequence eagerly: the same caches (not copied), position,
+        call count, recorder and counts; this session's graph is dropped."""
+        twin = ProductionSession(self.model, self.rec, own=range(0))  # allocates no cache: it takes these
+        twin.own, twin.layers, twin.pos, twin.calls = self.own, self.layers, self.pos, self.calls
+        twin.counts, twin.kept = self.counts, self.kept
+        self._graph, self._graph_outputs, self._graph_logits = None, [], None
+        return twin
+
+    # ---- sites -------------------------------------------------------------------------------------------------
+    def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
+        """A decode step's site: a callable evaluated now (inside the step, so inside a capture), finished on the
+        host (:meth:`finisher`) and recorded now, or under capture cloned as a graph output, recorded after each
+        replay. A prefill records as ``ProductionSession`` does."""
+        if self.in_prefill or self.rec is None:
+            return super().emit(template, layer, tensor)
+        if not self.rec.wants(site_name(template, layer)):
+            return
+        t = tensor() if callable(tensor) else tensor
+        finish = self.finisher(template, layer)
+        if self._capturing is not None:
+            self._capturing.append((template, layer, t.clone(), finish))
+        else:
+            record(self.rec, template, layer, finish(t) if finish else t)
+
+    def finisher(self, template: str, layer: int | None) -> Finisher | None:
+        """How the decode step's fixed-shape record of ``template`` becomes the eager step's at ``self.pos`` (the
+        step's position, on the host; None: recorded as it is)."""
+        ratio = self.cfg.ratio(layer) if layer is not None else 0
+        if template == "L{i}.attn.compressed_kv":  # [1, hd] bf16 -> itself at block end, else [0, hd]
+            return lambda t: t if self._completes(ratio) else t[:0]
+        if template == "L{i}.indexer.keys":  # [1, d] -> itself at block end, else fp32 [0, d] (emit_keys' empty)
+            return lambda t: t if self._completes(4) else t.new_zeros((0, t.shape[-1]), dtype=torch.float32)
+        if template == "L{i}.indexer.scores":  # [1, key capacity] -> [1, (t+1)//4], the keys the eager step scores
+            return lambda t: t[:, : (self.pos + 1) // 4]
+        if template == "L{i}.attn.visible" and ratio:  # [1, W + capacity] -> [1, W + entries attended]
+            return lambda t: t[:, : self.layers[layer].window + self._entries_attended(ratio)]
+        return None
+
+    def _completes(self, ratio: int) -> bool:
+        return (self.pos + 1) % ratio == 0
+
+    def _entries_attended(self, ratio: int) -> int:
+        """The compressed entries the eager decode step at ``self.pos`` attends (the width of its picks)."""
+        if ratio == 4:
+            return min(_topk_cap(self.cfg.index_topk), (self.pos + 1) // 4)
+        return (self.pos + 1) // ratio + (1 if on("causal-off-by-one") and (self.pos + 1) % ratio else 0)
 
     # ---- the decode pieces that the eager session sizes or branches on the host position ------------------
     def window_slot(self, win: int) -> torch.Tensor:
@@ -98,14 +195,18 @@ class GraphDecodeSession(ProductionSession):
         return window_idx_on_device(self.pos_dev, win)
 
     def decode_compressed(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        ratio = self.cfg.ratio(i)
         self.compress(i, x, positions, index=False)
-        if ratio == 4:
+        if self.cfg.ratio(i) == 4:
             return self.index_decode(i, x, qr, positions)
+        return self.hca_entries(i)
+
+    def hca_entries(self, i: int) -> torch.Tensor:
+        """HCA layer i's compressed entries the token sees: every id ``j < (t+1)//ratio``, -1 past it [1, capacity]."""
+        ratio = self.cfg.ratio(i)
         limit = (self.pos_dev + 1) // ratio
         if on("causal-off-by-one"):
             limit = limit + ((self.pos_dev + 1) % ratio != 0).long()
-        j = torch.arange(self.layers[i].n_compressed, device=x.device)
+        j = torch.arange(self.layers[i].n_compressed, device=self.pos_dev.device)
         return torch.where(j < limit, j, -1)[None]
 
     def compress(self, i: int, x: torch.Tensor, positions: torch.Tensor, index: bool) -> torch.Tensor | None:
@@ -117,12 +218,17 @@ class GraphDecodeSession(ProductionSession):
         entry = self.round_entries(entry, index)
         if index:
             cache.keys.write_at_block_end(self.pos_dev, ratio, 0, entry)
+            self.emit("L{i}.indexer.keys", i, lambda: _unrotated(entry, self.profile))
         else:
             cache.kv.write_at_block_end(self.pos_dev, ratio, cache.window, entry)
+            self.emit("L{i}.attn.compressed_kv", i, entry)
         return None
 
     def index_decode(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        picks = self.index_picks(i, x, qr, positions)
+        return self.below_limit(self.index_picks(i, x, qr, positions))
+
+    def below_limit(self, picks: torch.Tensor) -> torch.Tensor:
+        """The indexer's picks [1, k] with those at or past the causal limit ``(t+1)//4`` set to -1."""
         return torch.where(picks >= (self.pos_dev + 1) // 4, -1, picks)
 
     def index_picks(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -133,7 +239,10 @@ class GraphDecodeSession(ProductionSession):
         self.compress(i, x, positions, index=True)
         n = cache.keys.capacity
         scores = mask_past(self._scorer(cache.keys, n)(q, weights), self.pos_dev, 4)
-        return stable_topk(scores, min(_topk_cap(self.cfg.index_topk), n))
+        self.emit("L{i}.indexer.scores", i, scores.float)
+        picks = stable_topk(scores, min(_topk_cap(self.cfg.index_topk), n))
+        self.emit("L{i}.indexer.topk", i, lambda: _pad(self.below_limit(picks), self.cfg.index_topk))
+        return picks
 
     def attend_decode(self, i, x, qr, q, kv, positions) -> torch.Tensor:
         """``ProductionSession.attend_decode`` with the attended rows from :func:`decode_slots` (one launch on a
@@ -142,10 +251,12 @@ class GraphDecodeSession(ProductionSession):
             return super().attend_decode(i, x, qr, q, kv, positions)
         cfg, cache, ratio = self.cfg, self.layers[i], self.cfg.ratio(i)
         cache.kv.write(self.window_slot(cache.window), kv)
+        self.emit_kv_cache(i, kv, self.window_slot(cache.window))
         picks = None
         if ratio:
             self.compress(i, x, positions, index=False)
             picks = self.index_picks(i, x, qr, positions) if ratio == 4 else None
+        self.emit("L{i}.attn.visible", i, lambda: self.visible(i, picks, positions))
         rows, local = decode_slots(self.pos_dev, picks, cache.window, ratio, cache.n_compressed)
         if cache.kv.fmt == "fp8" and self.profile.fmha == "bf16":
             return self.attend_packed(i, q, torch.where(local >= 0, rows, -1))
@@ -153,6 +264,13 @@ class GraphDecodeSession(ProductionSession):
         cache.kv.read_into(rows, buf)
         sink, scale = self.model.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
         return self.op("sparse_attention")(q, buf, local, sink, scale, self.profile.fmha)
+
+    def visible(self, i: int, picks: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        """Site ``L{i}.attn.visible`` of the step, fixed width [1, W + capacity]: the window's token positions, then
+        the entries below the causal limit (the picks on CSA layers, every id on HCA), -1 elsewhere."""
+        ratio, win = self.cfg.ratio(i), self.layers[i].window
+        comp = None if not ratio else self.below_limit(picks) if ratio == 4 else self.hca_entries(i)
+        return _visible(self.decode_window_idx(win, positions.device), comp, positions, win, prefill=False)
 
     def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
         if h.shape[0] != 1 or self.model.stored_experts(i) is not None:  # the stored-FP4 path is sync-free already

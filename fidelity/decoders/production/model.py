@@ -624,12 +624,15 @@ class ProductionSession:
     def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
         """Routed experts in ascending expert id, then the shared expert; fp32 sum -> bf16 [n, dim]. h: the ffn
         norm's output (an :class:`Fp8Input` under a fused profile, which the experts' first GEMMs read). A few
-        tokens on a GPU read the FP4 experts as stored (``routed_on_stored``)."""
+        tokens on a GPU read the FP4 experts as stored (``routed_on_stored``), more tokens too, in one grouped GEMM
+        per weight (``routed_grouped``)."""
         w, cfg, act, x = self.model.w, self.cfg, self.profile.gemm_act, _plain(h)
         weights, experts = self.route(i, x, ids)
-        stacks = self.model.stored_experts(i) if x.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
+        few = x.shape[0] <= ops.GEMV_ROWS
+        stacks = self.model.stored_experts(i) if not few or act == "fp8" else None
         if stacks is not None:
-            return _moe_sum(self.routed_on_stored(h, weights, experts, stacks), self.shared_expert(i, h))
+            routed = self.routed_on_stored if few else self.routed_grouped
+            return _moe_sum(routed(h, weights, experts, stacks), self.shared_expert(i, h))
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         expert = self.op("expert")
         for e, rows, slot in _by_expert(experts):
@@ -662,6 +665,16 @@ class ProductionSession:
         linear.pair = pair
         out = self.op("expert")(hs, w1, w2, w3, self.cfg.swiglu_limit, slot_weights, self.profile.gemm_act, linear)
         return out.unflatten(0, (n, k))
+
+    def routed_grouped(self, h: torch.Tensor | Fp8Input, weights: torch.Tensor, experts: torch.Tensor,
+                       stacks) -> torch.Tensor:
+        """The routed experts of many tokens [n, k] on the stored FP4 experts (op ``grouped_expert``: a handful of
+        launches whatever the number of experts): each token's expert outputs bf16 [n, k, dim] in ascending expert
+        id, the order ``moe`` adds them in."""
+        picked, order = experts.sort(dim=1)  # a token's k expert ids are distinct: no ties to order
+        xq = h.xq if isinstance(h, Fp8Input) else h
+        return self.op("grouped_expert")(xq, weights.gather(1, order).float(), picked, *stacks[3], *stacks[1],
+                                         self.cfg.swiglu_limit, self.profile.gemm_act, isinstance(h, Fp8Input))
 
 
 def _moe_sum(out: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
@@ -779,7 +792,7 @@ def _visible(window_idx: torch.Tensor, comp: torch.Tensor | None, positions: tor
     if prefill:
         window_pos = window_idx
     else:
-        t = int(positions[0])
+        t = positions[:1]  # on the device: no host read (graph decode records this site from a captured step)
         slot_pos = t - ((t - torch.arange(win, device=window_idx.device)) % win)  # token position in each slot
         window_pos = torch.where(window_idx >= 0, slot_pos[window_idx.clamp(min=0)], -1)
     window_pos = torch.nn.functional.pad(window_pos, (0, win - window_pos.shape[1]), value=-1)

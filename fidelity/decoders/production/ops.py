@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fidelity.decoders.production import kv_layout
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.kernels._common import GEMV_ROWS as GEMV_ROWS  # noqa: F401 (re-exported)
-from fidelity.decoders.production.kernels._common import rope_table
+from fidelity.decoders.production.kernels._common import check_grouped_expert, expert_range_error, rope_table
 from fidelity.model.formats import (
     FP8_AMAX_FLOOR,
     FP8_MAX,
@@ -388,3 +388,41 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor 
     if weight is not None:
         h = weight * h
     return h.to(BF16)
+
+
+def grouped_expert(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
+                   w13_scales: torch.Tensor, w2: torch.Tensor, w2_scales: torch.Tensor, limit: float,
+                   act: str = "fp8", quantized: bool = False) -> torch.Tensor:
+    """The routed experts of many tokens on the stored FP4 experts (spec §4 MoE, §2 formats): y bf16 [n, k, dim],
+    y[t, j] = ``expert(x[t], W1, W2, W3, limit, weights[t, j], act)`` of expert ``experts[t, j]``, W1 / W3 the
+    first / last f rows of w13 (packed e2m1 codes uint8 [E, 2 f, dim/2], 1x32 scales decoded to fp32
+    [E, 2 f, dim/32]), W2 from w2 [E, dim, f/2] / [E, dim, f/32]. ``quantized``: x is already on its e4m3 1x128 grid
+    (an ``Fp8Input``'s xq), so the w1 / w3 GEMMs multiply it as given. Expert by expert in ascending id, each on
+    its rows in ascending order (the model's per-expert loop, the same GEMM calls: its bits)."""
+    check_grouped_expert(x, weights, experts, w13, w13_scales, w2, w2_scales)
+    (n, k), e_count, f = experts.shape, w13.shape[0], w13.shape[1] // 2
+    flat = experts.flatten().long()
+    out = torch.zeros((n * k, w2.shape[1]), dtype=BF16, device=x.device)
+    if not flat.numel():
+        return out.unflatten(0, (n, k))
+    error = expert_range_error(int(flat.min()), int(flat.max()), e_count)
+    if error:
+        raise ValueError(error)
+    order = flat.argsort(stable=True)  # slots grouped by expert, ascending token within each
+    start, first_act = 0, "bf16" if quantized else act
+    for e, size in enumerate(torch.bincount(flat, minlength=e_count).tolist()):
+        if not size:
+            continue
+        slots, start = order[start : start + size], start + size
+        xe, w = x[slots // k], _fp4_dequantized(w13[e], w13_scales[e])
+        g, u = act_linear(xe, w[:f], first_act), act_linear(xe, w[f:], first_act)
+        h = swiglu(g, u, limit, weights.flatten()[slots, None], limit > 0)
+        out[slots] = act_linear(h, _fp4_dequantized(w2[e], w2_scales[e]), act)
+    return out.unflatten(0, (n, k))
+
+
+def _fp4_dequantized(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [out, in] = e2m1 code value x its 1x32 block's scale (exact) from packed uint8 [out, in/2] and scales
+    fp32 [out, in/32]."""
+    w = fp4_code_values(unpack_fp4_codes(packed))
+    return (w.unflatten(-1, (-1, 32)) * scales[..., None]).flatten(-2)

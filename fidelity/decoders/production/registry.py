@@ -77,6 +77,7 @@ OPS: dict[str, Op] = {
     "hc_head": _op("hc_head", "mhc", "hc_head_cuda"),
     "gate": _op("gate", "gate", "gate_cuda"),
     "expert": _op("expert", "expert", "expert_cuda"),
+    "grouped_expert": _op("grouped_expert", "grouped_expert", "grouped_expert_cuda"),
     "sinkhorn_split": _op("sinkhorn_split", None),  # an emulation and a contract, no kernel of its own
 }
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oracles.cache import Rows
 from oracles.norms import rms_norm
 from oracles.rope import apply_rope
 
@@ -33,7 +34,7 @@ class CompressorState:
     score: torch.Tensor | None = None  # [p, coff*d], ape included
     start: int = 0
     emitted: int = 0
-    entries: list[torch.Tensor] = field(default_factory=list)
+    entries: Rows = field(default_factory=Rows)  # [emitted, d] after norm and RoPE
 
 
 def compressor_weights(w, prefix: str) -> CompressorWeights:
@@ -104,9 +105,5 @@ def compress(x: torch.Tensor, positions: torch.Tensor, state: CompressorState, w
 
 
 def all_entries(state: CompressorState, d: int, like: torch.Tensor) -> torch.Tensor:
-    """[emitted, d] every entry so far."""
-    if not state.entries:
-        return like.new_zeros((0, d))
-    if len(state.entries) > 1:
-        state.entries = [torch.cat(state.entries)]
-    return state.entries[0]
+    """[emitted, d] every entry so far (a view of the state's rows)."""
+    return state.entries.all(d, like)

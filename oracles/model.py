@@ -21,6 +21,7 @@ from fidelity.model.sites import MHC_SITES, Recorder, record
 from oracles import attention as attn
 from oracles import mhc
 from oracles import moe as moe_ops
+from oracles.cache import gather_rows
 from oracles.compressor import CompressorState, all_entries, compress, compressor_weights
 from oracles.indexer import head_weights, index_queries, index_scores, select_topk
 from oracles.norms import rms_norm
@@ -289,20 +290,22 @@ class OracleSession:
             comp = picks
         self.emit("L{i}.attn.visible", i, torch.cat((win, comp), dim=1))
         shared = ratio > 0 and picks is None  # HCA
-        table = st.kv if shared else torch.cat((st.kv, entries))  # window rows first, then compressed entries
-        rows_idx = win - st.kv_start if shared else torch.cat((win - st.kv_start, comp + st.kv.shape[0]), dim=1)
+        kv_rows = torch.where(win >= 0, win - st.kv_start, 0)  # [n, W] rows of st.kv (row 0 where none)
+        # rows of the table [window rows; compressed entries] (row 0 where none), read without building it
+        entry_rows = torch.where(comp >= 0, comp + st.kv.shape[0], 0)  # [n, K]
         valid = win >= 0 if shared else torch.cat((win >= 0, comp >= 0), dim=1)
-        rows_idx = torch.where(valid, rows_idx, 0)
         sink, scale = self.m.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
         out = []
         step = max(1, CHUNK_ELEMENTS // max(1, (cfg.window_size + comp.shape[1]) * cfg.head_dim))
         for s in range(0, len(positions), step):
             sl = slice(s, s + step)
+            rows = st.kv[kv_rows[sl]]  # [n, W, hd]
             if shared:
-                out.append(attn.window_and_entries_attention(q[sl], table[rows_idx[sl]], valid[sl], entries,
-                                                             comp[sl] >= 0, sink, scale))
+                out.append(attn.window_and_entries_attention(q[sl], rows, valid[sl], entries, comp[sl] >= 0, sink,
+                                                             scale))
             else:
-                out.append(attn.sparse_attention(q[sl], table[rows_idx[sl]], valid[sl], sink, scale))
+                rows = torch.cat((rows, gather_rows((st.kv, entries), entry_rows[sl])), dim=1)  # [n, W + K, hd]
+                out.append(attn.sparse_attention(q[sl], rows, valid[sl], sink, scale))
         return torch.cat(out)
 
     def indexer(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,

@@ -15,24 +15,31 @@ import torch
 
 from fidelity.model.sites import MHC_SITES, Recorder, site_name
 from oracles import attention, indexer, mhc
+from oracles.cache import Rows, gather_rows
 from oracles.compressor import CompressorState, compress, compressor_weights
 from oracles.model import OracleModel
 
-Take = Callable[[str], torch.Tensor]  # a site template of layer i -> the decoder's record of it, in the oracle dtype
+Take = Callable[..., torch.Tensor]  # a site template of layer i -> the decoder's record of it, in the oracle dtype
 
 
 @dataclass
 class _LayerHistory:
     kv: torch.Tensor | None = None  # decoder window KV rows of positions kv_start.., the window's worth kept
     kv_start: int = 0
-    entries: list[torch.Tensor] = field(default_factory=list)  # decoder compressed entries
-    keys: list[torch.Tensor] = field(default_factory=list)  # decoder indexer keys
+    entries: Rows = field(default_factory=Rows)  # decoder compressed entries
+    keys: Rows = field(default_factory=Rows)  # decoder indexer keys
     comp: CompressorState = field(default_factory=CompressorState)  # oracle, fed the decoder's inputs
     index: CompressorState = field(default_factory=CompressorState)
 
 
-def _cat(parts: list[torch.Tensor], width: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.cat(parts) if parts else like.new_zeros((0, width))
+def taken(decoder: Recorder, site: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``decoder.get(site)`` (a copy), or its ``rows``: a record of one part is then indexed where it is, so that a
+    wide one (an HCA layer's visible set [n, W + entries]) is not copied whole for a few sampled rows."""
+    if rows is None:
+        return decoder.get(site)
+    parts = decoder.records.get(site, [])
+    whole = parts[0][1] if len(parts) == 1 else decoder.get(site)
+    return whole[rows.to(whole.device)]
 
 
 class OpReplay:
@@ -49,22 +56,23 @@ class OpReplay:
         dt, dev = self.model.dtype, self.model.device
         ids = torch.as_tensor(ids).long().flatten().to(dev)
         positions = torch.arange(self.pos, self.pos + len(ids), device=dev)
-        sel = slice(None) if rows is None else rows.to(dev)
+        rows = None if rows is None else rows.to(dev)
+        sel = slice(None) if rows is None else rows
 
         def layer_of(i: int) -> tuple[Take, Take]:
-            def take(template: str) -> torch.Tensor:
-                t = decoder.get(site_name(template, i)).to(dev)
+            def take(template: str, at: torch.Tensor | None = None) -> torch.Tensor:
+                t = taken(decoder, site_name(template, i), at).to(dev)
                 return t.to(dt) if t.is_floating_point() else t
 
-            return take, lambda template: take(template)[sel]
+            return take, lambda template: take(template, rows)
 
-        streams = decoder.get("embed").to(dev, dt).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
+        streams = taken(decoder, "embed", rows).to(dev, dt).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [nq, hc, dim]
         for i in range(self.cfg.n_layers):
             take, take_q = layer_of(i)
-            self._mhc(i, "attn", streams[sel], out)
+            self._mhc(i, "attn", streams, out)
             self._attention(i, take, take_q, positions, positions[sel], out)
             self._moe(i, take_q, ids[sel], out)
-            streams = take("L{i}.residual")
+            streams = take_q("L{i}.residual")
         self.pos += len(ids)
 
     def _mhc(self, i: int, which: str, streams: torch.Tensor, out: Recorder) -> None:
@@ -106,7 +114,7 @@ class OpReplay:
         out(site_name("L{i}.indexer.keys", i), compress(x, positions, h.index, weights, self.model.freqs[4],
                                                         cfg.norm_eps))
         h.keys.append(take("L{i}.indexer.keys"))
-        keys = _cat(h.keys, cfg.index_head_dim, x)  # [entries, index_head_dim]
+        keys = h.keys.all(cfg.index_head_dim, x)  # [entries, index_head_dim]
         scores = indexer.index_scores(take_q("L{i}.indexer.q"), keys, take_q("L{i}.indexer.weights"), qpos, 4)
         out(site_name("L{i}.indexer.scores", i), scores)
         out(site_name("L{i}.indexer.topk", i), indexer.select_topk(scores, qpos, 4, cfg.index_topk))
@@ -115,14 +123,15 @@ class OpReplay:
         """Oracle sparse attention over the decoder's q, KV rows and visible set."""
         cfg, h = self.cfg, self.hist[i]
         win = cfg.window_size
-        entries = _cat(h.entries, cfg.head_dim, h.kv)
+        entries = h.entries.all(cfg.head_dim, h.kv)
         visible = take_q("L{i}.attn.visible")  # [nq, W + K]
-        # an entry the decoder saw but never emitted (a causality bug) reads what its cache held: zeros
-        table = torch.cat((h.kv, entries, h.kv.new_zeros((1, cfg.head_dim))))
+        # the table [window rows; entries; a zero row]: an entry the decoder saw but never emitted (a causality
+        # bug) reads what its cache held, zeros; read without building it
+        table = (h.kv, entries, h.kv.new_zeros((1, cfg.head_dim)))
         window = visible[:, :win] - h.kv_start  # token positions -> rows of the kept window
-        rows = torch.cat((window, visible[:, win:] + len(h.kv)), dim=1).clamp(max=len(table) - 1)
+        rows = torch.cat((window, visible[:, win:] + len(h.kv)), dim=1).clamp(max=len(h.kv) + len(entries))
         valid = (visible >= 0) & torch.cat((window >= 0, visible[:, win:] >= 0), dim=1)
-        gathered = table[torch.where(valid, rows, 0)]
+        gathered = gather_rows(table, torch.where(valid, rows, 0))
         sink = self.model.w(f"layers.{i}.attn.attn_sink")
         out(site_name("L{i}.attn.core", i), attention.sparse_attention(take_q("L{i}.attn.q"), gathered, valid, sink,
                                                                         cfg.head_dim**-0.5))

@@ -655,12 +655,16 @@ class ProductionSession:
         hs = _repeat_rows(h, k)
 
         w1, w2, w3, w13 = stacks
+        picked_linear = self.op("fp4_picked_linear")
 
         def linear(x, w, act):
-            return self.op("fp4_picked_linear")(x.xq if isinstance(x, Fp8Input) else x, picked, *w, act)
+            return picked_linear(x.xq if isinstance(x, Fp8Input) else x, picked, *w, act)
 
-        def pair(x, act):  # w1 and w3 in one launch over their stacked rows (expert_cuda uses it)
-            return linear(x, w13, act).split(w1[0].shape[1], dim=-1)
+        # w1 and w3 in one launch over their stacked rows (expert_cuda uses it). ``pair`` becomes an attribute of
+        # ``linear`` and must not refer to it: that cycle kept each call's expert ids until a gc pass
+        def pair(x, act):
+            out = picked_linear(x.xq if isinstance(x, Fp8Input) else x, picked, *w13, act)
+            return out.split(w1[0].shape[1], dim=-1)
 
         linear.pair = pair
         out = self.op("expert")(hs, w1, w2, w3, self.cfg.swiglu_limit, slot_weights, self.profile.gemm_act, linear)

@@ -1,6 +1,6 @@
 """The allocator probe on CUDA (skipped without one): the built-in decoder makes no device malloc and keeps
-nothing after the warm-up, in a real ``fidelity run`` and in graph decode; the ``decode-buffer-kept`` mutant is
-caught by the CUDA counters as well as by held_growth."""
+nothing after the warm-up, in a real ``fidelity run`` (graph decode, its default, and eager decode) and in a graph
+decode session; the ``decode-buffer-kept`` mutant is caught by the CUDA counters as well as by held_growth."""
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 
 import fidelity  # noqa: E402
 from fidelity.decoders.production import ProductionModel  # noqa: E402
+from fidelity.decoders.production.decoder import ProductionDecoder  # noqa: E402
 from fidelity.model.default import prompt_for  # noqa: E402
 from fidelity.model.load import load_checkpoint  # noqa: E402
 from fidelity.mutants import BY_NAME, MutantSettings, run_one  # noqa: E402
@@ -25,16 +26,21 @@ def ckpt():
     return load_checkpoint(fidelity.default_checkpoint())
 
 
-def _cuda_run(ckpt, mutant):
-    return run_one(ckpt, mutant, SETTINGS)
+def _cuda_run(ckpt, mutant, graphs: bool | None = None):
+    """The mutant's run on CUDA; ``graphs`` False: the production decoder decodes eagerly (None: its default)."""
+    def eager():
+        return ProductionDecoder(ckpt, "reference", 4096, "cuda", graphs=False)
+
+    return run_one(ckpt, mutant, SETTINGS, decoder=None if graphs is None else eager)
 
 
 def _values(df, metric):
     return df[(df["site"] == "memory") & (df["metric"] == metric)]
 
 
-def test_clean_cuda_decode_makes_no_device_malloc_and_keeps_nothing_after_the_warm_up(ckpt):
-    df = _cuda_run(ckpt, None)
+@pytest.mark.parametrize("graphs", [None, False], ids=["graph decode", "eager decode"])
+def test_clean_cuda_decode_makes_no_device_malloc_and_keeps_nothing_after_the_warm_up(ckpt, graphs):
+    df = _cuda_run(ckpt, None, graphs)
     mallocs = _values(df, "new_device_mallocs")
     assert len(mallocs) == SETTINGS.decode_steps - WARMUP_DECODE_CALLS and (mallocs["value"] == 0).all()
     for metric in ("held_growth", "retained_growth", "reserved_growth"):

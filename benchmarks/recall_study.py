@@ -1,4 +1,4 @@
-"""Indexer recall study on the trained default at real selection sizes (issue 51, items 1-2).
+"""Indexer recall study on the trained default at real selection sizes and which entries it misses.
 
     OMP_NUM_THREADS=1 python benchmarks/recall_study.py --contexts 16384 65536 --threads 1
     python benchmarks/recall_study.py --device cuda --contexts 16384 65536 262144 --out DIR

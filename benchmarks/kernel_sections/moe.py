@@ -1,4 +1,4 @@
-"""The routed experts of a prefill chunk: op ``grouped_expert``'s kernels vs the per-expert loop (issue 50)."""
+"""The routed experts of a prefill chunk: op ``grouped_expert``'s kernels vs the per-expert loop."""
 
 from __future__ import annotations
 

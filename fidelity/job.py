@@ -60,7 +60,8 @@ def run_job(checkpoint, spec: RunSpec, out_root: str | Path = "runs", run_id: st
     trace directory there. Thresholds, the profile and the output places are checked before the long work; a
     decoder object starts from position 0 (``Decoder.reset``: one that consumed tokens and cannot reset is refused)."""
     profile = decoder.profile if decoder is not None else profile_dict(get_profile(spec.profile))
-    rules = rules_for(profile, checkpoint.config, decoder.sites() if decoder is not None else None, thresholds_path)
+    rules = rules_for(profile, checkpoint.config, decoder.sites() if decoder is not None else None, thresholds_path,
+                      len(spec.prompt) + spec.decode_steps)
     run_id = run_id or new_run_id()
     check_output(out_root, run_id, overwrite)
     if decoder is None:

@@ -316,7 +316,8 @@ def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings, decoder: Decod
     with inject(*names):
         df, manifest = Runner(checkpoint, spec, decoder=dec).run()
     df = tidy(df, mutant.name if mutant else "clean", str(manifest["profile"]["name"]))
-    return apply_thresholds(df, rules_for(manifest["profile"], checkpoint.config, dec.sites()))
+    context = manifest["prompt_len"] + manifest["decode_steps"]
+    return apply_thresholds(df, rules_for(manifest["profile"], checkpoint.config, dec.sites(), context=context))
 
 
 def _played(checkpoint, target: Played, s: MutantSettings, opts: dict, names: tuple[str, ...],

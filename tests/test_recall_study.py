@@ -3,6 +3,7 @@ trained default (1024 tokens, k 8 and 32) for self-recall, bounds, causality and
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 
@@ -138,3 +139,35 @@ def test_recall_floors_follow_the_runs_top_k():
     assert recall_floor("quantized", 16) == 10 / 32 and recall_floor("bf16", 1024) == 0.85
     floors = [t.value for t in default_thresholds("reference", [2, 4], index_topk=1024) if t.metric == "recall"]
     assert floors == [700 / 1024]
+
+
+def test_recall_floors_follow_the_runs_context():
+    from fidelity.harness.thresholds import default_thresholds, recall_floor
+
+    assert recall_floor("quantized", 512, 4096) == recall_floor("quantized", 512, 65536) == 319 / 512
+    assert recall_floor("quantized", 512, 65537) == recall_floor("quantized", 512, 262144) == 53 / 512
+    assert recall_floor("quantized", 512, 1 << 20) == 53 / 512  # past the longest studied context: its floors
+    assert recall_floor("bf16", 32, 1 << 20) == 0.85
+
+    def floors(**kw):
+        return [t.value for t in default_thresholds("reference", [2, 4], **kw) if t.metric == "recall"]
+
+    assert floors(index_topk=32, context=2000) == [10 / 32]
+    assert floors(index_topk=32, context=200_000) == []  # a clean FP4 indexer can miss a whole top-32 at 256K
+
+
+def test_a_long_runs_recall_floor_comes_from_its_prompt_and_decode_length():
+    """``rules_for`` with the run's context (what ``run_job`` and the mutant runs pass) and the defaults a stored
+    run is re-judged with (``run_rules``, from its manifest's prompt_len + decode_steps) pick the same band."""
+    from fidelity.harness.judgement import rules_for, run_rules
+    from fidelity.model.config import ModelConfig
+
+    cfg = ModelConfig.preset("tiny")
+
+    def recall(rules):
+        return [t.value for t in rules if t.metric == "recall"]
+
+    assert recall(rules_for("reference", cfg, context=1000)) == [10 / 32]
+    assert recall(rules_for("reference", cfg, context=100_000)) == []
+    manifest = {"profile": "reference", "config": cfg.to_official_dict(), "prompt_len": 100_000, "decode_steps": 8}
+    assert recall(run_rules(manifest, pd.DataFrame())[0]) == []

@@ -98,12 +98,14 @@ def hash_layers(config) -> list[int]:
 
 
 def rules_for(profile: object, config, decoder_sites: frozenset[str] | None = None,
-              path: str | Path | None = None) -> list[Threshold]:
-    """The rules a run of a decoder with ``profile`` on ``config`` is judged with: the defaults for its profile,
-    its config's CSA and hash layers and whether it reports its top-k (``decoder_sites``: its site templates; None:
-    the built-in decoder, which does), then the rules of the threshold file ``path``."""
+              path: str | Path | None = None, context: int | None = None) -> list[Threshold]:
+    """The rules a run of a decoder with ``profile`` on ``config`` over ``context`` tokens (prompt + decode steps;
+    None: unknown) is judged with: the defaults for its profile, its config's CSA and hash layers, its top-k and
+    context (the recall floor) and whether it reports its top-k (``decoder_sites``: its site templates; None: the
+    built-in decoder, which does), then the rules of the threshold file ``path``."""
     reports_topk = decoder_sites is None or "L{i}.indexer.topk" in decoder_sites
-    return thresholds_for(profile, path, csa_layers(config), reports_topk, hash_layers(config), config.index_topk)
+    return thresholds_for(profile, path, csa_layers(config), reports_topk, hash_layers(config), config.index_topk,
+                          context)
 
 
 def stored_rules(manifest: Mapping) -> list[Threshold] | None:
@@ -126,6 +128,8 @@ def run_rules(manifest: Mapping, df: pd.DataFrame, extra: str | Path | None = No
     rules = stored_rules(manifest)
     if rules is None:
         config = manifest.get("config")
+        context = manifest.get("prompt_len", 0) + manifest.get("decode_steps", 0) or None
         rules = default_thresholds(profile, csa_layers(config),
-                                   index_topk=config.get("index_topk") if isinstance(config, Mapping) else None)
+                                   index_topk=config.get("index_topk") if isinstance(config, Mapping) else None,
+                                   context=context)
     return rules + (load_thresholds(extra) if extra is not None else []), klass

@@ -63,27 +63,30 @@ INDEXER_QK_COS_UNROTATED = 0.97
 COMB_ERR = 1e-4  # op mode: fp32 Sinkhorn vs the oracle's on the same streams differ by ~1e-7
 ROUTING_WEIGHT_ERR = 1e-3  # op mode: the fp32 gate on production's own input leaves ~1e-6
 # Layer mode recall@k per step (a decode step is one query), the oracle layer ranking on its own exact keys, at the
-# run's own top-k (the config's index_topk; ``recall_floor``). Op mode requires true_miss == 0.
+# run's own top-k (the config's index_topk) and context (``recall_floor``). Op mode requires true_miss == 0.
 # Quantized floors: one entry below the worst clean query of the indexer recall study (benchmarks/recall_study.py,
-# benchmarks/results/2026-12-05-recall-study/summary_pooled.csv "recall_min"): the trained default, 16K and 64K
+# benchmarks/results/2026-12-05-recall-study/summary_pooled.csv "recall_min"): the trained default, 16K, 64K and 256K
 # tokens of stdlib code, 256 queries x 2 CSA layers per context, every quantized indexer the profiles offer (fp8,
-# fp4, fp4-packed, fp4 without Hadamard) scoring the oracle's exact q / keys / weights. Worst query per k:
-#   k=32: 11/32 = 0.34375 (fp4-no-hadamard, 64K; reference fp4 12/32, fp8 25/32)        -> 10/32 = 0.3125
-#   k=128: 67/128 = 0.5234 (fp4-no-hadamard, 64K; fp4 0.5859, fp8 0.8672)               -> 66/128 = 0.515625
-#   k=512: 320/512 = 0.625 (fp4-no-hadamard, 64K; fp4 0.6387, fp8 0.9121)               -> 319/512
-#   k=1024: 701/1024 = 0.6846 (fp4-no-hadamard, 64K; fp4 0.7080, fp8 0.9307)            -> 700/1024
-# k=32 was 0.46875 (one entry below the harness's clean worst 0.5 on 2.3K-2.9K-token files); the study's clean
-# reference FP4 reaches 0.375 at 64K, so that floor failed correct long-context runs. Worst queries fall with the
-# context (16K -> 64K: -0.04 to -0.13), so these floors are measured up to 64K; runs past that want the study's 256K
-# run (--device cuda). Means at 64K: fp4 0.727 / 0.776 / 0.827 / 0.853, against about 99.7% published for
-# DeepSeek-V4, whose score sums over 64 index heads of 128 dims (here 4 of 64: likely a larger FP4 error relative to
-# the gaps between scores, which this study does not isolate). bf16 stays 0.85 at every k: study worst 0.906 / 0.9375 /
-# 0.971 / 0.973 and every bf16 miss is within 1e-2 of the k-th score (a rounding tie, which op mode's miss_gap
-# judges); harness clean worst 0.9375 (64 decode steps).
-RECALL_FLOOR_BY_TOPK = {"bf16": {32: 0.85, 128: 0.85, 512: 0.85, 1024: 0.85},
-                        "quantized": {32: 10 / 32, 128: 66 / 128, 512: 319 / 512, 1024: 700 / 1024}}
+# fp4, fp4-packed, fp4 without Hadamard) scoring the oracle's exact q / keys / weights. Worst query per k, up to 64K
+# (16K and 64K pooled; all at 64K, fp4-no-hadamard) and at 256K (fp4-no-hadamard):
+#   k=32:   11/32 = 0.34375 (fp4 12/32, fp8 25/32)   -> 10/32     | 256K: 0/32 (fp4 4/32, fp8 15/32)      -> none
+#   k=128:  67/128 = 0.5234 (fp4 0.5859, fp8 0.8672) -> 66/128    | 256K: 4/128 (fp4 0.2188, fp8 0.6563)  -> 3/128
+#   k=512:  320/512 = 0.625 (fp4 0.6387, fp8 0.9121) -> 319/512   | 256K: 54/512 (fp4 0.4531, fp8 0.8477) -> 53/512
+#   k=1024: 701/1024 = 0.6846 (fp4 0.7080, fp8 0.9307) -> 700/1024 | 256K: 266/1024 (fp4 0.5869, fp8 0.8760) -> 265/1024
+# A run past 64K takes the 256K floors, one past 256K too (not studied further); at 256K a clean FP4 indexer without
+# the rotation can keep none of a query's exact top-32, so that k has no recall floor there. k=32 was 0.46875 (one
+# entry below the harness's clean worst 0.5 on 2.3K-2.9K-token files), which correct 64K runs fail. Means at 64K / 256K:
+# fp4 0.827 / 0.781 at k=512 and 0.853 / 0.808 at k=1024, against about 99.7% published for DeepSeek-V4, whose score
+# sums over 64 index heads of 128 dims (here 4 of 64, and a model trained on 4096-token windows). bf16 stays 0.85:
+# study worst 0.906 / 0.930 / 0.953 / 0.964 at 256K (k = 32 .. 1024), every bf16 miss within 1e-2 of the k-th score
+# (a rounding tie, which op mode's miss_gap judges); harness clean worst 0.9375 (64 decode steps).
+RECALL_FLOORS = {  # profile class -> longest context the floors hold for -> top-k -> floor (0: no floor)
+    "bf16": {65536: dict.fromkeys((32, 128, 512, 1024), 0.85), 262144: dict.fromkeys((32, 128, 512, 1024), 0.85)},
+    "quantized": {65536: {32: 10 / 32, 128: 66 / 128, 512: 319 / 512, 1024: 700 / 1024},
+                  262144: {32: 0.0, 128: 3 / 128, 512: 53 / 512, 1024: 265 / 1024}},
+}
 DEFAULT_INDEX_TOPK = 32  # the shipped trained default's index_topk: the floor where a run's config is unknown
-RECALL_FLOOR = {kind: floors[DEFAULT_INDEX_TOPK] for kind, floors in RECALL_FLOOR_BY_TOPK.items()}
+RECALL_FLOOR = {kind: bands[min(bands)][DEFAULT_INDEX_TOPK] for kind, bands in RECALL_FLOORS.items()}
 # Op mode, indexer: the oracle's fp32 scores on the decoder's own q / keys / weights against the decoder's picks.
 # miss_gap is the largest oracle-score gap the decoder's picks invert, in units of the query's largest score; the
 # decoder's score arithmetic bounds it: fp32 (exact) ~1e-7; bf16 (every production profile: the official scores are
@@ -169,11 +172,16 @@ def fmt_num(v: float) -> str:
     return format(float(v), ".12g") if s in ("1", "-1") and abs(v) != 1 else s
 
 
-def recall_floor(kind: str, index_topk: int | None = None) -> float:
-    """The layer-mode recall floor of profile class ``kind`` ('bf16' or 'quantized') at a run's top-k: the floor of
-    the largest studied k <= ``index_topk`` (the study's recall rises with k at every precision and context, so a
-    smaller k's floor is the conservative one), the smallest k's below them; None: DEFAULT_INDEX_TOPK."""
-    floors = RECALL_FLOOR_BY_TOPK[kind]
+def recall_floor(kind: str, index_topk: int | None = None, context: int | None = None) -> float:
+    """The layer-mode recall floor of profile class ``kind`` ('bf16' or 'quantized') for a run at top-k
+    ``index_topk`` over ``context`` tokens (prompt + decode steps): the floors of the shortest studied context band
+    that holds ``context`` (past the longest, the longest's; None: the shortest), and in it the floor of the
+    largest studied k <= ``index_topk`` (the study's recall rises with k at every precision and context, so a
+    smaller k's floor is the conservative one; below them the smallest k's); None: DEFAULT_INDEX_TOPK. 0: no
+    floor."""
+    bands = RECALL_FLOORS[kind]
+    band = min((c for c in bands if context is None or c >= context), default=max(bands))
+    floors = bands[band]
     k = DEFAULT_INDEX_TOPK if index_topk is None else int(index_topk)
     return floors[max((t for t in floors if t <= k), default=min(floors))]
 
@@ -235,11 +243,13 @@ def csa_layers_regex(csa_layers: Sequence[int] | None, unknown: str = r"L\d+") -
 
 
 def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None, reports_topk: bool = True,
-                       hash_layers: Sequence[int] | None = None, index_topk: int | None = None) -> list[Threshold]:
+                       hash_layers: Sequence[int] | None = None, index_topk: int | None = None,
+                       context: int | None = None) -> list[Threshold]:
     """The built-in rules for ``profile`` (a ``Profile``, a manifest's profile dict or a profile spec string).
     ``csa_layers`` (from the config) and ``reports_topk`` (whether the decoder reports ``L{i}.indexer.topk``)
     decide how CSA layers are held in layer mode; ``hash_layers`` are judged on exact routing in every mode;
-    ``index_topk`` (the config's) picks the recall floor (``recall_floor``).
+    ``index_topk`` (the config's) and ``context`` (the run's prompt + decode tokens) pick the recall floor
+    (``recall_floor``).
 
     op mode (a kernel alone, on the decoder's inputs) is held tightest; layer mode adds the layer's cache
     precision (a CSA layer attends the decoder's own top-k where it reports one, else the oracle's, compared on
@@ -312,16 +322,17 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None,
     if kind == "exact":
         rules.append(Threshold(r"L\d+\.indexer\.topk", "miss_gap", "<=", SCORE_TIE_MARGIN[kind]))
     else:
-        rules.append(Threshold(r"L\d+\.indexer\.topk", "recall", ">=", recall_floor(kind, index_topk),
-                               modes=("layer",)))
+        floor = recall_floor(kind, index_topk, context)
+        if floor > 0:
+            rules.append(Threshold(r"L\d+\.indexer\.topk", "recall", ">=", floor, modes=("layer",)))
     return rules
 
 
 def thresholds_for(profile: object, path: str | Path | None = None, csa_layers: Sequence[int] | None = None,
                    reports_topk: bool = True, hash_layers: Sequence[int] | None = None,
-                   index_topk: int | None = None) -> list[Threshold]:
+                   index_topk: int | None = None, context: int | None = None) -> list[Threshold]:
     """Defaults for ``profile`` followed by the rules of the TOML file ``path`` (which therefore win)."""
-    return (default_thresholds(profile, csa_layers, reports_topk, hash_layers, index_topk)
+    return (default_thresholds(profile, csa_layers, reports_topk, hash_layers, index_topk, context)
             + (load_thresholds(path) if path is not None else []))
 
 

@@ -105,6 +105,8 @@ def test_a_run_with_graphs_on_the_cpu_runs_the_graph_step_and_reports_every_site
     assert m["decode_graph_replays"] == 0 and m["decode_sites"] == {"graph outputs": 0, "eager": 6}
     assert _manifest(off.run_dir)["decode_graphs"] is False
     assert "CUDA graphs need a CUDA device" in _manifest(off.run_dir)["decode_graphs_off"]
+    assert "| decode | graph step, uncaptured |" in (on.run_dir / "report.md").read_text()
+    assert "| decode | eager (off by default on the CPU" in (off.run_dir / "report.md").read_text()
     df_on, df_off = (df[df["site"] != "memory"].reset_index(drop=True) for df in (read_run(r.run_dir)[0]
                                                                                  for r in (on, off)))
     cols = ["site", "layer", "metric", "step", "position"]

@@ -24,7 +24,7 @@ from matplotlib.ticker import MaxNLocator
 from fidelity.atomic_write import check_new_dir, write_dir_atomic
 from fidelity.harness.thresholds import LAYER_SITE_ORDER, MODES, profile_fields, profile_label, site_order_key
 from fidelity.outputs.plots import DPI, FLOOR
-from fidelity.outputs.report import md_escape, md_table, worst
+from fidelity.outputs.report import decode_path, md_escape, md_table, worst
 from fidelity.outputs.rundir import MANIFEST_FILE, METRICS_FILE, check_metrics, read_run
 
 RunLike = str | Path | tuple[pd.DataFrame, dict]
@@ -113,18 +113,6 @@ def _value(df: pd.DataFrame, site: str, metric: str, how: str, mode: str | None 
         rows = rows[rows["mode"] == mode]
     rows = rows[rows["value"].notna()]
     return getattr(rows["value"], how)() if len(rows) else "-"
-
-
-def decode_path(manifest: dict) -> str:
-    """How the run's decoder decoded (the manifest's ``decode_graphs`` fields): CUDA graphs with their replays, the
-    uncaptured graph step, eager, or '-' where the manifest does not say (another decoder, an older run)."""
-    if "decode_graphs" not in manifest:
-        return "-"
-    if not manifest["decode_graphs"]:
-        return "eager"
-    if manifest.get("decode_graph_captured"):
-        return f"CUDA graphs ({manifest.get('decode_graph_replays', 0)} replays)"
-    return "graph step, uncaptured"
 
 
 def summary_row(label: str, df: pd.DataFrame, manifest: dict) -> dict:

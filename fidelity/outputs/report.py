@@ -188,6 +188,20 @@ def describe_checkpoint(info: dict | None) -> str:
     return what + (f", sha256 {digest}" + (f" ({scope})" if scope else "") if digest else "")
 
 
+def decode_path(manifest: dict) -> str:
+    """How the run's decoder decoded (the manifest's ``decode_graphs`` fields): CUDA graphs with their replays, the
+    uncaptured graph step, eager (with the reason where graphs were asked for), or '-' where the manifest does not
+    say (another decoder, an older run)."""
+    if "decode_graphs" not in manifest:
+        return "-"
+    if not manifest["decode_graphs"]:
+        off = manifest.get("decode_graphs_off")
+        return f"eager ({off})" if off else "eager"
+    if manifest.get("decode_graph_captured"):
+        return f"CUDA graphs ({manifest.get('decode_graph_replays', 0)} replays)"
+    return "graph step, uncaptured"
+
+
 def header_section(df: pd.DataFrame, manifest: dict) -> Section:
     """Run identity: what was tested, the data extent, then the manifest's scalar entries."""
     steps = sorted(df["step"].unique())
@@ -203,6 +217,8 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
         "metric rows": len(df),
     }
     facts.update(_kernel_facts(manifest))
+    if "decode_graphs" in manifest:
+        facts["decode"] = decode_path(manifest)
     for phase, peaks in (manifest.get("memory_peaks") or {}).items():
         facts[f"peak memory, {phase}"] = ", ".join(f"{k.removesuffix('_peak_bytes').replace('_', ' ')} "
                                                   f"{_gib(v)}" for k, v in peaks.items())

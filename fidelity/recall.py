@@ -47,6 +47,7 @@ from fidelity.decoders.profiles import get_profile
 from fidelity.model.sites import site_name
 from oracles.indexer import index_scores, select_topk
 from oracles.model import OracleModel
+from probes.sets import gather_or
 
 RATIO = 4  # CSA compress ratio: the indexer scores ratio-4 entries
 # name -> the built-in profile whose indexer fields it takes (``fp32``: the exact scores themselves)
@@ -263,12 +264,6 @@ def _member(picks: torch.Tensor, e: int) -> torch.Tensor:
     return out[:, :e]
 
 
-def _gather(values: torch.Tensor, picks: torch.Tensor, fill: float) -> torch.Tensor:
-    """values [n, e] at picks [n, k] -> [n, k], ``fill`` where the pick is -1."""
-    got = values.gather(1, picks.clamp(min=0))
-    return torch.where(picks >= 0, got, torch.full_like(got, fill))
-
-
 def set_recall(test: torch.Tensor, ref: torch.Tensor, e: int) -> torch.Tensor:
     """|test ∩ ref| / |ref| per query [n] float64 (picks [n, k], -1 ignored; 1 where ref is empty)."""
     count = (ref >= 0).sum(1)
@@ -280,8 +275,8 @@ def tie_recall(test: torch.Tensor, ref: torch.Tensor, ref_scores: torch.Tensor) 
     """Tie-aware recall [n] float64: the share of the test picks whose reference score is >= the reference's k-th
     score (its lowest-scoring pick), over |ref| picks. A test pick that ties the k-th score counts as a hit."""
     count = (ref >= 0).sum(1)
-    kth = _gather(ref_scores.double(), ref, math.inf).amin(1, keepdim=True)
-    s = _gather(ref_scores.double(), test, -math.inf)
+    kth = gather_or(ref_scores.double(), ref, math.inf).amin(1, keepdim=True)
+    s = gather_or(ref_scores.double(), test, -math.inf)
     hits = ((s >= kth) & (test >= 0)).sum(1)
     return torch.where(count > 0, hits.double() / count.clamp(min=1), 1.0)
 
@@ -329,7 +324,7 @@ def dense_share(win: torch.Tensor, ent: torch.Tensor, sink: torch.Tensor, picks:
     p = (ent - top).exp()  # [n, H, e] unnormalised; the window and sink only set each head's normaliser
     p = p / ((win - top).exp().sum(2, keepdim=True) + p.sum(2, keepdim=True) + (s - top).exp())
     p = p.mean(1)  # [n, e]
-    mass = _gather(p, picks, 0.0).sum(1)
+    mass = gather_or(p, picks, 0.0).sum(1)
     return (mass / p.sum(1).clamp(min=1e-300)).clamp(max=1.0)
 
 
@@ -381,7 +376,7 @@ def _score_chunk(inp: LayerInputs, sl: slice, topks: Sequence[int], precisions: 
     rows, misses = [], []
     for k in topks:
         ref = select(exact, pos, k, exact=True)
-        kth = _gather(exact.double(), ref, math.inf).amin(1)
+        kth = gather_or(exact.double(), ref, math.inf).amin(1)
         mass = selection_mass(win, ent, inp.sink, ref).double()  # [n, k]
         total = mass.sum(1).clamp(min=1e-300)
         dense = dense_share(win, ent, inp.sink, ref)

@@ -155,14 +155,15 @@ class GraphDecodeSession(ProductionSession):
         replay. A prefill records as ``ProductionSession`` does."""
         if self.in_prefill or self.rec is None:
             return super().emit(template, layer, tensor)
-        if not self.rec.wants(site_name(template, layer)):
+        site = site_name(template, layer)
+        if not self.rec.wants(site):
             return
         t = tensor() if callable(tensor) else tensor
         finish = self.finisher(template, layer)
         if self._capturing is not None:
             self._capturing.append((template, layer, t.clone(), finish))
         else:
-            record(self.rec, template, layer, finish(t) if finish else t)
+            self.rec(site, finish(t) if finish else t)
 
     def finisher(self, template: str, layer: int | None) -> Finisher | None:
         """How the decode step's fixed-shape record of ``template`` becomes the eager step's at ``self.pos`` (the

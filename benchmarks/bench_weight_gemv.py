@@ -120,13 +120,13 @@ def bench_fp4(name, n, k, m, out, n_experts=256, slots=6):
     w = torch.randn(n_experts, n, k, device="cuda", generator=g)
     packed, sb = quantize_fp4(w)
     del w
-    scales = decode_e8m0(sb)
+    scales = sb.view(torch.uint8)  # the stored e8m0 bytes, as the kernel reads them
     experts = torch.randperm(n_experts, device="cuda", generator=g)[: slots * m].contiguous()
     x = torch.randn(slots * m, k, device="cuda", generator=g).to(torch.bfloat16)
     y = fp4_expert_linear(x, experts, packed, scales)
     wd = dequantize_fp4(packed[experts], sb[experts])
     ratio = max(_bound_ratio(y[i : i + 1], x[i : i + 1], wd[i]) for i in range(len(experts)))
-    nbytes = len(experts) * (n * k // 2 + n * k // 32 * 4) + x.numel() * 4
+    nbytes = len(experts) * (n * k // 2 + n * k // 32) + x.numel() * 4
     sets = [(x, torch.randperm(n_experts, device="cuda", generator=g)[: slots * m].contiguous())
             for _ in range(8)]  # other experts each call: the weights come from HBM
     best = None

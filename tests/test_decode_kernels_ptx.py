@@ -1,7 +1,8 @@
 """The decode step's element-wise kernels built for sm_90 without a GPU (Triton's own compiler): the RoPE kernel takes
 cos / sin from libdevice (``__nv_cosf`` / ``__nv_sinf`` inlined, the CUDA ``cosf`` / ``sinf`` torch's ``polar``
 calls, not the ``.approx`` instructions) and rounds the complex product with two explicit FMAs and nothing fused
-besides; the indexer_round kernel builds at every supported width."""
+besides; the indexer_round kernel builds at every supported width; the routed experts' FP4 kernels build reading the
+stored e8m0 scale bytes (one byte load per scale, the value made by an exponent move, no conversion instruction)."""
 
 import re
 
@@ -12,7 +13,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fidelity.decoders.production.kernels import indexer_round, rope  # noqa: E402
+from fidelity.decoders.production.kernels import grouped_expert, indexer_round, rope, weight_gemv  # noqa: E402
 
 
 def _ptx(fn, pointers: dict[str, str], ints: tuple[str, ...], consts: dict) -> str:
@@ -42,3 +43,42 @@ def test_indexer_round_kernel_builds_at_every_supported_width(d):
     ptx = _ptx(indexer_round._indexer_round_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16"},
                ("n_rows", "stride_x", "stride_y"), {"ROWS": 4, "D": d, "SCALE": d**-0.5, "ROTATE": True})
     assert ".entry _indexer_round_kernel" in ptx
+
+
+def _scale_reads(ptx: str) -> tuple[int, int]:
+    """(byte loads, 4-byte float loads) from global memory in ``ptx``."""
+    loads = r"ld\.global(?:\.\w+)*\."
+    return len(re.findall(loads + r"(?:u8|b8)\b", ptx)), len(re.findall(loads + r"f32\b", ptx))
+
+
+@pytest.mark.parametrize("final, quant", [(True, True), (False, True), (True, False)])
+def test_fp4_expert_gemv_builds_reading_e8m0_scale_bytes(final, quant):
+    ptx = _ptx(weight_gemv._fp4_expert_kernel,
+               {"x_ptr": "*bf16", "e_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32"},
+               ("n", "slots", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn"),
+               {"k_split": 2048, "BN": 16, "BK": 128, "FINAL": final, "QUANT": quant})
+    byte_loads, float_loads = _scale_reads(ptx)
+    assert ".entry _fp4_expert_kernel" in ptx and byte_loads > 0 and float_loads == 0
+    assert re.search(r"shl\.b32\s+%r\d+, %r\d+, 23;", ptx)  # the e8m0 byte moved into the exponent
+
+
+@pytest.mark.parametrize("kernel", ["_w13_kernel", "_w2_kernel"])
+def test_grouped_expert_kernels_build_reading_e8m0_scale_bytes(kernel):
+    common = {"tile_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8"}
+    blocks = {"DIM": 4096, "F": 2048, "BM": 64, "BN": grouped_expert.BLOCK_N, "BK": grouped_expert.BLOCK_K,
+              "F32": False}
+    if kernel == "_w13_kernel":
+        pointers = {"x_ptr": "*bf16", "token_ptr": "*i64", "weight_ptr": "*fp32", **common, "h_ptr": "*bf16"}
+        ints = ("stride_x", "stride_ce", "stride_cr", "stride_se", "stride_sr", "stride_h")
+        consts = {**blocks, "CLAMP": True, "QUANT": False, "LIBDEVICE": True}  # no e4m3 scale made here
+        sig = {**pointers, "limit": "fp32", **{n: "i32" for n in ints}, **{n: "constexpr" for n in consts}}
+        ptx = triton.compile(ASTSource(fn=grouped_expert._w13_kernel, signature=sig, constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    else:
+        pointers = {"h_ptr": "*bf16", "slot_ptr": "*i64", **common, "y_ptr": "*bf16"}
+        ints = ("stride_h", "stride_ce", "stride_cr", "stride_se", "stride_sr", "stride_y")
+        ptx = _ptx(grouped_expert._w2_kernel, pointers, ints, blocks)
+    byte_loads, float_loads = _scale_reads(ptx)
+    assert f".entry {kernel}" in ptx and byte_loads > 0
+    assert float_loads <= (1 if kernel == "_w13_kernel" else 0)  # _w13: the rows' routing weights only
+    assert re.search(r"shl\.b32\s+%r\d+, %r\d+, 23;", ptx)

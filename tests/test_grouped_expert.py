@@ -1,7 +1,11 @@
 """Op ``grouped_expert`` (the routed experts of a prefill chunk on the stored FP4 experts) on the CPU: its emulation
 gives the model's per-expert loop's bits (tiny checkpoint, hash and score layers, plain and fused-norm inputs;
-random inputs with uneven expert loads), bad inputs raise naming the tensor, and its Triton kernel under the CPU
-interpreter gives the emulation's bits (``tests/interpreted/grouped_expert_checks.py``, in a subprocess)."""
+random inputs with uneven expert loads), bad inputs raise naming the tensor (fp32 scales too: the stored experts'
+scales are e8m0 bytes), the model's stored-expert stacks hold those bytes as stored, and its Triton kernel under the
+CPU interpreter gives the emulation's bits (``tests/interpreted/grouped_expert_checks.py``, in a subprocess; scale
+bytes 0, 1, 127, 254, 255 included)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,10 +28,10 @@ def tiny():
 
 def stored_stacks(ckpt, i: int) -> tuple[torch.Tensor, ...]:
     """Layer i's routed experts as ``ProductionModel.stored_experts`` stacks them: (w13 codes, w13 scales, w2 codes,
-    w2 scales)."""
+    w2 scales), the scales as stored: e8m0 bytes uint8."""
     def stack(m: str) -> tuple[torch.Tensor, torch.Tensor]:
         st = [ckpt.stored(f"layers.{i}.ffn.experts.{e}.{m}.weight") for e in range(ckpt.config.n_routed_experts)]
-        return torch.stack([s.data.view(torch.uint8) for s in st]), torch.stack([decode_e8m0(s.scale) for s in st])
+        return torch.stack([s.data.view(torch.uint8) for s in st]), torch.stack([s.scale.view(torch.uint8) for s in st])
 
     (c1, s1), (c2, s2), (c3, s3) = stack("w1"), stack("w2"), stack("w3")
     return torch.cat((c1, c3), 1), torch.cat((s1, s3), 1), c2, s2
@@ -97,9 +101,13 @@ def bad_inputs():
 @pytest.mark.parametrize(("name", "bad", "match"), [
     ("w13", lambda t: t.view(torch.int8), "w13: expected packed FP4 codes uint8"),
     ("w13", lambda t: t[:, :, :32], "w13: expected"),
-    ("w13_scales", lambda t: t.to(torch.float16), "w13_scales: expected fp32"),
+    ("w13_scales", lambda t: t.to(torch.float16), "w13_scales: expected e8m0 scale bytes uint8"),
+    ("w13_scales", decode_e8m0,
+     "w13_scales: expected e8m0 scale bytes uint8 \\[4, 256, 4\\], found torch.float32 \\[4, 256, 4\\]"),
     ("w2", lambda t: t[:3], "w2: expected packed FP4 codes uint8 \\[4, 128, 64\\]"),
-    ("w2_scales", lambda t: t[..., :2], "w2_scales: expected fp32 \\[4, 128, 4\\]"),
+    ("w2_scales", lambda t: t[..., :2], "w2_scales: expected e8m0 scale bytes uint8 \\[4, 128, 4\\]"),
+    ("w2_scales", decode_e8m0,
+     "w2_scales: expected e8m0 scale bytes uint8 \\[4, 128, 4\\], found torch.float32 \\[4, 128, 4\\]"),
     ("x", lambda t: t.float(), "x: expected bf16"),
     ("weights", lambda t: t[:, :1], "weights: expected fp32 \\[3, 2\\]"),
     ("experts", lambda t: t.float(), "experts: expected integer ids"),
@@ -125,8 +133,47 @@ def test_the_cpu_prefill_keeps_the_per_expert_loop(tiny):
     assert model.stored_experts(0) is None
 
 
+def test_stored_experts_hold_the_e8m0_scale_bytes_as_stored(tiny, monkeypatch):
+    """With the GPU path forced (as ``test_production`` does on the CPU), ``stored_experts`` stacks each weight's
+    1x32 scales as the checkpoint stores them: e8m0 bytes uint8 [E, out, in/32] (1 byte per 32 weights, not an fp32
+    decoded copy), w1 and w3 views of the stacked pair; the codes uint8 [E, out, in/2]."""
+    monkeypatch.setattr(ProductionModel, "_gemv_ready", lambda self: True)
+    cfg = tiny.config
+    i, e_count = cfg.n_hash_layers, cfg.n_routed_experts
+    (c1, s1), (c2, s2), (c3, s3), (c13, s13) = ProductionModel(tiny, max_context=64).stored_experts(i)
+    for m, (codes, scales) in {"w1": (c1, s1), "w2": (c2, s2), "w3": (c3, s3)}.items():
+        st = [tiny.stored(f"layers.{i}.ffn.experts.{e}.{m}.weight") for e in range(e_count)]
+        out, half = st[0].data.shape
+        assert st[0].scale.dtype == torch.float8_e8m0fnu and tuple(st[0].scale.shape) == (out, 2 * half // 32)
+        assert codes.dtype == scales.dtype == torch.uint8, m
+        assert tuple(codes.shape) == (e_count, out, half) and tuple(scales.shape) == (e_count, out, 2 * half // 32), m
+        assert torch.equal(scales, torch.stack([s.scale.view(torch.uint8) for s in st])), m
+        assert torch.equal(codes, torch.stack([s.data.view(torch.uint8) for s in st])), m
+    assert s13.dtype == torch.uint8 and torch.equal(s13, torch.cat((s1, s3), 1))
+    assert s1.data_ptr() == s13.data_ptr() and s3.data_ptr() == s13[:, s1.shape[1]:].data_ptr()
+    assert tuple(c13.shape) == (e_count, 2 * c1.shape[1], c1.shape[2])
+
+
+def test_stored_experts_refuse_scales_that_are_not_e8m0_bytes(tiny, monkeypatch):
+    """A checkpoint whose FP4 scales came decoded (fp32) is refused naming the weight, not stacked as bytes."""
+    monkeypatch.setattr(ProductionModel, "_gemv_ready", lambda self: True)
+    real = tiny.stored
+
+    def decoded(name):
+        st = real(name)
+        return replace(st, scale=decode_e8m0(st.scale)) if st.fmt == "fp4" else st
+
+    monkeypatch.setattr(tiny, "stored", decoded)
+    with pytest.raises(ValueError, match=r"layers\.0\.ffn\.experts\.0\.w1\.weight: expected FP4 scales as e8m0 bytes "
+                                         r"\(float8_e8m0fnu or uint8\), found torch\.float32"):
+        ProductionModel(tiny, max_context=64).stored_experts(0)
+
+
 INTERPRETED_CHECKS = ["bf16_bits", "fp8_bits_with_the_interpreters_quantizer", "quantized_input_bits",
-                      "uneven_loads_over_several_tiles", "bad_codes_raise_in_the_kernel_path"]
+                      "uneven_loads_over_several_tiles", "bad_codes_raise_in_the_kernel_path",
+                      "scale_bytes_0_1_127_254_255_give_the_emulations_bits",
+                      "scale_bytes_0_1_127_254_255_give_the_emulations_bits_bf16",
+                      "fp32_scales_raise_in_the_kernel_path"]
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import find, settings
 
 from fidelity.decoders.production import faults, ops
 from fidelity.decoders.production.registry import REGISTRY, deselect, implementation, select, selections
+from fidelity.decoders.profiles import CHOICES, get_profile
 from fidelity.model.formats import dequantize_fp8, fake_quant_fp8, hadamard
-from fidelity.testing import Case, check_against_oracle, check_case, contract_of
+from fidelity.testing import Case, check_against_oracle, check_case, contract_of, strategy_of
 
 MAX_EXAMPLES = 30
 BF16 = torch.bfloat16
@@ -35,6 +37,19 @@ def test_every_registered_op_has_a_contract():
         contract = contract_of(name)
         assert contract.kind in ("tolerance", "bitexact") and contract.why, name
         assert all(o.tolerance is None or o.tolerance.why for o in contract.outputs), name
+
+
+@pytest.mark.parametrize("op", ["kv_round", "kv_norm_rope_fp8"])
+def test_the_ops_taking_kv_scale_floor_draw_every_choice_of_that_profile_field(op):
+    """The strategies of the ops that take the profile field ``kv_scale_floor`` draw each of its choices; the
+    profile fields a drawn case sets (``kv_nope`` as ``fmt``, ``kv_scale_floor``) make a profile that the
+    profiles' validation accepts, and the emulation meets the op's contract on that case."""
+    for floor in CHOICES["kv_scale_floor"]:
+        case = find(strategy_of(op), lambda c, floor=floor: c["scale_floor"] == floor,
+                    settings=settings(database=None, derandomize=True, max_examples=200))
+        profile = get_profile(f"reference:kv_nope={case['fmt']},kv_scale_floor={case['scale_floor']}")
+        assert profile.kv_scale_floor == floor
+        check_case(op, getattr(ops, op), case)
 
 
 def test_every_op_record_has_its_parts():
@@ -111,9 +126,15 @@ def index_scores_fp4_high_nibble_first(q, codes, scales, weights, dtype=BF16):
     return ops.index_scores_fp4(q, swapped, scales, weights, dtype)
 
 
-def kv_round_32_blocks(kv, rope_dims, fmt):
+def kv_round_32_blocks(kv, rope_dims, fmt, scale_floor="amax"):
     return ops.kv_round(kv, rope_dims, "bf16") if fmt != "fp8" else torch.cat(
-        (fake_quant_fp8(kv[..., :-rope_dims], 32), kv[..., -rope_dims:]), dim=-1)
+        (fake_quant_fp8(kv[..., :-rope_dims], 32, scale_floor), kv[..., -rope_dims:]), dim=-1)
+
+
+def kv_round_scale_floor_ignored(kv, rope_dims, fmt, scale_floor="amax"):
+    """Rounds with the official scale rule whatever ``scale_floor`` says (the CUDA kernel's rule, without its
+    ``takes`` refusal): FlashMLA's rule differs on the blocks with amax below 0.0274."""
+    return ops.kv_round(kv, rope_dims, fmt)
 
 
 def indexer_round_scale_floor(x, fmt, rotate):
@@ -132,19 +153,20 @@ def compressor_rope_at_the_blocks_last_position(*args):
         return ops.compressor_decode(*args)
 
 
-def kv_path_rope_before_norm(x, weight, eps, positions, freqs, fmt):
+def kv_path_rope_before_norm(x, weight, eps, positions, freqs, fmt, scale_floor="amax"):
     """Rotates the wkv output first, then kv_norm: the norm's weight lands on rotated coordinates."""
-    return ops.kv_round(ops.rms_norm(ops.apply_rope(x, positions, freqs), weight, eps), 2 * freqs.numel(), fmt)
+    return ops.kv_round(ops.rms_norm(ops.apply_rope(x, positions, freqs), weight, eps), 2 * freqs.numel(), fmt,
+                        scale_floor)
 
 
-def kv_path_round_in_128_blocks(x, weight, eps, positions, freqs, fmt):
+def kv_path_round_in_128_blocks(x, weight, eps, positions, freqs, fmt, scale_floor="amax"):
     """One ue8m0 scale per 128 nope dims: a block's small values sink into the subnormal codes of its neighbour's
     scale."""
     kv, rd = ops.apply_rope(ops.rms_norm(x, weight, eps), positions, freqs), 2 * freqs.numel()
     nope = kv[..., :-rd]
     wide = nope[..., : nope.shape[-1] // 128 * 128]
-    return torch.cat((fake_quant_fp8(wide, 128) if fmt == "fp8" else wide, nope[..., wide.shape[-1]:], kv[..., -rd:]),
-                     dim=-1)
+    rounded = fake_quant_fp8(wide, 128, scale_floor) if fmt == "fp8" else wide
+    return torch.cat((rounded, nope[..., wide.shape[-1]:], kv[..., -rd:]), dim=-1)
 
 
 def gate_weights_from_biased_scores(x, weight, bias, tid2eid, ids, cfg):
@@ -213,6 +235,7 @@ BROKEN = [
     ("index_scores", index_scores_without_relu, "error bound|non-finite"),
     ("index_scores_fp4", index_scores_fp4_high_nibble_first, "error bound|non-finite"),
     ("kv_round", kv_round_32_blocks, "not exact"),
+    ("kv_round", kv_round_scale_floor_ignored, "not exact"),
     ("indexer_round", indexer_round_scale_floor, "not exact"),
     ("indexer_round", indexer_round_quantized_before_rotation, "not exact"),
     ("compressor_decode", compressor_rope_at_the_blocks_last_position, "cos|calc_diff"),

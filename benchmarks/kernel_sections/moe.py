@@ -18,8 +18,8 @@ def flash_chunk(n: int, seed: int = 0) -> dict:
 
     def fp4(rows: int, cols: int, log2_scale: int) -> tuple[torch.Tensor, torch.Tensor]:
         codes = torch.randint(0, 256, (EXPERTS, rows, cols // 2), generator=g, device=DEV, dtype=torch.uint8)
-        steps = torch.randint(-1, 2, (EXPERTS, rows, cols // 32), generator=g, device=DEV).float()
-        return codes, torch.exp2(log2_scale + steps)
+        steps = torch.randint(-1, 2, (EXPERTS, rows, cols // 32), generator=g, device=DEV)
+        return codes, (127 + log2_scale + steps).to(torch.uint8)  # e8m0 scale bytes, as stored
 
     (w13, s13), (w2, s2) = fp4(2 * INTER, DIM, -5), fp4(DIM, INTER, -7)
     weights, experts = torch.rand(n, EXPERTS, generator=g, device=DEV).topk(TOPK, dim=-1)
@@ -48,7 +48,7 @@ def bench_moe(quick: bool):
     shape = f"Flash chunk {n} tok x top-{TOPK}"
     args = flash_chunk(n)
     flops = 2 * n * TOPK * 3 * DIM * INTER
-    bytes_ = EXPERTS * 3 * DIM * INTER * (0.5 + 4 / 32) + n * DIM * 2 * (1 + TOPK)
+    bytes_ = EXPERTS * 3 * DIM * INTER * (0.5 + 1 / 32) + n * DIM * 2 * (1 + TOPK)
     want = ops.grouped_expert(**args)
     loop = time_fn(lambda: ops.grouped_expert(**args), [()], graph=False, calls=2, reps=3)
     loop_launches = launches(lambda: ops.grouped_expert(**args))

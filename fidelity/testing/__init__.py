@@ -32,7 +32,7 @@ index_scores_fp4       (on the dequantized FP4 keys)
 sinkhorn_split, gate,  r = 2^-14 (fp32 math): calc_diff, 1 - cos <= 1.86e-9; gate indices: same set
 hc_pre.pre/post/comb
 expert                 r = 2 x 2^-4 + 4u (two e4m3 activation roundings): calc_diff <= 9.9e-3, cos >= 0.990
-kv_round               bit-exact vs fake_quant_fp8(nope, 1x64) + unchanged rope dims
+kv_round               bit-exact vs fake_quant_fp8(nope, 1x64, scale_floor) + unchanged rope dims
 indexer_round          bit-exact vs hadamard then fake_quant_fp4 (1x32; or the FP8 1x128 round)
 compressor_decode      entry: r = 3 x 1.25u (pool, norm, RoPE each rounded to bf16); carries: r = 2^-14 (fp32)
 rms_norm_fp8           codes: |code*s - y| <= half an e4m3 step + 1.25u|y|; scale bytes of the exact amax

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from fidelity.model.formats import (
     FP8_AMAX_FLOOR,
     FP8_MAX,
+    decode_e8m0,
     dequantize_fp8,
     fake_quant_fp4,
     fake_quant_fp8,
@@ -130,16 +131,18 @@ def _rope_bound(c: Case) -> torch.Tensor:
     return bound
 
 
-def kv_round_reference(kv: torch.Tensor, rope_dims: int, fmt: str) -> torch.Tensor:
+def kv_round_reference(kv: torch.Tensor, rope_dims: int, fmt: str, scale_floor: str = "amax") -> torch.Tensor:
     """Bit-exact reference of ``kv_round``: the reference's in-place ``act_quant(kv[..., :-rope_dims], 64,
-    "ue8m0")`` = :func:`fidelity.model.formats.fake_quant_fp8` in 1x64 blocks on the nope dims; rope dims unchanged."""
+    "ue8m0")`` = :func:`fidelity.model.formats.fake_quant_fp8` in 1x64 blocks on the nope dims, its scale floored
+    on the amax ("amax", official) or on the scale ("scale", FlashMLA's; profile field ``kv_scale_floor``); rope
+    dims unchanged."""
     if fmt != "fp8":
         return kv
-    return torch.cat((fake_quant_fp8(kv[..., :-rope_dims], 64), kv[..., -rope_dims:]), dim=-1)
+    return torch.cat((fake_quant_fp8(kv[..., :-rope_dims], 64, scale_floor), kv[..., -rope_dims:]), dim=-1)
 
 
 def _expected_kv_round(c: Case) -> tuple[torch.Tensor, ...]:
-    return (kv_round_reference(c["kv"], c["rope_dims"], c["fmt"]),)
+    return (kv_round_reference(c["kv"], c["rope_dims"], c["fmt"], c.get("scale_floor", "amax")),)
 
 
 def indexer_round_reference(x: torch.Tensor, fmt: str, rotate: bool) -> torch.Tensor:
@@ -182,16 +185,17 @@ def _expected_kv_norm_rope_fp8(c: Case) -> tuple[torch.Tensor, ...]:
 
 def _kv_norm_rope_fp8_bound(c: Case) -> torch.Tensor:
     """Elementwise: the bf16 rounding of the norm (1.25u |y|); on the nope dims under "fp8" the e4m3 step
-    (half an ulp: 2^-4 |y|, or 2^-10 s on the subnormal codes of a 1x64 block whose ue8m0 scale s may come
-    from an amax 1.25u high); on the rope dims the norm's rounding carried through the rotation plus the
-    output's rounding: 2 x 1.25u (|y_2i| + |y_2i+1|) for both elements of a pair."""
+    (half an ulp: 2^-4 |y|, or 2^-10 s on the subnormal codes of a 1x64 block whose ue8m0 scale s, by the case's
+    ``scale_floor`` rule, may come from an amax 1.25u high); on the rope dims the norm's rounding carried through
+    the rotation plus the output's rounding: 2 x 1.25u (|y_2i| + |y_2i+1|) for both elements of a pair."""
     y = norms_oracle.rms_norm(_d(c["x"]), _d(c["weight"]), c["eps"])
     rd = 2 * c["freqs"].numel()
     bound = _ONE * y.abs()
     nope = y[:, :-rd]
     if c["fmt"] == "fp8":
         amax = nope.unflatten(-1, (-1, 64)).abs().amax(-1)
-        hi = ue8m0_scale(amax * (1 + _ONE), FP8_MAX, FP8_AMAX_FLOOR).to(FP64).repeat_interleave(64, -1)
+        floor_on = c.get("scale_floor", "amax")
+        hi = ue8m0_scale(amax * (1 + _ONE), FP8_MAX, FP8_AMAX_FLOOR, floor_on).to(FP64).repeat_interleave(64, -1)
         bound[:, :-rd] += torch.maximum(U_FP8 * nope.abs(), 2.0**-10 * hi)
     pairs = y[:, -rd:].abs().unflatten(-1, (-1, 2)).sum(-1, keepdim=True)
     bound[:, -rd:] = (2 * _ONE * pairs).expand(-1, -1, 2).flatten(1)
@@ -273,12 +277,12 @@ def _expected_expert(c: Case) -> tuple[torch.Tensor, ...]:
 
 
 def _stored_fp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """fp64 [..., out, in]: e2m1 codes (low nibble first; bit 3 the sign) times their 1x32 scales."""
+    """fp64 [..., out, in]: e2m1 codes (low nibble first; bit 3 the sign) times their 1x32 scales (e8m0 bytes)."""
     p = packed.to(torch.int64)
     codes = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
     mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=FP64)[codes & 7]
     values = torch.where(codes >= 8, -mag, mag)
-    return (values.unflatten(-1, (-1, 32)) * scales.to(FP64)[..., None]).flatten(-2)
+    return (values.unflatten(-1, (-1, 32)) * decode_e8m0(scales).to(FP64)[..., None]).flatten(-2)
 
 
 def _expected_grouped_expert(c: Case) -> tuple[torch.Tensor, ...]:
@@ -301,12 +305,14 @@ def _fp8_weight(c: Case) -> torch.Tensor:
 
 
 def _fp4_picked_weights(c: Case) -> torch.Tensor:
-    """fp64 [s, n, k]: row r's expert weight, e2m1 codes (low nibble first; bit 3 the sign) times 1x32 scales."""
+    """fp64 [s, n, k]: row r's expert weight, e2m1 codes (low nibble first; bit 3 the sign) times 1x32 scales (e8m0
+    bytes)."""
     p = c["packed"].index_select(0, c["experts"]).to(torch.int64)
     codes = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
     mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=FP64)[codes & 7]
     values = torch.where(codes >= 8, -mag, mag)
-    return (values.unflatten(-1, (-1, 32)) * c["scales"].index_select(0, c["experts"]).to(FP64)[..., None]).flatten(-2)
+    scales = decode_e8m0(c["scales"].index_select(0, c["experts"])).to(FP64)
+    return (values.unflatten(-1, (-1, 32)) * scales[..., None]).flatten(-2)
 
 
 def _per_group(c: Case, w: torch.Tensor, f) -> torch.Tensor:
@@ -421,9 +427,10 @@ kv_round = OpContract(
     "bitexact", _expected_kv_round,
     (Output("kv", BF16, None),),
     "Exact math has no FP8 rounding, so the contract is bit-exactness (+0 == -0) against "
-    "fake_quant_fp8(kv[..., :-64], 64) (the in-place act_quant, e4m3 RNE with 1x64 ue8m0 scales) with the "
-    "64 rope dims unchanged (spec §3 'Where quantization lives'). No NaN is planted: the CUDA amax may "
-    "drop NaN (fmaxf), which the CPU reference cannot decide.")
+    "fake_quant_fp8(kv[..., :-64], 64, scale_floor) (the in-place act_quant, e4m3 RNE with 1x64 ue8m0 scales "
+    "floored on the amax, or on the scale under scale_floor 'scale') with the 64 rope dims unchanged (spec §3 "
+    "'Where quantization lives'). No NaN is planted: the CUDA amax may drop NaN (fmaxf), which the CPU "
+    "reference cannot decide.")
 indexer_round = OpContract(
     "bitexact",
     lambda c: (indexer_round_reference(c["x"], c["fmt"], c["rotate"]),),
@@ -451,8 +458,8 @@ kv_norm_rope_fp8 = OpContract(
         "carried through the rotation plus the output's (2 x 1.25u over the pair)"))),),
     "The attention KV path (spec §4 Attention steps 2-3): kv_norm (RMSNorm with weight, bf16 out), "
     "interleaved RoPE on the last 64 dims at fp32 angles (bf16 out), and the 1x64 ue8m0 e4m3 round of the "
-    "nope dims (act_quant in place; fmt 'fp8'). Exact math has no FP8 rounding, so the nope dims are judged "
-    "by the step they may take from the exact value.")
+    "nope dims (act_quant in place; fmt 'fp8'; scale_floor: the scale rule, as kv_round's). Exact math has no "
+    "FP8 rounding, so the nope dims are judged by the step they may take from the exact value.")
 index_scores = OpContract(
     "tolerance", _expected_index_scores,
     (Output("scores", BF16, Tolerance(bound=_index_scores_bound, why=(

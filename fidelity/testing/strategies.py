@@ -11,9 +11,11 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from fidelity.decoders.profiles import CHOICES
 from fidelity.model.config import ModelConfig
 from fidelity.model.formats import (
     dequantize_fp4,
+    encode_e8m0,
     fake_quant_fp8,
     quantize_fp4,
     quantize_fp8,
@@ -21,6 +23,8 @@ from fidelity.model.formats import (
 from fidelity.testing.cases import _FLASH, BF16, EPS, FP32, HC, SINKHORN_ITERS, Case, _at
 from oracles import mhc as mhc_oracle
 from oracles import rope as rope_oracle
+
+KV_SCALE_FLOORS = CHOICES["kv_scale_floor"]  # the KV FP8 round's scale rules (profile field kv_scale_floor)
 
 # --------------------------------------------------------------------------------------------------------------
 # strategy helpers
@@ -176,9 +180,12 @@ def apply_rope_inputs(dims: Sequence[int] = (64, 128, 512), max_heads: int = 16,
     return build()
 
 
-def kv_round_inputs(max_rows: int = 16) -> st.SearchStrategy[Case]:
-    """``kv_round(kv bf16 [n, hd], 64, "fp8")``, hd = 128..512: per 64-block magnitudes 2^-30..2^12, all-zero
-    blocks, blocks under the 1e-4 amax floor, blocks with one large outlier (subnormal e4m3 codes)."""
+def kv_round_inputs(max_rows: int = 16,
+                    scale_floors: Sequence[str] = KV_SCALE_FLOORS) -> st.SearchStrategy[Case]:
+    """``kv_round(kv bf16 [n, hd], 64, "fp8", scale_floor)``, hd = 128..512: per 64-block magnitudes 2^-30..2^12,
+    all-zero blocks, blocks under the 1e-4 amax floor, blocks with one large outlier (subnormal e4m3 codes);
+    ``scale_floor`` one of ``scale_floors`` (profile field ``kv_scale_floor``: "amax", the official rule, or
+    "scale", FlashMLA's; they differ on blocks with amax below 0.0274)."""
 
     @st.composite
     def build(draw: Callable) -> Case:
@@ -190,7 +197,8 @@ def kv_round_inputs(max_rows: int = 16) -> st.SearchStrategy[Case]:
         kv = kv * torch.where(kind == 1, 0.0, torch.where(kind == 2, 1e-6, mag))
         outlier = (kind == 3).squeeze(-1)
         kv[..., 0] = torch.where(outlier, kv[..., 0] * 1e4, kv[..., 0])
-        return Case({"kv": kv.flatten(1).to(BF16), "rope_dims": 64, "fmt": "fp8"})
+        return Case({"kv": kv.flatten(1).to(BF16), "rope_dims": 64, "fmt": "fp8",
+                     "scale_floor": draw(st.sampled_from(tuple(scale_floors)))})
 
     return build()
 
@@ -248,12 +256,13 @@ def compressor_decode_inputs(dims: Sequence[int] = (64, 128, 512)) -> st.SearchS
     return build()
 
 
-def kv_norm_rope_fp8_inputs(dims: Sequence[int] = (512, 512, 128), max_rows: int = 8,
-                            max_position: int = 2**20) -> st.SearchStrategy[Case]:
-    """``kv_norm_rope_fp8(x bf16 [n, hd], weight fp32 [hd], eps, positions int64 [n], freqs fp32 [32], fmt)``:
-    the wkv GEMM output of rows from 2^-10 to 2^10, a large outlier in each 64-block half the time (subnormal
-    codes), freqs of a ratio 0 / 4 / 128 layer of V4-Flash, positions up to ``max_position``, fmt "fp8" (the
-    reference) or "bf16" (the ``bf16`` profile). No NaN is planted (the CUDA amax may drop NaN)."""
+def kv_norm_rope_fp8_inputs(dims: Sequence[int] = (512, 512, 128), max_rows: int = 8, max_position: int = 2**20,
+                            scale_floors: Sequence[str] = KV_SCALE_FLOORS) -> st.SearchStrategy[Case]:
+    """``kv_norm_rope_fp8(x bf16 [n, hd], weight fp32 [hd], eps, positions int64 [n], freqs fp32 [32], fmt,
+    scale_floor)``: the wkv GEMM output of rows from 2^-10 to 2^10, a large outlier in each 64-block half the time
+    (subnormal codes), freqs of a ratio 0 / 4 / 128 layer of V4-Flash, positions up to ``max_position``, fmt "fp8"
+    (the reference) or "bf16" (the ``bf16`` profile), ``scale_floor`` one of ``scale_floors`` (profile field
+    ``kv_scale_floor``, as :func:`kv_round_inputs`). No NaN is planted (the CUDA amax may drop NaN)."""
 
     @st.composite
     def build(draw: Callable) -> Case:
@@ -267,7 +276,8 @@ def kv_norm_rope_fp8_inputs(dims: Sequence[int] = (512, 512, 128), max_rows: int
         positions = torch.randint(0, max_position, (n,), generator=g)
         fmt = draw(st.sampled_from(("fp8", "fp8", "bf16")))
         args = {"x": x.to(BF16), "weight": weight, "eps": EPS, "positions": positions,
-                "freqs": rope_oracle.inv_freq(_FLASH, ratio, FP32), "fmt": fmt}
+                "freqs": rope_oracle.inv_freq(_FLASH, ratio, FP32), "fmt": fmt,
+                "scale_floor": draw(st.sampled_from(tuple(scale_floors)))}
         return Case(args, note=f"ratio {ratio}")
 
     return build()
@@ -600,9 +610,9 @@ def fp32_linear_inputs(dims: Sequence[int] = (128, 256, 512), out_dims: Sequence
 
 def fp4_picked_linear_inputs(dims: Sequence[int] = (256, 512), out_dims: Sequence[int] = (64, 128),
                              max_rows: int = 6, nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
-    """``fp4_picked_linear(x bf16 [s, k], experts int64 [s], packed uint8 [E, n, k/2], scales fp32 [E, n, k/32],
+    """``fp4_picked_linear(x bf16 [s, k], experts int64 [s], packed uint8 [E, n, k/2], scales uint8 [E, n, k/32],
     act)``: each row multiplies its own expert's FP4 weight (e2m1 codes, low nibble first, power-of-two 1x32
-    scales); experts repeat and skip ids."""
+    scales as stored: e8m0 bytes); experts repeat and skip ids."""
 
     @st.composite
     def build(draw: Callable) -> Case:
@@ -616,7 +626,7 @@ def fp4_picked_linear_inputs(dims: Sequence[int] = (256, 512), out_dims: Sequenc
         packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
         experts = torch.randint(0, e_count, (rows,), generator=g)
         x = (_randn(g, rows, k) * torch.exp2(_uniform(g, -8, 8, rows, 1))).to(BF16)
-        args = {"x": x, "experts": experts, "packed": packed, "scales": s[..., 0].contiguous(),
+        args = {"x": x, "experts": experts, "packed": packed, "scales": encode_e8m0(s[..., 0].contiguous()),
                 "act": draw(st.sampled_from(("fp8", "fp8", "bf16")))}
         return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
 
@@ -625,19 +635,20 @@ def fp4_picked_linear_inputs(dims: Sequence[int] = (256, 512), out_dims: Sequenc
 
 def _fp4_stored(g: torch.Generator, e_count: int, rows: int, cols: int, gain: float) -> tuple[torch.Tensor, ...]:
     """e_count random FP4 weights [rows, cols] of scale gain / sqrt(cols) as stored: (packed e2m1 codes uint8
-    [e_count, rows, cols/2], low nibble first; power-of-two 1x32 scales fp32 [e_count, rows, cols/32])."""
+    [e_count, rows, cols/2], low nibble first; power-of-two 1x32 scales as e8m0 bytes uint8 [e_count, rows,
+    cols/32])."""
     b = (_randn(g, e_count, rows, cols) * gain * cols**-0.5).unflatten(-1, (-1, 32))
     s = torch.exp2(torch.ceil(torch.log2(b.abs().amax(-1, keepdim=True).clamp(min=2.0**-100) / 6)))
     mag = torch.bucketize((b / s).abs(), (_FP4_VALUES[1:] + _FP4_VALUES[:-1]) / 2)
     codes = (mag + 8 * (b < 0)).to(torch.uint8).flatten(-2)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), s[..., 0].contiguous()
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), encode_e8m0(s[..., 0].contiguous())
 
 
 def grouped_expert_inputs(dims: Sequence[int] = (128, 256), inter_dims: Sequence[int] = (128, 256),
                           max_rows: int = 6, nan_inputs: Sequence[str] = ("x",)) -> st.SearchStrategy[Case]:
     """``grouped_expert(x bf16 [n, dim], weights fp32 [n, k], experts int64 [n, k], w13 uint8 [E, 2 f, dim/2],
-    w13_scales fp32 [E, 2 f, dim/32], w2 uint8 [E, dim, f/2], w2_scales fp32 [E, dim, f/32], limit, act,
-    quantized)``: distinct experts per token, some experts without tokens; magnitudes as ``expert_inputs``'
+    w13_scales uint8 [E, 2 f, dim/32], w2 uint8 [E, dim, f/2], w2_scales uint8 [E, dim, f/32] (e8m0 bytes), limit,
+    act, quantized)``: distinct experts per token, some experts without tokens; magnitudes as ``expert_inputs``'
     routed case (pre-activations reach ~+-30, so the clamp at 10 bites); ``quantized`` x on its e4m3 grid."""
 
     @st.composite

@@ -1,6 +1,7 @@
 """The grouped expert kernels (``kernels/grouped_expert.py``) on a CUDA device: against the emulation (the per-expert
 cuBLAS path) within the op's contract at Flash's shapes, and the production model's prefill with them against the
-per-expert loop within the model-level bound of ``test_production_cuda.py``."""
+per-expert loop within the model-level bound of ``test_production_cuda.py``; e8m0 scale bytes at the ends of the
+format (0, 1, 127, 254, 255) within the contract, NaN where the emulation has NaN."""
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from fidelity.model.config import ModelConfig  # noqa: E402
 from fidelity.model.default import default_prompt  # noqa: E402
 from fidelity.model.synthesize import synthesize  # noqa: E402
 from fidelity.testing.cases import U_BF16, U_FP8  # noqa: E402
+from tests import fp4_scale_bytes  # noqa: E402
 from tests.gpu.kernel_helpers import BF16, CUDA, row_calc_diff  # noqa: E402
 
 CONTRACT_CALC_DIFF = (2 * U_FP8 + 4 * U_BF16) ** 2 / 2  # the grouped_expert contract's per-row limit
@@ -23,9 +25,10 @@ CONTRACT_CALC_DIFF = (2 * U_FP8 + 4 * U_BF16) ** 2 / 2  # the grouped_expert con
 
 def random_fp4(g: torch.Generator, e_count: int, rows: int, cols: int, log2_scale: int) -> tuple[torch.Tensor, ...]:
     """Uniform random e2m1 code bytes uint8 [e_count, rows, cols/2] and 1x32 scales 2^(log2_scale + {-1, 0, 1})
-    fp32 [e_count, rows, cols/32] (w13 at -5: pre-activations reach past the clamp at 10)."""
+    as e8m0 bytes uint8 [e_count, rows, cols/32] (w13 at -5: pre-activations reach past the clamp at 10)."""
     codes = torch.randint(0, 256, (e_count, rows, cols // 2), generator=g, dtype=torch.uint8)
-    return codes, torch.exp2(log2_scale + torch.randint(-1, 2, (e_count, rows, cols // 32), generator=g).float())
+    steps = torch.randint(-1, 2, (e_count, rows, cols // 32), generator=g)
+    return codes, (127 + log2_scale + steps).to(torch.uint8)
 
 
 def flash_inputs(n: int, act: str, seed: int = 0) -> dict:
@@ -58,6 +61,19 @@ def test_a_chunk_of_one_expert_and_empty_experts_is_computed_in_full():
     args["experts"] = args["experts"].sort(dim=1).values
     got, want = grouped_expert_cuda(**args), ops.grouped_expert(**args)
     assert row_calc_diff(got, want).max() <= CONTRACT_CALC_DIFF
+
+
+@pytest.mark.parametrize("act", ["fp8", "bf16"])
+def test_scale_bytes_at_the_ends_of_the_format_meet_the_contract_with_the_emulations_nans(act):
+    """e8m0 bytes 0, 1, 2, 127, 250, 253, 254, 255 in w2 and w13 (``tests/fp4_scale_bytes.py``): NaN exactly where the
+    emulation has NaN (expert 2's byte-255 columns, every column of expert 3's slots), each row within the
+    contract elsewhere (the dense w13 GEMMs sum in another order than cuBLAS, so not bit-equal)."""
+    args = {name: t.to(CUDA) if isinstance(t, torch.Tensor) else t
+            for name, t in {**fp4_scale_bytes.grouped_case(), "act": act}.items()}
+    got, want = grouped_expert_cuda(**args), ops.grouped_expert(**args)
+    assert fp4_scale_bytes.grouped_case_lost(want, args["experts"]) == ""
+    assert torch.equal(got.isnan(), want.isnan())
+    assert row_calc_diff(got.nan_to_num(0.0), want.nan_to_num(0.0)).max() <= CONTRACT_CALC_DIFF
 
 
 @pytest.mark.parametrize("profile", ["reference", "fused-norm", "bf16"])

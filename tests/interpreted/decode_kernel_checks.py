@@ -22,6 +22,7 @@ from fidelity.decoders.production.kernels.take import put_at_block_end
 from fidelity.decoders.production.model import _moe_sum
 from fidelity.decoders.production.registry import dispatch
 from fidelity.testing import check_against_oracle
+from tests import fp4_scale_bytes
 
 BF16 = torch.bfloat16
 
@@ -73,6 +74,8 @@ def main() -> dict[str, str]:
     out["gemvs_quantize_in_kernel_as_the_separate_launch"] = _gemv_quantize_differs(g)
     out["k_sliced_gemv_adds_the_slices_in_order_and_resets_its_counts"] = _k_slices_differ(g)
     out["expert_w1_w3_in_one_launch_give_the_two_launches_bits"] = _expert_pair_differs(g)
+    out["e8m0_scale_decodes_every_byte_as_formats"] = fp4_scale_bytes.decode_differs()
+    out["fp4_gemv_scale_bytes_0_1_127_254_255_give_the_emulations_bits"] = _fp4_scale_bytes_differ()
     out["decode_slots_give_the_references_integers"] = _decode_slots_differ(g)
     out["put_at_block_end_writes_the_row_only_where_the_block_completes"] = _put_at_block_end_differs(g)
     out["mask_past_hides_the_entries_past_the_limit"] = _mask_past_differs(g)
@@ -127,9 +130,9 @@ def _expert_pair_differs(g: torch.Generator) -> str:
     offering ``pair`` (w1 and w3 in one launch) gives the bits of the two separate launches."""
     e_count, n, k, slots = 3, 128, 256, 4
     stack = torch.randint(0, 256, (e_count, 2 * n, k // 2), generator=g, dtype=torch.uint8)
-    scales = torch.exp2(torch.randint(-8, 2, (e_count, 2 * n, k // 32), generator=g).float())
+    scales = (127 + torch.randint(-8, 2, (e_count, 2 * n, k // 32), generator=g)).to(torch.uint8)  # e8m0 bytes
     w2 = (torch.randint(0, 256, (e_count, k, n // 2), generator=g, dtype=torch.uint8),
-          torch.exp2(torch.randint(-8, 2, (e_count, k, n // 32), generator=g).float()))
+          (127 + torch.randint(-8, 2, (e_count, k, n // 32), generator=g)).to(torch.uint8))
     w1, w3 = (stack[:, :n], scales[:, :n]), (stack[:, n:], scales[:, n:])
     picks = torch.tensor([2, 0, 1, 2])
     x = (torch.randn(1, k, generator=g) * 4).to(BF16).expand(slots, -1)
@@ -142,6 +145,25 @@ def _expert_pair_differs(g: torch.Generator) -> str:
     linear.pair = lambda xs, act: linear(xs, (stack, scales), act).split(n, dim=-1)
     one = expert_cuda(x, w1, w2, w3, 7.0, weight, "fp8", linear)
     return "" if torch.equal(one, two) else "differ"
+
+
+def _fp4_scale_bytes_differ() -> str:
+    """The FP4 expert GEMV on e8m0 scale bytes 0, 1, 2, 127, 250, 253, 254, 255 (``tests/fp4_scale_bytes.py``: exact
+    by construction) gives the emulation's bits, NaN rows where the emulation has them: x as given, over 1 and 2
+    slices of k, and quantized in the launch (act "fp8")."""
+    case = fp4_scale_bytes.gemv_case()
+    want = ops.fp4_picked_linear(**case, act="fp8")
+    lost = fp4_scale_bytes.gemv_case_lost(want)
+    if lost:
+        return lost
+    bad, args = [], (case["x"], case["experts"], case["packed"], case["scales"])
+    for name, got in (("x as given", weight_gemv.fp4_expert_linear(*args)),
+                      ("2 slices", weight_gemv.fp4_expert_linear(*args, splits=2)),
+                      ("quantized in the launch", weight_gemv.fp4_picked_linear_cuda(**case, act="fp8"))):
+        differ = fp4_scale_bytes.nan_aware_differs(want, got)
+        if differ:
+            bad.append(f"{name}: {differ}")
+    return ", ".join(bad)
 
 
 def _put_at_block_end_differs(g: torch.Generator) -> str:
@@ -187,7 +209,7 @@ def _gemv_quantize_differs(g: torch.Generator) -> str:
     codes = (torch.randn(n, k, generator=g) * 4).to(torch.float8_e4m3fn)
     scales = torch.exp2(torch.randint(-8, 2, (n // 128, k // 128), generator=g).float())
     packed = torch.randint(0, 256, (experts, n, k // 2), generator=g, dtype=torch.uint8)
-    fp4_scales = torch.exp2(torch.randint(-8, 2, (experts, n, k // 32), generator=g).float())
+    fp4_scales = (127 + torch.randint(-8, 2, (experts, n, k // 32), generator=g)).to(torch.uint8)  # e8m0 bytes
     picks = torch.tensor([2, 0])
     same = [torch.equal(weight_gemv.fp8_weight_linear(fake_quant_fp8(x, 128), codes, scales),
                         weight_gemv.fp8_weight_linear(x, codes, scales, quantize=True)),

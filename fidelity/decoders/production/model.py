@@ -105,10 +105,11 @@ class ProductionModel:
         return self._gemv[key]
 
     def stored_experts(self, i: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
-        """Layer i's routed experts as stored, for ``fp4_picked_linear``: ((packed codes uint8 [E, out, in/2],
-        1x32 scales decoded to fp32 [E, out, in/32]) for w1, w2, w3, then w1 and w3 stacked [E, 2 out, ...]), kept
-        on the device once; w1 and w3 are views of the stacked pair (one launch can run both). None where that
-        path does not run (no GPU kernels, or experts not stored in FP4)."""
+        """Layer i's routed experts as stored, for ``fp4_picked_linear`` / ``grouped_expert``: ((packed codes uint8
+        [E, out, in/2], 1x32 scales as stored: e8m0 bytes uint8 [E, out, in/32], which the kernels make into fp32
+        powers of two) for w1, w2, w3, then w1 and w3 stacked [E, 2 out, ...]), kept on the device once; w1 and w3
+        are views of the stacked pair (one launch can run both). None where that path does not run (no GPU kernels,
+        or experts not stored in FP4)."""
         key = f"layers.{i}.experts:fp4"
         if key not in self._gemv:
             stacks = None
@@ -679,6 +680,14 @@ class ProductionSession:
         xq = h.xq if isinstance(h, Fp8Input) else h
         return self.op("grouped_expert")(xq, weights.gather(1, order).float(), picked, *stacks[3], *stacks[1],
                                          self.cfg.swiglu_limit, self.profile.gemm_act, isinstance(h, Fp8Input))
+
+
+def _e8m0_bytes(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """A stored FP4 weight's 1x32 scales (float8_e8m0fnu, or their uint8 bits) as the uint8 e8m0 bytes the routed
+    expert kernels read (a view, no copy); other dtypes raise naming the weight."""
+    if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise ValueError(f"{name}: expected FP4 scales as e8m0 bytes (float8_e8m0fnu or uint8), found {scale.dtype}")
+    return scale.view(torch.uint8)
 
 
 def _moe_sum(out: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from fidelity.decoders.production import kv_layout
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.kernels._common import GEMV_ROWS as GEMV_ROWS  # noqa: F401 (re-exported)
-from fidelity.decoders.production.kernels._common import check_grouped_expert, expert_range_error, rope_table
+from fidelity.decoders.production.kernels._common import (
+    check_fp4_picked_linear,
+    check_grouped_expert,
+    expert_range_error,
+    rope_table,
+)
 from fidelity.model.formats import (
     FP8_AMAX_FLOOR,
     FP8_MAX,
@@ -64,10 +69,12 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def fp4_picked_linear(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                       act: str = "fp8") -> torch.Tensor:
     """Row r of x [s, k] times expert ``experts[r]``'s FP4 weight: ``act_linear(x[r], W[experts[r]])`` -> bf16 [s, n],
-    W[e] from packed e2m1 codes [E, n, k/2] and 1x32 scales decoded to fp32 [E, n, k/32]; the expert ids stay a
-    device tensor (no host read)."""
+    W[e] from packed e2m1 codes uint8 [E, n, k/2] and its 1x32 scales as stored, e8m0 bytes uint8 [E, n, k/32]
+    (decoded here with ``formats.decode_e8m0``: ``2^(b - 127)``, 255 NaN); the expert ids stay a device tensor (no
+    host read). Inputs of a wrong dtype or shape raise (``check_fp4_picked_linear``)."""
+    check_fp4_picked_linear(x, experts, packed, scales)
     w = fp4_code_values(unpack_fp4_codes(packed.index_select(0, experts)))  # [s, n, k]
-    w = (w.unflatten(-1, (-1, 32)) * scales.index_select(0, experts)[..., None]).flatten(-2)
+    w = (w.unflatten(-1, (-1, 32)) * decode_e8m0(scales.index_select(0, experts))[..., None]).flatten(-2)
     xq = fake_quant_fp8(x, 128) if act == "fp8" else x
     return (xq.float()[:, None, :] @ w.transpose(1, 2)).squeeze(1).to(BF16)
 
@@ -395,7 +402,7 @@ def grouped_expert(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                    act: str = "fp8", quantized: bool = False) -> torch.Tensor:
     """The routed experts of many tokens on the stored FP4 experts (spec §4 MoE, §2 formats): y bf16 [n, k, dim],
     y[t, j] = ``expert(x[t], W1, W2, W3, limit, weights[t, j], act)`` of expert ``experts[t, j]``, W1 / W3 the
-    first / last f rows of w13 (packed e2m1 codes uint8 [E, 2 f, dim/2], 1x32 scales decoded to fp32
+    first / last f rows of w13 (packed e2m1 codes uint8 [E, 2 f, dim/2], 1x32 scales as stored: e8m0 bytes uint8
     [E, 2 f, dim/32]), W2 from w2 [E, dim, f/2] / [E, dim, f/32]. ``quantized``: x is already on its e4m3 1x128 grid
     (an ``Fp8Input``'s xq), so the w1 / w3 GEMMs multiply it as given. Expert by expert in ascending id, each on
     its rows in ascending order (the model's per-expert loop, the same GEMM calls: its bits)."""
@@ -422,7 +429,7 @@ def grouped_expert(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
 
 
 def _fp4_dequantized(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """fp32 [out, in] = e2m1 code value x its 1x32 block's scale (exact) from packed uint8 [out, in/2] and scales
-    fp32 [out, in/32]."""
+    """fp32 [out, in] = e2m1 code value x its 1x32 block's scale (exact) from packed uint8 [out, in/2] and e8m0
+    scale bytes uint8 [out, in/32] (``decode_e8m0``: 2^(b - 127), a 255 byte makes its block NaN)."""
     w = fp4_code_values(unpack_fp4_codes(packed))
-    return (w.unflatten(-1, (-1, 32)) * scales[..., None]).flatten(-2)
+    return (w.unflatten(-1, (-1, 32)) * decode_e8m0(scales)[..., None]).flatten(-2)

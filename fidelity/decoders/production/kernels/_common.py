@@ -1,7 +1,7 @@
 """Helpers shared by the Triton kernels: device handling for registered ops, small torch utilities, and the
-Triton device functions several kernels call (bf16 rounding, the e4m3 block quantizer, the RoPE rotation) and
-programmatic dependent launch (PDL, below). Kernel modules import only torch, triton and this module. The
-device functions exist where triton imports: the CPU emulation (``ops.py``) imports this module too.
+Triton device functions several kernels call (bf16 rounding, the e4m3 block quantizer, the e8m0 scale decode, the
+RoPE rotation) and programmatic dependent launch (PDL, below). Kernel modules import only torch, triton and this
+module. The device functions exist where triton imports: the CPU emulation (``ops.py``) imports this module too.
 
 PDL (sm_90): a kernel launched with :data:`PDL_LAUNCH` may be scheduled while the kernel before it in the stream
 is still finishing, so a decode step's chain of small launches (a CUDA graph replays them back to back) pays less
@@ -88,9 +88,9 @@ def device_transparent(fn: Callable) -> Callable:
 def check_grouped_expert(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
                          w13_scales: torch.Tensor, w2: torch.Tensor, w2_scales: torch.Tensor) -> None:
     """Raise ValueError naming the first of op ``grouped_expert``'s tensors with a wrong dtype or shape: x bf16
-    [n, dim], weights fp32 [n, k], experts integer [n, k], w13 uint8 [E, 2 f, dim/2] with fp32 scales
-    [E, 2 f, dim/32], w2 uint8 [E, dim, f/2] with fp32 scales [E, dim, f/32] (the stored FP4 experts, spec §2).
-    Reads no tensor's values (the expert-id range is checked where the ids are read)."""
+    [n, dim], weights fp32 [n, k], experts integer [n, k], w13 uint8 [E, 2 f, dim/2] with e8m0 scale bytes uint8
+    [E, 2 f, dim/32], w2 uint8 [E, dim, f/2] with e8m0 scale bytes uint8 [E, dim, f/32] (the stored FP4 experts,
+    spec §2). Reads no tensor's values (the expert-id range is checked where the ids are read)."""
     def bad(name: str, t: torch.Tensor, want: str) -> None:
         raise ValueError(f"grouped_expert: {name}: expected {want}, found {t.dtype} {list(t.shape)}")
 
@@ -105,12 +105,32 @@ def check_grouped_expert(x: torch.Tensor, weights: torch.Tensor, experts: torch.
     if w13.dtype != torch.uint8 or w13.dim() != 3 or w13.shape[2] * 2 != dim or w13.shape[1] % 64:
         bad("w13", w13, f"packed FP4 codes uint8 [E, 2 f, {dim // 2}] with 32 | f")
     e_count, f = w13.shape[0], w13.shape[1] // 2
-    if w13_scales.dtype != torch.float32 or tuple(w13_scales.shape) != (e_count, 2 * f, dim // 32):
-        bad("w13_scales", w13_scales, f"fp32 [{e_count}, {2 * f}, {dim // 32}]")
+    if w13_scales.dtype != torch.uint8 or tuple(w13_scales.shape) != (e_count, 2 * f, dim // 32):
+        bad("w13_scales", w13_scales, f"e8m0 scale bytes uint8 [{e_count}, {2 * f}, {dim // 32}]")
     if w2.dtype != torch.uint8 or tuple(w2.shape) != (e_count, dim, f // 2):
         bad("w2", w2, f"packed FP4 codes uint8 [{e_count}, {dim}, {f // 2}]")
-    if w2_scales.dtype != torch.float32 or tuple(w2_scales.shape) != (e_count, dim, f // 32):
-        bad("w2_scales", w2_scales, f"fp32 [{e_count}, {dim}, {f // 32}]")
+    if w2_scales.dtype != torch.uint8 or tuple(w2_scales.shape) != (e_count, dim, f // 32):
+        bad("w2_scales", w2_scales, f"e8m0 scale bytes uint8 [{e_count}, {dim}, {f // 32}]")
+
+
+def check_fp4_picked_linear(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor,
+                            scales: torch.Tensor) -> None:
+    """Raise ValueError naming the first of op ``fp4_picked_linear``'s tensors with a wrong dtype or shape: x
+    [s, k] with 32 | k, experts integer [s], packed FP4 codes uint8 [E, n, k/2] and their e8m0 scale bytes uint8
+    [E, n, k/32] (the stored FP4 experts, spec §2). Reads no tensor's values."""
+    def bad(name: str, t: torch.Tensor, want: str) -> None:
+        raise ValueError(f"fp4_picked_linear: {name}: expected {want}, found {t.dtype} {list(t.shape)}")
+
+    if x.dim() != 2 or x.shape[1] % 32:
+        bad("x", x, "[s, k] with 32 | k")
+    s, k = x.shape
+    if experts.dtype.is_floating_point or experts.dtype == torch.bool or tuple(experts.shape) != (s,):
+        bad("experts", experts, f"integer ids [{s}]")
+    if packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] * 2 != k:
+        bad("packed", packed, f"packed FP4 codes uint8 [E, n, {k // 2}]")
+    e_count, n = packed.shape[:2]
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (e_count, n, k // 32):
+        bad("scales", scales, f"e8m0 scale bytes uint8 [{e_count}, {n}, {k // 32}]")
 
 
 def expert_range_error(lo: int, hi: int, e_count: int) -> str | None:
@@ -158,6 +178,15 @@ if triton is not None:
         launched without the option)."""
         if _WAIT:
             gdc_wait()
+
+    @triton.jit
+    def e8m0_scale(b):
+        """fp32 value of e8m0 scale bytes b (uint8, any shape) from the bits, bit for bit
+        ``formats.decode_e8m0``: byte b in 1..254 is 2^(b - 127), the float with bits b << 23; byte 0 is 2^-127,
+        a subnormal (bits 0x00400000); byte 255 is NaN (bits 0x7FC00000)."""
+        e = b.to(tl.int32)
+        bits = tl.where(e == 0, 0x00400000, tl.where(e == 255, 0x7FC00000, e << 23))
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def bf16_rne(x):

@@ -6,7 +6,8 @@ op ``grouped_expert`` for a prefill chunk, a handful of launches per layer whate
   range check, and the tile count, which sizes both grids).
 * ``_w13_kernel``: per (M-tile, N-tile of f) the w1 and w3 GEMMs in one pass (two fp32 accumulators, ``tl.dot``
   on bf16 operands), the gathered token rows of x (FP8-quantized-dequantized first, one launch for all tokens),
-  the FP4 codes and 1x32 scales read as stored and dequantized in the kernel to bf16 (exact: e2m1 x 2^k). Its
+  the FP4 codes and 1x32 scales read as stored (e8m0 scale bytes uint8, one per 32 weights, made into the fp32
+  power of two by ``e8m0_scale``'s bit moves) and dequantized in the kernel to bf16 (exact: e2m1 x 2^k). Its
   epilogue is ``ops.swiglu`` (g, u rounded bf16, clamp, ``silu`` with libdevice ``expf`` and an IEEE division,
   times u, times the routing weight, one bf16 rounding, as ``kernels/expert.py``) and, for act "fp8", the 1x128
   e4m3 quantize-dequantize of w2's input (``e4m3_blocks``: one block per 128-column tile).
@@ -31,6 +32,7 @@ from fidelity.decoders.production.kernels._common import (
     bf16_rne,
     check_grouped_expert,
     e4m3_blocks,
+    e8m0_scale,
     expert_range_error,
     on_device,
 )
@@ -44,14 +46,15 @@ LAUNCH = {"block_m": 64, "num_warps": 8, "num_stages": 3}
 @triton.jit
 def _fp4_tile(codes_ptr, scales_ptr, rows, k0, stride_c, stride_s, BN: tl.constexpr, BK: tl.constexpr):
     """Rows ``rows`` [BN], columns k0 .. k0 + BK of one FP4 weight as stored (codes uint8 [out, in/2], low nibble
-    first; fp32 scales [out, in/32]) -> bf16 [BN, BK], exactly code value x scale."""
+    first; e8m0 scale bytes uint8 [out, in/32], ``e8m0_scale``) -> bf16 [BN, BK], exactly code value x scale (NaN
+    for a 255 byte)."""
     half = k0 // 2 + tl.arange(0, BK // 2)
     p = tl.load(codes_ptr + rows[:, None] * stride_c + half[None, :]).to(tl.int32)
     c = tl.reshape(tl.join(p & 15, p >> 4), [BN, BK])
     mag = c & 7  # e2m1: 0, 0.5, then (1 + m / 2) 2^(e - 1) from the exponent field e = mag >> 1
     bits = tl.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 126 << 23, 0))
     v = (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-    s = tl.load(scales_ptr + rows[:, None] * stride_s + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
+    s = e8m0_scale(tl.load(scales_ptr + rows[:, None] * stride_s + (k0 // 32 + tl.arange(0, BK // 32))[None, :]))
     return tl.reshape(tl.reshape(v, [BN, BK // 32, 32]) * s[:, :, None], [BN, BK]).to(tl.bfloat16)
 
 

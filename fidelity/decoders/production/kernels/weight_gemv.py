@@ -8,8 +8,10 @@
 * ``bf16_weight_linear_f32``: y [m, n] fp32 = x @ W^T with W the bf16 weight as stored (the compressors' fp32
   projections: bf16 x bf16 products are exact in fp32, summed in fp32).
 * ``fp4_expert_linear``: for slots s, y [s, n] bf16 = xq[s] @ W[e_s]^T with W[e] the FP4 e2m1 codes of expert e
-  (two per byte, low nibble first, [E, n, k/2]) and its 1x32 scales (fp32 [E, n, k/32]); the expert ids stay on
-  the device, so a captured CUDA graph picks the experts without copying their weights.
+  (two per byte, low nibble first, [E, n, k/2]) and its 1x32 scales as stored: one e8m0 byte per block (uint8
+  [E, n, k/32], ``2^(b - 127)``, 255 NaN), made into the fp32 power of two in the kernel (``e8m0_scale``: exponent
+  bit moves, bit for bit ``formats.decode_e8m0``), so the scales cost 1 byte per 32 weights, not 4; the expert ids
+  stay on the device, so a captured CUDA graph picks the experts without copying their weights.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from fidelity.decoders.production.kernels._common import (
     INTERPRET,
     PDL_LAUNCH,
     UNSUPPORTED,
+    check_fp4_picked_linear,
     e4m3_blocks,
+    e8m0_scale,
     next_pow2,
     on_device,
     wait_for_previous_kernel,
@@ -227,9 +231,9 @@ def _fp4_expert_kernel(x_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: t
     """Rows pid0*BN .. +BN of slot pid1's output over the pid2-th slice of k (``k_split`` weights; BK packed bytes
     per step). Each nibble becomes the e4m3 byte of its value x 2^-6 by bit moves (e2m1 magnitude bits << 2, the
     sign to bit 7; e = 0 lands on e4m3's subnormals), converted by the hardware; x is read x 2^6, so every product
-    is the exact code value x x. Per 32-weight block the products are summed, then scaled. FINAL: bf16 y, else
-    fp32 partial sums [splits, slots, n]. QUANT: x is the bf16 activation, quantized here (``_activation``; 2 BK a
-    multiple of 128)."""
+    is the exact code value x x. Per 32-weight block the products are summed, then scaled by the block's e8m0 byte
+    made fp32 (``e8m0_scale``: 2^(b - 127) exactly, NaN for 255). FINAL: bf16 y, else fp32 partial sums [splits,
+    slots, n]. QUANT: x is the bf16 activation, quantized here (``_activation``; 2 BK a multiple of 128)."""
     wait_for_previous_kernel()
     slot = tl.program_id(1)
     e = tl.load(e_ptr + slot).to(tl.int64)
@@ -246,7 +250,7 @@ def _fp4_expert_kernel(x_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: t
         byte = tl.load(w_base + (b0 + cols)[None, :], mask=ok[:, None], other=0)
         lo = (((byte & 7) << 2) | ((byte & 8) << 4)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         hi = (((byte >> 2) & 0x1C) | (byte & 0x80)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        s = tl.load(s_base + (b0 // 16 + blocks)[None, :], mask=ok[:, None], other=0.0)  # one per 16 bytes
+        s = e8m0_scale(tl.load(s_base + (b0 // 16 + blocks)[None, :], mask=ok[:, None], other=127))  # per 16 bytes
         x_lo, x_hi = tl.split(tl.reshape(_activation(x_ptr + slot * stride_x + 2 * b0, 2 * BK, QUANT) * 64.0, [BK, 2]))
         part = tl.sum(tl.reshape(lo * x_lo[None, :] + hi * x_hi[None, :], [BN, BK // 16, 16]), axis=2)
         acc += tl.sum(part * s, axis=1)
@@ -260,10 +264,14 @@ def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Ten
                       quantize: bool = False, bn: int = 16, bk: int = 256, splits: int | None = None,
                       stages: int = 3, num_warps: int = 4) -> torch.Tensor:
     """For each slot s: xq[s] [k] @ W[experts[s]]^T -> bf16 [slots, n], W[e] = FP4 codes packed [E, n, k/2] (uint8)
-    x scales fp32 [E, n, k/32]. ``experts`` int [slots] on the device (not read on the host); ``quantize`` and
-    ``splits`` as in :func:`fp8_weight_linear` (``quantize`` needs k a multiple of 128)."""
+    x 1x32 scales as stored, e8m0 bytes uint8 [E, n, k/32] (``2^(b - 127)``, 255 NaN). ``experts`` int [slots] on
+    the device (not read on the host); ``quantize`` and ``splits`` as in :func:`fp8_weight_linear` (``quantize``
+    needs k a multiple of 128)."""
     slots, k = xq.shape
     e_count, n, half = packed.shape
+    if scales.dtype != torch.uint8:
+        raise ValueError(f"fp4_expert_linear: scales: expected e8m0 scale bytes uint8 [{e_count}, {n}, {k // 32}], "
+                         f"found {scales.dtype} {list(scales.shape)}")
     if half * 2 != k or k % 32 or scales.shape != (e_count, n, k // 32) or experts.shape != (slots,):
         raise ValueError(f"fp4_expert_linear: expected xq [s, k], experts [s], packed [E, n, k/2], scales [E, n, "
                          f"k/32] with k % 32 == 0, found xq {tuple(xq.shape)}, experts {tuple(experts.shape)}, "
@@ -323,7 +331,9 @@ def fp32_linear_cuda(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def takes_fp4_picked_linear(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                             act: str = "fp8") -> str | None:
     """Why :func:`fp4_picked_linear_cuda` cannot take these inputs (None: it can): act "fp8", bf16 x of
-    1..8 GEMV_ROWS rows, k a multiple of 32."""
+    1..8 GEMV_ROWS rows, k a multiple of 32. Inputs of a wrong dtype or shape raise (``check_fp4_picked_linear``:
+    packed codes uint8 [E, n, k/2], e8m0 scale bytes uint8 [E, n, k/32])."""
+    check_fp4_picked_linear(x, experts, packed, scales)
     s, k = x.shape
     if act != "fp8" or x.dtype != torch.bfloat16 or not 1 <= s <= 8 * GEMV_ROWS or k % 32 or not on_device(x):
         return UNSUPPORTED

@@ -59,9 +59,12 @@ def indexer_recall(test_topk: torch.Tensor, ref_topk: torch.Tensor, ref_scores: 
     """test_topk [n, k'], ref_topk [n, k] entry ids (-1 = none), ref_scores [n, e] oracle scores (-inf =
     invisible) -> 0-d metrics: recall (float64), recall_queries, hits, near_tie_miss, true_miss,
     first_true_miss_query (row, -1 none), miss_gap (float64), near_tie_extra, true_extra, test_invisible (test
-    picks out of range or with -inf/NaN oracle score), rank_disp_mean, rank_disp_max (float64), ranked (int64)."""
+    picks out of range or with -inf/NaN oracle score), size_mismatch (queries whose number of distinct picks
+    differs from the oracle's: a top-k width other than the config's), rank_disp_mean, rank_disp_max (float64),
+    ranked (int64)."""
     dev = ref_scores.device
     ref, test = ref_topk.to(dev, torch.int64), test_topk.to(dev, torch.int64)
+    ref_size = unique_sorted(ref)[1].sum(-1)  # distinct picks per query, as given
     e = ref_scores.shape[-1]
     ref = torch.where(ref < e, ref, -1)  # a ref id past the score row cannot be scored
     ref_s, ref_u = unique_sorted(ref)
@@ -98,6 +101,7 @@ def indexer_recall(test_topk: torch.Tensor, ref_topk: torch.Tensor, ref_scores: 
         "near_tie_extra": near_extra.sum(),
         "true_extra": (extra & ~near_extra).sum(),
         "test_invisible": (valid & ~test_sc.isfinite()).sum(),
+        "size_mismatch": (ref_size != test_u.sum(-1)).sum(),
     }
     out.update(_rank_displacement(test, ref_scores))
     return out

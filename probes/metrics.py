@@ -43,6 +43,8 @@ METRICS: dict[str, str] = {
     "miss_gap": "indexer: largest (k-th oracle score - missed pick's) / the query's score scale (0 no miss)",
     "near_tie_extra": "indexer: extra picks within the tie margin",
     "true_extra": "indexer: the other extra picks",
+    "size_mismatch": "indexer: queries whose number of picks differs from the oracle's (a top-k width other than "
+                     "the config's index_topk)",
     "test_invisible": "indexer: production picks the oracle scores -inf or NaN",
     "rank_disp_mean": "indexer: mean oracle-rank displacement of production's picks",
     "rank_disp_max": "indexer: largest oracle-rank displacement",

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fidelity.decoders.production import ContextError, ProductionModel
+from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.production.faults import inject
 from fidelity.decoders.production.graph_decode import GraphDecodeSession, window_idx_on_device
 from fidelity.decoders.production.model import _window_decode_idx
@@ -146,6 +147,35 @@ def test_graph_decode_carries_the_indexer_key_width_fault(tiny):
         assert clean_session.layers[layer].keys.read(written).any(dim=1).all()
     assert torch.equal(a, b)
     assert not torch.equal(a[1:], clean[1:])  # the fault shows in the decode steps
+
+
+@pytest.mark.parametrize("profile", ["reference", "fp8-kv-storage"])
+def test_graph_decode_takes_a_wider_topk_injected_after_its_first_steps(tiny, profile):
+    """Fault ``index-topk-hardcoded`` (top-k 2 * index_topk) injected after the production decoder's graph session
+    sized its buffers and ran its first decode steps: it takes effect in graph decode (no switch to eager; on CUDA
+    the changed faults re-capture, ``GraphDecodeSession._graph_step``), the steps give the eager session's logits
+    under the same schedule bit for bit, and the gather buffer is re-sized as the eager session's is (not replaced
+    by a fresh tensor each step). 50-52 compressed entries are visible: more than index_topk (32), under twice it."""
+    ids = _ids(KEY_TOTAL)
+    schedule = [() if t < 3 else ("index-topk-hardcoded",) for t in range(KEY_TOTAL - KEY_PROMPT)]
+    dec = ProductionDecoder(tiny, profile, max_context=KEY_TOTAL, graphs=True)
+    runs, sessions = {}, {"graph": dec}
+    for name in ("clean", "eager", "graph"):
+        s = sessions.setdefault(name, ProductionModel(tiny, profile, max_context=KEY_TOTAL).session())
+        s.prefill(ids[:KEY_PROMPT])
+        out = []
+        for t, faults in zip(ids[KEY_PROMPT:], schedule, strict=True):
+            with inject(*(faults if name != "clean" else ())):
+                out.append(s.step(int(t)))
+        runs[name] = torch.stack(out)
+    assert torch.equal(runs["graph"], runs["eager"])
+    assert torch.equal(runs["graph"][:3], runs["clean"][:3])
+    assert not torch.equal(runs["graph"][3:], runs["clean"][3:])  # the fault shows once injected
+    info = dec.info()
+    assert isinstance(dec.session, GraphDecodeSession) and dec.pos == KEY_TOTAL
+    assert info["decode_graphs"] and info["decode_graphs_off"] is None
+    for g, e in zip(dec.session.layers, sessions["eager"].layers, strict=True):
+        assert g.gather.shape == e.gather.shape  # graph decode reads no slots buffer: decode_slots gives its own
 
 
 @contextmanager

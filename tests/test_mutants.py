@@ -36,7 +36,7 @@ EXPECTED_PROBE = {
     "decode-buffer-kept": "memory",
     "topk-cap-half": "indexer",
     "paged-flat-addressing": "similarity", "indexer-keys-planar": "similarity",
-    "indexer-chunk-local": "indexer", "index-topk-hardcoded": "visible", "compressor-no-used-length": "similarity",
+    "indexer-chunk-local": "indexer", "index-topk-hardcoded": "indexer", "compressor-no-used-length": "similarity",
     "ue8m0-round-after": "similarity", "tid2eid-bf16": "routing",
     "rollback-partial-carry": "similarity", "fork-stale-ring": "similarity", "fork-drops-carry": "similarity",
     "batch-key-range": "indexer",

@@ -143,6 +143,14 @@ def test_identical_sets_give_recall_one():
     assert vals(indexer_recall(ref.flip(-1), ref, scores))["recall"] == 1  # order does not matter
 
 
+def test_size_mismatch_counts_the_queries_whose_number_of_picks_is_not_the_oracles():
+    scores = torch.arange(8.0).repeat(3, 1)
+    ref = torch.tensor([[7, 6, -1], [7, 6, -1], [7, 6, -1]])
+    test = torch.tensor([[7, 6, 5, 4], [5, 4, -1, -1], [6, 6, 7, -1]])  # wider; other picks, same count; a repeat
+    out = indexer_recall(test, ref, scores)
+    assert out["size_mismatch"] == 1 and out["recall"] == pytest.approx(2 / 3)
+
+
 def test_misses_split_into_near_ties_and_true_misses():
     scores = torch.tensor([[5.0, 4, 3, 2.9, 1, -INF], [9.0, 8, 7, 6, 5, 4]])
     ref = torch.tensor([[0, 1, 2], [0, 1, 2]])

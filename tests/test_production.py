@@ -13,13 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from fidelity.decoders.production import PROFILES, ContextError, ProductionModel, ProductionSession, get_profile, ops
+from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.production.faults import inject
 from fidelity.decoders.production.graph_decode import GraphDecodeSession
 from fidelity.decoders.production.profiles import load_profile
 from fidelity.decoders.production.registry import implementations_used
 from fidelity.model.config import ModelConfig
 from fidelity.model.formats import dequantize_fp8, quantize_fp8
-from fidelity.model.sites import Recorder
+from fidelity.model.sites import Recorder, site_template
 from fidelity.model.synthesize import synthesize
 from oracles import OracleModel
 from oracles import attention as oracle_attention
@@ -36,6 +37,7 @@ VIS = TINY.replace(
     q_lora_rank=128, o_lora_rank=128, moe_inter_dim=128, n_routed_experts=2, n_activated_experts=1,
 )  # fmt: skip
 T = 256
+SWA_HASHED = VIS.replace(compress_ratios=(0, 0), n_hash_layers=2)  # no compressed layer, no score-routed layer
 
 
 def _ids(cfg: ModelConfig, n: int, seed: int = 0) -> torch.Tensor:
@@ -215,6 +217,48 @@ def test_caches_allocated_once(flip_free, profile):
         assert {k: v.data_ptr() for k, v in now.items()} == ptrs
         assert session.cache_bytes() == nbytes
     assert any(not torch.equal(after_prefill[k], t) for k, t in tensors.items() if ".kv." in k)  # caches used
+
+
+WIDE_PROMPT, WIDE_TOTAL = 200, 208  # 50-52 compressed entries visible: more than index_topk (32), under twice it
+
+
+@pytest.mark.parametrize("profile", ["reference", "fp8-kv-storage"])
+def test_a_wider_topk_injected_after_the_session_was_made_takes_effect_in_its_decode(tiny, profile):
+    """Fault ``index-topk-hardcoded`` (top-k 2 * index_topk) injected once the session's decode buffers are sized
+    for index_topk: its decode steps attend every visible entry as a session made under the fault does (the
+    buffers re-sized once, to the wider top-k), where they used to crash; without the fault nothing re-sizes."""
+    ids = _ids(TINY, WIDE_TOTAL)
+    clean = ProductionModel(tiny, profile, max_context=WIDE_TOTAL).session()
+    late = ProductionModel(tiny, profile, max_context=WIDE_TOTAL).session()
+    with inject("index-topk-hardcoded"):  # sized for the wider top-k from the start
+        early = ProductionModel(tiny, profile, max_context=WIDE_TOTAL).session()
+    width = {i: layer.slots.shape[1] for i, layer in enumerate(late.layers)}
+    runs = {}
+    for name, s in (("clean", clean), ("late", late), ("early", early)):
+        s.prefill(ids[:WIDE_PROMPT])
+        with inject(*(("index-topk-hardcoded",) if name != "clean" else ())):
+            runs[name] = torch.stack([s.step(int(t)) for t in ids[WIDE_PROMPT:]])
+    assert torch.equal(runs["late"], runs["early"])
+    assert not torch.equal(runs["late"], runs["clean"])  # the fault shows in these steps
+    assert {i: layer.slots.shape[1] for i, layer in enumerate(clean.layers)} == width
+    grown = {i for i, layer in enumerate(late.layers) if layer.slots.shape[1] != width[i]}
+    assert grown == {i for i, kind in enumerate(TINY.layer_kinds) if kind == "csa"}
+    assert all(late.layers[i].slots.shape == early.layers[i].slots.shape for i in grown)
+
+
+def test_a_wider_topk_is_recorded_whole_at_the_indexer_topk_site(tiny):
+    """Under ``index-topk-hardcoded`` the decoder's ``indexer.topk`` records hold every pick it made (50-52 of the
+    up to 64 columns here), where they used to be cut to index_topk (32) columns."""
+    ids, rec = _ids(TINY, WIDE_TOTAL), Recorder([r"L\d+\.indexer\.topk"])
+    with inject("index-topk-hardcoded"):
+        session = ProductionModel(tiny, "reference", max_context=WIDE_TOTAL).session(rec)
+        session.prefill(ids[:WIDE_PROMPT])
+        session.step(int(ids[WIDE_PROMPT]))
+    assert rec.records
+    for site, records in rec.records.items():
+        for _, picks in records:
+            assert picks.shape[1] >= TINY.index_topk, site
+        assert int((records[-1][1] >= 0).sum(-1).max()) > TINY.index_topk, site  # the decode step's 51 picks
 
 
 def _snapshot(session: ProductionSession) -> dict[str, torch.Tensor]:
@@ -401,6 +445,24 @@ def test_every_builtin_profile_runs(tiny, profile):
     session = ProductionModel(tiny, profile, max_context=153).session()
     logits = _decode(session, ids, 150)
     assert logits.shape == (153, TINY.vocab_size) and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.parametrize(("config", "profile", "graphs"), [
+    ("tiny", "reference", False), ("tiny", "fp8-kv-storage", False), ("tiny", "fp8-kv-storage", True),
+    ("swa-hashed", "fp8-kv-storage", False), ("swa-hashed", "reference", True)])
+def test_sites_lists_exactly_the_sites_a_prefill_and_decode_record(tiny, config, profile, graphs):
+    """``ProductionDecoder.sites()`` against the site names a real prefill and two decode steps record, per layer
+    index dropped (``site_template``): no ``attn.kv_cache`` under bf16 KV storage, no indexer, compressed-entry or
+    gate-score sites on a config without CSA, compressed or score-routed layers; the same for graph decode."""
+    cfg, ckpt = (TINY, tiny) if config == "tiny" else (SWA_HASHED, synthesize(SWA_HASHED, seed=0))
+    dec = ProductionDecoder(ckpt, profile, max_context=24, graphs=graphs)
+    dec.rec = Recorder()
+    dec.prefill(_ids(cfg, 20))
+    for t in _ids(cfg, 2, seed=1):
+        dec.step(int(t))
+    assert isinstance(dec.session, GraphDecodeSession) == graphs
+    assert {site_template(name) for name in dec.rec.records} == dec.sites()
+    assert ("L{i}.attn.kv_cache" in dec.sites()) == (profile == "fp8-kv-storage")
 
 
 def test_user_profiles_parse(tmp_path, flip_free):

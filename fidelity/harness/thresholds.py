@@ -307,6 +307,7 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None,
         Threshold(r"L\d+\.indexer\.(q|keys)", "cos", ">=", qk_cos, modes=("op", "layer")),
         Threshold(COMB_SITES, "orientation_err", "<=", COMB_ERR, modes=("op",)),
         Threshold(r"L\d+\.indexer\.topk", "miss_gap", "<=", SCORE_TIE_MARGIN[kind], modes=("op",)),
+        Threshold(r"L\d+\.indexer\.topk", "size_mismatch", "<=", 0),  # every precision picks index_topk entries
         Threshold(r"L\d+\.moe\.weights", "weight_max_err", "<=", ROUTING_WEIGHT_ERR, modes=("op",)),
         Threshold(r"L\d+\.moe\.experts", "routing_gap", "<=", ROUTING_GAP[kind], modes=("op",)),
         Threshold(r"L\d+\.moe\.experts", "routing_gap", "<=", ROUTING_GAP_LAYER[kind], modes=("layer",)),

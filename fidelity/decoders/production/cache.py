@@ -266,11 +266,30 @@ class LayerCache:
             self.keys = KeyStore(n_keys, cfg.index_head_dim, profile.indexer_qk,
                                  profile.indexer_storage == "packed", device, block)
             self.index_carry = CompressorCarry.empty(4, cfg.index_head_dim, device)
-        visible = w + (min(topk_width(cfg.index_topk), self.n_compressed) if ratio == 4 else self.n_compressed)
-        rows = visible if decode_gathers(profile) else 0  # packed FP8 rows are attended in place
-        self.gather = torch.zeros(rows, cfg.head_dim, dtype=BF16, device=device)
-        self.slots = torch.zeros(1, visible, dtype=torch.long, device=device)  # decode: cache slot per gathered row
+        self.index_topk, self.gathers = cfg.index_topk, decode_gathers(profile)  # packed FP8 rows: attended in place
+        self._size_decode_buffers(self.visible(), cfg.head_dim, device)
         self.spill: list[torch.Tensor] = []  # only the ``cache-concat-growth`` fault ever appends here
+
+    def visible(self) -> int:
+        """The most rows a decode step attends: the window, then the top-k's width (``topk_width``: the fault
+        ``index-topk-hardcoded`` as injected now) of the compressed entries (CSA), or all of them (HCA)."""
+        if self.ratio == 4:
+            return self.window + min(topk_width(self.index_topk), self.n_compressed)
+        return self.window + self.n_compressed
+
+    def _size_decode_buffers(self, rows: int, hd: int, device: torch.device | str) -> None:
+        """Allocate the decode's ``slots`` [1, rows] (the cache slot of each attended row) and, where decode gathers,
+        its bf16 ``gather`` buffer [rows, hd] (else [0, hd])."""
+        self.gather = torch.zeros(rows if self.gathers else 0, hd, dtype=BF16, device=device)
+        self.slots = torch.zeros(1, rows, dtype=torch.long, device=device)
+
+    def decode_buffers(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the first ``k`` attended rows' ``slots`` [1, k] and ``gather`` rows [k, hd] ([0, hd] where
+        decode does not gather). Sized once; re-allocated (to :meth:`visible`) only where ``k`` outgrows them: a
+        wider top-k than the session was made with (fault ``index-topk-hardcoded`` injected after)."""
+        if k > self.slots.shape[1]:
+            self._size_decode_buffers(max(k, self.visible()), self.gather.shape[1], self.slots.device)
+        return self.slots[:, :k], self.gather[:k]
 
     def nbytes(self) -> dict[str, int]:
         out = {"kv": self.kv.nbytes(), "gather": self.gather.numel() * 2 + self.slots.numel() * 8}

@@ -17,6 +17,7 @@ from fidelity.decoders.production.graph_decode import GraphDecodeSession, graph_
 from fidelity.decoders.production.model import ProductionSession
 from fidelity.decoders.production.profiles import Profile, profile_dict
 from fidelity.decoders.production.registry import implementations_used
+from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, StopSet
 from fidelity.model.sites import SITES
 
@@ -346,7 +347,8 @@ class ProductionDecoder(Decoder):
 
     # ---- one sequence ------------------------------------------------------------------------
     def sites(self) -> frozenset[str]:
-        return frozenset(SITES)
+        """The site templates this decoder records: :func:`recorded_sites` of its profile and config."""
+        return recorded_sites(self.model.profile, self.config)
 
     def stop_set(self, reference: StopSet) -> StopSet:
         """The run's stop set (fault ``stop-missing-eot``: without the config's end-of-turn ids)."""
@@ -391,6 +393,25 @@ class ProductionDecoder(Decoder):
         return {"decode_graphs": graph, "decode_graphs_off": self.graphs_off,
                 "decode_graph_captured": graph and session.graphs,
                 "decode_graph_replays": self.decode_sites["graph outputs"], "decode_sites": dict(self.decode_sites)}
+
+
+INDEXER_SITES = frozenset(t for t in SITES if t.startswith("L{i}.indexer."))  # CSA layers only
+
+
+def recorded_sites(profile: Profile, cfg: ModelConfig) -> frozenset[str]:
+    """The site templates a production session records under ``profile`` on ``cfg``: every site, less the stored
+    KV rows (``attn.kv_cache``) unless the profile stores them packed FP8 (``ProductionSession.emit_kv_cache``), the
+    indexer's without a CSA layer, the compressed entries without a compressed layer, and the gate's selection
+    scores where every layer is hash-routed."""
+    ratios = set(cfg.compress_ratios[: cfg.n_layers])
+    left_out = set() if profile.kv_storage == "fp8" else {"L{i}.attn.kv_cache"}
+    if 4 not in ratios:
+        left_out |= INDEXER_SITES
+    if not ratios - {0}:
+        left_out.add("L{i}.attn.compressed_kv")
+    if all(cfg.is_hash_layer(i) for i in range(cfg.n_layers)):
+        left_out.add("L{i}.moe.scores")
+    return frozenset(SITES) - left_out
 
 
 def _fault_reason(blocked: list[str]) -> str:

@@ -81,7 +81,8 @@ class GraphDecodeSession(ProductionSession):
     eagerly, which compiles the kernels and loads the weights, then the step is captured; later steps copy the
     token and position into the graph's input buffers and replay it. ``replays`` counts replayed steps,
     ``captures`` captured graphs (a change of the faults, the ops' selections or the recorder's patterns captures
-    anew). ``recorder``: the sites of every call, as ``ProductionSession`` records them (module docstring)."""
+    anew; a wider top-k, fault ``index-topk-hardcoded``, re-sizes the gather buffer in that eager step, before the
+    capture). ``recorder``: the sites of every call, as ``ProductionSession`` records them (module docstring)."""
 
     def __init__(self, model: ProductionModel, graphs: bool | None = None, recorder: Recorder | None = None):
         super().__init__(model, recorder)
@@ -261,7 +262,7 @@ class GraphDecodeSession(ProductionSession):
         rows, local = decode_slots(self.pos_dev, picks, cache.window, ratio, cache.n_compressed)
         if cache.kv.fmt == "fp8" and self.profile.fmha == "bf16":
             return self.attend_packed(i, q, torch.where(local >= 0, rows, -1))
-        buf = cache.gather[: rows.shape[0]]
+        _, buf = cache.decode_buffers(rows.shape[0])
         cache.kv.read_into(rows, buf)
         sink, scale = self.model.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
         return self.op("sparse_attention")(q, buf, local, sink, scale, self.profile.fmha)

@@ -119,8 +119,9 @@ class ProductionModel:
                 stored = [[self.ckpt.stored(n) for n in group] for group in names]
                 if all(st.fmt == "fp4" for group in stored for st in group):
                     stacks = [(torch.stack([st.data.view(torch.uint8).to(self.device) for st in group]),
-                               torch.stack([decode_e8m0(st.scale.to(self.device)) for st in group]))
-                              for group in stored]
+                               torch.stack([_e8m0_bytes(st.scale, name).to(self.device)
+                                            for st, name in zip(group, group_names, strict=True)]))
+                              for group, group_names in zip(stored, names, strict=True)]
                     n = stacks[0][0].shape[1]
                     w13 = tuple(torch.cat((a, b), dim=1) for a, b in zip(stacks[0], stacks[2], strict=True))
                     stacks = ((w13[0][:, :n], w13[1][:, :n]), stacks[1], (w13[0][:, n:], w13[1][:, n:]), w13)
@@ -455,8 +456,9 @@ class ProductionSession:
         """One decode token at ``t = self.pos``. Every slot is gathered in place, a -1 slot as row 0, which the
         attention never reads, so no host sync sizes the gather; rows stored packed FP8 are attended in place
         (:meth:`attend_packed`) unless the profile rounds the FMHA inputs. The slots and the gathered rows go into the
-        layer's preallocated ``slots`` / ``gather`` buffers; what still allocates here is eager mode's small
-        temporaries (masks, the FP8 dequantization), which graph decode replays without allocating."""
+        layer's preallocated ``slots`` / ``gather`` buffers (``LayerCache.decode_buffers``); what still allocates
+        here is eager mode's small temporaries (masks, the FP8 dequantization), which graph decode replays without
+        allocating."""
         cfg, cache = self.cfg, self.layers[i]
         cache.kv.write(self.window_slot(cache.window), kv)
         self.emit_kv_cache(i, kv, self.window_slot(cache.window))
@@ -466,14 +468,13 @@ class ProductionSession:
         idx = self.decode_window_idx(cache.window, x.device)
         self.emit("L{i}.attn.visible", i, lambda: _visible(idx, comp, positions, cache.window, prefill=False))
         win, k = idx.shape[1], idx.shape[1] + (0 if comp is None else comp.shape[1])
-        slots = cache.slots[:, :k]
+        slots, buf = cache.decode_buffers(k)
         slots[:, :win] = idx
         if comp is not None:
             torch.add(comp, cache.window, out=slots[:, win:])
             slots[:, win:].masked_fill_(comp < 0, -1)
         if cache.kv.fmt == "fp8" and self.profile.fmha == "bf16" and not on("decode-buffer-kept"):
             return self.attend_packed(i, q, slots)
-        buf = cache.gather[:k]
         if on("decode-buffer-kept"):
             buf = torch.zeros(cache.kv.capacity, cfg.head_dim, dtype=torch.bfloat16, device=x.device)[:k]
             self.kept.append(buf)
@@ -762,7 +763,9 @@ def _biased_weights(x, gate_w, bias, experts, route_scale) -> torch.Tensor:
 
 
 def _pad(picks: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(picks, (0, width - picks.shape[1]), value=-1)
+    """picks [n, k] padded with -1 to ``width`` columns; a wider selection (fault ``index-topk-hardcoded``) is
+    recorded whole."""
+    return torch.nn.functional.pad(picks, (0, max(0, width - picks.shape[1])), value=-1)
 
 
 def _window_prefill_idx(t: int, win: int, start: int = 0) -> torch.Tensor:

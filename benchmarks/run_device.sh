@@ -2,6 +2,9 @@
 # Device calls (each fits the 10-minute limit). On the GPU machine, repo root:
 #   OUT=dir bash benchmarks/run_device.sh bench [bench_kernels args...]   # validate + time every kernel
 #   OUT=dir bash benchmarks/run_device.sh tests                          # GPU tests, layer decode step, diagnosis
+#   OUT=dir bash benchmarks/run_device.sh kernels                        # the kernel property tests alone
+#   OUT=dir bash benchmarks/run_device.sh models [test files...]         # model tests (default: all) alone, one
+#                                                                        # process, up to MODELS_TIMEOUT (540) s
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/bench_out}
@@ -14,6 +17,12 @@ if [ "$what" = bench ]; then
   timeout "${BENCH_TIMEOUT:-500}" python3 benchmarks/bench_kernels.py --out "$OUT" "$@" >"$OUT/bench.log" 2>&1
   echo "bench rc=$?"
   grep -E "^\[|best|FAILED|Error|error" "$OUT/bench.log" | cut -c1-240 | head -60
+elif [ "$what" = models ]; then
+  files=("$@"); [ ${#files[@]} -eq 0 ] && files=(tests/gpu/test_*_cuda.py)
+  OMP_NUM_THREADS=4 timeout "${MODELS_TIMEOUT:-540}" python3 -m pytest "${files[@]}" -q -p no:cacheprovider \
+    -p no:xdist --timeout 520 -rfE --durations=15 >"$OUT/pytest_models.log" 2>&1
+  echo "pytest models rc=$?"
+  tail -c 2500 "$OUT/pytest_models.log"
 else
   # the kernel property tests in 8 xdist workers (2 CPU threads each); the production-model tests in one process:
   # under xdist they ran into their timeouts on 2026-12-01, alone they pass in about 30 s
@@ -22,6 +31,10 @@ else
     -q -n 8 -p no:cacheprovider --timeout 400 -rfE --durations=15 >"$OUT/pytest.log" 2>&1
   echo "pytest kernels rc=$?"
   tail -c 2500 "$OUT/pytest.log"
+  if [ "$what" = kernels ]; then
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu --format=csv >>"$OUT/gpu.txt" 2>&1
+    exit 0
+  fi
   OMP_NUM_THREADS=4 timeout 200 python3 -m pytest tests/gpu/test_*_cuda.py -q -p no:cacheprovider -p no:xdist \
     --timeout 170 -rfE --durations=8 \
     >"$OUT/pytest_models.log" 2>&1

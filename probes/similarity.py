@@ -28,10 +28,31 @@ def nonfinite_code(x: torch.Tensor) -> torch.Tensor:
 
 
 def _prepare(ref: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Flatten both to [n, d] float64 with non-common-finite coordinates zeroed, plus the non-finite metrics."""
+    """Flatten both to [n] float64 with non-common-finite coordinates zeroed, plus the non-finite metrics. On the
+    CPU, where reading a value back costs nothing, two all-finite tensors take :func:`_finite_pair` (same values,
+    a third of the ops); elsewhere :func:`_masked_pair` (no host read)."""
     if ref.shape != test.shape:
         raise ValueError(f"similarity: ref shape {tuple(ref.shape)} != test shape {tuple(test.shape)}")
     test = test.to(ref.device)
+    if ref.device.type == "cpu" and _all_finite(ref) and _all_finite(test):
+        return _finite_pair(ref, test)
+    return _masked_pair(ref, test)
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    return not x.is_floating_point() or bool(x.isfinite().all())
+
+
+def _finite_pair(ref: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`_masked_pair` of two tensors finite everywhere: nothing to zero, no non-finite coordinate."""
+    zero = torch.zeros((), dtype=torch.int64)
+    nonfinite = {"nonfinite_mismatch": zero, "nonfinite_first": torch.tensor(-1), "test_nonfinite": zero,
+                 "ref_nonfinite": zero, "compared": torch.tensor(ref.numel())}
+    return ref.flatten().to(torch.float64), test.flatten().to(torch.float64), nonfinite
+
+
+def _masked_pair(ref: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Both flattened to [n] float64, coordinates not finite in both zeroed, and the non-finite metrics."""
     cr, ct = nonfinite_code(ref), nonfinite_code(test)
     mismatch = (cr != ct).flatten()
     both = ((cr == 0) & (ct == 0)).flatten()

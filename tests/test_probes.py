@@ -77,6 +77,29 @@ def test_matching_nonfinite_patterns_agree_and_sign_of_inf_matters():
     assert m["nonfinite_mismatch"] == 1 and m["nonfinite_first"] == 1 and m["max_abs"] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
+def test_the_cpu_all_finite_shortcut_gives_the_masked_paths_values_and_metrics_bit_for_bit(dtype):
+    from probes.similarity import _finite_pair, _masked_pair
+
+    g = torch.Generator().manual_seed(0)
+    ref = (torch.randn(7, 3, 16, generator=g) * 100).to(dtype)
+    test = (ref.double() + torch.randn(7, 3, 16, generator=g, dtype=torch.float64)).to(dtype)
+    ref.view(-1)[5] = -0.0 if dtype.is_floating_point else 0
+    fast, masked = _finite_pair(ref, test), _masked_pair(ref, test)
+    for a, b in zip(fast[:2], masked[:2], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
+    assert fast[2].keys() == masked[2].keys()
+    for name, value in fast[2].items():
+        assert value.dtype == masked[2][name].dtype and torch.equal(value, masked[2][name]), name
+
+
+def test_a_nonfinite_coordinate_on_the_cpu_takes_the_masked_path():
+    ref, test = torch.ones(4), torch.ones(4)
+    test[2] = float("nan")
+    out = similarity(ref, test)
+    assert out["nonfinite_mismatch"] == 1 and out["nonfinite_first"] == 2 and out["compared"] == 3
+
+
 def test_similarity_per_position_gives_one_value_per_token():
     ref = torch.ones(4, 2, 3)
     test = ref.clone()

@@ -181,3 +181,11 @@ def test_oracle_session_layer_mode_runs_on_given_inputs(tiny):
     s.forward_layers(ids, inputs)
     for i in range(6):
         assert torch.equal(layered.get(f"L{i}.residual"), rec.get(f"L{i}.residual"))
+
+
+def test_the_runner_synchronizes_only_the_cuda_devices_its_two_models_use():
+    from fidelity.harness.runner import run_devices
+
+    assert run_devices("cpu", torch.device("cpu")) == ()
+    assert run_devices("cuda:1", torch.device("cuda", 1), "cuda:0", "cpu") == (torch.device("cuda", 0),
+                                                                               torch.device("cuda", 1))

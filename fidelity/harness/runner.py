@@ -174,6 +174,7 @@ class Runner:
         self.growth = {"reserved": 0, "retained": 0, "host_retained": 0}  # decode calls since the warm-up
         self.held0: int | None = None  # bytes the decoder held after its last warm-up call
         self.seconds: dict[str, float] = {}
+        self.devices = run_devices(spec.device, self.oracle.device)  # synchronized around each timed part
 
     def run(self) -> tuple[pd.DataFrame, dict]:
         t0 = time.perf_counter()
@@ -214,9 +215,13 @@ class Runner:
 
     @contextmanager
     def _timed(self, phase: str, part: str) -> Iterator[None]:
-        """Adds the wall time of the block to ``seconds["<phase> <part>"]`` (reported in the manifest)."""
+        """Adds the wall time of the block to ``seconds["<phase> <part>"]`` (reported in the manifest). The run's
+        CUDA devices are synchronized at both ends, so the GPU work a part queued is timed in that part, not in the
+        next one's first host read."""
+        sync_devices(self.devices)
         t0 = time.perf_counter()
         yield
+        sync_devices(self.devices)
         key = f"{phase} {part}"
         self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
 
@@ -395,6 +400,20 @@ class Runner:
             "seconds_by_part": {k: round(v, 3) for k, v in self.seconds.items()},
             "threads": torch.get_num_threads(),
         }
+
+
+def run_devices(*devices: str | torch.device) -> tuple[torch.device, ...]:
+    """The distinct CUDA devices among ``devices`` (the decoder's and the oracle's); none on the CPU."""
+    found = {torch.device(d) for d in devices}
+    cuda = {torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
+            for d in found if d.type == "cuda"}
+    return tuple(sorted(cuda, key=lambda d: d.index))
+
+
+def sync_devices(devices: Sequence[torch.device]) -> None:
+    """Waits for the work queued on each of ``devices``."""
+    for d in devices:
+        torch.cuda.synchronize(d)
 
 
 def exact_float32() -> dict[str, bool]:

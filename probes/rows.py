@@ -42,16 +42,12 @@ def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
         by_device.setdefault(t.device, []).append(i)
     out: list[list[float]] = [[] for _ in tensors]
     for idx in by_device.values():
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in idx:
-            by_dtype.setdefault(tensors[i].dtype, []).append(i)
-        order = [i for same in by_dtype.values() for i in same]  # one float64 cast per dtype, not per tensor
-        flat = torch.cat([torch.cat([tensors[i].detach().reshape(-1) for i in same]).to(torch.float64)
-                          for same in by_dtype.values()]).cpu().tolist()
+        parts = [tensors[i].detach().reshape(-1).to(torch.float64) for i in idx]
+        flat = torch.cat(parts).cpu().tolist()
         start = 0
-        for i in order:
-            out[i] = flat[start : start + tensors[i].numel()]
-            start += tensors[i].numel()
+        for i, p in zip(idx, parts, strict=True):
+            out[i] = flat[start : start + p.numel()]
+            start += p.numel()
     return out
 
 

@@ -307,12 +307,7 @@ def _fp8_weight(c: Case) -> torch.Tensor:
 def _fp4_picked_weights(c: Case) -> torch.Tensor:
     """fp64 [s, n, k]: row r's expert weight, e2m1 codes (low nibble first; bit 3 the sign) times 1x32 scales (e8m0
     bytes)."""
-    p = c["packed"].index_select(0, c["experts"]).to(torch.int64)
-    codes = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
-    mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=FP64)[codes & 7]
-    values = torch.where(codes >= 8, -mag, mag)
-    scales = decode_e8m0(c["scales"].index_select(0, c["experts"])).to(FP64)
-    return (values.unflatten(-1, (-1, 32)) * scales[..., None]).flatten(-2)
+    return _stored_fp4(c["packed"].index_select(0, c["experts"]), c["scales"].index_select(0, c["experts"]))
 
 
 def _per_group(c: Case, w: torch.Tensor, f) -> torch.Tensor:

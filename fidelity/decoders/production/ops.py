@@ -73,8 +73,7 @@ def fp4_picked_linear(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tens
     (decoded here with ``formats.decode_e8m0``: ``2^(b - 127)``, 255 NaN); the expert ids stay a device tensor (no
     host read). Inputs of a wrong dtype or shape raise (``check_fp4_picked_linear``)."""
     check_fp4_picked_linear(x, experts, packed, scales)
-    w = fp4_code_values(unpack_fp4_codes(packed.index_select(0, experts)))  # [s, n, k]
-    w = (w.unflatten(-1, (-1, 32)) * decode_e8m0(scales.index_select(0, experts))[..., None]).flatten(-2)
+    w = _fp4_dequantized(packed.index_select(0, experts), scales.index_select(0, experts))  # [s, n, k]
     xq = fake_quant_fp8(x, 128) if act == "fp8" else x
     return (xq.float()[:, None, :] @ w.transpose(1, 2)).squeeze(1).to(BF16)
 

@@ -31,12 +31,20 @@ from fidelity.decoders.production.kernels.weight_gemv import (  # noqa: E402
     fp8_weight_linear,
 )
 from fidelity.decoders.production.ops import grouped_out  # noqa: E402
-from fidelity.model.formats import decode_e8m0, dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8  # noqa: E402
+from fidelity.model.formats import (  # noqa: E402
+    decode_e8m0,
+    dequantize_fp4,
+    dequantize_fp8,
+    fake_quant_fp8,
+    quantize_fp4,
+    quantize_fp8,
+)
 
 FP8_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
               "indexer.wq_b": (8192, 1024), "shared.w1": (2048, 4096), "shared.w2": (4096, 2048)}
-EXPERT_SHAPES = {"experts.w1": (2048, 4096), "experts.w2": (4096, 2048)}
+EXPERT_SHAPES = {"experts.w1": (2048, 4096), "experts.w13": (4096, 4096), "experts.w2": (4096, 2048)}
 CONFIGS = [dict(bn=bn, stages=st, num_warps=nw) for bn in (8, 16, 32) for st in (2, 3) for nw in (4, 8)]
+FP4_CONFIGS = [dict(bn=bn, bb=bb, num_warps=nw) for bn in (16, 32, 64) for bb in (4, 8) for nw in (4, 8)]
 
 
 def _bound_ratio(y, x, w) -> float:
@@ -123,15 +131,16 @@ def bench_fp4(name, n, k, m, out, n_experts=256, slots=6):
     scales = sb.view(torch.uint8)  # the stored e8m0 bytes, as the kernel reads them
     experts = torch.randperm(n_experts, device="cuda", generator=g)[: slots * m].contiguous()
     x = torch.randn(slots * m, k, device="cuda", generator=g).to(torch.bfloat16)
-    y = fp4_expert_linear(x, experts, packed, scales)
+    y = fp4_expert_linear(x, experts, packed, scales, quantize=True)  # the decode step's call: x quantized in it
     wd = dequantize_fp4(packed[experts], sb[experts])
-    ratio = max(_bound_ratio(y[i : i + 1], x[i : i + 1], wd[i]) for i in range(len(experts)))
+    xq = fake_quant_fp8(x, 128)
+    ratio = max(_bound_ratio(y[i : i + 1], xq[i : i + 1], wd[i]) for i in range(len(experts)))
     nbytes = len(experts) * (n * k // 2 + n * k // 32) + x.numel() * 4
     sets = [(x, torch.randperm(n_experts, device="cuda", generator=g)[: slots * m].contiguous())
             for _ in range(8)]  # other experts each call: the weights come from HBM
     best = None
-    for cfg in CONFIGS:
-        t = time_fn(lambda a, e, cfg=cfg: fp4_expert_linear(a, e, packed, scales, **cfg), sets)
+    for cfg in FP4_CONFIGS:
+        t = time_fn(lambda a, e, cfg=cfg: fp4_expert_linear(a, e, packed, scales, quantize=True, **cfg), sets)
         if best is None or t["us"] < best[1]["us"]:
             best = (cfg, t)
     row = {"weight": name, "fmt": "fp4", "n": n, "k": k, "slots": len(experts), "us": best[1]["us"],

@@ -1,7 +1,8 @@
 """The decode step's element-wise kernels without a GPU: Triton's CPU interpreter runs them (in a subprocess, since
 the interpreter is chosen when the kernels are defined): ``indexer_round`` against its bit-exact contract and the
 emulation's bits, ``apply_rope`` against its contract, the decode GEMVs' in-launch activation quantization against
-the separate one, the FP4 expert GEMV's e8m0 scale bytes (0, 1, 127, 254, 255) against the emulation's bits.
+the separate one, the FP4 expert GEMV's e8m0 scale bytes (0, 1, 127, 254, 255) against the emulation's bits and
+the GEMV against its contract.
 Skipped where triton is not installed (the test extra installs it on Linux)."""
 
 import pytest
@@ -19,7 +20,7 @@ CHECKS = ["indexer_round_contract", "queries_64_heads", "key_signed_zeros_unrota
           "moe_sum_gives_the_loops_bits",
           "swiglu_close_to_the_emulation", "gate_contract", "decode_slots_give_the_references_integers",
           "compressor_decode_contract", "put_at_block_end_writes_the_row_only_where_the_block_completes",
-          "mask_past_hides_the_entries_past_the_limit", "rms_norm_weightless_contract"]
+          "mask_past_hides_the_entries_past_the_limit", "rms_norm_weightless_contract", "fp4_picked_linear_contract"]
 
 
 @pytest.fixture(scope="module")

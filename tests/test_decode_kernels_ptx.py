@@ -2,7 +2,9 @@
 cos / sin from libdevice (``__nv_cosf`` / ``__nv_sinf`` inlined, the CUDA ``cosf`` / ``sinf`` torch's ``polar``
 calls, not the ``.approx`` instructions) and rounds the complex product with two explicit FMAs and nothing fused
 besides; the indexer_round kernel builds at every supported width; the routed experts' FP4 kernels build reading the
-stored e8m0 scale bytes (one byte load per scale, the value made by an exponent move, no conversion instruction)."""
+stored e8m0 scale bytes (one byte load per scale, the value made by an exponent move, no conversion instruction)
+and their input kernel quantizes only when asked; the mHC split-K finish kernels build at decode's and prefill's
+tiles."""
 
 import re
 
@@ -13,7 +15,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fidelity.decoders.production.kernels import grouped_expert, indexer_round, rope, weight_gemv  # noqa: E402
+from fidelity.decoders.production.kernels import grouped_expert, indexer_round, mhc, rope, weight_gemv  # noqa: E402
 
 
 def _ptx(fn, pointers: dict[str, str], ints: tuple[str, ...], consts: dict) -> str:
@@ -51,15 +53,37 @@ def _scale_reads(ptx: str) -> tuple[int, int]:
     return len(re.findall(loads + r"(?:u8|b8)\b", ptx)), len(re.findall(loads + r"f32\b", ptx))
 
 
-@pytest.mark.parametrize("final, quant", [(True, True), (False, True), (True, False)])
-def test_fp4_expert_gemv_builds_reading_e8m0_scale_bytes(final, quant):
+@pytest.mark.parametrize("final, even", [(True, True), (False, True), (True, False)])
+def test_fp4_expert_gemv_builds_reading_e8m0_scale_bytes(final, even):
     ptx = _ptx(weight_gemv._fp4_expert_kernel,
-               {"x_ptr": "*bf16", "e_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32"},
+               {"xp_ptr": "*fp32", "e_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*fp32"},
                ("n", "slots", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn"),
-               {"k_split": 2048, "BN": 16, "BK": 128, "FINAL": final, "QUANT": quant})
-    byte_loads, float_loads = _scale_reads(ptx)
-    assert ".entry _fp4_expert_kernel" in ptx and byte_loads > 0 and float_loads == 0
+               {"k_split": 2048, "PLANE": 256, "BN": 16, "BB": 8, "EVEN": even, "FINAL": final})
+    assert ".entry _fp4_expert_kernel" in ptx and _scale_reads(ptx)[0] > 0
     assert re.search(r"shl\.b32\s+%r\d+, %r\d+, 23;", ptx)  # the e8m0 byte moved into the exponent
+
+
+@pytest.mark.parametrize("block, quant", [(128, True), (128, False), (32, False)])
+def test_fp4_gemv_input_kernel_builds_and_writes_fp32_planes(block, quant):
+    ptx = _ptx(weight_gemv._fp4_input_kernel, {"x_ptr": "*bf16", "xp_ptr": "*fp32"}, ("k", "stride_x"),
+               {"BLOCK": block, "QUANT": quant})
+    assert ".entry _fp4_input_kernel" in ptx and re.search(r"st\.global(?:\.\w+)*\.b32", ptx)
+    assert bool(re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) == quant  # the e4m3 rounding only when asked
+
+
+@pytest.mark.parametrize("bt, bd, sb", [(1, 512, 128), (4, 128, 32), (16, 256, 1)])
+def test_mhc_finish_kernels_build_at_decode_and_prefill_tiles(bt, bd, sb):
+    common = {"ws_ptr": "*fp32", "x_ptr": "*bf16", "scale_ptr": "*fp32", "base_ptr": "*fp32", "y_ptr": "*bf16"}
+    ints = ("n", "dim", "n_splits", "stride_xn", "d_per_prog")
+    floats = {"norm_eps": "fp32", "hc_eps": "fp32"}
+    for kernel, pointers, more in ((mhc._hc_finish_kernel, {**common, "pre_ptr": "*fp32", "post_ptr": "*fp32",
+                                                             "comb_ptr": "*fp32"}, ("iters",)),
+                                   (mhc._hc_head_finish_kernel, common, ())):
+        consts = {"BT": bt, "BD": bd, "SB": sb} if more else {"BD": bd, "SB": sb}
+        sig = {**pointers, **floats, **{n: "i32" for n in ints + more}, **{n: "constexpr" for n in consts}}
+        ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        assert f".entry {kernel.__name__}" in ptx
 
 
 @pytest.mark.parametrize("kernel", ["_w13_kernel", "_w2_kernel"])

@@ -27,7 +27,7 @@ def test_weight_gemvs_meet_their_contracts_where_the_row_blocks_overhang():
         return weight_gemv.bf16_weight_linear_f32(x, weight, bn=256)
 
     def fp4(x, experts, packed, scales, act):
-        return weight_gemv.fp4_expert_linear(fake_quant_fp8(x, 128), experts, packed, scales, bn=256) \
+        return weight_gemv.fp4_expert_linear(fake_quant_fp8(x, 128), experts, packed, scales, bn=256, bb=2) \
             if act == "fp8" else ops.fp4_picked_linear(x, experts, packed, scales, act)
 
     check_against_oracle("fp8_weight_linear", fp8, max_examples=25, device=CUDA)

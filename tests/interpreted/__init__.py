@@ -16,3 +16,18 @@ def run_checks(module: str) -> dict:
                          text=True, timeout=900, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def index_through_item() -> None:
+    """Triton 3.6's interpreter passes int arguments as one-element arrays and indexes them with ``int(array)``,
+    which NumPy 2.4 refuses for arrays of one dimension, so a loop with a runtime bound (``range(0, n, step)``)
+    fails there. Index through ``.item()`` instead (what older NumPy did); for the interpreted checks only."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched

@@ -21,6 +21,7 @@ from fidelity.decoders.production.kernels.rope import apply_rope_cuda
 from fidelity.decoders.production.kernels.take import put_at_block_end
 from fidelity.decoders.production.model import _moe_sum
 from fidelity.decoders.production.registry import dispatch
+from fidelity.model import formats
 from fidelity.testing import check_against_oracle
 from tests import fp4_scale_bytes
 
@@ -43,6 +44,13 @@ def expert_on_emulated_gemms(x, w1, w2, w3, limit, weight, act, linear=None):
     return expert_cuda(x, w1, w2, w3, limit, weight, act, linear)
 
 
+def fp4_gemv_on_torch_quantization(x, experts, packed, scales, act="fp8"):
+    """The FP4 expert GEMV (its input preparation and word-wise decode) on x quantized by ``formats`` for act
+    "fp8" (the interpreter's e4m3 rounding is not the hardware's), x as given for "bf16"."""
+    return weight_gemv.fp4_expert_linear(formats.fake_quant_fp8(x, 128) if act == "fp8" else x, experts, packed,
+                                         scales)
+
+
 def _contract(op: str, fn) -> str:
     try:
         check_against_oracle(op, fn, max_examples=40)
@@ -57,7 +65,8 @@ def main() -> dict[str, str]:
            "apply_rope_contract": _contract("apply_rope", dispatch("apply_rope")),
            "expert_contract": _contract("expert", expert_on_emulated_gemms),
            "gate_contract": _contract("gate", dispatch("gate")),
-           "compressor_decode_contract": _contract("compressor_decode", dispatch("compressor_decode"))}
+           "compressor_decode_contract": _contract("compressor_decode", dispatch("compressor_decode")),
+           "fp4_picked_linear_contract": _contract("fp4_picked_linear", fp4_gemv_on_torch_quantization)}
     q = torch.randn(2, 64, 128, generator=g) * torch.exp2(torch.randint(-30, 30, (2, 64, 1), generator=g).float())
     out["queries_64_heads"] = _bits_differ(q.to(BF16), True)
     key = torch.randn(1, 128, generator=g)

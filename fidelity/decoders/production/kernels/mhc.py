@@ -6,7 +6,9 @@ One program handles ``BT`` tokens: pass 1 streams ``x`` [BT, 4*dim] against ``fn
 then go through the split and Sinkhorn in registers; pass 2 re-reads the token's streams (L2-resident) for the
 fp32 collapse, rounded once to bf16. Outputs as ``ops.hc_pre``: (y bf16 [n, dim], pre [n, 4], post [n, 4],
 comb [n, 4, 4] fp32). fp32 summation order differs from torch (tolerance contract of ``hc_pre``). With few
-tokens (decode) the K reduction is split over programs and finished by a second launch (fixed-order sum).
+tokens (decode) the K reduction is split over programs and finished by a second launch (fixed-order sum); with
+fewer tokens than a tile (decode's one) the finish reads the splits' partials a group at a time (one load latency
+for all 128 of V4-Flash's splits instead of one per split: ``_finish_tiles``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production.kernels._common import PDL_LAUNCH, UNSUPPORTED, on_device, wait_for_previous_kernel
+from fidelity.decoders.production.kernels._common import (
+    PDL_LAUNCH,
+    UNSUPPORTED,
+    next_pow2,
+    on_device,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -132,29 +140,39 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, ws_ptr, n, dim, k_per_split, stride_xn
     tl.store(ws_ptr + row + 32, ssq, mask=tmask)
 
 
+@triton.jit
+def _split_sums(ws_ptr, toks, tmask, s0, n, n_splits, lo: tl.constexpr, WIDTH: tl.constexpr, SB: tl.constexpr):
+    """Columns lo .. lo+WIDTH-1 of the partials ws [S, n, 33] of splits s0 .. s0+SB-1 (those < n_splits), summed
+    over the splits (a fixed tree: deterministic) -> [BT, WIDTH]."""
+    s = s0 + tl.arange(0, SB)
+    row = (s[None, :] * n + toks[:, None]) * 33  # [BT, SB]
+    ok = tmask[:, None] & (s < n_splits)[None, :]
+    part = tl.load(ws_ptr + row[:, :, None] + lo + tl.arange(0, WIDTH)[None, None, :], mask=ok[:, :, None], other=0.0)
+    return tl.sum(part, axis=1)
+
+
 @triton.jit(do_not_specialize=["n", "iters", "n_splits"])
 def _hc_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr,
                       n, dim, n_splits, norm_eps, hc_eps, iters, stride_xn, d_per_prog,
-                      BT: tl.constexpr, BD: tl.constexpr):
-    """Sums the split-K partials in a fixed order (deterministic), then split + collapse; program (tile, j)
-    collapses dims j*d_per_prog .. (j+1)*d_per_prog-1 (every program redoes the 4x4 Sinkhorn, j == 0 stores it)."""
+                      BT: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr):
+    """Sums the split-K partials in a fixed order (deterministic: SB splits a load, summed as a fixed tree, the
+    groups in order; SB = 1 is the plain split order), then split + collapse; program (tile, j) collapses dims
+    j*d_per_prog .. (j+1)*d_per_prog-1 (every program redoes the 4x4 Sinkhorn, j == 0 stores it)."""
     wait_for_previous_kernel()
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
     toks = (pid * BT + tl.arange(0, BT)).to(tl.int64)
     tmask = toks < n
-    r4 = tl.arange(0, 4)
-    r16 = tl.arange(0, 16)
     m_pre = tl.zeros([BT, 4], tl.float32)
     m_post = tl.zeros([BT, 4], tl.float32)
     m_comb = tl.zeros([BT, 16], tl.float32)
-    ssq = tl.zeros([BT], tl.float32)
-    for s in range(n_splits):
-        row = (s * n + toks) * 33
-        m_pre += tl.load(ws_ptr + row[:, None] + r4[None, :], mask=tmask[:, None], other=0.0)
-        m_post += tl.load(ws_ptr + row[:, None] + 4 + r4[None, :], mask=tmask[:, None], other=0.0)
-        m_comb += tl.load(ws_ptr + row[:, None] + 8 + r16[None, :], mask=tmask[:, None], other=0.0)
-        ssq += tl.load(ws_ptr + row + 32, mask=tmask, other=0.0)
+    ssq = tl.zeros([BT, 1], tl.float32)
+    for s0 in range(0, n_splits, SB):
+        m_pre += _split_sums(ws_ptr, toks, tmask, s0, n, n_splits, 0, 4, SB)
+        m_post += _split_sums(ws_ptr, toks, tmask, s0, n, n_splits, 4, 4, SB)
+        m_comb += _split_sums(ws_ptr, toks, tmask, s0, n, n_splits, 8, 16, SB)
+        ssq += _split_sums(ws_ptr, toks, tmask, s0, n, n_splits, 32, 1, SB)
+    ssq = tl.sum(ssq, axis=1)
     rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ssq, (4 * dim).to(tl.float32)) + norm_eps))
     if pid_d == 0:
         _split_collapse(m_pre * rs[:, None], m_post * rs[:, None], m_comb * rs[:, None], toks, tmask, x_ptr,
@@ -221,28 +239,44 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int | None =
     ws = torch.empty((splits, n, 33), dtype=torch.float32, device=dev)
     _hc_mix_partial_kernel[(tiles, splits)](x, fn, ws, n, dim, per, x.stride(0), BT=bt, BK=bk, PREC=precision,
                                             MIXES=24, num_warps=num_warps, **PDL_LAUNCH)
+    bt, bd, sb = _finish_tiles(n, bt, bd, splits, 16)
+    tiles = triton.cdiv(n, bt)
     d_blocks = max(1, min(triton.cdiv(dim, bd), triton.cdiv(264, tiles)))
     d_per = triton.cdiv(triton.cdiv(dim, bd), d_blocks) * bd
     _hc_finish_kernel[(tiles, triton.cdiv(dim, d_per))](
         ws, x, scale, base, y, pre, post, comb, n, dim, splits, float(norm_eps), float(hc_eps), int(iters),
-        x.stride(0), d_per, BT=bt, BD=bd, num_warps=num_warps, **PDL_LAUNCH)
+        x.stride(0), d_per, BT=bt, BD=bd, SB=sb, num_warps=num_warps, **PDL_LAUNCH)
     return y, pre, post, comb
+
+
+def _finish_tiles(n: int, bt: int, bd: int, splits: int, width: int) -> tuple[int, int, int]:
+    """(tokens, dims, splits per load) of a split-K finish launch. A full tile of tokens keeps the mix kernels'
+    tile and sums the splits one at a time; fewer tokens (decode) get a tile of their own size (a power of two)
+    and load up to 2048 partials [tokens, splits, width] at once, so the split count costs one load latency per
+    group rather than one per split."""
+    if n >= bt:
+        return bt, bd, 1
+    tokens = next_pow2(n)
+    return tokens, max(32, 512 // tokens), min(next_pow2(splits), max(1, 2048 // (tokens * width)))
 
 
 @triton.jit(do_not_specialize=["n", "n_splits"])
 def _hc_head_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, n, dim, n_splits, norm_eps, hc_eps, stride_xn,
-                           d_per_prog, BD: tl.constexpr):
-    """Token pid0: the split-K partials summed in split order, pre = sigmoid(mixes * rs * scale + base) + eps, then
-    y = sum_i pre_i x_i over the dims pid1 * d_per_prog .. (pid1 + 1) * d_per_prog - 1, rounded once to bf16."""
+                           d_per_prog, BD: tl.constexpr, SB: tl.constexpr):
+    """Token pid0: the split-K partials summed in a fixed order (SB splits a load as a fixed tree, the groups in
+    order; SB = 1: split order), pre = sigmoid(mixes * rs * scale + base) + eps, then y = sum_i pre_i x_i over the
+    dims pid1 * d_per_prog .. (pid1 + 1) * d_per_prog - 1, rounded once to bf16."""
     wait_for_previous_kernel()
     tok = tl.program_id(0).to(tl.int64)
     r4 = tl.arange(0, 4)
-    mix = tl.zeros([4], tl.float32)
-    ssq = tl.zeros([4], tl.float32)  # the sum of squares, once per lane
-    for s in range(n_splits):
-        row = (s * n + tok) * 33
-        mix += tl.load(ws_ptr + row + r4)
-        ssq += tl.load(ws_ptr + row + 32 + 0 * r4)
+    one = tl.full([1], 1, tl.int1)
+    mix = tl.zeros([1, 4], tl.float32)
+    ssq = tl.zeros([1, 4], tl.float32)  # the sum of squares, once per lane
+    for s0 in range(0, n_splits, SB):
+        mix += _split_sums(ws_ptr, tok + tl.zeros([1], tl.int64), one, s0, n, n_splits, 0, 4, SB)
+        ssq += _split_sums(ws_ptr, tok + tl.zeros([1], tl.int64), one, s0, n, n_splits, 32, 1, SB)
+    mix = tl.reshape(mix, [4])
+    ssq = tl.reshape(ssq, [4])
     rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ssq, (4 * dim).to(tl.float32)) + norm_eps))
     pre = tl.sigmoid(mix * rs * tl.load(scale_ptr) + tl.load(base_ptr + r4)) + hc_eps
     d_lo = tl.program_id(1) * d_per_prog
@@ -280,9 +314,10 @@ def hc_head_cuda(x, fn, scale, base, norm_eps, hc_eps, *, bt: int = 16, bk: int 
     _hc_mix_partial_kernel[(tiles, splits)](x, fn.float().contiguous(), ws, n, dim, per, x.stride(0), BT=bt, BK=bk,
                                             PREC=precision, MIXES=4, num_warps=num_warps, **PDL_LAUNCH)
     d_per = triton.cdiv(triton.cdiv(dim, bd), max(1, min(triton.cdiv(dim, bd), triton.cdiv(132, n)))) * bd
+    sb = 1 if n >= bt else min(next_pow2(splits), 512)  # as _finish_tiles: decode loads the splits at once
     _hc_head_finish_kernel[(n, triton.cdiv(dim, d_per))](
         ws, x, scale.float().contiguous(), base.float().contiguous(), y, n, dim, splits, float(norm_eps),
-        float(hc_eps), x.stride(0), d_per, BD=bd, num_warps=num_warps, **PDL_LAUNCH)
+        float(hc_eps), x.stride(0), d_per, BD=bd, SB=sb, num_warps=num_warps, **PDL_LAUNCH)
     return y
 
 

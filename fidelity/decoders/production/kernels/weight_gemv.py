@@ -11,7 +11,10 @@
   (two per byte, low nibble first, [E, n, k/2]) and its 1x32 scales as stored: one e8m0 byte per block (uint8
   [E, n, k/32], ``2^(b - 127)``, 255 NaN), made into the fp32 power of two in the kernel (``e8m0_scale``: exponent
   bit moves, bit for bit ``formats.decode_e8m0``), so the scales cost 1 byte per 32 weights, not 4; the expert ids
-  stay on the device, so a captured CUDA graph picks the experts without copying their weights.
+  stay on the device, so a captured CUDA graph picks the experts without copying their weights. The codes are
+  decoded a 32-bit word (eight weights) at a time and x is prepared once per call (x 2^6 in the word's nibble
+  order, quantized there when asked), so the loop issues about 4 instructions per weight on sm_90
+  (``tests/test_fp4_gemv_sass.py``), near the rate the HBM delivers nibbles to an SM.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from fidelity.decoders.production.kernels._common import (
     INTERPRET,
     PDL_LAUNCH,
     UNSUPPORTED,
+    bf16_rne,
     check_fp4_picked_linear,
     e4m3_blocks,
     e8m0_scale,
@@ -36,6 +40,7 @@ from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
 
 FP8_BLOCK = 128
 _FENCE = tl.constexpr(not INTERPRET)
+_ASM = tl.constexpr(not INTERPRET)  # inline PTX (the interpreter cannot run it)
 
 
 @triton.jit
@@ -116,13 +121,16 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, n, k_split: 
 
 @triton.jit
 def _sum_splits_kernel(p_ptr, y_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """y = sum over the splits of p [SPLITS, total] in split order (deterministic), stored in y's dtype."""
+    """y = sum over the splits of p [SPLITS, total] in split order (deterministic), stored in y's dtype (bf16:
+    rounded to nearest even from the bits, as the hardware's conversion does and the interpreter's does not)."""
     wait_for_previous_kernel()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     y = tl.load(p_ptr + offs, mask=ok, other=0.0)
     for i in tl.static_range(1, SPLITS):
         y += tl.load(p_ptr + i * total + offs, mask=ok, other=0.0)
+    if y_ptr.dtype.element_ty == tl.bfloat16:
+        y = bf16_rne(y)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -225,48 +233,127 @@ def bf16_weight_linear_f32(x: torch.Tensor, weight: torch.Tensor, *, bn: int = 1
 
 
 @triton.jit
-def _fp4_expert_kernel(x_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: tl.constexpr, stride_x, stride_we,
-                       stride_wn, stride_se, stride_sn, BN: tl.constexpr, BK: tl.constexpr, FINAL: tl.constexpr,
-                       QUANT: tl.constexpr):
-    """Rows pid0*BN .. +BN of slot pid1's output over the pid2-th slice of k (``k_split`` weights; BK packed bytes
-    per step). Each nibble becomes the e4m3 byte of its value x 2^-6 by bit moves (e2m1 magnitude bits << 2, the
-    sign to bit 7; e = 0 lands on e4m3's subnormals), converted by the hardware; x is read x 2^6, so every product
-    is the exact code value x x. Per 32-weight block the products are summed, then scaled by the block's e8m0 byte
-    made fp32 (``e8m0_scale``: 2^(b - 127) exactly, NaN for 255). FINAL: bf16 y, else fp32 partial sums [splits,
-    slots, n]. QUANT: x is the bf16 activation, quantized here (``_activation``; 2 BK a multiple of 128)."""
+def _e4m3_bytes(word, t: tl.constexpr):
+    """Byte t of uint32 words holding four e4m3 codes, as fp32 (the interpreter's path of ``_four_e4m3``)."""
+    return ((word >> (8 * t)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _four_e4m3(word):
+    """The four e4m3 codes of uint32 words (byte 0 first) as four fp32 tensors: on the GPU two
+    ``cvt.rn.f16x2.e4m3x2`` (one per 16-bit half, low byte to the low half, as Triton's own fp8 conversion
+    packs) and four exact f16 -> f32 conversions; under the interpreter byte by byte (``_e4m3_bytes``)."""
+    if _ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b16 a0, a1, h0, h1, h2, h3;
+            .reg .b32 d0, d1;
+            mov.b32 {a0, a1}, $4;
+            cvt.rn.f16x2.e4m3x2 d0, a0;
+            cvt.rn.f16x2.e4m3x2 d1, a1;
+            mov.b32 {h0, h1}, d0;
+            mov.b32 {h2, h3}, d1;
+            cvt.f32.f16 $0, h0;
+            cvt.f32.f16 $1, h1;
+            cvt.f32.f16 $2, h2;
+            cvt.f32.f16 $3, h3;
+            }""", "=f,=f,=f,=f,r", [word], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
+            pack=1)
+    else:
+        return _e4m3_bytes(word, 0), _e4m3_bytes(word, 1), _e4m3_bytes(word, 2), _e4m3_bytes(word, 3)
+
+
+@triton.jit
+def _fp4_input_kernel(x_ptr, xp_ptr, k, stride_x, BLOCK: tl.constexpr, QUANT: tl.constexpr):
+    """Columns pid1*BLOCK .. +BLOCK of row pid0 of x (bf16 or fp32) as the FP4 expert GEMV reads them: x 2^6
+    (exact), quantized first when QUANT (``_activation``, BLOCK = 128), stored fp32 in planes: column c of the row
+    at plane c % 8, position c // 8 (xp [rows, 8, k / 8]), the order of the nibbles of a 32-bit weight word."""
+    wait_for_previous_kernel()
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    x = _activation(x_ptr + tl.program_id(0).to(tl.int64) * stride_x + tl.program_id(1) * BLOCK, BLOCK, QUANT)
+    tl.store(xp_ptr + tl.program_id(0).to(tl.int64) * k + (c % 8) * (k // 8) + c // 8, x * 64.0)
+
+
+@triton.jit
+def _fp4_expert_kernel(xp_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: tl.constexpr, PLANE: tl.constexpr,
+                       stride_x,
+                       stride_we, stride_wn, stride_se, stride_sn, BN: tl.constexpr, BB: tl.constexpr,
+                       EVEN: tl.constexpr, FINAL: tl.constexpr):
+    """Rows pid0*BN .. +BN of slot pid1's output over the pid2-th slice of k (``k_split`` weights), BB blocks of
+    32 weights per step. The codes are read as 32-bit words of eight nibbles (weight 8j + i at bits 4i..4i+3);
+    by bit moves on whole words the even and the odd nibbles become the e4m3 bytes of their values x 2^-6 (e2m1
+    magnitude bits << 2, the sign to bit 7; e = 0 lands on e4m3's subnormals), converted by the hardware four
+    at a time (``_four_e4m3``). x comes prepared (``_fp4_input_kernel``: x 2^6, fp32, plane i holding the columns
+    8j + i, planes ``PLANE`` = k / 8 floats apart), so every product is the exact code value x x and x is read with
+    vector loads, once per thread for all its rows. Per row and 32-weight block the products are summed (FMA
+    chains over the 8 planes, then the 4 words), scaled by the block's e8m0 byte made fp32 (``e8m0_scale``: 2^(b
+    - 127) exactly, NaN for 255) and added to that block column's sum; the columns are added once at the end.
+    EVEN: n a multiple of BN (no row masks). FINAL: bf16 y, else fp32 partial sums [splits, slots, n]."""
     wait_for_previous_kernel()
     slot = tl.program_id(1)
     e = tl.load(e_ptr + slot).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     ok = rows < n
-    cols = tl.arange(0, BK)
-    blocks = tl.arange(0, BK // 16)
-    w_base = w_ptr + e * stride_we + rows[:, None] * stride_wn
-    s_base = s_ptr + e * stride_se + rows[:, None] * stride_sn
-    b_begin = tl.program_id(2) * (k_split // 2)
-    acc = tl.zeros([BN], dtype=tl.float32)
-    for bb in range(0, k_split // 2, BK):
+    words = tl.arange(0, 4 * BB)
+    w_base = w_ptr + e * stride_we + rows[:, None] * stride_wn + words[None, :]
+    s_base = s_ptr + e * stride_se + rows[:, None] * stride_sn + tl.arange(0, BB)[None, :]
+    x_base = xp_ptr + slot * stride_x + words
+    rows_ok = ok[:, None] | EVEN  # all true when EVEN: folded away
+    b_begin = tl.program_id(2) * (k_split // 32)
+    acc = tl.zeros([BN, BB], dtype=tl.float32)
+    for bb in range(0, k_split // 32, BB):
         b0 = b_begin + bb
-        byte = tl.load(w_base + (b0 + cols)[None, :], mask=ok[:, None], other=0)
-        lo = (((byte & 7) << 2) | ((byte & 8) << 4)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        hi = (((byte >> 2) & 0x1C) | (byte & 0x80)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        s = e8m0_scale(tl.load(s_base + (b0 // 16 + blocks)[None, :], mask=ok[:, None], other=127))  # per 16 bytes
-        x_lo, x_hi = tl.split(tl.reshape(_activation(x_ptr + slot * stride_x + 2 * b0, 2 * BK, QUANT) * 64.0, [BK, 2]))
-        part = tl.sum(tl.reshape(lo * x_lo[None, :] + hi * x_hi[None, :], [BN, BK // 16, 16]), axis=2)
-        acc += tl.sum(part * s, axis=1)
-    if FINAL:
-        tl.store(out_ptr + slot * n + rows, acc.to(tl.bfloat16), mask=ok)
+        w = tl.load(w_base + 4 * b0, mask=rows_ok, other=0).to(tl.uint32, bitcast=True)
+        s = e8m0_scale(tl.load(s_base + b0, mask=rows_ok, other=127))
+        lo0, lo1, lo2, lo3 = _four_e4m3(((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080))  # weights 0, 2, 4, 6
+        hi0, hi1, hi2, hi3 = _four_e4m3(((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080))  # weights 1, 3, 5, 7
+        x = x_base + 4 * b0
+        p = lo0 * tl.load(x)[None, :]
+        p += hi0 * tl.load(x + PLANE)[None, :]
+        p += lo1 * tl.load(x + 2 * PLANE)[None, :]
+        p += hi1 * tl.load(x + 3 * PLANE)[None, :]
+        p += lo2 * tl.load(x + 4 * PLANE)[None, :]
+        p += hi2 * tl.load(x + 5 * PLANE)[None, :]
+        p += lo3 * tl.load(x + 6 * PLANE)[None, :]
+        p += hi3 * tl.load(x + 7 * PLANE)[None, :]
+        acc += tl.sum(tl.reshape(p, [BN, BB, 4]), axis=2) * s
+    y = tl.sum(acc, axis=1)
+    if FINAL:  # rounded from the bits (the interpreter's own conversion truncates)
+        tl.store(out_ptr + slot * n + rows, bf16_rne(y).to(tl.bfloat16), mask=ok)
     else:
-        tl.store(out_ptr + (tl.program_id(2) * slots + slot) * n + rows, acc, mask=ok)
+        tl.store(out_ptr + (tl.program_id(2) * slots + slot) * n + rows, y, mask=ok)
+
+
+def _fp4_input(x: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, int]:
+    """x [s, k] as ``_fp4_expert_kernel`` reads it (``_fp4_input_kernel``: x 2^6 in planes, quantized first when
+    ``quantize``), one launch: (xp fp32 [rows, k], the slots' row stride in xp). A row repeated for every slot
+    (stride 0, one token's experts) is prepared once and read with stride 0."""
+    slots, k = x.shape
+    rows = 1 if x.stride(0) == 0 else slots
+    xp = torch.empty((rows, k), dtype=torch.float32, device=x.device)
+    block = FP8_BLOCK if k % FP8_BLOCK == 0 else 32
+    _fp4_input_kernel[(rows, k // block)](x, xp, k, x.stride(0), BLOCK=block, QUANT=quantize, num_warps=1,
+                                          **PDL_LAUNCH)
+    return xp, 0 if rows == 1 else k
+
+
+def _fp4_words(packed: torch.Tensor) -> torch.Tensor:
+    """The packed FP4 codes [E, n, k/2] (uint8) as 32-bit words [E, n, k/8] (a view where the strides allow it)."""
+    w = packed.view(torch.uint8)
+    try:
+        return w.view(torch.int32)
+    except RuntimeError:  # an offset or stride not a multiple of 4 bytes
+        return w.contiguous().view(torch.int32)
 
 
 def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, *,
-                      quantize: bool = False, bn: int = 16, bk: int = 256, splits: int | None = None,
-                      stages: int = 3, num_warps: int = 4) -> torch.Tensor:
+                      quantize: bool = False, bn: int = 32, bb: int = 8, splits: int | None = None,
+                      num_warps: int = 4) -> torch.Tensor:
     """For each slot s: xq[s] [k] @ W[experts[s]]^T -> bf16 [slots, n], W[e] = FP4 codes packed [E, n, k/2] (uint8)
     x 1x32 scales as stored, e8m0 bytes uint8 [E, n, k/32] (``2^(b - 127)``, 255 NaN). ``experts`` int [slots] on
     the device (not read on the host); ``quantize`` and ``splits`` as in :func:`fp8_weight_linear` (``quantize``
-    needs k a multiple of 128)."""
+    needs k a multiple of 128). Two launches (x prepared, then the GEMV; a third adds the k slices' sums):
+    ``bn`` output rows and ``bb`` blocks of 32 weights per program and step."""
     slots, k = xq.shape
     e_count, n, half = packed.shape
     if scales.dtype != torch.uint8:
@@ -276,25 +363,26 @@ def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Ten
         raise ValueError(f"fp4_expert_linear: expected xq [s, k], experts [s], packed [E, n, k/2], scales [E, n, "
                          f"k/32] with k % 32 == 0, found xq {tuple(xq.shape)}, experts {tuple(experts.shape)}, "
                          f"packed {tuple(packed.shape)}, scales {tuple(scales.shape)}")
-    while half % bk:
-        bk //= 2
     if quantize and k % FP8_BLOCK:
         raise ValueError(f"fp4_expert_linear: quantize needs k a multiple of 128, found {k}")
-    x = _rows(xq) if quantize else _as_loaded(xq)
-    w = packed.view(torch.uint8)
+    blocks = k // 32
+    while blocks % bb:
+        bb //= 2
     programs = triton.cdiv(n, bn) * slots
-    splits = splits or _splits(programs, half, bk, xq.device)
-    while half % (splits * bk) and bk > (64 if quantize else 16):
-        bk //= 2
-    if half % (splits * bk):
-        raise ValueError(f"fp4_expert_linear: splits {splits} must divide k / 32 ({k // 32})")
+    splits = splits or _splits(programs, blocks, bb, xq.device)
+    while blocks % (splits * bb) and bb > 1:
+        bb //= 2
+    if blocks % (splits * bb):
+        raise ValueError(f"fp4_expert_linear: splits {splits} must divide k / 32 ({blocks})")
+    xp, stride_x = _fp4_input(_rows(xq) if quantize else _as_loaded(xq), quantize)
+    w = _fp4_words(packed)
+    s = scales if scales.stride(-1) == 1 else scales.contiguous()
     y = torch.empty((slots, n), dtype=torch.bfloat16, device=xq.device)
     partials = torch.empty((splits, slots, n), dtype=torch.float32, device=xq.device) if splits > 1 else None
     grid = (triton.cdiv(n, bn), slots, splits)
-    _fp4_expert_kernel[grid](x, experts, w, scales, y if partials is None else partials, n, slots, k // splits,
-                             x.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), BN=bn, BK=bk,
-                             FINAL=partials is None, QUANT=quantize, num_stages=stages, num_warps=num_warps,
-                             **PDL_LAUNCH)
+    _fp4_expert_kernel[grid](xp, experts, w, s, y if partials is None else partials, n, slots, k // splits, k // 8,
+                             stride_x, w.stride(0), w.stride(1), s.stride(0), s.stride(1), BN=bn, BB=bb,
+                             EVEN=n % bn == 0, FINAL=partials is None, num_warps=num_warps, **PDL_LAUNCH)
     return _finish(partials, y, splits)
 
 

@@ -5,6 +5,9 @@
 #   OUT=dir bash benchmarks/run_device.sh kernels                        # the kernel property tests alone
 #   OUT=dir bash benchmarks/run_device.sh models [test files...]         # model tests (default: all) alone, one
 #                                                                        # process, up to MODELS_TIMEOUT (540) s
+#   OUT=dir bash benchmarks/run_device.sh step [test files...]           # the given GPU tests, the routed FP4 GEMV
+#                                                                        # sweep, the layer decode step (graphed)
+#                                                                        # and its kernel-by-kernel breakdown
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/bench_out}
@@ -17,6 +20,19 @@ if [ "$what" = bench ]; then
   timeout "${BENCH_TIMEOUT:-500}" python3 benchmarks/bench_kernels.py --out "$OUT" "$@" >"$OUT/bench.log" 2>&1
   echo "bench rc=$?"
   grep -E "^\[|best|FAILED|Error|error" "$OUT/bench.log" | cut -c1-240 | head -60
+elif [ "$what" = step ]; then
+  if [ $# -gt 0 ]; then
+    OMP_NUM_THREADS=2 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest "$@" -q -n 4 -p no:cacheprovider \
+      --timeout 220 -rfE >"$OUT/pytest_step.log" 2>&1
+    echo "pytest rc=$?"; tail -c 1500 "$OUT/pytest_step.log"
+  fi
+  timeout 150 python3 benchmarks/bench_weight_gemv.py --out "$OUT" --sections fp4 >"$OUT/gemv.log" 2>&1
+  echo "gemv rc=$?"; tail -5 "$OUT/gemv.log"
+  timeout 150 python3 benchmarks/bench_layer_decode.py --out "$OUT" --steps 12 --paths triton,triton+graph \
+    >"$OUT/layer.log" 2>&1
+  echo "layer rc=$?"; grep -v -i warn "$OUT/layer.log" | head -12
+  timeout 150 python3 benchmarks/layer_step_breakdown.py --out "$OUT" --steps 4 >"$OUT/breakdown.log" 2>&1
+  echo "breakdown rc=$?"; grep -v -i warn "$OUT/breakdown.log" | head -30
 elif [ "$what" = models ]; then
   files=("$@"); [ ${#files[@]} -eq 0 ] && files=(tests/gpu/test_*_cuda.py)
   OMP_NUM_THREADS=4 timeout "${MODELS_TIMEOUT:-540}" python3 -m pytest "${files[@]}" -q -p no:cacheprovider \

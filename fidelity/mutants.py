@@ -25,10 +25,11 @@ import torch
 
 from fidelity.atomic_write import write_dir_atomic
 from fidelity.decoders import default_decoder
+from fidelity.decoders.base import DecoderError
 from fidelity.decoders.production.faults import FAULTS, inject
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.trace_file import TraceWriter
-from fidelity.harness.runner import Runner, RunSpec
+from fidelity.harness.runner import RunError, Runner, RunSpec
 from fidelity.job import tidy
 from fidelity.model.config import ModelConfig
 from fidelity.model.default import default_prompt, prompt_for
@@ -208,11 +209,23 @@ CATALOGUE: tuple[Mutant, ...] = (
     # verl-project/verl-ascend-recipe#126 (root cause ISEEKYAN/mbridge#159): mbridge's blanket bf16 cast took the
     # integer tid2eid along: ids 257..383 moved to even neighbours, 383 to 384 (out of range). Only a model with
     # more than 257 routed experts has an id that bf16 cannot hold.
-    Mutant("tid2eid-bf16", r"moe\.experts", _hash_layers, *EVERYWHERE,
-           requires=lambda cfg: None if cfg.n_routed_experts > 257 else
-           f"{cfg.n_routed_experts} routed experts: every id (<= 256) is exact in bf16"),
+    Mutant("tid2eid-bf16", r"moe\.experts", _hash_layers, *EVERYWHERE, requires=lambda cfg: _bf16_ids(cfg)),
 )
 BY_NAME = {m.name: m for m in CATALOGUE}
+
+
+def _bf16_ids(cfg: ModelConfig) -> str | None:
+    """Why ``tid2eid-bf16`` cannot show on ``cfg`` (None: it can): every id exact in bf16 (at most 257 experts), or
+    the largest id rounding up out of the range (384 experts, V4-Pro's: 383 -> 384), which no decoder can run
+    (it indexes past the expert table: a crash, not a numerical fault for the probes)."""
+    n = cfg.n_routed_experts
+    if n <= 257:
+        return f"{n} routed experts: every id (<= 256) is exact in bf16"
+    top = int(torch.tensor(n - 1).to(torch.bfloat16).item())
+    if top >= n:
+        return f"{n} routed experts: id {n - 1} becomes {top} in bf16, past the expert table (a crash, not a fault " \
+               "the probes can locate)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -369,10 +382,14 @@ def detection_rows(name: str, judged: pd.DataFrame, mutant: Mutant | None, cfg: 
         if mutant is not None:
             summary["located"] = bool(re.fullmatch(mutant.site, site)) and layer in mutant.layers(cfg)
     if mutant is not None:
-        layers = sorted(mutant.layers(cfg))
-        where = mutant.site.replace("\\", "")
-        summary["expected"] = where if layers == [-1] else f"L{{{','.join(map(str, layers))}}}.{where}"
+        summary["expected"] = _expected_site(mutant, cfg)
     return [summary] + rows
+
+
+def _expected_site(mutant: Mutant, cfg: ModelConfig) -> str:
+    layers = sorted(mutant.layers(cfg))
+    where = mutant.site.replace("\\", "")
+    return where if layers == [-1] else f"L{{{','.join(map(str, layers))}}}.{where}"
 
 
 def check_names(names: list[str] | None, known: tuple[str, ...] | None = None) -> None:
@@ -423,13 +440,29 @@ def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSett
         if progress:
             progress(k, len(jobs), f"{name} on {_where(*where)}")
         t0 = time.perf_counter()
-        judged = run_one(checkpoint, mutant, s, decoder, where, opts)
+        try:
+            found = detection_rows(name, run_one(checkpoint, mutant, s, decoder, where, opts),
+                                   mutant if expect == "caught" else None, cfg)
+        except (RunError, DecoderError):  # the run cannot be asked of this decoder or model: the user's to fix
+            raise
+        except Exception as err:  # the decoder raised while running: recorded, and the matrix goes on
+            found = [crash_row(name, err, mutant if expect == "caught" else None, cfg)]
         decode = _decode_steps(where, s)
         profile = (mutant.options if mutant else opts).get("profile", "reference")
-        for r in detection_rows(name, judged, mutant if expect == "caught" else None, cfg):
+        for r in found:
             rows.append({"scenario": where[0], "run": where[1], "decode_steps": decode, "profile": profile, **r,
                          "expect": expect, "seconds": round(time.perf_counter() - t0, 2)})
     return pd.DataFrame(rows)
+
+
+def crash_row(name: str, err: Exception, mutant: Mutant | None, cfg: ModelConfig) -> dict:
+    """The "first" row of a run whose decoder raised: detected (the run stopped) but located by no probe; ``crash``
+    holds the exception's type and first line."""
+    first_line = (str(err).strip().splitlines() or [""])[0][:300]
+    row = {"mutant": name, "probe": "first", "detected": True, "crash": f"{type(err).__name__}: {first_line}"}
+    if mutant is not None:
+        row.update(located=False, expected=_expected_site(mutant, cfg))
+    return row
 
 
 def gate_failures(matrix: pd.DataFrame) -> list[str]:
@@ -440,7 +473,13 @@ def gate_failures(matrix: pd.DataFrame) -> list[str]:
     for r in first.itertuples():
         where = _where(r.scenario, r.run, r.decode_steps)
         expect = getattr(r, "expect", "clean" if r.mutant == "clean" else "caught")
-        if expect == "clean":
+        crash = getattr(r, "crash", None)
+        if isinstance(crash, str):
+            who = "clean decoder" if expect == "clean" else r.mutant
+            out.append(f"{who}: the decoder raised on {where} ({crash})"
+                       + (", where it cannot show" if expect == "silent" else "")
+                       + ("; no probe located it" if expect == "caught" else ""))
+        elif expect == "clean":
             if r.detected:
                 out.append(f"clean decoder raised an alarm on {where}: {r.site} {r.metric} {r.value:g} "
                            f"({r.threshold})")
@@ -459,6 +498,8 @@ def gate_failures(matrix: pd.DataFrame) -> list[str]:
 def _first_cell(r) -> str:
     if r.get("expect") == "cannot show":
         return f"cannot show: {r['note']}"
+    if isinstance(r.get("crash"), str):
+        return f"the decoder raised: {r['crash']}"
     if not r.detected:
         return "none"
     return f"step {int(r.step)} {r.site} {r.metric} {r['value']:.4g} ({r.threshold}, {r['mode']})"

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.production.faults import FAULTS, inject, on
 from fidelity.model.config import ModelConfig
 from fidelity.model.default import prompt_for
@@ -226,3 +227,32 @@ class TestSeed0(GateOnOneSeed):
 
 class TestSeed1(GateOnOneSeed):
     seed = 1
+
+
+class RaisesUnderWindow127(ProductionDecoder):
+    """The production decoder, except that a decode step raises while ``window-127`` is planted (a kernel fault
+    of the kind a wrong index gives on a GPU)."""
+
+    def step(self, token: int):
+        if on("window-127"):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+        return super().step(token)
+
+
+def test_a_decoder_that_raises_under_one_mutant_is_a_row_and_the_matrix_goes_on(tmp_path):
+    """The run of a mutant whose decoder raises is recorded (detected: the run stopped; located by no probe; the
+    exception's type and first line kept), the gate names it, and the other mutants' runs still happen."""
+    ckpt = synthesize(ModelConfig.preset("tiny"), seed=0)
+    matrix = run_mutants(ckpt, ["window-127", "causal-off-by-one"], MutantSettings(seed=0),
+                         decoder=lambda: RaisesUnderWindow127(ckpt, "reference", 4096, "cpu"))
+    first = matrix[matrix["probe"] == "first"].set_index("mutant")
+    crashed = first.loc["window-127"]
+    assert crashed["detected"] and not crashed["located"]
+    assert crashed["crash"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert first.loc["causal-off-by-one"]["detected"] and first.loc["causal-off-by-one"]["located"]
+    assert gate_failures(matrix) == ["window-127: the decoder raised on lengths / prompt 128 (RuntimeError: CUDA "
+                                     "error: an illegal memory access was encountered); no probe located it"]
+    table = matrix_table(matrix).set_index("mutant")
+    assert table.loc["window-127", "first detection"].startswith("the decoder raised: RuntimeError: CUDA error")
+    md = (write_matrix(matrix, tmp_path, "m") / "detection.md").read_text()
+    assert "gate: FAIL: window-127: the decoder raised on lengths / prompt 128" in md

@@ -1,7 +1,8 @@
 """Port-bug mutants from the public record (``fidelity.mutants.CATALOGUE``): what the matrix on the tiny preset
-cannot show. ``tid2eid-bf16`` needs more than 257 routed experts (every smaller id is exact in bf16), so a small
-model with 385 is synthesized here and the mutant is caught at its hash layer's routing, on the production decoder
-and on transformers'; the fault rules themselves are checked against their threads' arithmetic."""
+cannot show. ``tid2eid-bf16`` needs more than 257 routed experts (every smaller id is exact in bf16) and no id that
+rounds past the table (384: 383 -> 384), so a small model with 385 is synthesized here and the mutant is caught at
+its hash layer's routing, on the production decoder and on transformers'; the fault rules themselves are checked
+against their threads' arithmetic."""
 
 from __future__ import annotations
 
@@ -46,6 +47,18 @@ def test_tid2eid_bf16_cannot_show_on_the_tiny_preset_and_is_not_run_there():
     assert matrix_table(matrix)["first detection"].tolist() == [f"cannot show: {row['note']}"]
     assert BY_NAME["tid2eid-bf16"].cannot_show(replace(WIDE, n_routed_experts=257)) is not None
     assert BY_NAME["tid2eid-bf16"].cannot_show(replace(WIDE, n_routed_experts=258)) is None
+
+
+def test_tid2eid_bf16_cannot_show_where_an_id_rounds_past_the_expert_table():
+    """V4-Pro's 384 experts: id 383 becomes 384 in bf16, an index past the table, which every decoder fails on (a
+    crash, not a fault for the probes): listed as cannot show with that reason, not run (it stopped the whole
+    matrix with an IndexError before)."""
+    pro = replace(WIDE, n_routed_experts=384)
+    assert "id 383 becomes 384" in BY_NAME["tid2eid-bf16"].cannot_show(pro)
+    matrix = run_mutants(synthesize(pro, seed=0), ["tid2eid-bf16"], MutantSettings(seed=0))
+    row = _first(matrix, "cannot show")
+    assert not row["detected"] and "past the expert table" in row["note"] and gate_failures(matrix) == []
+    assert BY_NAME["tid2eid-bf16"].cannot_show(replace(WIDE, n_routed_experts=383)) is None  # 382 -> 382
 
 
 def test_tid2eid_bf16_is_caught_at_the_hash_layers_routing_with_385_experts(wide):

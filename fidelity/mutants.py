@@ -25,7 +25,7 @@ import torch
 
 from fidelity.atomic_write import write_dir_atomic
 from fidelity.decoders import default_decoder
-from fidelity.decoders.base import DecoderError
+from fidelity.decoders.base import DecoderError, raised
 from fidelity.decoders.production.faults import FAULTS, inject
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.trace_file import TraceWriter
@@ -458,8 +458,7 @@ def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSett
 def crash_row(name: str, err: Exception, mutant: Mutant | None, cfg: ModelConfig) -> dict:
     """The "first" row of a run whose decoder raised: detected (the run stopped) but located by no probe; ``crash``
     holds the exception's type and first line."""
-    first_line = (str(err).strip().splitlines() or [""])[0][:300]
-    row = {"mutant": name, "probe": "first", "detected": True, "crash": f"{type(err).__name__}: {first_line}"}
+    row = {"mutant": name, "probe": "first", "detected": True, "crash": raised(err)}
     if mutant is not None:
         row.update(located=False, expected=_expected_site(mutant, cfg))
     return row

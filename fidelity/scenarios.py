@@ -38,11 +38,12 @@ from matplotlib.figure import Figure
 
 from fidelity.api import CheckpointPlan, open_decoder, run, warn
 from fidelity.atomic_write import write_dir_atomic
-from fidelity.decoders.base import Call, Decoder, DecoderError
+from fidelity.decoders.base import Call, Decoder, DecoderError, raised
 from fidelity.decoders.faults import active, inject
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.trace_file import TraceWriter, read_trace
+from fidelity.harness.runner import RunError
 from fidelity.harness.thresholds import Divergence, site_order_key
 from fidelity.model.sites import Recorder
 from fidelity.outputs.plots import DPI, FLOOR
@@ -522,7 +523,8 @@ class ScenarioResult:
     def failures(self) -> list[str]:
         bad = [f"{r.scenario}/{r.run}: {r.first_divergence}" for r in self.matrix.itertuples()
                if r.verdict != "PASS"]
-        return bad + [f"{r.scenario}/{r.pair} {r.b} vs {r.a}" for r in self.pairs.itertuples() if not r.passed]
+        return bad + [f"{r.scenario}/{r.pair} {r.b}" + (f" vs {r.a}" if r.a else "") for r in self.pairs.itertuples()
+                      if not r.passed]
 
     def verdict(self) -> str:
         """PASS / FAIL: the failures, then the skipped scenarios (SKIPPED when nothing was judged)."""
@@ -563,12 +565,18 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
                 continue
             for r in s.runs:
                 t = time.perf_counter()
-                res = run(decoder, plan, r.prompt(ids), r.decode_steps, modes, tmp / "runs",
-                          run_id=_slug(f"{s.name}-{r.label}"), profile=profile, decoder_dtype=decoder_dtype,
-                          device=device, notify=notify, prefill_chunk=list(r.chunks) if r.chunks else None)
-                rows.append(_row(s, r.label, r.param, (r.prompt_len, len(r.chunks or (1,)), r.decode_steps), res,
-                                 time.perf_counter() - t, tmp))
-                tell(f"{s.name} / {r.label}: {res.verdict} ({rows[-1]['seconds']:.1f} s)")
+                shape = (r.prompt_len, len(r.chunks or (1,)), r.decode_steps)
+                try:
+                    res = run(decoder, plan, r.prompt(ids), r.decode_steps, modes, tmp / "runs",
+                              run_id=_slug(f"{s.name}-{r.label}"), profile=profile, decoder_dtype=decoder_dtype,
+                              device=device, notify=notify, prefill_chunk=list(r.chunks) if r.chunks else None)
+                except USER_ERRORS:
+                    raise
+                except Exception as err:  # the decoder raised on this run: a failing row, the other runs go on
+                    rows.append(_crash_row(s, r.label, r.param, shape, err, time.perf_counter() - t))
+                else:
+                    rows.append(_row(s, r.label, r.param, shape, res, time.perf_counter() - t, tmp))
+                tell(f"{s.name} / {r.label}: {rows[-1]['verdict']} ({rows[-1]['seconds']:.1f} s)")
             writers: dict[str, TraceWriter] = {}
             try:
                 got = self_consistency(s, ids, fresh, partial(_writer, writers, tmp, s))
@@ -577,6 +585,16 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
                     w.abort()
                 skipped[f"{s.name} self-consistency"] = str(err)
                 tell(f"{s.name}: self-consistency skipped: {err}")
+                continue
+            except RunError:
+                raise
+            except Exception as err:  # the decoder raised while the scenario played against itself
+                for w in writers.values():
+                    w.abort()
+                pairs.append(_crash_pair(s, err))
+                for row in (r for r in rows if r["scenario"] == s.name):
+                    row["self_consistency"] = "FAIL"
+                tell(f"{s.name}: self-consistency: the decoder raised {raised(err)}")
                 continue
             for label, w in writers.items():  # the scripts as played, each sequence against the oracle
                 rows += judge_trace(s, label, w.finish(), plan, modes, tmp, device, notify, tell)
@@ -607,12 +625,32 @@ def _context(s: Scenario) -> int:
 def _row(s: Scenario, label: str, param: tuple[str, int], shape: tuple[int, int, int], res, seconds: float,
          tmp: Path) -> dict:
     """One matrix row: a run of ``s`` (``shape``: prompt length, prefill calls, decode steps) and its result."""
+    return {**_run_columns(s, label, param, shape, seconds), "verdict": res.verdict,
+            "first_divergence": str(res.first_divergence or "none"), "worst_local_cos": worst_local_cos(res.run_dir),
+            "run_dir": str(res.run_dir.relative_to(tmp)), **_where(res.first_divergence)}
+
+
+def _crash_row(s: Scenario, label: str, param: tuple[str, int], shape: tuple[int, int, int], err: Exception,
+               seconds: float) -> dict:
+    """The matrix row of a run whose decoder raised: FAIL, the exception as its first divergence (site 'decoder
+    raised', after the layers in the divergence plot), no run directory."""
+    return {**_run_columns(s, label, param, shape, seconds), "verdict": "FAIL",
+            "first_divergence": f"the decoder raised {raised(err)}", "worst_local_cos": float("nan"), "run_dir": "",
+            "first_step": -1, "first_site": "decoder raised", "first_layer": -1}
+
+
+def _run_columns(s: Scenario, label: str, param: tuple[str, int], shape: tuple[int, int, int],
+                 seconds: float) -> dict:
     prompt_len, chunks, decode_steps = shape
     return {"scenario": s.name, "run": label, "parameter": f"{param[0]}={param[1] or 'mixed'}",
-            "prompt_len": prompt_len, "chunks": chunks, "decode_steps": decode_steps, "verdict": res.verdict,
-            "first_divergence": str(res.first_divergence or "none"), "worst_local_cos": worst_local_cos(res.run_dir),
-            "self_consistency": "-", "run_dir": str(res.run_dir.relative_to(tmp)), "seconds": seconds,
-            "param_name": param[0], "param_value": param[1], **_where(res.first_divergence)}
+            "prompt_len": prompt_len, "chunks": chunks, "decode_steps": decode_steps, "self_consistency": "-",
+            "seconds": seconds, "param_name": param[0], "param_value": param[1]}
+
+
+def _crash_pair(s: Scenario, err: Exception) -> dict:
+    """The self-consistency row of a scenario whose decoder raised while playing it against itself: failed."""
+    return {**dict.fromkeys(PAIR_COLUMNS, "-"), "scenario": s.name, "pair": "the decoder raised", "b": raised(err),
+            "a": "", "passed": False}
 
 
 def _writer(writers: dict[str, TraceWriter], tmp: Path, s: Scenario, script: Script,
@@ -643,6 +681,9 @@ def judge_trace(s: Scenario, label: str, trace: Path, plan: CheckpointPlan, mode
     return rows
 
 
+# raised as they are: the run asks what this model or decoder cannot do (the user's to fix); anything else a
+# decoder raises while running fails that run (or that scenario's self-consistency) and the others go on
+USER_ERRORS = (RunError, DecoderError)
 ROW_COLUMNS = ("scenario", "run", "parameter", "prompt_len", "chunks", "decode_steps", "verdict", "first_divergence",
                "worst_local_cos", "self_consistency", "run_dir", "seconds", "param_name", "param_value", "first_step",
                "first_site", "first_layer")

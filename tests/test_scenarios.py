@@ -127,6 +127,34 @@ def test_a_planted_chunk_boundary_bug_is_caught_by_self_consistency(plan, bug):
     assert got.loc["prompt 128", "passed"].all()  # one chunk: nothing planted shows
 
 
+class RaisesOnChunk7(ProductionDecoder):
+    """Port bug: a prefill call of 7 tokens fails (a kernel's shape rule), as a chunk boundary can."""
+
+    def prefill(self, ids):
+        if len(ids) == 7:
+            raise RuntimeError("shape '[7, 4, 128]' is invalid for input of size 3072\n(more lines)")
+        return super().prefill(ids)
+
+
+def test_a_run_whose_decoder_raises_fails_alone_and_the_report_is_written(plan, tmp_path):
+    """The run with a 7-token chunk raises: its row fails with the exception as its first divergence, the other runs
+    are judged as usual, the scenario's self-consistency fails on the same exception, and the report is written
+    (it stopped the whole job, with no report, before)."""
+    dec = RaisesOnChunk7(plan.ckpt, max_context=200)
+    res = run_scenarios(plan, [SMALL], dec, out=tmp_path, run_id="s", modes=("op",))
+    rows = res.matrix.set_index("run")
+    raised = "the decoder raised RuntimeError: shape '[7, 4, 128]' is invalid for input of size 3072"
+    assert rows.loc["chunks 5,6,7,118", "verdict"] == "FAIL"
+    assert rows.loc["chunks 5,6,7,118", "first_divergence"] == raised
+    assert rows.loc["chunks 5,6,7,118", "first_site"] == "decoder raised"
+    assert (rows.drop(index="chunks 5,6,7,118")["verdict"] == "PASS").all()
+    assert list(res.pairs["pair"]) == ["the decoder raised"] and not res.pairs["passed"].any()
+    assert not res.passed and f"small/chunks 5,6,7,118: {raised}" in res.failures()
+    report = (tmp_path / "s" / "report.md").read_text()
+    assert raised in report and (tmp_path / "s" / "plots" / "first_divergence.png").is_file()
+    assert len(list((tmp_path / "s" / "runs").iterdir())) == len(SMALL.runs) - 1  # none for the failed run
+
+
 def test_cli_writes_the_combined_report(plan, tmp_path, monkeypatch, capsys):
     tiny = Scenario("tiny", "a whole prompt and a chunked one", (
         Run("whole", 40, 1), Run("chunks 7,33", 40, 1, (7, 33), ("chunk", 7))),

@@ -30,6 +30,12 @@ class DecoderError(ValueError):
     """A decoder that cannot do what a run asks of it; the message names the decoder and what is wrong."""
 
 
+def raised(err: BaseException) -> str:
+    """What a decoder raised, for a report: the exception's type and the first line of its message (300 chars)."""
+    first_line = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {first_line}"
+
+
 @dataclass(frozen=True)
 class Call:
     """One sequence's part of a model call: token ids [n] of sequence ``seq`` at positions ``start`` ..

@@ -25,11 +25,11 @@ import torch
 
 from fidelity.atomic_write import write_dir_atomic
 from fidelity.decoders import default_decoder
-from fidelity.decoders.base import DecoderError, raised
+from fidelity.decoders.base import raised
 from fidelity.decoders.production.faults import FAULTS, inject
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.trace_file import TraceWriter
-from fidelity.harness.runner import RunError, Runner, RunSpec
+from fidelity.harness.runner import Runner, RunSpec
 from fidelity.job import tidy
 from fidelity.model.config import ModelConfig
 from fidelity.model.default import default_prompt, prompt_for
@@ -37,7 +37,7 @@ from fidelity.model.sampling import SamplerConfig
 from fidelity.outputs.report import html_table, md_table
 from fidelity.outputs.rundir import check_output, new_run_id
 from fidelity.scenarios import CATALOGUE as SCENARIOS
-from fidelity.scenarios import Run, Scenario, Script, play, tokens
+from fidelity.scenarios import USER_ERRORS, Run, Scenario, Script, play, tokens
 
 if TYPE_CHECKING:
     from fidelity.decoders.base import Decoder
@@ -443,7 +443,7 @@ def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSett
         try:
             found = detection_rows(name, run_one(checkpoint, mutant, s, decoder, where, opts),
                                    mutant if expect == "caught" else None, cfg)
-        except (RunError, DecoderError):  # the run cannot be asked of this decoder or model: the user's to fix
+        except USER_ERRORS:  # the run cannot be asked of this decoder or model: the user's to fix
             raise
         except Exception as err:  # the decoder raised while running: recorded, and the matrix goes on
             found = [crash_row(name, err, mutant if expect == "caught" else None, cfg)]

@@ -36,19 +36,21 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from fidelity.api import CheckpointPlan, open_decoder, run, warn
+from fidelity.api import CheckpointPlan, InputError, open_decoder, run, warn
 from fidelity.atomic_write import write_dir_atomic
 from fidelity.decoders.base import Call, Decoder, DecoderError, raised
 from fidelity.decoders.faults import active, inject
 from fidelity.decoders.production.decoder import ProductionDecoder
+from fidelity.decoders.production.model import ContextError
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.trace_file import TraceWriter, read_trace
 from fidelity.harness.runner import RunError
 from fidelity.harness.thresholds import Divergence, site_order_key
+from fidelity.model.checkpoint import CheckpointError
 from fidelity.model.sites import Recorder
 from fidelity.outputs.plots import DPI, FLOOR
 from fidelity.outputs.report import html_table, md_table
-from fidelity.outputs.rundir import check_output, new_run_id
+from fidelity.outputs.rundir import RunDirError, check_output, new_run_id
 
 # the gate of a pair whose bits may differ: the smallest cosine of two logits rows at one position and the mean
 # over positions of |a - b| / |a| (L2 per row). The clean production decoder (reference profile, trained default,
@@ -586,7 +588,7 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
                 skipped[f"{s.name} self-consistency"] = str(err)
                 tell(f"{s.name}: self-consistency skipped: {err}")
                 continue
-            except RunError:
+            except USER_ERRORS:
                 raise
             except Exception as err:  # the decoder raised while the scenario played against itself
                 for w in writers.values():
@@ -681,9 +683,9 @@ def judge_trace(s: Scenario, label: str, trace: Path, plan: CheckpointPlan, mode
     return rows
 
 
-# raised as they are: the run asks what this model or decoder cannot do (the user's to fix); anything else a
+# raised as they are: the run asks what this model, decoder or folder cannot do (the user's to fix); anything else a
 # decoder raises while running fails that run (or that scenario's self-consistency) and the others go on
-USER_ERRORS = (RunError, DecoderError)
+USER_ERRORS = (RunError, DecoderError, ContextError, InputError, CheckpointError, RunDirError, OSError)
 ROW_COLUMNS = ("scenario", "run", "parameter", "prompt_len", "chunks", "decode_steps", "verdict", "first_divergence",
                "worst_local_cos", "self_consistency", "run_dir", "seconds", "param_name", "param_value", "first_step",
                "first_site", "first_layer")

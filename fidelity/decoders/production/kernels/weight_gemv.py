@@ -276,8 +276,7 @@ def _fp4_input_kernel(x_ptr, xp_ptr, k, stride_x, BLOCK: tl.constexpr, QUANT: tl
 
 @triton.jit
 def _fp4_expert_kernel(xp_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: tl.constexpr, PLANE: tl.constexpr,
-                       stride_x,
-                       stride_we, stride_wn, stride_se, stride_sn, BN: tl.constexpr, BB: tl.constexpr,
+                       stride_x, stride_we, stride_wn, stride_se, stride_sn, BN: tl.constexpr, BB: tl.constexpr,
                        EVEN: tl.constexpr, FINAL: tl.constexpr):
     """Rows pid0*BN .. +BN of slot pid1's output over the pid2-th slice of k (``k_split`` weights), BB blocks of
     32 weights per step. The codes are read as 32-bit words of eight nibbles (weight 8j + i at bits 4i..4i+3);

@@ -26,7 +26,7 @@ elif [ "$what" = step ]; then
       --timeout 220 -rfE >"$OUT/pytest_step.log" 2>&1
     echo "pytest rc=$?"; tail -c 1500 "$OUT/pytest_step.log"
   fi
-  timeout 150 python3 benchmarks/bench_weight_gemv.py --out "$OUT" --sections fp4 >"$OUT/gemv.log" 2>&1
+  timeout 240 python3 benchmarks/bench_weight_gemv.py --out "$OUT" --sections fp4 >"$OUT/gemv.log" 2>&1
   echo "gemv rc=$?"; tail -5 "$OUT/gemv.log"
   timeout 150 python3 benchmarks/bench_layer_decode.py --out "$OUT" --steps 12 --paths triton,triton+graph \
     >"$OUT/layer.log" 2>&1

@@ -13,8 +13,9 @@
   bit moves, bit for bit ``formats.decode_e8m0``), so the scales cost 1 byte per 32 weights, not 4; the expert ids
   stay on the device, so a captured CUDA graph picks the experts without copying their weights. The codes are
   decoded a 32-bit word (eight weights) at a time and x is prepared once per call (x 2^6 in the word's nibble
-  order, quantized there when asked), so the loop issues about 4 instructions per weight on sm_90
-  (``tests/test_fp4_gemv_sass.py``), near the rate the HBM delivers nibbles to an SM.
+  order, quantized there when asked), so the loop issues about 4.3 instructions per weight on sm_90
+  (``tests/test_fp4_gemv_sass.py``), near the rate the HBM delivers nibbles to an SM, with the next step's codes
+  in flight while a step's are decoded.
 """
 
 from __future__ import annotations
@@ -287,6 +288,7 @@ def _fp4_expert_kernel(xp_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: 
     vector loads, once per thread for all its rows. Per row and 32-weight block the products are summed (FMA
     chains over the 8 planes, then the 4 words), scaled by the block's e8m0 byte made fp32 (``e8m0_scale``: 2^(b
     - 127) exactly, NaN for 255) and added to that block column's sum; the columns are added once at the end.
+    Each step loads the next step's codes and scales before it decodes its own (two steps in flight per thread).
     EVEN: n a multiple of BN (no row masks). FINAL: bf16 y, else fp32 partial sums [splits, slots, n]."""
     wait_for_previous_kernel()
     slot = tl.program_id(1)
@@ -300,10 +302,16 @@ def _fp4_expert_kernel(xp_ptr, e_ptr, w_ptr, s_ptr, out_ptr, n, slots, k_split: 
     rows_ok = ok[:, None] | EVEN  # all true when EVEN: folded away
     b_begin = tl.program_id(2) * (k_split // 32)
     acc = tl.zeros([BN, BB], dtype=tl.float32)
+    b_last = b_begin + k_split // 32 - BB  # the last step's blocks (read again by its look-ahead: an L2 hit)
+    w_next = tl.load(w_base + 4 * b_begin, mask=rows_ok, other=0)
+    s_next = tl.load(s_base + b_begin, mask=rows_ok, other=127)
     for bb in range(0, k_split // 32, BB):
         b0 = b_begin + bb
-        w = tl.load(w_base + 4 * b0, mask=rows_ok, other=0).to(tl.uint32, bitcast=True)
-        s = e8m0_scale(tl.load(s_base + b0, mask=rows_ok, other=127))
+        w = w_next.to(tl.uint32, bitcast=True)
+        s = e8m0_scale(s_next)
+        ahead = tl.minimum(b0 + BB, b_last)  # the next step's codes, in flight while this step's are used
+        w_next = tl.load(w_base + 4 * ahead, mask=rows_ok, other=0)
+        s_next = tl.load(s_base + ahead, mask=rows_ok, other=127)
         lo0, lo1, lo2, lo3 = _four_e4m3(((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080))  # weights 0, 2, 4, 6
         hi0, hi1, hi2, hi3 = _four_e4m3(((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080))  # weights 1, 3, 5, 7
         x = x_base + 4 * b0

@@ -193,6 +193,7 @@ def cmd_run(args) -> int:
 def _print_run(res, checkpoint: str, seconds: float, threads: int) -> None:
     """A run's summary: decoder, modes (and why any was skipped), prompt and steps, verdict, report."""
     from fidelity.api import plural
+    from fidelity.outputs.report import decoder_raised_line
 
     steps, modes = res.manifest["decode_steps"], res.manifest["modes"]
     print(f"dsv4-fidelity {__version__}: {res.manifest['decoder']} vs oracle on {checkpoint}, modes {'+'.join(modes)}")
@@ -201,6 +202,8 @@ def _print_run(res, checkpoint: str, seconds: float, threads: int) -> None:
     print(f"prompt {plural(res.manifest['prompt_len'], 'token')}, {plural(steps, 'decode step')} "
           f"({res.manifest['stop_reason']}), {seconds:.1f} s, {plural(threads, 'thread')}")
     _print_verdict(res.judgement)
+    if line := decoder_raised_line(res.manifest):
+        print(line)
     print(f"report: {res.run_dir / 'report.md'} (and report.html, metrics.parquet, plots/)")
 
 

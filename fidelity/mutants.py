@@ -320,7 +320,12 @@ def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings, decoder: Decod
     opts = mutant.options if mutant else dict(options or {})
     names = (mutant.name,) if mutant else ()
     if isinstance(target, Played):
-        spec, dec = _played(checkpoint, target, s, opts, names, decoder)
+        try:
+            spec, dec = _played(checkpoint, target, s, opts, names, decoder)
+        except USER_ERRORS:  # what is asked cannot be done with this decoder or model: the user's to fix
+            raise
+        except Exception as err:
+            raise PlayRaised(raised(err)) from err
     else:
         spec = run_spec(checkpoint, s, target, opts)
         dec = decoder() if decoder else None
@@ -330,7 +335,9 @@ def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings, decoder: Decod
         df, manifest = Runner(checkpoint, spec, decoder=dec).run()
     df = tidy(df, mutant.name if mutant else "clean", str(manifest["profile"]["name"]))
     context = manifest["prompt_len"] + manifest["decode_steps"]
-    return apply_thresholds(df, rules_for(manifest["profile"], checkpoint.config, dec.sites(), context=context))
+    judged = apply_thresholds(df, rules_for(manifest["profile"], checkpoint.config, dec.sites(), context=context))
+    judged.attrs["decoder_raised"] = manifest.get("decoder_raised")  # what ended the run, if the decoder raised
+    return judged
 
 
 def _played(checkpoint, target: Played, s: MutantSettings, opts: dict, names: tuple[str, ...],
@@ -441,12 +448,13 @@ def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSett
             progress(k, len(jobs), f"{name} on {_where(*where)}")
         t0 = time.perf_counter()
         try:
-            found = detection_rows(name, run_one(checkpoint, mutant, s, decoder, where, opts),
-                                   mutant if expect == "caught" else None, cfg)
-        except USER_ERRORS:  # the run cannot be asked of this decoder or model: the user's to fix
-            raise
-        except Exception as err:  # the decoder raised while running: recorded, and the matrix goes on
-            found = [crash_row(name, err, mutant if expect == "caught" else None, cfg)]
+            judged = run_one(checkpoint, mutant, s, decoder, where, opts)
+        except PlayRaised as err:  # the decoder raised while a script played: recorded, and the matrix goes on
+            found = [crash_row(name, err.__cause__, mutant if expect == "caught" else None, cfg)]
+        else:
+            found = detection_rows(name, judged, mutant if expect == "caught" else None, cfg)
+            if ended := judged.attrs.get("decoder_raised"):  # the run ended where the decoder raised
+                found[0]["crash"] = f"{ended['error']} (call {ended['step']}, {ended['phase']})"
         decode = _decode_steps(where, s)
         profile = (mutant.options if mutant else opts).get("profile", "reference")
         for r in found:
@@ -455,9 +463,14 @@ def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSett
     return pd.DataFrame(rows)
 
 
-def crash_row(name: str, err: Exception, mutant: Mutant | None, cfg: ModelConfig) -> dict:
-    """The "first" row of a run whose decoder raised: detected (the run stopped) but located by no probe; ``crash``
-    holds the exception's type and first line."""
+class PlayRaised(Exception):
+    """The decoder raised while a multi-sequence script played (outside a judged call); the cause is its error."""
+
+
+def crash_row(name: str, err: BaseException, mutant: Mutant | None, cfg: ModelConfig) -> dict:
+    """The "first" row of a run whose decoder raised outside a judged call (a script as it played): detected (the
+    run stopped) but located by no probe; ``crash`` holds the exception's type and first line. (A raise inside a
+    judged call ends the run there: ``Runner.run``; its rows up to that call are judged as usual.)"""
     row = {"mutant": name, "probe": "first", "detected": True, "crash": raised(err)}
     if mutant is not None:
         row.update(located=False, expected=_expected_site(mutant, cfg))
@@ -473,7 +486,7 @@ def gate_failures(matrix: pd.DataFrame) -> list[str]:
         where = _where(r.scenario, r.run, r.decode_steps)
         expect = getattr(r, "expect", "clean" if r.mutant == "clean" else "caught")
         crash = getattr(r, "crash", None)
-        if isinstance(crash, str):
+        if isinstance(crash, str) and not (expect == "caught" and r.located):  # caught where planted, then raised
             who = "clean decoder" if expect == "clean" else r.mutant
             out.append(f"{who}: the decoder raised on {where} ({crash})"
                        + (", where it cannot show" if expect == "silent" else "")
@@ -497,11 +510,14 @@ def gate_failures(matrix: pd.DataFrame) -> list[str]:
 def _first_cell(r) -> str:
     if r.get("expect") == "cannot show":
         return f"cannot show: {r['note']}"
-    if isinstance(r.get("crash"), str):
-        return f"the decoder raised: {r['crash']}"
+    crash = r.get("crash") if isinstance(r.get("crash"), str) else None
+    probe_first = isinstance(r.get("site"), str) and r.get("site") != "decoder"  # a probe's failure before the raise
+    if crash and not probe_first:
+        return f"the decoder raised: {crash}"
     if not r.detected:
         return "none"
-    return f"step {int(r.step)} {r.site} {r.metric} {r['value']:.4g} ({r.threshold}, {r['mode']})"
+    cell = f"step {int(r.step)} {r.site} {r.metric} {r['value']:.4g} ({r.threshold}, {r['mode']})"
+    return cell + (f"; then the decoder raised: {crash}" if crash else "")
 
 
 def matrix_table(matrix: pd.DataFrame) -> pd.DataFrame:

@@ -567,18 +567,12 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
                 continue
             for r in s.runs:
                 t = time.perf_counter()
-                shape = (r.prompt_len, len(r.chunks or (1,)), r.decode_steps)
-                try:
-                    res = run(decoder, plan, r.prompt(ids), r.decode_steps, modes, tmp / "runs",
-                              run_id=_slug(f"{s.name}-{r.label}"), profile=profile, decoder_dtype=decoder_dtype,
-                              device=device, notify=notify, prefill_chunk=list(r.chunks) if r.chunks else None)
-                except USER_ERRORS:
-                    raise
-                except Exception as err:  # the decoder raised on this run: a failing row, the other runs go on
-                    rows.append(_crash_row(s, r.label, r.param, shape, err, time.perf_counter() - t))
-                else:
-                    rows.append(_row(s, r.label, r.param, shape, res, time.perf_counter() - t, tmp))
-                tell(f"{s.name} / {r.label}: {rows[-1]['verdict']} ({rows[-1]['seconds']:.1f} s)")
+                res = run(decoder, plan, r.prompt(ids), r.decode_steps, modes, tmp / "runs",
+                          run_id=_slug(f"{s.name}-{r.label}"), profile=profile, decoder_dtype=decoder_dtype,
+                          device=device, notify=notify, prefill_chunk=list(r.chunks) if r.chunks else None)
+                rows.append(_row(s, r.label, r.param, (r.prompt_len, len(r.chunks or (1,)), r.decode_steps), res,
+                                 time.perf_counter() - t, tmp))
+                tell(f"{s.name} / {r.label}: {res.verdict} ({rows[-1]['seconds']:.1f} s)")
             writers: dict[str, TraceWriter] = {}
             try:
                 got = self_consistency(s, ids, fresh, partial(_writer, writers, tmp, s))
@@ -590,7 +584,8 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
                 continue
             except USER_ERRORS:
                 raise
-            except Exception as err:  # the decoder raised while the scenario played against itself
+            except Exception as err:  # the decoder raised while the scenario played against itself (a run's
+                # own raise ends that run, judged up to the call: ``Runner.run``)
                 for w in writers.values():
                     w.abort()
                 pairs.append(_crash_pair(s, err))
@@ -627,18 +622,13 @@ def _context(s: Scenario) -> int:
 def _row(s: Scenario, label: str, param: tuple[str, int], shape: tuple[int, int, int], res, seconds: float,
          tmp: Path) -> dict:
     """One matrix row: a run of ``s`` (``shape``: prompt length, prefill calls, decode steps) and its result."""
-    return {**_run_columns(s, label, param, shape, seconds), "verdict": res.verdict,
-            "first_divergence": str(res.first_divergence or "none"), "worst_local_cos": worst_local_cos(res.run_dir),
-            "run_dir": str(res.run_dir.relative_to(tmp)), **_where(res.first_divergence)}
-
-
-def _crash_row(s: Scenario, label: str, param: tuple[str, int], shape: tuple[int, int, int], err: Exception,
-               seconds: float) -> dict:
-    """The matrix row of a run whose decoder raised: FAIL, the exception as its first divergence (site 'decoder
-    raised', after the layers in the divergence plot), no run directory."""
-    return {**_run_columns(s, label, param, shape, seconds), "verdict": "FAIL",
-            "first_divergence": f"the decoder raised {raised(err)}", "worst_local_cos": float("nan"), "run_dir": "",
-            "first_step": -1, "first_site": "decoder raised", "first_layer": -1}
+    first = str(res.first_divergence or "none")
+    ended = res.manifest.get("decoder_raised")
+    if ended and res.first_divergence is not None and res.first_divergence.site == "decoder":
+        first = f"the decoder raised {ended['error']} (call {ended['step']}, {ended['phase']})"
+    return {**_run_columns(s, label, param, shape, seconds), "verdict": res.verdict, "first_divergence": first,
+            "worst_local_cos": worst_local_cos(res.run_dir), "run_dir": str(res.run_dir.relative_to(tmp)),
+            **_where(res.first_divergence)}
 
 
 def _run_columns(s: Scenario, label: str, param: tuple[str, int], shape: tuple[int, int, int],
@@ -683,8 +673,9 @@ def judge_trace(s: Scenario, label: str, trace: Path, plan: CheckpointPlan, mode
     return rows
 
 
-# raised as they are: the run asks what this model, decoder or folder cannot do (the user's to fix); anything else a
-# decoder raises while running fails that run (or that scenario's self-consistency) and the others go on
+# raised as they are: what is asked cannot be done with this model, decoder or folder (the user's to fix); anything
+# else a decoder raises while a script plays fails that scenario's self-consistency (or that mutant's run), and the
+# others go on
 USER_ERRORS = (RunError, DecoderError, ContextError, InputError, CheckpointError, RunDirError, OSError)
 ROW_COLUMNS = ("scenario", "run", "parameter", "prompt_len", "chunks", "decode_steps", "verdict", "first_divergence",
                "worst_local_cos", "self_consistency", "run_dir", "seconds", "param_name", "param_value", "first_step",

@@ -230,29 +230,65 @@ class TestSeed1(GateOnOneSeed):
 
 
 class RaisesUnderWindow127(ProductionDecoder):
-    """The production decoder, except that a decode step raises while ``window-127`` is planted (a kernel fault
-    of the kind a wrong index gives on a GPU)."""
+    """The production decoder, except that its prefill (``at`` "prefill") or its first decode step raises while
+    ``window-127`` is planted (a kernel fault of the kind a wrong index gives on a GPU)."""
+
+    at = "prefill"
+
+    def prefill(self, ids):
+        self._raise_at("prefill")
+        return super().prefill(ids)
 
     def step(self, token: int):
-        if on("window-127"):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+        self._raise_at("decode")
         return super().step(token)
+
+    def _raise_at(self, phase: str) -> None:
+        if on("window-127") and phase == self.at:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+
+
+class RaisesDecodingUnderWindow127(RaisesUnderWindow127):
+    at = "decode"
+
+
+class RaisesForkingUnderStaleRing(ProductionDecoder):
+    """The production decoder, except that a fork raises while ``fork-stale-ring`` is planted."""
+
+    def fork(self, seq: int, parent: int, pos: int) -> None:
+        if on("fork-stale-ring"):
+            raise ValueError("ring slot 73 of 128 already taken")
+        super().fork(seq, parent, pos)
 
 
 def test_a_decoder_that_raises_under_one_mutant_is_a_row_and_the_matrix_goes_on(tmp_path):
-    """The run of a mutant whose decoder raises is recorded (detected: the run stopped; located by no probe; the
-    exception's type and first line kept), the gate names it, and the other mutants' runs still happen."""
+    """A mutant's run whose decoder raises is recorded (the run ends at that call, judged up to it: detected,
+    located by no probe, the exception's type and first line kept; a raise while a script plays likewise), the
+    gate names it, and the other mutants' runs still happen."""
     ckpt = synthesize(ModelConfig.preset("tiny"), seed=0)
     matrix = run_mutants(ckpt, ["window-127", "causal-off-by-one"], MutantSettings(seed=0),
                          decoder=lambda: RaisesUnderWindow127(ckpt, "reference", 4096, "cpu"))
     first = matrix[matrix["probe"] == "first"].set_index("mutant")
     crashed = first.loc["window-127"]
-    assert crashed["detected"] and not crashed["located"]
-    assert crashed["crash"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert crashed["detected"] and not crashed["located"] and crashed["site"] == "decoder"
+    assert crashed["crash"] == "RuntimeError: CUDA error: an illegal memory access was encountered (call 0, prefill)"
     assert first.loc["causal-off-by-one"]["detected"] and first.loc["causal-off-by-one"]["located"]
     assert gate_failures(matrix) == ["window-127: the decoder raised on lengths / prompt 128 (RuntimeError: CUDA "
-                                     "error: an illegal memory access was encountered); no probe located it"]
+                                     "error: an illegal memory access was encountered (call 0, prefill)); no probe "
+                                     "located it"]
     table = matrix_table(matrix).set_index("mutant")
     assert table.loc["window-127", "first detection"].startswith("the decoder raised: RuntimeError: CUDA error")
     md = (write_matrix(matrix, tmp_path, "m") / "detection.md").read_text()
     assert "gate: FAIL: window-127: the decoder raised on lengths / prompt 128" in md
+    later = run_mutants(ckpt, ["window-127"], MutantSettings(seed=0),
+                        decoder=lambda: RaisesDecodingUnderWindow127(ckpt, "reference", 4096, "cpu"))
+    caught = later[(later["probe"] == "first") & (later["mutant"] == "window-127")].iloc[0]
+    assert caught["located"] and caught["crash"].endswith("(call 1, decode)")  # located in the prefill first
+    assert gate_failures(later) == []
+    assert "; then the decoder raised: RuntimeError" in matrix_table(later).set_index("mutant").loc[
+        "window-127", "first detection"]
+    played = run_mutants(ckpt, ["fork-stale-ring"], MutantSettings(seed=0),
+                         decoder=lambda: RaisesForkingUnderStaleRing(ckpt, "reference", 4096, "cpu"))
+    row = played[(played["probe"] == "first") & (played["mutant"] == "fork-stale-ring")
+                 & (played["expect"] == "caught")].iloc[0]
+    assert row["detected"] and not row["located"] and row["crash"] == "ValueError: ring slot 73 of 128 already taken"

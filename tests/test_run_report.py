@@ -418,3 +418,35 @@ def test_the_residual_section_of_a_run_recorded_before_the_oracles_rms_names_wha
     section = _section(_report_of(copy), "Residual stream RMS")
     assert "holds no RMS of the oracle's (ref_rms) or the decoder's (rms) at L{i}.residual" in section
     assert _residual_tables(section) == {}
+
+
+class RaisesAtDecodeStep3(ProductionDecoder):
+    """A port whose third decode step fails (say an index past a table at that length)."""
+
+    def step(self, token: int):
+        if self.pos == self.prompt_len + 2:
+            raise IndexError("index 4096 is out of bounds for dimension 0 with size 4096\n(traceback lines)")
+        return super().step(token)
+
+
+def test_a_decoder_that_raises_ends_its_run_judged_up_to_that_call_with_a_report(tiny, tmp_path, capsys):
+    """The run directory is written: the calls before the failing one keep their rows, the failing call's
+    ``decoder`` / ``raised`` row is the first divergence, the manifest, report and command line say what it
+    raised and after which site (it stopped with a traceback and no report before)."""
+    dec = RaisesAtDecodeStep3(tiny, "reference", 4096, "cpu")
+    res = fidelity.run(dec, tiny, 40, 6, ("free", "op"), tmp_path, run_id="r")
+    raised = res.manifest["decoder_raised"]
+    assert raised["step"] == 3 and raised["phase"] == "decode" and raised["after_site"] is None  # before any site
+    assert raised["error"] == "IndexError: index 4096 is out of bounds for dimension 0 with size 4096"
+    assert res.manifest["stop_reason"] == "decoder raised" and res.manifest["decode_steps"] == 3
+    assert not res.passed and res.first_divergence.site == "decoder" and res.first_divergence.step == 3
+    df, _ = read_run(res.run_dir)
+    assert set(df[df["site"] != "decoder"]["step"]) == {0, 1, 2}  # the calls before it, in every mode
+    md = (res.run_dir / "report.md").read_text()
+    assert "The decoder raised IndexError: index 4096 is out of bounds" in md and "in call 3 (decode)" in md
+
+    cli._print_run(res, "tiny", 1.0, 1)
+    printed = capsys.readouterr().out
+    assert "(decoder raised)" in printed and "verdict: FAIL" in printed
+    assert "the decoder raised IndexError: index 4096 is out of bounds for dimension 0 with size 4096 in call 3 " \
+           "(decode), before recording any site; the run ends there" in printed

@@ -137,22 +137,23 @@ class RaisesOnChunk7(ProductionDecoder):
 
 
 def test_a_run_whose_decoder_raises_fails_alone_and_the_report_is_written(plan, tmp_path):
-    """The run with a 7-token chunk raises: its row fails with the exception as its first divergence, the other runs
-    are judged as usual, the scenario's self-consistency fails on the same exception, and the report is written
-    (it stopped the whole job, with no report, before)."""
+    """The run with a 7-token chunk raises in its third call: that run is judged up to the call and fails there
+    with the exception as its first divergence, the other runs are judged as usual, the scenario's
+    self-consistency fails on the same exception, and the report is written (it stopped the whole job, with no
+    report, before)."""
     dec = RaisesOnChunk7(plan.ckpt, max_context=200)
     res = run_scenarios(plan, [SMALL], dec, out=tmp_path, run_id="s", modes=("op",))
     rows = res.matrix.set_index("run")
-    raised = "the decoder raised RuntimeError: shape '[7, 4, 128]' is invalid for input of size 3072"
+    raised = "the decoder raised RuntimeError: shape '[7, 4, 128]' is invalid for input of size 3072 (call 2, prefill)"
     assert rows.loc["chunks 5,6,7,118", "verdict"] == "FAIL"
     assert rows.loc["chunks 5,6,7,118", "first_divergence"] == raised
-    assert rows.loc["chunks 5,6,7,118", "first_site"] == "decoder raised"
+    assert rows.loc["chunks 5,6,7,118", "first_site"] == "decoder"
     assert (rows.drop(index="chunks 5,6,7,118")["verdict"] == "PASS").all()
     assert list(res.pairs["pair"]) == ["the decoder raised"] and not res.pairs["passed"].any()
     assert not res.passed and f"small/chunks 5,6,7,118: {raised}" in res.failures()
     report = (tmp_path / "s" / "report.md").read_text()
     assert raised in report and (tmp_path / "s" / "plots" / "first_divergence.png").is_file()
-    assert len(list((tmp_path / "s" / "runs").iterdir())) == len(SMALL.runs) - 1  # none for the failed run
+    assert len(list((tmp_path / "s" / "runs").iterdir())) == len(SMALL.runs)  # the failed run's as well
 
 
 def test_cli_writes_the_combined_report(plan, tmp_path, monkeypatch, capsys):

@@ -26,7 +26,8 @@ import torch
 
 from fidelity._version import __version__
 from fidelity.decoders import default_decoder
-from fidelity.decoders.base import Decoder, mode_support
+from fidelity.decoders.base import Decoder, DecoderError, mode_support, raised
+from fidelity.decoders.production.model import ContextError
 from fidelity.decoders.profiles import Profile
 from fidelity.decoders.trace_file import TraceWriter
 from fidelity.harness.oracle_run import dtype_name
@@ -111,6 +112,23 @@ class RunSpec:
         return p
 
 
+class DecoderRaised(Exception):
+    """The decoder under test raised while it ran model call ``step`` (``phase``), after recording ``after`` (its
+    last site of that call, if any)."""
+
+    def __init__(self, step: int, phase: str, after: list[str], err: Exception):
+        super().__init__(raised(err))
+        self.step, self.phase, self.after, self.error = step, phase, after[0] if after else None, raised(err)
+
+    def facts(self) -> dict:
+        return {"step": self.step, "phase": self.phase, "after_site": self.after, "error": self.error}
+
+
+# what a decoder raises when a run asks what it cannot do (a capability, a prompt past its context): the run's
+# spec is the user's to fix, so these stop the run as they are instead of ending it as a failure of the decoder
+ASKED_TOO_MUCH = (DecoderError, ContextError)
+
+
 class RunError(ValueError):
     """A run that cannot start; the message lists every problem."""
 
@@ -177,31 +195,41 @@ class Runner:
         self.devices = run_devices(spec.device, self.oracle.device)  # synchronized around each timed part
 
     def run(self) -> tuple[pd.DataFrame, dict]:
+        """Every model call in every mode -> (metric rows, manifest). A decoder that raises while it runs a call
+        ends the run there: the calls before it keep their rows, the call adds the failing ``decoder`` /
+        ``raised`` row, and the manifest's ``decoder_raised`` says what it raised, at which call and after which
+        site (``stop_reason`` "decoder raised")."""
         t0 = time.perf_counter()
         prompt = self.spec.prompt.long()
         history, chunks = prompt.tolist(), prompt.split(self.spec.chunk_sizes())
         self.n_prefill = len(chunks)
         peaks = PeakMemory(self.spec.device)
-        logits = {}
-        for call, chunk in enumerate(chunks):
-            logits = self.step(call, chunk)
-        memory = {"prefill": peaks.read()}
-        stop_reason = "length"
-        for k in range(self.spec.decode_steps):
-            call = self.n_prefill - 1 + k  # the call whose logits pick decode token k
-            nxt = self.next_token(call, k, logits, history)
-            self.tokens.append(nxt)
-            history.append(nxt)
-            self._tell("decode", k + 1, self.spec.decode_steps)
-            self.record_stop(call, nxt)
-            if nxt in self.prod_stops:
-                stop_reason = "stop"
-                break
-            logits = self.step(call + 1, torch.tensor([nxt]))
+        memory, stop_reason, ended = {}, "length", None
+        try:
+            logits = {}
+            for call, chunk in enumerate(chunks):
+                logits = self.step(call, chunk)
+            memory["prefill"] = peaks.read()
+            for k in range(self.spec.decode_steps):
+                call = self.n_prefill - 1 + k  # the call whose logits pick decode token k
+                nxt = self.next_token(call, k, logits, history)
+                self.tokens.append(nxt)
+                history.append(nxt)
+                self._tell("decode", k + 1, self.spec.decode_steps)
+                self.record_stop(call, nxt)
+                if nxt in self.prod_stops:
+                    stop_reason = "stop"
+                    break
+                logits = self.step(call + 1, torch.tensor([nxt]))
+        except DecoderRaised as err:
+            stop_reason, ended = "decoder raised", err
+            self._run_rows("decoder", {"raised": torch.tensor(1.0)}, err.step)
         memory["decode"] = peaks.read()
         self.record_repetition()
         df = pd.concat(self.frames, ignore_index=True)
         manifest = self.manifest(time.perf_counter() - t0, stop_reason)
+        if ended is not None:
+            manifest["decoder_raised"] = ended.facts()
         manifest["memory_peaks"] = memory
         manifest["picks"] = self.picks
         if self.spec.tokenizer is not None and self.picks["oracle"]:
@@ -251,7 +279,12 @@ class Runner:
         tell(0, "decoder under test")
         with self._timed(phase, "decoder"):
             before = allocator_counts(self.spec.device)
-            test_logits = self.dec.prefill(ids) if prefill else self.dec.step(int(ids[0]))[None]
+            try:
+                test_logits = self.dec.prefill(ids) if prefill else self.dec.step(int(ids[0]))[None]
+            except ASKED_TOO_MUCH:
+                raise
+            except Exception as err:  # the decoder's own failure: the run ends here, judged up to this call
+                raise DecoderRaised(step, phase, list(prod_rec.records)[-1:], err) from err
             after = allocator_counts(self.spec.device)
         with self._timed(phase, "probes"):
             handed = handed_bytes([test_logits, *(t for r in prod_rec.records.values() for _, t in r)])

@@ -40,7 +40,7 @@ SITES_BEFORE_LAYERS = sites.SITES_BEFORE_LAYERS
 LAYER_SITE_ORDER = sites.LAYER_SITE_ORDER
 SITES_WITHOUT_UPSTREAM = ("embed",)  # a free-mode failure here is local: both models read the same token ids
 LOCAL_MODES = ("op", "layer")
-SITES_AFTER_LAYERS = (*sites.SITES_AFTER_LAYERS, "tokens", "sampler", "stops", "repetition", "memory")
+SITES_AFTER_LAYERS = (*sites.SITES_AFTER_LAYERS, "tokens", "sampler", "stops", "repetition", "memory", "decoder")
 NUMERIC_AFTER_LAYERS = ("final", "logits", "tokens")  # downstream of the layers' numerics (not the run's loop)
 
 EXACT_PROFILES = frozenset({"exact", "fp32", "fp64", "oracle"})
@@ -294,6 +294,7 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None,
         Threshold("sampler", "pick_flip_with_margin", "<=", 0),
         Threshold("sampler", "sampler_impl_mismatch", "<=", 0),
         Threshold("stops", "stop_mismatch", "<=", 0),
+        Threshold("decoder", "raised", "<=", 0),  # the decoder raised while it ran a call: the run ended there
         Threshold("memory", "cache_growth", "<=", 0),
         Threshold("memory", "reserved_growth", "<=", MEMORY_GROWTH_BAND),
         Threshold("memory", "retained_growth", "<=", MEMORY_GROWTH_BAND),

@@ -269,8 +269,27 @@ def _kernel_facts(manifest: dict) -> dict[str, str]:
     return facts
 
 
-def verdict_section(judgement: Judgement) -> Section:
-    """PASS/FAIL with counts, the first divergence, and the failing rules in divergence order."""
+def decoder_raised_line(manifest: dict) -> str | None:
+    """What the decoder raised, at which call and after which site, when it ended the run (None: it did not)."""
+    r = manifest.get("decoder_raised")
+    if not r:
+        return None
+    after = f", after recording {r['after_site']}" if r.get("after_site") else ", before recording any site"
+    return (f"the decoder raised {r['error']} in call {r['step']} ({r['phase']}){after}; the run ends there "
+            "(the calls before it are judged)")
+
+
+def verdict_section(judgement: Judgement, manifest: dict | None = None) -> Section:
+    """PASS/FAIL with counts, the first divergence, what the decoder raised if it ended the run, and the failing
+    rules in divergence order."""
+    section = _verdict(judgement)
+    line = decoder_raised_line(manifest or {})
+    if line:
+        section.text.insert(2, line[0].upper() + line[1:] + ".")
+    return section
+
+
+def _verdict(judgement: Judgement) -> Section:
     judged = judgement.judged
     failures = sort_divergence(judged[~judged["passed"]])
     n, bad = len(judged), len(failures)
@@ -767,7 +786,7 @@ def threshold_section(judgement: Judgement) -> Section:
 def build_sections(df: pd.DataFrame, manifest: dict, judgement: Judgement,
                    token_margin: float = TOKEN_FLIP_MARGIN) -> list[Section]:
     """All report sections in reading order, plots excluded."""
-    return [verdict_section(judgement), header_section(df, manifest), modes_section(df, manifest),
+    return [verdict_section(judgement, manifest), header_section(df, manifest), modes_section(df, manifest),
             layer_error_section(df), residual_section(df), sinkhorn_section(df, judgement),
             indexer_section(df), visible_section(df), anomaly_section(df), token_section(df, token_margin),
             *filter(None, [repetition_section(df, manifest), continuation_section(manifest)]),

@@ -29,7 +29,7 @@ from fidelity.decoders import default_decoder
 from fidelity.decoders.base import Decoder, DecoderError, mode_support, raised
 from fidelity.decoders.production.model import ContextError
 from fidelity.decoders.profiles import Profile
-from fidelity.decoders.trace_file import TraceWriter
+from fidelity.decoders.trace_file import TraceError, TraceWriter
 from fidelity.harness.oracle_run import dtype_name
 from fidelity.harness.site_pairs import Margins, compare_recordings
 from fidelity.harness.thresholds import ROUTING_GAP, ROUTING_GAP_LAYER, SELECTION_MARGIN, kv_scale_floor, profile_class
@@ -124,9 +124,10 @@ class DecoderRaised(Exception):
         return {"step": self.step, "phase": self.phase, "after_site": self.after, "error": self.error}
 
 
-# what a decoder raises when a run asks what it cannot do (a capability, a prompt past its context): the run's
-# spec is the user's to fix, so these stop the run as they are instead of ending it as a failure of the decoder
-ASKED_TOO_MUCH = (DecoderError, ContextError)
+# what a decoder raises when a run asks what it cannot do (a capability, a prompt past its context) or its input
+# cannot be read (a trace's files, the file system): the user's to fix, so these stop the run as they are instead
+# of ending it as a failure of the decoder
+ASKED_TOO_MUCH = (DecoderError, ContextError, TraceError, OSError)
 
 
 class RunError(ValueError):

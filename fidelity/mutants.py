@@ -479,7 +479,8 @@ def crash_row(name: str, err: BaseException, mutant: Mutant | None, cfg: ModelCo
 
 def gate_failures(matrix: pd.DataFrame) -> list[str]:
     """Why ``--gate`` fails: the clean decoder alarmed on a scenario run, a mutant went undetected on its run or
-    was found elsewhere than planted, or it alarmed on a run where it cannot show."""
+    was found elsewhere than planted, or it alarmed on a run where it cannot show; a run whose decoder raised,
+    unless a probe had located the mutant where planted before the raise."""
     first = matrix[matrix["probe"] == "first"]
     out = []
     for r in first.itertuples():

@@ -31,3 +31,15 @@ def index_through_item() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patched
+
+
+def contract_error(op: str, fn, max_examples: int) -> str:
+    """'' when ``fn`` meets op ``op``'s contract on ``max_examples`` drawn cases, else the failure's last 2000
+    characters (a check's error text)."""
+    from fidelity.testing import check_against_oracle
+
+    try:
+        check_against_oracle(op, fn, max_examples=max_examples)
+    except AssertionError as e:
+        return str(e)[-2000:]
+    return ""

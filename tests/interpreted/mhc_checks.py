@@ -12,12 +12,11 @@ import json
 
 import torch
 
-from tests.interpreted import index_through_item
+from tests.interpreted import contract_error, index_through_item
 
 index_through_item()
 
 from fidelity.decoders.production.kernels import mhc  # noqa: E402
-from fidelity.testing import check_against_oracle  # noqa: E402
 
 
 class TorchPartials:
@@ -45,11 +44,7 @@ def split_hc_head(*args):
 
 
 def _contract(op: str, fn) -> str:
-    try:
-        check_against_oracle(op, fn, max_examples=25)
-    except AssertionError as e:
-        return str(e)[-2000:]
-    return ""
+    return contract_error(op, fn, 25)
 
 
 def _groups_differ(g: torch.Generator) -> str:

@@ -32,16 +32,6 @@ class _LayerHistory:
     index: CompressorState = field(default_factory=CompressorState)
 
 
-def taken(decoder: Recorder, site: str, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``decoder.get(site)`` (a copy), or its ``rows``: a record of one part is then indexed where it is, so that a
-    wide one (an HCA layer's visible set [n, W + entries]) is not copied whole for a few sampled rows."""
-    if rows is None:
-        return decoder.get(site)
-    parts = decoder.records.get(site, [])
-    whole = parts[0][1] if len(parts) == 1 else decoder.get(site)
-    return whole[rows.to(whole.device)]
-
-
 class OpReplay:
     """Re-runs oracle ops on a decoder's recorded inputs; results go to a ``Recorder`` under the same sites."""
 
@@ -61,12 +51,12 @@ class OpReplay:
 
         def layer_of(i: int) -> tuple[Take, Take]:
             def take(template: str, at: torch.Tensor | None = None) -> torch.Tensor:
-                t = taken(decoder, site_name(template, i), at).to(dev)
+                t = decoder.get(site_name(template, i), at).to(dev)
                 return t.to(dt) if t.is_floating_point() else t
 
             return take, lambda template: take(template, rows)
 
-        streams = taken(decoder, "embed", rows).to(dev, dt).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [nq, hc, dim]
+        streams = decoder.get("embed", rows).to(dev, dt).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)  # [nq, hc, dim]
         for i in range(self.cfg.n_layers):
             take, take_q = layer_of(i)
             self._mhc(i, "attn", streams, out)

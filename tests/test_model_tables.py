@@ -90,3 +90,24 @@ def test_both_models_read_exactly_the_weight_schema():
         log = _ReadLog(ckpt)
         make(log).prefill(ids)
         assert log.read == set(expected_tensors(cfg)), sorted(log.read ^ set(expected_tensors(cfg)))[:5]
+
+
+def test_a_recorder_keeps_only_the_given_rows_of_a_rows_only_site_across_its_parts():
+    rows = torch.tensor([1, 5, 9])
+    rec = Recorder(device=None, rows=rows, rows_only=frozenset({"L{i}.indexer.scores"}))
+    first, second = torch.arange(4 * 3.0).reshape(4, 3), torch.arange(8 * 3.0).reshape(8, 3) + 100
+    rec("L0.indexer.scores", first)  # call rows 0-3
+    rec("L0.indexer.scores", second)  # call rows 4-11
+    rec("L0.indexer.q", second)  # not listed: every row
+    whole = torch.cat((first, second))
+    assert torch.equal(rec.get("L0.indexer.scores"), whole[rows])
+    assert torch.equal(rec.get("L0.indexer.scores", rows), whole[rows])  # recorded at these rows: as recorded
+    assert torch.equal(rec.get("L0.indexer.q", torch.tensor([0, 2])), second[[0, 2]])
+    with pytest.raises(ValueError, match=r"L0.indexer.scores: recorded at rows \[1, 5, 9\], asked for rows \[1\]"):
+        rec.get("L0.indexer.scores", torch.tensor([1]))
+
+
+def test_a_site_recorded_once_is_returned_without_a_copy():
+    rec = Recorder(device=None)
+    rec("L0.attn.q", torch.ones(2, 3))
+    assert rec.get("L0.attn.q").data_ptr() == rec.records["L0.attn.q"][0][1].data_ptr()

@@ -189,3 +189,28 @@ def test_the_runner_synchronizes_only_the_cuda_devices_its_two_models_use():
     assert run_devices("cpu", torch.device("cpu")) == ()
     assert run_devices("cuda:1", torch.device("cuda", 1), "cuda:0", "cpu") == (torch.device("cuda", 0),
                                                                                torch.device("cuda", 1))
+
+
+
+def test_sampled_runs_record_the_compared_only_sites_at_the_sampled_rows_with_the_same_metrics(tiny, monkeypatch):
+    """With sampled queries the decoder's q, attention output and index scores are recorded at those rows alone
+    (``SAMPLED_ROWS_ONLY``); every metric but the run's own memory is what recording all rows gives."""
+    from fidelity.harness import runner as runner_module
+
+    kept: list[tuple[int, int]] = []  # (sampled rows, rows recorded at L2.attn.q) per prefill call
+
+    class Spy(runner_module.Recorder):
+        def __call__(self, site, tensor):
+            super().__call__(site, tensor)
+            if site == "L2.attn.q" and self.rows is not None:
+                kept.append((len(self.rows), self.records[site][-1][1].shape[0]))
+
+    monkeypatch.setattr(runner_module, "Recorder", Spy)
+    spec = _spec(decode=1, prompt_len=300, modes=("layer", "op"), sample_queries=8, prefill_chunk=150)
+    thin, _ = Runner(tiny, spec).run()
+    assert len(kept) == 2 and all(n == m for n, m in kept)
+    monkeypatch.setattr(runner_module, "SAMPLED_ROWS_ONLY", frozenset())
+    whole, _ = Runner(tiny, spec).run()
+    cols = ["step", "mode", "site", "layer", "position", "metric"]
+    thin, whole = (f[f["site"] != "memory"].sort_values(cols).reset_index(drop=True) for f in (thin, whole))
+    pd.testing.assert_frame_equal(thin, whole)  # the memory rows differ: fewer bytes recorded

@@ -31,7 +31,7 @@ from fidelity.decoders.production.model import ContextError
 from fidelity.decoders.profiles import Profile
 from fidelity.decoders.trace_file import TraceError, TraceWriter
 from fidelity.harness.oracle_run import dtype_name
-from fidelity.harness.site_pairs import Margins, compare_recordings
+from fidelity.harness.site_pairs import SAMPLED_ROWS_ONLY, Margins, compare_recordings
 from fidelity.harness.thresholds import ROUTING_GAP, ROUTING_GAP_LAYER, SELECTION_MARGIN, kv_scale_floor, profile_class
 from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, SamplerConfig, StopSet
@@ -275,7 +275,11 @@ class Runner:
 
         phase = "prefill" if prefill else "decode"
         positions = torch.arange(self.dec.pos, self.dec.pos + len(ids))
-        prod_rec = Recorder(device=None)  # records stay where the decoder made them (a GPU's memory)
+        rows = self.rows_of(positions) if prefill else None
+        # records stay where the decoder made them (a GPU's memory); with sampled query rows and no trace written,
+        # the sites only compared keep just those rows (a long prompt's index scores: GiBs a chunk)
+        thin = rows is not None and self.trace is None
+        prod_rec = Recorder(device=None, rows=rows if thin else None, rows_only=SAMPLED_ROWS_ONLY)
         self.dec.rec = prod_rec
         tell(0, "decoder under test")
         with self._timed(phase, "decoder"):
@@ -291,7 +295,6 @@ class Runner:
             handed = handed_bytes([test_logits, *(t for r in prod_rec.records.values() for _, t in r)])
             self.decoder_memory = allocator_delta(before, after, handed)
             self.decoder_memory["held_bytes"] = held_bytes(self.dec, exclude=(prod_rec,))  # not what it handed
-        rows = self.rows_of(positions) if prefill else None
         if self.trace is not None:
             self.trace.add_step(ids, positions, test_logits, prod_rec)
         out = {"production": test_logits[-1]}

@@ -39,6 +39,10 @@ from probes import (
 )
 
 NEAR_TIE_MARGIN = 1e-2  # relative gap to the k-th oracle score under which a top-k miss is a near-tie
+# sites that no oracle mode reads from the decoder's records and no other site's comparison reads: with sampled
+# query rows (layer and op modes) they are compared at those rows alone, so the decoder's are recorded at those rows
+# (``Recorder.rows_only``); wide per-query tensors, the index scores growing with the context
+SAMPLED_ROWS_ONLY = frozenset({"L{i}.attn.q", "L{i}.attn.core", "L{i}.indexer.scores"})
 # a selection's site -> the site of the scores it selects from (templates)
 SELECTION_SCORES = {"L{i}.indexer.topk": "L{i}.indexer.scores", "L{i}.moe.experts": "L{i}.moe.scores"}
 

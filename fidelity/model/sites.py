@@ -178,15 +178,20 @@ class Recorder:
 
     Each call appends ``(step, tensor)``; ``step`` is the index of the model call (prefill = 0).
     Tensors are detached copies on ``device`` (None: on the device they come from, e.g. a GPU's memory).
+    ``rows`` (call rows, ascending) with ``rows_only`` (site templates): those sites keep only these rows of the
+    call, counted across the parts a site is recorded in (a prefill's index scores come one query chunk at a time).
     """
 
     patterns: Iterable[str] = (".*",)
     records: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     step: int = 0
     device: str | None = "cpu"
+    rows: torch.Tensor | None = None
+    rows_only: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self._compiled = [re.compile(p) for p in self.patterns]
+        self._seen_rows: dict[str, int] = {}
 
     def wants(self, site: str) -> bool:
         return any(p.fullmatch(site) for p in self._compiled)
@@ -195,19 +200,41 @@ class Recorder:
         if not is_site(site):
             raise KeyError(f"unknown site {site!r}; sites are listed in fidelity.model.sites.SITES")
         if self.wants(site):
+            if self.rows is not None and site_template(site) in self.rows_only:
+                tensor = self._kept_rows(site, tensor)
             copy = tensor.detach().clone() if self.device is None else tensor.detach().to(self.device, copy=True)
             self.records.setdefault(site, []).append((self.step, copy))
 
-    def get(self, site: str) -> torch.Tensor:
-        """All records of ``site`` concatenated along dim 0 (tokens); ragged last dims are -1/-inf padded."""
+    def _kept_rows(self, site: str, part: torch.Tensor) -> torch.Tensor:
+        """The rows of ``part`` [m, ...] that are in ``rows``, ``part`` being the call's rows after those recorded
+        at ``site`` so far."""
+        start = self._seen_rows.get(site, 0)
+        self._seen_rows[site] = start + part.shape[0]
+        inside = self.rows[(self.rows >= start) & (self.rows < start + part.shape[0])] - start
+        return part.index_select(0, inside.to(part.device))
+
+    def get(self, site: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """All records of ``site`` concatenated along dim 0 (tokens); ragged last dims are -1/-inf padded. A site
+        recorded once is returned as stored, not copied (a prefill chunk's records reach a GiB): read it, do not
+        modify it. ``rows``: those rows of the call only (a site recorded at ``rows`` alone is returned whole)."""
         parts = [t for _, t in self.records.get(site, [])]
         if not parts:
             raise KeyError(f"site {site!r} was not recorded")
-        if parts[0].ndim >= 2 and len({p.shape[-1] for p in parts}) > 1:
-            width = max(p.shape[-1] for p in parts)
-            fill = -1 if not parts[0].is_floating_point() else float("-inf")
-            parts = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=fill) for p in parts]
-        return torch.cat(parts, dim=0)
+        if len(parts) == 1:
+            whole = parts[0]
+        else:
+            if parts[0].ndim >= 2 and len({p.shape[-1] for p in parts}) > 1:
+                width = max(p.shape[-1] for p in parts)
+                fill = -1 if not parts[0].is_floating_point() else float("-inf")
+                parts = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=fill) for p in parts]
+            whole = torch.cat(parts, dim=0)
+        if rows is None:
+            return whole
+        if self.rows is not None and site_template(site) in self.rows_only:
+            if not torch.equal(rows.cpu(), self.rows.cpu()):
+                raise ValueError(f"{site}: recorded at rows {self.rows.tolist()}, asked for rows {rows.tolist()}")
+            return whole
+        return whole[rows.to(whole.device)]
 
 
 def record(rec, template: str, layer: int | None, tensor) -> None:

@@ -8,11 +8,11 @@ reading values back, and returns ``dict[str, torch.Tensor]`` of 0-d (or [n] per 
 from probes.indexer import indexer_recall
 from probes.kv_cache import kv_storage
 from probes.memory import PeakMemory, memory_stats
-from probes.mhc import sinkhorn
+from probes.mhc import sinkhorn, sinkhorn_batch
 from probes.residual import residual_norms
 from probes.routing import routing_agreement
 from probes.rows import collect, to_rows
-from probes.similarity import similarity, similarity_per_position, unravel
+from probes.similarity import similarity, similarity_batch, similarity_per_position, unravel
 from probes.tokens import token_agreement
 from probes.visible import expected_visible, visible_range
 
@@ -26,8 +26,10 @@ __all__ = [
     "residual_norms",
     "routing_agreement",
     "similarity",
+    "similarity_batch",
     "similarity_per_position",
     "sinkhorn",
+    "sinkhorn_batch",
     "to_rows",
     "token_agreement",
     "unravel",

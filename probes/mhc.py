@@ -18,20 +18,33 @@ def sinkhorn(test_comb: torch.Tensor, ref_comb: torch.Tensor | None = None) -> d
     normalisation, so the oracle's own rows of a peaky (near-permutation) matrix stay off by up to ~0.1 on a
     trained model; only a deviation beyond the oracle's is the decoder's.
     """
+    if ref_comb is not None and ref_comb.shape != test_comb.shape:
+        raise ValueError(f"sinkhorn: ref_comb {tuple(ref_comb.shape)} != test_comb {tuple(test_comb.shape)}")
+    out = sinkhorn_batch(test_comb[None], None if ref_comb is None else ref_comb[None])
+    return {k: v[0] for k, v in out.items()}
+
+
+def sinkhorn_batch(test_comb: torch.Tensor, ref_comb: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """B matrices' stacks at once (a site of B layers), test_comb [B, n, hc, hc] (and ref_comb the same shape)
+    -> :func:`sinkhorn`'s metrics as [B] tensors, each over its own [n, hc, hc]."""
     c = test_comb.to(torch.float64)
+    b = c.shape[0]
+
+    def most(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(b, -1).amax(dim=1)
+
+    row_dev = (c.sum(dim=-1) - 1).abs()
     out = {
-        "row_dev": (c.sum(dim=-1) - 1).abs().amax(),
-        "col_dev": (c.sum(dim=-2) - 1).abs().amax(),
-        "min_value": c.amin(),
-        "negative_count": (c < 0).sum(),
-        "nonfinite": (~c.isfinite()).sum(),
+        "row_dev": most(row_dev),
+        "col_dev": most((c.sum(dim=-2) - 1).abs()),
+        "min_value": c.reshape(b, -1).amin(dim=1),
+        "negative_count": (c < 0).reshape(b, -1).sum(dim=1),
+        "nonfinite": (~c.isfinite()).reshape(b, -1).sum(dim=1),
     }
     if ref_comb is not None:
-        if ref_comb.shape != test_comb.shape:
-            raise ValueError(f"sinkhorn: ref_comb {tuple(ref_comb.shape)} != test_comb {tuple(test_comb.shape)}")
         r = ref_comb.to(device=c.device, dtype=torch.float64)
-        out["orientation_err"] = (c - r).abs().amax()
-        out["transposed_err"] = (c - r.transpose(-1, -2)).abs().amax()
+        out["orientation_err"] = most((c - r).abs())
+        out["transposed_err"] = most((c - r.transpose(-1, -2)).abs())
         out["orientation_flip"] = (out["transposed_err"] < out["orientation_err"]).to(torch.int64)
-        out["row_dev_excess"] = ((c.sum(dim=-1) - 1).abs() - (r.sum(dim=-1) - 1).abs()).amax()
+        out["row_dev_excess"] = most(row_dev - (r.sum(dim=-1) - 1).abs())
     return out

@@ -36,18 +36,20 @@ def to_rows(site: str, layer: int | None, metrics: dict[str, torch.Tensor],
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
-    """Tensors (any devices) -> their flattened float64 values, one ``.cpu()`` per device."""
-    by_device: dict[torch.device, list[int]] = {}
+    """Tensors (any devices) -> their flattened float64 values, one ``.cpu()`` per device (one concatenation and
+    one cast per dtype before it: a step's thousands of 0-d metrics are a handful of launches)."""
+    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
     for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
+        groups.setdefault(t.device, {}).setdefault(t.dtype, []).append(i)
     out: list[list[float]] = [[] for _ in tensors]
-    for idx in by_device.values():
-        parts = [tensors[i].detach().reshape(-1).to(torch.float64) for i in idx]
-        flat = torch.cat(parts).cpu().tolist()
+    for by_dtype in groups.values():
+        order = [i for idx in by_dtype.values() for i in idx]
+        flat = torch.cat([torch.cat([tensors[i].detach().reshape(-1) for i in idx]).to(torch.float64)
+                          for idx in by_dtype.values()]).cpu().tolist()
         start = 0
-        for i, p in zip(idx, parts, strict=True):
-            out[i] = flat[start : start + p.numel()]
-            start += p.numel()
+        for i in order:
+            out[i] = flat[start : start + tensors[i].numel()]
+            start += tensors[i].numel()
     return out
 
 

@@ -11,6 +11,8 @@ degenerate inputs (no coordinate differs, or a tensor is all zeros):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from probes.sets import first_true
@@ -28,12 +30,14 @@ def nonfinite_code(x: torch.Tensor) -> torch.Tensor:
 
 
 def _prepare(ref: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Flatten both to [n] float64 with non-common-finite coordinates zeroed, plus the non-finite metrics. On the
-    CPU, where reading a value back costs nothing, two all-finite tensors take :func:`_finite_pair` (same values,
-    a third of the ops); elsewhere :func:`_masked_pair` (no host read)."""
+    """Pairs [B, ...] -> both as [B, n] float64 with non-common-finite coordinates zeroed, plus the non-finite
+    metrics [B]. On the CPU, where reading a value back costs nothing, all-finite tensors take
+    :func:`_finite_pair` (same values, a third of the ops); elsewhere :func:`_masked_pair` (no host read)."""
     if ref.shape != test.shape:
         raise ValueError(f"similarity: ref shape {tuple(ref.shape)} != test shape {tuple(test.shape)}")
     test = test.to(ref.device)
+    flat = (ref.shape[0], math.prod(ref.shape[1:]))
+    ref, test = ref.reshape(flat), test.reshape(flat)
     if ref.device.type == "cpu" and _all_finite(ref) and _all_finite(test):
         return _finite_pair(ref, test)
     return _masked_pair(ref, test)
@@ -44,26 +48,27 @@ def _all_finite(x: torch.Tensor) -> bool:
 
 
 def _finite_pair(ref: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`_masked_pair` of two tensors finite everywhere: nothing to zero, no non-finite coordinate."""
-    zero = torch.zeros((), dtype=torch.int64)
-    nonfinite = {"nonfinite_mismatch": zero, "nonfinite_first": torch.tensor(-1), "test_nonfinite": zero,
-                 "ref_nonfinite": zero, "compared": torch.tensor(ref.numel())}
-    return ref.flatten().to(torch.float64), test.flatten().to(torch.float64), nonfinite
+    """:func:`_masked_pair` of [B, n] tensors finite everywhere: nothing to zero, no non-finite coordinate."""
+    b, n = ref.shape
+    zero = torch.zeros(b, dtype=torch.int64)
+    nonfinite = {"nonfinite_mismatch": zero, "nonfinite_first": torch.full((b,), -1), "test_nonfinite": zero,
+                 "ref_nonfinite": zero, "compared": torch.full((b,), n)}
+    return ref.to(torch.float64), test.to(torch.float64), nonfinite
 
 
 def _masked_pair(ref: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Both flattened to [n] float64, coordinates not finite in both zeroed, and the non-finite metrics."""
+    """[B, n] tensors as float64, coordinates not finite in both zeroed, and the non-finite metrics [B]."""
     cr, ct = nonfinite_code(ref), nonfinite_code(test)
-    mismatch = (cr != ct).flatten()
-    both = ((cr == 0) & (ct == 0)).flatten()
-    x = torch.where(both, ref.flatten().to(torch.float64), 0.0)
-    y = torch.where(both, test.flatten().to(torch.float64), 0.0)
+    mismatch = cr != ct
+    both = (cr == 0) & (ct == 0)
+    x = torch.where(both, ref.to(torch.float64), 0.0)
+    y = torch.where(both, test.to(torch.float64), 0.0)
     nonfinite = {
-        "nonfinite_mismatch": mismatch.sum(),
+        "nonfinite_mismatch": mismatch.sum(-1),
         "nonfinite_first": first_true(mismatch),
-        "test_nonfinite": (ct != 0).sum(),
-        "ref_nonfinite": (cr != 0).sum(),
-        "compared": both.sum(),
+        "test_nonfinite": (ct != 0).sum(-1),
+        "ref_nonfinite": (cr != 0).sum(-1),
+        "compared": both.sum(-1),
     }
     return x, y, nonfinite
 
@@ -84,12 +89,20 @@ def similarity(ref: torch.Tensor, test: torch.Tensor) -> dict[str, torch.Tensor]
     see ``unravel``), nonfinite_mismatch, nonfinite_first (flat, -1 none), test_nonfinite, ref_nonfinite,
     compared (coordinates finite in both).
     """
+    if ref.shape != test.shape:
+        raise ValueError(f"similarity: ref shape {tuple(ref.shape)} != test shape {tuple(test.shape)}")
+    return {k: v[0] for k, v in similarity_batch(ref[None], test[None]).items()}
+
+
+def similarity_batch(ref: torch.Tensor, test: torch.Tensor) -> dict[str, torch.Tensor]:
+    """B pairs of one shape, ref and test [B, ...] (a site of B layers) -> :func:`similarity`'s metrics as [B]
+    tensors, each over its own pair, in the same number of launches as one pair."""
     x, y, out = _prepare(ref, test)
     cos, calc_diff, xx = _cos_calc_diff(x, y)
     err = (x - y).abs()
-    ee = err.square().sum()
-    padded = torch.cat((err, err.new_zeros(1)))  # defined for empty tensors
-    max_abs, idx = padded.max(dim=0)
+    ee = err.square().sum(-1)
+    padded = torch.cat((err, err.new_zeros(err.shape[0], 1)), dim=-1)  # defined for empty tensors
+    max_abs, idx = padded.max(dim=-1)
     out.update(
         cos=cos,
         calc_diff=calc_diff,
@@ -106,17 +119,14 @@ def similarity_per_position(ref: torch.Tensor, test: torch.Tensor) -> dict[str, 
     finite in both) and nonfinite_mismatch (int64)."""
     if ref.ndim == 0:
         raise ValueError("similarity_per_position: needs a token dim 0")
-    x, y, _ = _prepare(ref, test)
-    cr, ct = nonfinite_code(ref), nonfinite_code(test.to(ref.device))
-    n, d = ref.shape[0], ref[0].numel() if ref.shape[0] else 0
-    x, y = x.reshape(n, d), y.reshape(n, d)
+    x, y, nonfinite = _prepare(ref, test)  # [n, d]: one pair per token
     cos, calc_diff, _ = _cos_calc_diff(x, y)
-    err = torch.cat(((x - y).abs(), x.new_zeros(n, 1)), dim=1)
+    err = torch.cat(((x - y).abs(), x.new_zeros(x.shape[0], 1)), dim=1)
     return {
         "cos": cos,
         "calc_diff": calc_diff,
         "max_abs": err.amax(dim=1),
-        "nonfinite_mismatch": (cr != ct).reshape(n, d).sum(dim=1),
+        "nonfinite_mismatch": nonfinite["nonfinite_mismatch"],
     }
 
 

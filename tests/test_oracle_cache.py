@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fidelity.model.config import ModelConfig
+from fidelity.model.sites import Recorder
 from fidelity.model.synthesize import synthesize
 from oracles import OracleModel, Reference, cache, model, op_mode
 
@@ -66,8 +67,13 @@ def _plain(monkeypatch) -> None:
     monkeypatch.setattr(cache.Rows, "all", all_rows)
     monkeypatch.setattr(model, "gather_rows", gather)
     monkeypatch.setattr(op_mode, "gather_rows", gather)
-    monkeypatch.setattr(op_mode, "taken", lambda rec, site, rows=None: rec.get(site) if rows is None else
-                        rec.get(site)[rows])
+    whole = Recorder.get
+
+    def copied(self, site, rows=None):  # every read a copy of all the call's rows, then the rows asked for
+        out = whole(self, site).clone()
+        return out if rows is None else out[rows]
+
+    monkeypatch.setattr(Recorder, "get", copied)
 
 
 def _records(oracle: OracleModel, ids: torch.Tensor) -> list[dict[str, list[tuple[int, torch.Tensor]]]]:

@@ -30,9 +30,9 @@ from probes import (
     kv_storage,
     residual_norms,
     routing_agreement,
-    similarity,
+    similarity_batch,
     similarity_per_position,
-    sinkhorn,
+    sinkhorn_batch,
     to_rows,
     token_agreement,
     visible_range,
@@ -119,11 +119,13 @@ def _pad_ids(ids: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(ids.long(), (0, width - ids.shape[-1]), value=-1)
 
 
-def compare_site(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict, per_position: bool) -> list[dict]:
-    """Pending rows for one site. ``ctx``: positions, window, ref recorder (for index scores)."""
+def compare_site(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict, per_position: bool,
+                 batches: PairBatches) -> list[dict]:
+    """Pending rows for one site. ``ctx``: positions, window, ref recorder (for index scores); the site's
+    ``similarity`` or ``sinkhorn`` goes to ``batches`` (computed with the same template's other layers)."""
     layer, out, entry = _layer(site), [], site_of(site)
     if entry.probe == "sinkhorn":
-        out += to_rows(site, layer, sinkhorn(test.double(), ref.double()))
+        batches.add("sinkhorn", site, ref, test)
     elif entry.probe == "indexer_recall":
         scores = ctx["ref"].get(same_layer("L{i}.indexer.scores", site))
         out += to_rows(site, layer, indexer_recall(test, ref, scores, NEAR_TIE_MARGIN))
@@ -135,7 +137,7 @@ def compare_site(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict, pe
     elif entry.probe == "routing":
         out += to_rows(site, layer, _routing(site, ref, test, ctx))
     elif ref.is_floating_point():
-        out += to_rows(site, layer, similarity(ref, test))
+        batches.add("similarity", site, ref, test)
         if per_position and entry.per_position and ref.shape[0] > 1:
             pp = similarity_per_position(ref, test)
             out += to_rows(site, layer, {"cos": pp["cos"]}, positions=ctx["positions"])
@@ -188,6 +190,38 @@ def _decided_rows(layer: int, selection: str, ref: Recorder, test: Recorder, mar
     return agree if len(agree) == n else None
 
 
+BATCH_ELEMENTS = 1 << 24  # elements of one template's pairs compared in one batch (bounds the float64 copies)
+# probes computed for a batch of same-shaped pairs at once: (ref [B, ...], test [B, ...]) -> [B] metrics
+BATCHED_PROBES = {"similarity": similarity_batch, "sinkhorn": lambda ref, test: sinkhorn_batch(test, ref)}
+
+
+class PairBatches:
+    """One step's pairs of the ``BATCHED_PROBES``, compared a batch of layers at a time: a site template's pairs
+    of one shape and dtypes go through the probe together, in the ops of one pair (on a GPU each is a launch from
+    the host: a probe per layer made the comparison of a deep model's step host-bound)."""
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+
+    def add(self, probe: str, site: str, ref: torch.Tensor, test: torch.Tensor) -> None:
+        key = (probe, site_template(site), tuple(ref.shape), tuple(test.shape), ref.dtype, test.dtype, ref.device,
+               test.device)
+        self.groups.setdefault(key, []).append((site, ref, test))
+
+    def rows(self) -> list[dict]:
+        """Pending rows of every pair added, in the order added within a template."""
+        out: list[dict] = []
+        for (probe, *_), pairs in self.groups.items():
+            per_batch = max(1, BATCH_ELEMENTS // max(1, pairs[0][1].numel()))
+            for s in range(0, len(pairs), per_batch):
+                batch = pairs[s : s + per_batch]
+                metrics = BATCHED_PROBES[probe](torch.stack([r for _, r, _ in batch]),
+                                                torch.stack([t for _, _, t in batch]))
+                for b, (site, _, _) in enumerate(batch):
+                    out += to_rows(site, _layer(site), {k: v[b] for k, v in metrics.items()})
+        return out
+
+
 @dataclass(frozen=True)
 class Margins:
     """Score margins under which a selection the decoder does not report counts as its own (``_unambiguous``):
@@ -211,7 +245,7 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
     sel = positions if rows is None else positions[rows]
     ctx = {"positions": sel, "window": cfg.window_size, "ref": ref, "test": test, "rows": rows,
            "ratios": cfg.compress_ratios}
-    selections, routings = {}, {}
+    selections, routings, batches = {}, {}, PairBatches()
     for i in range(cfg.n_layers):
         agree = _decided_rows(i, "L{i}.indexer.topk", ref, test, margins.selection, len(sel), device)
         if agree is not None:
@@ -236,8 +270,8 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
             r, t, site_ctx = r[keep], t[keep], {**ctx, "positions": ctx["positions"][keep], "keep": keep}
         if counts.get("shape_mismatch") is not None or (site.endswith(".scores") and r.shape != t.shape):
             continue  # scores are compared through indexer recall (widths differ when the oracle pads)
-        pending += compare_site(site, r, t, site_ctx, per_position)
-    return pending
+        pending += compare_site(site, r, t, site_ctx, per_position, batches)
+    return pending + batches.rows()
 
 
 def residual_rows(site: str, ref: torch.Tensor, test: torch.Tensor) -> list[dict]:

@@ -341,13 +341,26 @@ class ProductionSession:
         heads, hd] after RoPE, window kv [n, hd] bf16); no cache is read or written."""
         w, cfg, pre = self.model.w, self.cfg, f"layers.{i}.attn."
         freqs = self.rope_freqs(i, positions.device)
-        qr = self.norm(self.linear(h, pre + "wq_a.weight"), w(pre + "q_norm.weight"))
+        a, kv_in = self.q_kv_inputs(h, pre)
+        qr = self.norm(a, w(pre + "q_norm.weight"))
         q = self.linear(qr, pre + "wq_b.weight").unflatten(-1, (cfg.n_heads, cfg.head_dim))
         q = self.op("apply_rope")(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
-        kv = self.kv_path(self.linear(h, pre + "wkv.weight"), w(pre + "kv_norm.weight"), positions, freqs)
+        kv = self.kv_path(kv_in, w(pre + "kv_norm.weight"), positions, freqs)
         self.emit("L{i}.attn.q", i, q)
         self.emit("L{i}.attn.kv", i, kv)
         return qr, q, kv
+
+    def q_kv_inputs(self, h: torch.Tensor | Fp8Input, pre: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h @ wq_a^T [n, q_lora], h @ wkv^T [n, hd]): a few rows with FP8 activations read both weights as stored
+        in one ``fp8_weight_linear`` over their stacked rows (one launch instead of two; within the op's contract,
+        the k slices may differ from a GEMV of one weight), else one GEMM each (:meth:`linear`)."""
+        act = self.profile.gemm_act
+        names = (pre + "wq_a.weight", pre + "wkv.weight")
+        pair = self.model.stacked_gemv_weight(names) if h.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
+        if pair is None:
+            return self.linear(h, names[0]), self.linear(h, names[1])
+        y = self.op("fp8_weight_linear")(h.xq if isinstance(h, Fp8Input) else h, *pair, act)
+        return y.split(self.cfg.q_lora_rank, dim=-1)
 
     def attn_core(self, i: int, x: torch.Tensor, qr, q: torch.Tensor, kv: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:

@@ -619,8 +619,8 @@ def test_decode_on_stored_weights_gives_graph_and_eager_the_same_bits_and_the_de
         flip_free, monkeypatch):
     """The decode GEMV path (as on a GPU; here on the ops' CPU emulations): steps read the FP8 weights and FP4
     experts as stored (``fp8_weight_linear``, ``fp4_picked_linear``, experts picked on the device). Eager and
-    graph decode give the same bits, and both agree with the dequantized-weight path to rounding; wq_a and wkv, which
-    read the same input, in one GEMV."""
+    graph decode give the same bits, and both agree with the dequantized-weight path to rounding; the weights that
+    read the same input in one GEMV (wq_a and wkv; a CSA layer's compressors and index weights)."""
     ids = _ids(FLIP_FREE, 40)
     plain = _decode(ProductionModel(flip_free, max_context=64).session(), ids, 32)
     monkeypatch.setattr(ProductionModel, "_gemv_ready", lambda self: True)
@@ -633,6 +633,10 @@ def test_decode_on_stored_weights_gives_graph_and_eager_the_same_bits_and_the_de
     assert used["fp32_linear"]["cpu"] > 0  # the compressors' projections on the stacked bf16 wkv / wgate
     pair = "layers.0.attn.wq_a.weight+layers.0.attn.wkv.weight"
     assert model._gemv[pair] is not None  # wq_a and wkv in one GEMV over their stacked rows
+    csa = "+".join(f"layers.2.attn.{n}.weight" for n in ("compressor.wkv", "compressor.wgate",
+                                                           "indexer.compressor.wkv", "indexer.compressor.wgate",
+                                                           "indexer.weights_proj"))
+    assert model._gemv[csa] is not None  # a CSA layer's bf16 projections of the attention input: one GEMV
     assert torch.equal(stored[0], plain[0])  # the prefill (32 rows) reads the dequantized weights
     assert _cos(stored[1:], plain[1:]).min() > 0.9999  # on this CPU the bits agree too (same products and sums)
 

@@ -9,7 +9,6 @@ import torch
 
 from fidelity.decoders.production.cache import CompressorCarry
 from fidelity.decoders.production.faults import on
-from fidelity.decoders.production.ops import GEMV_ROWS
 from fidelity.decoders.production.registry import implementation
 
 BF16 = torch.bfloat16
@@ -17,22 +16,22 @@ BF16 = torch.bfloat16
 
 class CompressorWeights(NamedTuple):
     """A compressor's weights: wkv, wgate [coff * d, dim] held in fp32 (their exact bf16 values), ape fp32
-    [ratio, coff * d], the RMSNorm weight [d]; ``stacked``: wkv and wgate stored bf16 as one [2 coff d, dim] tensor
-    where the decode GEMV reads them (op ``fp32_linear``), else None."""
+    [ratio, coff * d], the RMSNorm weight [d]; ``projected``: this call's (kv, score) fp32 [n, coff * d] where the
+    session computed them with the layer's other projections of the same input (``ProductionSession.
+    input_projection``: one GEMV over the stacked bf16 weights), else None."""
 
     wkv: torch.Tensor
     wgate: torch.Tensor
     ape: torch.Tensor
     norm: torch.Tensor
-    stacked: torch.Tensor | None = None
+    projected: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _project(x: torch.Tensor, weights: CompressorWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n, dim] -> (kv, score) fp32 [n, coff * d]: ``x.float() @ W^T`` for wkv and wgate; a few rows with the
-    stacked bf16 weights in one ``fp32_linear`` (the GEMV kernel on a GPU), the fp32 GEMMs otherwise."""
-    if weights.stacked is not None and x.shape[0] <= GEMV_ROWS:
-        y = implementation("fp32_linear", x.device)(x, weights.stacked)
-        return y.split(weights.wkv.shape[0], dim=-1)
+    """x [n, dim] -> (kv, score) fp32 [n, coff * d]: ``x.float() @ W^T`` for wkv and wgate (the fp32 GEMMs), or
+    the call's ``projected`` ones."""
+    if weights.projected is not None:
+        return weights.projected
     xf = x.float()
     return xf @ weights.wkv.float().T, xf @ weights.wgate.float().T
 

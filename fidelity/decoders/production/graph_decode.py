@@ -215,7 +215,7 @@ class GraphDecodeSession(ProductionSession):
         if self.in_prefill:
             return super().compress(i, x, positions, index)
         cache = self.layers[i]
-        weights, carry, ratio, freqs = self.compressor(i, index)
+        weights, carry, ratio, freqs = self.compressor(i, index, x)
         entry = compress_decode_on_device(x, self.pos_dev, weights, carry, ratio, freqs, self.cfg.norm_eps)
         entry = self.round_entries(entry, index)
         if index:

@@ -95,8 +95,9 @@ class ProductionModel:
 
     def stacked_bf16(self, names: tuple[str, ...]) -> torch.Tensor | None:
         """The bf16-stored weights ``names`` as one [sum of rows, in] bf16 tensor on the device, for one decode GEMV
-        over all of them (op ``fp32_linear``: the compressors' wkv and wgate); None where that path does not run
-        (no GPU kernels, or a weight not stored in bf16)."""
+        over all of them (op ``fp32_linear``: a layer's weights that read the attention input,
+        ``ProductionSession.input_projection``); None where that path does not run (no GPU kernels, or a weight not
+        stored in bf16)."""
         key = "+".join(names)
         if key not in self._gemv:
             stored = [self.ckpt.stored(n) for n in names] if self._gemv_ready() else None
@@ -169,6 +170,7 @@ class ProductionSession:
         self.counts: Counts = {}  # this session's implementations, kernel fallbacks and routes (call_counts)
         self.res_dtypes = [torch.float32 if self.profile.residual_fp32(i) else BF16 for i in range(self.cfg.n_layers)]
         self.fused = self.profile.norm_fusion == "fused"
+        self._inputs: dict[str, object] = {}  # input_projection's projections of the attention core's input
 
     def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         """Record ``tensor`` at the site ``template`` of ``layer`` (None outside the layers) if the recorder wants
@@ -366,12 +368,37 @@ class ProductionSession:
                   positions: torch.Tensor) -> torch.Tensor:
         """This sequence's attention at ``self.pos``: caches written (window ring, compressed entries, indexer
         keys) and read -> o [n, heads, hd] bf16 (before the inverse RoPE)."""
-        if self.in_prefill:
-            o = self.attend_prefill(i, x, qr, q, kv, positions)
-        else:
-            o = self.attend_decode(i, x, qr, q, kv, positions)
+        try:
+            if self.in_prefill:
+                o = self.attend_prefill(i, x, qr, q, kv, positions)
+            else:
+                o = self.attend_decode(i, x, qr, q, kv, positions)
+        finally:
+            self._inputs = {}
         self.emit("L{i}.attn.core", i, o)
         return o
+
+    def input_projection(self, i: int, x: torch.Tensor, part: str) -> tuple[torch.Tensor, ...] | None:
+        """Layer i's fp32 projections of its attention input x [n, dim] by the bf16 weights that read x: ``part``
+        "compressor" or "index_compressor" (kv [n, coff d], score [n, coff d]) or "index_weights" (weights_proj
+        [n, index heads],). For a few rows on the GEMV path every such weight of the layer goes through one
+        ``fp32_linear`` over their stacked rows (one launch on a GPU), at the first ask of the call; None where that
+        path does not run (more rows, no GPU kernels, a weight not stored in bf16)."""
+        if x.shape[0] > ops.GEMV_ROWS:
+            return None
+        if self._inputs.get("x") is not x or self._inputs.get("layer") != i:
+            names = _input_weights(i, self.cfg.ratio(i))
+            flat = tuple(n for group in names.values() for n in group)
+            stacked = self.model.stacked_bf16(flat) if flat else None
+            if stacked is None:
+                return None
+            rows = [self.model.ckpt.stored(n).data.shape[0] for n in flat]
+            y = self.op("fp32_linear")(x, stacked).split(rows, dim=-1)
+            parts, start = {}, 0
+            for key, group in names.items():
+                parts[key], start = y[start : start + len(group)], start + len(group)
+            self._inputs = {"x": x, "layer": i, "parts": parts}
+        return self._inputs["parts"].get(part)
 
     def attn_out(self, i: int, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """o [n, heads, hd] -> bf16 [n, dim]: the inverse RoPE, the grouped wo_a, wo_b."""
@@ -385,15 +412,16 @@ class ProductionSession:
             o = ops.grouped_out(o, self.model.w_as(pre + "wo_a.weight", BF16), cfg.o_groups)
         return self.linear(o, pre + "wo_b.weight")
 
-    def compressor(self, i: int, index: bool):
+    def compressor(self, i: int, index: bool, x: torch.Tensor | None = None):
         """(:class:`CompressorWeights`, fp32 carry, ratio, RoPE freqs) of layer i's main or indexer
-        compressor."""
+        compressor; with this call's input x, its projections where :meth:`input_projection` gives them."""
         w, cache, ratio = self.model.w, self.layers[i], self.cfg.ratio(i)
         pre = f"layers.{i}.attn.indexer.compressor." if index else f"layers.{i}.attn.compressor."
         fp32 = torch.float32  # the compressor GEMMs run in fp32: the converted weights are kept
+        projected = None if x is None else self.input_projection(i, x, "index_compressor" if index else "compressor")
         weights = CompressorWeights(self.model.w_as(pre + "wkv.weight", fp32),
                                     self.model.w_as(pre + "wgate.weight", fp32), w(pre + "ape"), w(pre + "norm.weight"),
-                                    self.model.stacked_bf16((pre + "wkv.weight", pre + "wgate.weight")))
+                                    projected)
         carry = cache.index_carry if index else cache.carry
         if on("compressor-no-used-length") and self.pos > 0:  # fault: no used length, so nothing carried over
             carry.kv.zero_()
@@ -416,7 +444,7 @@ class ProductionSession:
     def compress(self, i: int, x: torch.Tensor, positions: torch.Tensor, index: bool) -> torch.Tensor | None:
         """New compressed entries (main: FP8-rounded nope dims; indexer: Hadamard + FP4), written to the caches."""
         cache = self.layers[i]
-        weights, carry, ratio, freqs = self.compressor(i, index)
+        weights, carry, ratio, freqs = self.compressor(i, index, x)
         if self.in_prefill:
             entries, first = compress_prefill(x, weights, carry, ratio, freqs, self.cfg.norm_eps, self.pos)
         else:
@@ -532,7 +560,9 @@ class ProductionSession:
         q = self.op("apply_rope")(q, positions, self.model.freqs[4])
         q = self.op("indexer_round")(q, prof.indexer_qk, prof.hadamard == "on")
         self.emit("L{i}.indexer.q", i, lambda: _unrotated(q, prof))
-        weights = (x @ w(pre + "weights_proj.weight").to(BF16).T) * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        projected = self.input_projection(i, x, "index_weights")
+        logits = projected[0].to(BF16) if projected else x @ w(pre + "weights_proj.weight").to(BF16).T  # bf16 GEMM
+        weights = logits * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
         self.emit("L{i}.indexer.weights", i, weights)
         return q, weights
 
@@ -694,6 +724,17 @@ class ProductionSession:
         xq = h.xq if isinstance(h, Fp8Input) else h
         return self.op("grouped_expert")(xq, weights.gather(1, order).float(), picked, *stacks[3], *stacks[1],
                                          self.cfg.swiglu_limit, self.profile.gemm_act, isinstance(h, Fp8Input))
+
+
+def _input_weights(i: int, ratio: int) -> dict[str, tuple[str, ...]]:
+    """The bf16 weights of layer i that read the attention input, by ``input_projection`` part: the compressor's
+    wkv and wgate (compressed layers), the indexer compressor's and weights_proj (CSA layers)."""
+    pre = f"layers.{i}.attn."
+    names = {"compressor": (pre + "compressor.wkv.weight", pre + "compressor.wgate.weight")} if ratio else {}
+    if ratio == 4:
+        names["index_compressor"] = (pre + "indexer.compressor.wkv.weight", pre + "indexer.compressor.wgate.weight")
+        names["index_weights"] = (pre + "indexer.weights_proj.weight",)
+    return names
 
 
 def _e8m0_bytes(scale: torch.Tensor, name: str) -> torch.Tensor:

@@ -8,6 +8,10 @@
 #   OUT=dir bash benchmarks/run_device.sh step [test files...]           # the given GPU tests, the routed FP4 GEMV
 #                                                                        # sweep, the layer decode step (graphed)
 #                                                                        # and its kernel-by-kernel breakdown
+#   OUT=dir OLD=dir bash benchmarks/run_device.sh ab                    # this tree's FP4 GEMV and mHC modules
+#     against OLD's weight_gemv.py / mhc.py (here: git show REV:fidelity/decoders/production/kernels/mhc.py >
+#     OLD/mhc.py, the same for weight_gemv.py; OLD an ignored folder named in carry): the kernels alone, then the
+#     layer decode step (graphed) with this tree's modules and with OLD's
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/bench_out}
@@ -33,6 +37,19 @@ elif [ "$what" = step ]; then
   echo "layer rc=$?"; grep -v -i warn "$OUT/layer.log" | head -12
   timeout 150 python3 benchmarks/layer_step_breakdown.py --out "$OUT" --steps 4 >"$OUT/breakdown.log" 2>&1
   echo "breakdown rc=$?"; grep -v -i warn "$OUT/breakdown.log" | head -30
+elif [ "$what" = ab ]; then
+  : "${OLD:?OLD: set it to the folder holding the other weight_gemv.py and mhc.py}"
+  K=fidelity/decoders/production/kernels
+  timeout 100 python3 benchmarks/ab_kernel_modules.py --old "$OLD" --out "$OUT/ab_kernels.json" >"$OUT/ab.log" 2>&1
+  echo "ab rc=$?"; grep '^{' "$OUT/ab.log" | cut -c1-240
+  timeout 120 python3 benchmarks/bench_layer_decode.py --out "$OUT/new" --steps 12 --paths triton+graph \
+    >"$OUT/layer_new.log" 2>&1
+  echo "layer (this tree) rc=$?"; grep -v -i warn "$OUT/layer_new.log" | head -6
+  cp $K/weight_gemv.py $K/mhc.py /tmp/ && cp "$OLD/weight_gemv.py" "$OLD/mhc.py" $K/
+  timeout 100 python3 benchmarks/bench_layer_decode.py --out "$OUT/old" --steps 12 --paths triton+graph \
+    >"$OUT/layer_old.log" 2>&1
+  echo "layer ($OLD's modules) rc=$?"; grep -v -i warn "$OUT/layer_old.log" | head -6
+  cp /tmp/weight_gemv.py /tmp/mhc.py $K/
 elif [ "$what" = models ]; then
   files=("$@"); [ ${#files[@]} -eq 0 ] && files=(tests/gpu/test_*_cuda.py)
   OMP_NUM_THREADS=4 timeout "${MODELS_TIMEOUT:-540}" python3 -m pytest "${files[@]}" -q -p no:cacheprovider \

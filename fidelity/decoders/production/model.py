@@ -105,6 +105,19 @@ class ProductionModel:
             self._gemv[key] = torch.cat([st.data for st in stored]).to(self.device) if ok else None
         return self._gemv[key]
 
+    def input_stack(self, i: int) -> tuple[torch.Tensor, dict[str, list[int]]] | None:
+        """Layer i's bf16 weights that read the attention input (``_input_weights``) stacked for one GEMV, with each
+        part's row counts, kept; None where that path does not run (no such weight, no GPU kernels, or one not
+        stored in bf16)."""
+        key = f"input stack {i}"
+        if key not in self._gemv:
+            names = _input_weights(i, self.cfg.ratio(i))
+            flat = tuple(n for group in names.values() for n in group)
+            stacked = self.stacked_bf16(flat) if flat else None
+            rows = {part: [self.ckpt.stored(n).data.shape[0] for n in group] for part, group in names.items()}
+            self._gemv[key] = None if stacked is None else (stacked, rows)
+        return self._gemv[key]
+
     def stored_experts(self, i: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
         """Layer i's routed experts as stored, for ``fp4_picked_linear`` / ``grouped_expert``: ((packed codes uint8
         [E, out, in/2], 1x32 scales as stored: e8m0 bytes uint8 [E, out, in/32], which the kernels make into fp32
@@ -387,16 +400,14 @@ class ProductionSession:
         if x.shape[0] > ops.GEMV_ROWS:
             return None
         if self._inputs.get("x") is not x or self._inputs.get("layer") != i:
-            names = _input_weights(i, self.cfg.ratio(i))
-            flat = tuple(n for group in names.values() for n in group)
-            stacked = self.model.stacked_bf16(flat) if flat else None
-            if stacked is None:
+            stack = self.model.input_stack(i)
+            if stack is None:
                 return None
-            rows = [self.model.ckpt.stored(n).data.shape[0] for n in flat]
-            y = self.op("fp32_linear")(x, stacked).split(rows, dim=-1)
+            stacked, rows = stack
+            y = self.op("fp32_linear")(x, stacked).split([r for sizes in rows.values() for r in sizes], dim=-1)
             parts, start = {}, 0
-            for key, group in names.items():
-                parts[key], start = y[start : start + len(group)], start + len(group)
+            for name, sizes in rows.items():
+                parts[name], start = y[start : start + len(sizes)], start + len(sizes)
             self._inputs = {"x": x, "layer": i, "parts": parts}
         return self._inputs["parts"].get(part)
 

@@ -34,7 +34,7 @@ from fidelity.job import tidy
 from fidelity.model.config import ModelConfig
 from fidelity.model.default import default_prompt, prompt_for
 from fidelity.model.sampling import SamplerConfig
-from fidelity.outputs.report import html_table, md_table
+from fidelity.outputs.report import html_table, md_table, raised_in_call
 from fidelity.outputs.rundir import check_output, new_run_id
 from fidelity.scenarios import CATALOGUE as SCENARIOS
 from fidelity.scenarios import USER_ERRORS, Run, Scenario, Script, play, tokens
@@ -454,7 +454,7 @@ def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSett
         else:
             found = detection_rows(name, judged, mutant if expect == "caught" else None, cfg)
             if ended := judged.attrs.get("decoder_raised"):  # the run ended where the decoder raised
-                found[0]["crash"] = f"{ended['error']} (call {ended['step']}, {ended['phase']})"
+                found[0]["crash"] = raised_in_call(ended)
         decode = _decode_steps(where, s)
         profile = (mutant.options if mutant else opts).get("profile", "reference")
         for r in found:

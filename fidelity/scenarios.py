@@ -49,7 +49,7 @@ from fidelity.harness.thresholds import Divergence, site_order_key
 from fidelity.model.checkpoint import CheckpointError
 from fidelity.model.sites import Recorder
 from fidelity.outputs.plots import DPI, FLOOR
-from fidelity.outputs.report import html_table, md_table
+from fidelity.outputs.report import html_table, md_table, raised_in_call
 from fidelity.outputs.rundir import RunDirError, check_output, new_run_id
 
 # the gate of a pair whose bits may differ: the smallest cosine of two logits rows at one position and the mean
@@ -625,7 +625,7 @@ def _row(s: Scenario, label: str, param: tuple[str, int], shape: tuple[int, int,
     first = str(res.first_divergence or "none")
     ended = res.manifest.get("decoder_raised")
     if ended and res.first_divergence is not None and res.first_divergence.site == "decoder":
-        first = f"the decoder raised {ended['error']} (call {ended['step']}, {ended['phase']})"
+        first = f"the decoder raised {raised_in_call(ended)}"
     return {**_run_columns(s, label, param, shape, seconds), "verdict": res.verdict, "first_divergence": first,
             "worst_local_cos": worst_local_cos(res.run_dir), "run_dir": str(res.run_dir.relative_to(tmp)),
             **_where(res.first_divergence)}

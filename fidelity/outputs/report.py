@@ -269,6 +269,11 @@ def _kernel_facts(manifest: dict) -> dict[str, str]:
     return facts
 
 
+def raised_in_call(ended: dict) -> str:
+    """A manifest's ``decoder_raised`` in short: "IndexError: ... (call 3, decode)"."""
+    return f"{ended['error']} (call {ended['step']}, {ended['phase']})"
+
+
 def decoder_raised_line(manifest: dict) -> str | None:
     """What the decoder raised, at which call and after which site, when it ended the run (None: it did not)."""
     r = manifest.get("decoder_raised")

@@ -641,6 +641,21 @@ def test_decode_on_stored_weights_gives_graph_and_eager_the_same_bits_and_the_de
     assert _cos(stored[1:], plain[1:]).min() > 0.9999  # on this CPU the bits agree too (same products and sums)
 
 
+def test_stacked_wq_a_and_wkv_split_at_the_q_lora_rank_when_head_dim_differs(monkeypatch):
+    """wq_a [q_lora, dim] and wkv [head_dim, dim] stacked for one decode GEMV are split back at q_lora_rank, also
+    where head_dim is not q_lora_rank (head_dim 256 here; the GPU tests widen it to 512): a split into chunks of
+    q_lora_rank rows gave three parts and stopped the step."""
+    cfg = FLIP_FREE.replace(head_dim=256)
+    ckpt = synthesize(cfg, seed=0)
+    ids = _ids(cfg, 36)
+    plain = _decode(ProductionModel(ckpt, max_context=64).session(), ids, 32)
+    monkeypatch.setattr(ProductionModel, "_gemv_ready", lambda self: True)
+    model = ProductionModel(ckpt, max_context=64)
+    stored = _decode(model.session(), ids, 32)
+    assert model._gemv["layers.0.attn.wq_a.weight+layers.0.attn.wkv.weight"] is not None
+    assert _cos(stored[1:], plain[1:]).min() > 0.9999
+
+
 def test_weights_not_stored_in_fp8_or_fp4_keep_the_dequantized_decode_path(monkeypatch):
     """A checkpoint in bf16 (no FP8 / FP4 storage): with the GEMV path available, decode steps still multiply the
     weights as read (``act_linear``) and give the same bits as without it."""

@@ -375,7 +375,8 @@ class ProductionSession:
         if pair is None:
             return self.linear(h, names[0]), self.linear(h, names[1])
         y = self.op("fp8_weight_linear")(h.xq if isinstance(h, Fp8Input) else h, *pair, act)
-        return y.split(self.cfg.q_lora_rank, dim=-1)
+        a, kv = y.split((self.cfg.q_lora_rank, y.shape[-1] - self.cfg.q_lora_rank), dim=-1)
+        return a, kv
 
     def attn_core(self, i: int, x: torch.Tensor, qr, q: torch.Tensor, kv: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:

@@ -620,7 +620,8 @@ def test_decode_on_stored_weights_gives_graph_and_eager_the_same_bits_and_the_de
     """The decode GEMV path (as on a GPU; here on the ops' CPU emulations): steps read the FP8 weights and FP4
     experts as stored (``fp8_weight_linear``, ``fp4_picked_linear``, experts picked on the device). Eager and
     graph decode give the same bits, and both agree with the dequantized-weight path to rounding; the weights that
-    read the same input in one GEMV (wq_a and wkv; a CSA layer's compressors and index weights)."""
+    read the same input in one GEMV (wq_a and wkv; a CSA layer's wq_b and its indexer's wq_b; its compressors and index
+    weights)."""
     ids = _ids(FLIP_FREE, 40)
     plain = _decode(ProductionModel(flip_free, max_context=64).session(), ids, 32)
     monkeypatch.setattr(ProductionModel, "_gemv_ready", lambda self: True)
@@ -633,6 +634,8 @@ def test_decode_on_stored_weights_gives_graph_and_eager_the_same_bits_and_the_de
     assert used["fp32_linear"]["cpu"] > 0  # the compressors' projections on the stacked bf16 wkv / wgate
     pair = "layers.0.attn.wq_a.weight+layers.0.attn.wkv.weight"
     assert model._gemv[pair] is not None  # wq_a and wkv in one GEMV over their stacked rows
+    q_pair = "layers.2.attn.wq_b.weight+layers.2.attn.indexer.wq_b.weight"
+    assert model._gemv[q_pair] is not None  # a CSA layer's wq_b and its indexer's wq_b, both reading qr
     csa = "+".join(f"layers.2.attn.{n}.weight" for n in ("compressor.wkv", "compressor.wgate",
                                                            "indexer.compressor.wkv", "indexer.compressor.wgate",
                                                            "indexer.weights_proj"))

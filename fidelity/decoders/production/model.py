@@ -184,6 +184,7 @@ class ProductionSession:
         self.res_dtypes = [torch.float32 if self.profile.residual_fp32(i) else BF16 for i in range(self.cfg.n_layers)]
         self.fused = self.profile.norm_fusion == "fused"
         self._inputs: dict[str, object] = {}  # input_projection's projections of the attention core's input
+        self._index_q: dict[int, torch.Tensor] = {}  # layer -> its indexer's wq_b product made beside wq_b's
 
     def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         """Record ``tensor`` at the site ``template`` of ``layer`` (None outside the layers) if the recorder wants
@@ -356,27 +357,33 @@ class ProductionSession:
         heads, hd] after RoPE, window kv [n, hd] bf16); no cache is read or written."""
         w, cfg, pre = self.model.w, self.cfg, f"layers.{i}.attn."
         freqs = self.rope_freqs(i, positions.device)
-        a, kv_in = self.q_kv_inputs(h, pre)
+        a, kv_in = self.stacked_linears(h, (pre + "wq_a.weight", pre + "wkv.weight"))
         qr = self.norm(a, w(pre + "q_norm.weight"))
-        q = self.linear(qr, pre + "wq_b.weight").unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        if cfg.ratio(i) == 4:  # the indexer's wq_b reads qr too: stacked with wq_b, its product kept for index_query
+            q, index_q = self.stacked_linears(qr, (pre + "wq_b.weight", pre + "indexer.wq_b.weight"), lazy=1)
+            self._index_q = {} if index_q is None else {i: index_q}
+        else:
+            q = self.linear(qr, pre + "wq_b.weight")
+        q = q.unflatten(-1, (cfg.n_heads, cfg.head_dim))
         q = self.op("apply_rope")(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
         kv = self.kv_path(kv_in, w(pre + "kv_norm.weight"), positions, freqs)
         self.emit("L{i}.attn.q", i, q)
         self.emit("L{i}.attn.kv", i, kv)
         return qr, q, kv
 
-    def q_kv_inputs(self, h: torch.Tensor | Fp8Input, pre: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h @ wq_a^T [n, q_lora], h @ wkv^T [n, hd]): a few rows with FP8 activations read both weights as stored
-        in one ``fp8_weight_linear`` over their stacked rows (one launch instead of two; within the op's contract,
-        the k slices may differ from a GEMV of one weight), else one GEMM each (:meth:`linear`)."""
+    def stacked_linears(self, x: torch.Tensor | Fp8Input, names: tuple[str, ...], lazy: int | None = None
+                        ) -> tuple[torch.Tensor | None, ...]:
+        """x @ w^T for FP8-stored weights ``names`` that read the same x [n, in] -> one [n, out_w] tensor per name. A
+        few rows with FP8 activations read them as stored in one ``fp8_weight_linear`` over their stacked rows (one
+        launch instead of one each; within the op's contract, the k slices may differ from a GEMV of one weight),
+        the output split at each weight's row count; else one :meth:`linear` each, except that names from index
+        ``lazy`` on are then left to their reader (None)."""
         act = self.profile.gemm_act
-        names = (pre + "wq_a.weight", pre + "wkv.weight")
-        pair = self.model.stacked_gemv_weight(names) if h.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
-        if pair is None:
-            return self.linear(h, names[0]), self.linear(h, names[1])
-        y = self.op("fp8_weight_linear")(h.xq if isinstance(h, Fp8Input) else h, *pair, act)
-        a, kv = y.split((self.cfg.q_lora_rank, y.shape[-1] - self.cfg.q_lora_rank), dim=-1)
-        return a, kv
+        stacked = self.model.stacked_gemv_weight(names) if x.shape[0] <= ops.GEMV_ROWS and act == "fp8" else None
+        if stacked is None:
+            return tuple(self.linear(x, n) if lazy is None or k < lazy else None for k, n in enumerate(names))
+        y = self.op("fp8_weight_linear")(x.xq if isinstance(x, Fp8Input) else x, *stacked, act)
+        return tuple(y.split([self.model.ckpt.stored(n).data.shape[0] for n in names], dim=-1))
 
     def attn_core(self, i: int, x: torch.Tensor, qr, q: torch.Tensor, kv: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:
@@ -388,7 +395,7 @@ class ProductionSession:
             else:
                 o = self.attend_decode(i, x, qr, q, kv, positions)
         finally:
-            self._inputs = {}
+            self._inputs, self._index_q = {}, {}
         self.emit("L{i}.attn.core", i, o)
         return o
 
@@ -568,8 +575,10 @@ class ProductionSession:
     def index_query(self, i: int, x: torch.Tensor, qr: torch.Tensor | Fp8Input, positions: torch.Tensor):
         w, cfg, prof = self.model.w, self.cfg, self.profile
         pre = f"layers.{i}.attn.indexer."
-        q = self.linear(qr, pre + "wq_b.weight").unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-        q = self.op("apply_rope")(q, positions, self.model.freqs[4])
+        q = self._index_q.pop(i, None)
+        q = self.linear(qr, pre + "wq_b.weight") if q is None else q
+        q = self.op("apply_rope")(q.unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim)), positions,
+                                  self.model.freqs[4])
         q = self.op("indexer_round")(q, prof.indexer_qk, prof.hadamard == "on")
         self.emit("L{i}.indexer.q", i, lambda: _unrotated(q, prof))
         projected = self.input_projection(i, x, "index_weights")

@@ -15,6 +15,7 @@ picks each row's fastest. Writes DIR/weight_gemv.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -138,11 +139,20 @@ def bench_compressor(name, n, k, out):
     print(json.dumps(row), flush=True)
 
 
+def _fp4_experts(n_experts: int, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n_experts`` random [n, k] weights as FP4 codes and e8m0 scales, quantized 16 experts at a time (one
+    ``quantize_fp4`` over 256 Flash experts makes 8 GB fp32 temporaries: out of memory on an H200 after the FP8
+    section)."""
+    parts = [quantize_fp4(torch.randn(min(16, n_experts - e), n, k, device="cuda", generator=g))
+             for e in range(0, n_experts, 16)]
+    return torch.cat([p for p, _ in parts]), torch.cat([s for _, s in parts])
+
+
 def bench_fp4(name, n, k, m, out, n_experts=256, slots=6):
+    gc.collect()
+    torch.cuda.empty_cache()
     g = torch.Generator(device="cuda").manual_seed(1)
-    w = torch.randn(n_experts, n, k, device="cuda", generator=g)
-    packed, sb = quantize_fp4(w)
-    del w
+    packed, sb = _fp4_experts(n_experts, n, k, g)
     scales = sb.view(torch.uint8)  # the stored e8m0 bytes, as the kernel reads them
     experts = torch.randperm(n_experts, device="cuda", generator=g)[: slots * m].contiguous()
     x = torch.randn(slots * m, k, device="cuda", generator=g).to(torch.bfloat16)

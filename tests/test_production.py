@@ -16,6 +16,7 @@ from fidelity.decoders.production import PROFILES, ContextError, ProductionModel
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.production.faults import inject
 from fidelity.decoders.production.graph_decode import GraphDecodeSession
+from fidelity.decoders.production.model import _hca_prefill_idx, _window_prefill_idx
 from fidelity.decoders.production.profiles import load_profile
 from fidelity.decoders.production.registry import implementations_used
 from fidelity.model.config import ModelConfig
@@ -657,6 +658,23 @@ def test_stacked_wq_a_and_wkv_split_at_the_q_lora_rank_when_head_dim_differs(mon
     stored = _decode(model.session(), ids, 32)
     assert model._gemv["layers.0.attn.wq_a.weight+layers.0.attn.wkv.weight"] is not None
     assert _cos(stored[1:], plain[1:]).min() > 0.9999
+
+
+@pytest.mark.parametrize("start", [0, 5, 300])
+def test_prefill_index_tables_are_built_on_the_given_device_with_the_causal_rule(start):
+    """A prefill chunk's window and HCA index tables are made on the device that attends with them (a 16K-token
+    chunk's HCA table at 1M context is 1 GB of int64; made on the host it was copied over every chunk), with the
+    causal rule's values: window positions max(0, p - win + 1) .. p then -1; HCA entries j < (p + 1) // ratio."""
+    t, win, ratio = 40, 16, 8
+    assert _window_prefill_idx(t, win, start, device="meta").device.type == "meta"
+    assert _hca_prefill_idx(t, ratio, start, device="meta").device.type == "meta"
+    p = torch.arange(start, start + t)[:, None]
+    j = torch.arange((start + t) // ratio)[None]
+    assert torch.equal(_hca_prefill_idx(t, ratio, start), torch.where(j < (p + 1) // ratio, j, -1))
+    window = _window_prefill_idx(t, win, start)
+    for row, pos in zip(window.tolist(), range(start, start + t), strict=True):
+        seen = list(range(max(0, pos - win + 1), pos + 1))
+        assert row == seen + [-1] * (window.shape[1] - len(seen))
 
 
 def test_weights_not_stored_in_fp8_or_fp4_keep_the_dequantized_decode_path(monkeypatch):

@@ -3,6 +3,7 @@ numbers as the CPU emulation to the stated level, selects its kernels by default
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -24,6 +25,34 @@ from fidelity.model.synthesize import synthesize  # noqa: E402
 @pytest.fixture(scope="module")
 def tiny():
     return synthesize(ModelConfig.preset("tiny"), seed=0)
+
+
+class _HostToDevice(TorchDispatchMode):
+    """Bytes copied from host tensors to the device by the ops run under it (``_to_copy`` and ``copy_``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if isinstance(src, torch.Tensor) and src.device.type == "cpu" and out.device.type != "cpu":
+                self.bytes += src.numel() * src.element_size()
+        return out
+
+
+def test_a_later_prefill_chunk_copies_no_index_table_from_the_host(tiny):
+    """A prefill chunk on CUDA builds its window and compressed-entry index tables on the device: the second
+    1024-token chunk copies under 64 KiB from the host (the ids; its window table alone is 1 MB of int64, and at
+    1M context a 16K chunk's HCA table was 1 GB copied every chunk)."""
+    ids = default_prompt(4096, 2048)
+    session = ProductionModel(tiny, max_context=2048, device="cuda").session()
+    session.prefill(ids[:1024])
+    with _HostToDevice() as copies:
+        session.prefill(ids[1024:])
+    assert copies.bytes < 64 * 1024, copies.bytes
 
 
 def test_cuda_production_matches_cpu_emulation():

@@ -484,9 +484,9 @@ class ProductionSession:
         cfg, cache = self.cfg, self.layers[i]
         ratio, win, t, start = cfg.ratio(i), cfg.window_size, len(positions), self.pos
         before = min(start, win - 1)  # earlier positions start-before .. start-1 that the chunk's window reaches
-        earlier = cache.kv.read((torch.arange(start - before, start) % win).to(kv.device))
+        earlier = cache.kv.read(torch.arange(start - before, start, device=kv.device) % win)
         tail = kv[-win:]
-        slots = (torch.arange(start + t - len(tail), start + t) % win).to(kv.device)
+        slots = torch.arange(start + t - len(tail), start + t, device=kv.device) % win
         cache.kv.write(slots, tail)
         self.emit_kv_cache(i, kv, slots)
         table = torch.cat((earlier, kv)) if before else kv
@@ -499,8 +499,8 @@ class ProductionSession:
             if n_entries:
                 table = torch.cat((table, cache.kv.read(slice(win, win + n_entries))))
             comp = self.index_prefill(i, x, qr, positions) if ratio == 4 else \
-                _hca_prefill_idx(t, ratio, start).to(x.device)
-        idx = _window_prefill_idx(t, win, start).to(x.device)
+                _hca_prefill_idx(t, ratio, start, x.device)
+        idx = _window_prefill_idx(t, win, start, x.device)
         self.emit("L{i}.attn.visible", i, lambda: _visible(idx, comp, positions, win, prefill=True))
         rows = idx - (start - before)  # token positions -> table rows (a position before the table: none)
         idx = torch.where((idx >= 0) & (rows >= 0), rows, -1)
@@ -843,11 +843,11 @@ def _pad(picks: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(picks, (0, max(0, width - picks.shape[1])), value=-1)
 
 
-def _window_prefill_idx(t: int, win: int, start: int = 0) -> torch.Tensor:
+def _window_prefill_idx(t: int, win: int, start: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
     """Prefill window TOKEN POSITIONS [t, min(start + t, win)] of the chunk's queries start..start+t-1: query p
-    sees max(0, p-win+1) .. p, valid first (the official prefill: start 0)."""
-    base = torch.arange(start, start + t)[:, None]
-    idx = (base - win + 1).clamp(min=0) + torch.arange(min(start + t, win))[None]
+    sees max(0, p-win+1) .. p, valid first (the official prefill: start 0); built on ``device``."""
+    base = torch.arange(start, start + t, device=device)[:, None]
+    idx = (base - win + 1).clamp(min=0) + torch.arange(min(start + t, win), device=device)[None]
     idx = torch.where(idx > base, -1, idx)
     if on("window-127"):
         idx = torch.where(idx == base - win + 1, -1, idx)
@@ -870,10 +870,12 @@ def _window_decode_idx(t: int, win: int, device: torch.device | str = "cpu") -> 
     return idx
 
 
-def _hca_prefill_idx(t: int, ratio: int, start: int = 0) -> torch.Tensor:
-    """All entries j < (p+1)//ratio per query p of the chunk [t, (start+t)//ratio], -1 otherwise."""
-    j = torch.arange((start + t) // ratio)[None]
-    limit = (torch.arange(start + 1, start + t + 1) // ratio)[:, None] + (1 if on("causal-off-by-one") else 0)
+def _hca_prefill_idx(t: int, ratio: int, start: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """All entries j < (p+1)//ratio per query p of the chunk [t, (start+t)//ratio], -1 otherwise, built on
+    ``device`` (at 1M context a 16K-token chunk's table is 1 GB of int64: no host copy)."""
+    j = torch.arange((start + t) // ratio, device=device)[None]
+    limit = (torch.arange(start + 1, start + t + 1, device=device) // ratio)[:, None] + \
+        (1 if on("causal-off-by-one") else 0)
     return torch.where(j >= limit, -1, j)
 
 

@@ -677,6 +677,25 @@ def test_prefill_index_tables_are_built_on_the_given_device_with_the_causal_rule
         assert row == seen + [-1] * (window.shape[1] - len(seen))
 
 
+def test_a_prefill_read_at_its_last_row_runs_the_head_on_the_kept_rows_and_the_last(flip_free):
+    """``prefill(ids, last_only=True)`` returns the last row's logits [1, vocab] and records the rows the recorder
+    keeps of ``logits``, the head multiplying those and the last alone; the values are the full prefill's."""
+    ids = _ids(FLIP_FREE, 40)
+    full = ProductionModel(flip_free, max_context=64).session().prefill(ids)
+    session = ProductionModel(flip_free, max_context=64).session()
+    rows = torch.tensor([3, 17])
+    session.rec = Recorder(rows=rows, rows_only=frozenset({"logits"}))
+    assert torch.equal(session.logit_rows(40), torch.tensor([3, 17, 39]))
+    last = session.prefill(ids, last_only=True)
+    assert last.shape == (1, FLIP_FREE.vocab_size)
+    torch.testing.assert_close(last, full[-1:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(session.rec.get("logits"), full[rows], rtol=1e-6, atol=1e-6)
+    session.rec = Recorder(rows=torch.tensor([5, 39]), rows_only=frozenset({"logits"}))
+    assert torch.equal(session.logit_rows(40), torch.tensor([5, 39]))  # the last row already kept
+    session.rec = Recorder()
+    assert session.logit_rows(40) is None  # every row recorded: the head runs on all of them
+
+
 def test_weights_not_stored_in_fp8_or_fp4_keep_the_dequantized_decode_path(monkeypatch):
     """A checkpoint in bf16 (no FP8 / FP4 storage): with the GEMV path available, decode steps still multiply the
     weights as read (``act_linear``) and give the same bits as without it."""

@@ -194,22 +194,27 @@ def test_the_runner_synchronizes_only_the_cuda_devices_its_two_models_use():
 
 def test_sampled_runs_record_the_compared_only_sites_at_the_sampled_rows_with_the_same_metrics(tiny, monkeypatch):
     """With sampled queries the decoder's q, attention output and index scores are recorded at those rows alone
-    (``SAMPLED_ROWS_ONLY``); every metric but the run's own memory is what recording all rows gives."""
+    (``SAMPLED_ROWS_ONLY``), and without free mode its logits too (``SAMPLED_LOGITS``: the production head multiplies
+    those rows and the call's last alone); every metric but the run's own memory is what recording all rows gives."""
     from fidelity.harness import runner as runner_module
 
-    kept: list[tuple[int, int]] = []  # (sampled rows, rows recorded at L2.attn.q) per prefill call
+    kept: dict[str, list[tuple[int, int]]] = {}  # site -> (sampled rows, rows recorded) per prefill call
 
     class Spy(runner_module.Recorder):
-        def __call__(self, site, tensor):
-            super().__call__(site, tensor)
-            if site == "L2.attn.q" and self.rows is not None:
-                kept.append((len(self.rows), self.records[site][-1][1].shape[0]))
+        def __call__(self, site, tensor, **kw):
+            super().__call__(site, tensor, **kw)
+            if site in ("L2.attn.q", "logits") and self.rows is not None:
+                kept.setdefault(site, []).append((len(self.rows), self.records[site][-1][1].shape[0]))
 
     monkeypatch.setattr(runner_module, "Recorder", Spy)
     spec = _spec(decode=1, prompt_len=300, modes=("layer", "op"), sample_queries=8, prefill_chunk=150)
-    thin, _ = Runner(tiny, spec).run()
-    assert len(kept) == 2 and all(n == m for n, m in kept)
+    runner = Runner(tiny, spec)
+    thin, _ = runner.run()
+    for site in ("L2.attn.q", "logits"):
+        assert len(kept[site]) == 2 and all(n == m for n, m in kept[site]), (site, kept)
+    assert runner.dec.last_logits_only is False  # set for the runner's calls only: a later prefill gets every row
     monkeypatch.setattr(runner_module, "SAMPLED_ROWS_ONLY", frozenset())
+    monkeypatch.setattr(runner_module, "SAMPLED_LOGITS", frozenset())
     whole, _ = Runner(tiny, spec).run()
     cols = ["step", "mode", "site", "layer", "position", "metric"]
     thin, whole = (f[f["site"] != "memory"].sort_values(cols).reset_index(drop=True) for f in (thin, whole))

@@ -70,6 +70,9 @@ class Decoder(ABC):
     # ``recorders`` ({seq: Recorder}; None: sequence 0's ``rec`` only)
     records_sequences: bool = False
     recorders: dict[int, Recorder] | None = None
+    # set by the harness while it reads only the last row of what ``prefill`` returns (the sites it compares come
+    # through ``rec``): a decoder may then compute and return that row alone, [1, vocab]
+    last_logits_only: bool = False
 
     @abstractmethod
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from fidelity.decoders.production.model import ContextError
 from fidelity.decoders.profiles import Profile
 from fidelity.decoders.trace_file import TraceError, TraceWriter
 from fidelity.harness.oracle_run import dtype_name
-from fidelity.harness.site_pairs import SAMPLED_ROWS_ONLY, Margins, compare_recordings
+from fidelity.harness.site_pairs import SAMPLED_LOGITS, SAMPLED_ROWS_ONLY, Margins, compare_recordings
 from fidelity.harness.thresholds import ROUTING_GAP, ROUTING_GAP_LAYER, SELECTION_MARGIN, kv_scale_floor, profile_class
 from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, SamplerConfig, StopSet
@@ -279,17 +279,23 @@ class Runner:
         # records stay where the decoder made them (a GPU's memory); with sampled query rows and no trace written,
         # the sites only compared keep just those rows (a long prompt's index scores: GiBs a chunk)
         thin = rows is not None and self.trace is None
-        prod_rec = Recorder(device=None, rows=rows if thin else None, rows_only=SAMPLED_ROWS_ONLY)
+        # without free mode (which compares every row) the logits too are compared at the sampled rows alone; with no
+        # trace written only the last row of what the call returns is read: the decoder may compute just those rows
+        only = SAMPLED_ROWS_ONLY | (SAMPLED_LOGITS if "free" not in self.references else frozenset())
+        prod_rec = Recorder(device=None, rows=rows if thin else None, rows_only=only)
         self.dec.rec = prod_rec
         tell(0, "decoder under test")
         with self._timed(phase, "decoder"):
             before = allocator_counts(self.spec.device)
+            self.dec.last_logits_only = self.trace is None  # for this call only: a user's later prefill gets every row
             try:
                 test_logits = self.dec.prefill(ids) if prefill else self.dec.step(int(ids[0]))[None]
             except ASKED_TOO_MUCH:
                 raise
             except Exception as err:  # the decoder's own failure: the run ends here, judged up to this call
                 raise DecoderRaised(step, phase, list(prod_rec.records)[-1:], err) from err
+            finally:
+                self.dec.last_logits_only = False
             after = allocator_counts(self.spec.device)
         with self._timed(phase, "probes"):
             handed = handed_bytes([test_logits, *(t for r in prod_rec.records.values() for _, t in r)])

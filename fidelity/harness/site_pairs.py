@@ -43,6 +43,9 @@ NEAR_TIE_MARGIN = 1e-2  # relative gap to the k-th oracle score under which a to
 # query rows (layer and op modes) they are compared at those rows alone, so the decoder's are recorded at those rows
 # (``Recorder.rows_only``); wide per-query tensors, the index scores growing with the context
 SAMPLED_ROWS_ONLY = frozenset({"L{i}.attn.q", "L{i}.attn.core", "L{i}.indexer.scores"})
+# the same for the logits where no free-mode comparison (every row) runs; the decoder may then multiply the head on
+# those rows and the last alone (a 16K-token chunk's logits at V4's vocabulary: 8.5 GB of fp32)
+SAMPLED_LOGITS = frozenset({"logits"})
 # a selection's site -> the site of the scores it selects from (templates)
 SELECTION_SCORES = {"L{i}.indexer.topk": "L{i}.indexer.scores", "L{i}.moe.experts": "L{i}.moe.scores"}
 

@@ -196,14 +196,20 @@ class Recorder:
     def wants(self, site: str) -> bool:
         return any(p.fullmatch(site) for p in self._compiled)
 
-    def __call__(self, site: str, tensor: torch.Tensor) -> None:
+    def __call__(self, site: str, tensor: torch.Tensor, kept: bool = False) -> None:
+        """Record ``tensor`` at ``site``; ``kept``: it holds only the rows :meth:`kept_rows` names, in order (a
+        model that computed just those), so no rows are selected here."""
         if not is_site(site):
             raise KeyError(f"unknown site {site!r}; sites are listed in fidelity.model.sites.SITES")
         if self.wants(site):
-            if self.rows is not None and site_template(site) in self.rows_only:
+            if self.kept_rows(site) is not None and not kept:
                 tensor = self._kept_rows(site, tensor)
             copy = tensor.detach().clone() if self.device is None else tensor.detach().to(self.device, copy=True)
             self.records.setdefault(site, []).append((self.step, copy))
+
+    def kept_rows(self, site: str) -> torch.Tensor | None:
+        """The call rows (ascending) this recorder keeps of ``site``; None where it keeps every row."""
+        return self.rows if self.rows is not None and site_template(site) in self.rows_only else None
 
     def _kept_rows(self, site: str, part: torch.Tensor) -> torch.Tensor:
         """The rows of ``part`` [m, ...] that are in ``rows``, ``part`` being the call's rows after those recorded

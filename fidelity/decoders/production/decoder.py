@@ -174,7 +174,7 @@ class ProductionDecoder(Decoder):
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         self.used = True
-        logits = self.session.prefill(ids)
+        logits = self.session.prefill(ids, last_only=self.last_logits_only)
         self.seqs[0].tokens += [int(t) for t in ids]
         self.prompt_len += len(ids)
         return logits

@@ -169,6 +169,8 @@ class ProductionModel:
 class ProductionSession:
     """Caches for one sequence; ``prefill`` once, then ``step`` per token."""
 
+    head_rows_free = True  # a prefill whose caller reads the last row may run the head on fewer rows (not a pipeline)
+
     def __init__(self, model: ProductionModel, recorder: Recorder | None = None, own: range | None = None):
         """``own``: the layers this session runs and holds caches for (default: all; a pipeline stage: its range)."""
         self.model, self.cfg, self.profile, self.rec = model, model.cfg, model.profile, recorder
@@ -179,6 +181,7 @@ class ProductionSession:
         self.calls = 0
         self.kept: list[torch.Tensor] = []  # only the ``decode-buffer-kept`` fault ever appends here
         self.in_prefill = False  # a prefill (chunk) takes the prefill paths, even for one token
+        self.last_only = False  # this prefill's caller reads its last row's logits alone (``prefill``)
         self.key_range_end: int | None = None  # only the ``batch-key-range`` fault reads it
         self.counts: Counts = {}  # this session's implementations, kernel fallbacks and routes (call_counts)
         self.res_dtypes = [torch.float32 if self.profile.residual_fp32(i) else BF16 for i in range(self.cfg.n_layers)]
@@ -200,16 +203,19 @@ class ProductionSession:
 
     # ---- public ----------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Prompt tokens at positions pos.. -> logits [n, vocab]. The official model prefills once at position 0;
         here a prompt may also come in chunks (each continues at ``pos``), computed as the whole prefill computes
-        them (up to the rounding of GEMMs over a different number of rows)."""
+        them (up to the rounding of GEMMs over a different number of rows). ``last_only``: the caller reads the last
+        row alone, returned as [1, vocab]; the head then multiplies only that row and those the recorder keeps of
+        ``logits`` (:meth:`logit_rows`), as the official prefill reads the last position alone."""
         ids = self._check(input_ids, prefill=True)
-        self.in_prefill = True
+        self.in_prefill, self.last_only = True, last_only
         try:
-            return self._run(ids, torch.arange(self.pos, self.pos + len(ids), device=self.model.device))
+            logits = self._run(ids, torch.arange(self.pos, self.pos + len(ids), device=self.model.device))
         finally:
-            self.in_prefill = False
+            self.in_prefill = self.last_only = False
+        return logits[-1:] if last_only else logits
 
     @torch.no_grad()
     def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
@@ -269,9 +275,27 @@ class ProductionSession:
                                cfg.hc_eps)
         y = self.op("rms_norm")(y, w("norm.weight"), cfg.norm_eps)
         self.emit("final", None, y)
-        logits = y.float() @ self.model.w_as("head.weight", torch.float32).T
-        self.emit("logits", None, logits)
+        rows = self.logit_rows(len(y)) if self.last_only and self.head_rows_free else None
+        logits = (y if rows is None else y.index_select(0, rows)).float() @ self.model.w_as("head.weight",
+                                                                                             torch.float32).T
+        if rows is None:
+            self.emit("logits", None, logits)
+        elif self.rec is not None and self.rec.wants("logits"):  # the kept rows come first, the last row last
+            self.rec("logits", logits[: len(self.rec.kept_rows("logits"))], kept=True)
         return logits
+
+    def logit_rows(self, n: int) -> torch.Tensor | None:
+        """The rows of a call's n whose logits are read when the caller takes the last row alone: those the recorder
+        keeps of ``logits`` (``Recorder.kept_rows``), then the last row if not among them; None where the recorder
+        keeps every row."""
+        kept = torch.zeros(0, dtype=torch.long)
+        if self.rec is not None and self.rec.wants("logits"):
+            kept = self.rec.kept_rows("logits")
+            if kept is None:
+                return None
+        kept = kept.cpu()
+        rows = kept if len(kept) and int(kept[-1]) == n - 1 else torch.cat((kept, torch.tensor([n - 1])))
+        return rows.to(self.model.device)
 
     # ---- one block ---------------------------------------------------------------------------
     def block(self, i: int, x: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

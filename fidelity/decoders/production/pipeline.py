@@ -48,6 +48,8 @@ class PipelineSession(ProductionSession):
     """One stage of a pipelined session: ``rank`` of ``world`` processes of the default process group, layers
     ``place_layers(cfg, world)[rank]``; ``prefill`` / ``step`` are called on every stage with the same ids."""
 
+    head_rows_free = False  # every stage receives the whole logits of the call
+
     def __init__(self, model: ProductionModel, recorder: Recorder | None = None, rank: int | None = None,
                  world: int | None = None):
         self.rank = dist.get_rank() if rank is None else rank

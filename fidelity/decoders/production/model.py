@@ -269,7 +269,8 @@ class ProductionSession:
         return x.unsqueeze(1).repeat(1, self.cfg.hc_mult, 1).to(self.res_dtypes[0])
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """The streams leaving the last layer [n, hc, dim] -> fp32 logits [n, vocab] (hc_head, norm, LM head)."""
+        """The streams leaving the last layer [n, hc, dim] -> fp32 logits [n, vocab] (hc_head, norm, LM head); in a
+        prefill read at its last row, [len(rows), vocab] of :meth:`logit_rows` alone."""
         w, cfg = self.model.w, self.cfg
         y = self.op("hc_head")(x, w("hc_head_fn"), w("hc_head_scale"), w("hc_head_base"), cfg.norm_eps,
                                cfg.hc_eps)

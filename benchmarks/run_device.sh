@@ -8,6 +8,9 @@
 #   OUT=dir bash benchmarks/run_device.sh step [test files...]           # the given GPU tests, the routed FP4 GEMV
 #                                                                        # sweep, the layer decode step (graphed)
 #                                                                        # and its kernel-by-kernel breakdown
+#   OUT=dir bash benchmarks/run_device.sh slice                          # the Flash slice at 1M (H200): once on this
+#                                                                        # machine's kernel cache as found, once with
+#                                                                        # the kernels compiled; the prefill breakdown
 #   OUT=dir OLD=dir bash benchmarks/run_device.sh ab                    # this tree's FP4 GEMV and mHC modules
 #     against OLD's weight_gemv.py / mhc.py (here: git show REV:fidelity/decoders/production/kernels/mhc.py >
 #     OLD/mhc.py, the same for weight_gemv.py; OLD an ignored folder named in carry): the kernels alone, then the
@@ -50,6 +53,16 @@ elif [ "$what" = ab ]; then
     >"$OUT/layer_old.log" 2>&1
   echo "layer ($OLD's modules) rc=$?"; grep -v -i warn "$OUT/layer_old.log" | head -6
   cp /tmp/weight_gemv.py /tmp/mhc.py $K/
+elif [ "$what" = slice ]; then
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  for pass in first compiled; do
+    timeout 240 python3 benchmarks/bench_long_context.py --out "$OUT/$pass" --preset flash --contexts 1048576 \
+      --chunk 16384 --queries 16 --decode 4 --timeout 230 -- --layers 4 >"$OUT/slice_$pass.log" 2>&1
+    echo "slice ($pass) rc=$?"; grep wall_s "$OUT/slice_$pass.log" | cut -c1-400
+  done
+  timeout 100 python3 benchmarks/prefill_chunk_breakdown.py --out "$OUT" --context 1032192 --chunk 16384 \
+    >"$OUT/prefill_breakdown.log" 2>&1
+  echo "prefill breakdown rc=$?"; grep -v -i warn "$OUT/prefill_breakdown.log" | cut -c1-220 | head -30
 elif [ "$what" = models ]; then
   files=("$@"); [ ${#files[@]} -eq 0 ] && files=(tests/gpu/test_*_cuda.py)
   OMP_NUM_THREADS=4 timeout "${MODELS_TIMEOUT:-540}" python3 -m pytest "${files[@]}" -q -p no:cacheprovider \

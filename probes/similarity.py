@@ -75,7 +75,7 @@ def _masked_pair(ref: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, t
 
 def _cos_calc_diff(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, y float64 [..., d] -> (cos, calc_diff, |x|^2) over the last dim."""
-    dot, xx, yy = (x * y).sum(-1), x.square().sum(-1), y.square().sum(-1)
+    dot, xx, yy = (x * y).sum(-1), (x * x).sum(-1), (y * y).sum(-1)
     both_zero = (xx == 0) & (yy == 0)
     cos = torch.where(xx * yy > 0, dot / (xx * yy).sqrt(), both_zero.to(torch.float64))
     calc_diff = torch.where(both_zero, 0.0, 1 - 2 * dot / (xx + yy))
@@ -99,10 +99,12 @@ def similarity_batch(ref: torch.Tensor, test: torch.Tensor) -> dict[str, torch.T
     tensors, each over its own pair, in the same number of launches as one pair."""
     x, y, out = _prepare(ref, test)
     cos, calc_diff, xx = _cos_calc_diff(x, y)
-    err = (x - y).abs()
-    ee = err.square().sum(-1)
-    padded = torch.cat((err, err.new_zeros(err.shape[0], 1)), dim=-1)  # defined for empty tensors
-    max_abs, idx = padded.max(dim=-1)
+    err = (x - y).abs_()
+    ee = (err * err).sum(-1)
+    if err.shape[-1]:
+        max_abs, idx = err.max(dim=-1)
+    else:  # an empty tensor: no error anywhere
+        max_abs, idx = err.new_zeros(err.shape[0]), torch.full((err.shape[0],), -1, device=err.device)
     out.update(
         cos=cos,
         calc_diff=calc_diff,

@@ -175,7 +175,7 @@ class ProductionDecoder(Decoder):
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         self.used = True
         logits = self.session.prefill(ids, last_only=self.last_logits_only)
-        self.seqs[0].tokens += [int(t) for t in ids]
+        self.seqs[0].tokens += torch.as_tensor(ids).flatten().tolist()  # one host read (int() per id: 0.13 s per 16K)
         self.prompt_len += len(ids)
         return logits
 

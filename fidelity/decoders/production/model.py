@@ -105,18 +105,20 @@ class ProductionModel:
             self._gemv[key] = torch.cat([st.data for st in stored]).to(self.device) if ok else None
         return self._gemv[key]
 
-    def input_stack(self, i: int) -> tuple[torch.Tensor, dict[str, list[int]]] | None:
-        """Layer i's bf16 weights that read the attention input (``_input_weights``) stacked for one GEMV, with each
-        part's row counts, kept; None where that path does not run (no such weight, no GPU kernels, or one not
+    def input_stack(self, i: int) -> tuple[torch.Tensor, tuple[str, ...]] | None:
+        """Layer i's bf16 weights that read the attention input (``_input_weights``) stacked for one GEMV, with their
+        names in stacking order, kept; None where that path does not run (no such weight, no GPU kernels, or one not
         stored in bf16)."""
         key = f"input stack {i}"
         if key not in self._gemv:
             names = _input_weights(i, self.cfg.ratio(i))
-            flat = tuple(n for group in names.values() for n in group)
-            stacked = self.stacked_bf16(flat) if flat else None
-            rows = {part: [self.ckpt.stored(n).data.shape[0] for n in group] for part, group in names.items()}
-            self._gemv[key] = None if stacked is None else (stacked, rows)
+            stacked = self.stacked_bf16(names) if names else None
+            self._gemv[key] = None if stacked is None else (stacked, names)
         return self._gemv[key]
+
+    def rows(self, names: tuple[str, ...]) -> list[int]:
+        """The stored row counts (output widths) of the weights ``names``."""
+        return [self.ckpt.stored(n).data.shape[0] for n in names]
 
     def stored_experts(self, i: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
         """Layer i's routed experts as stored, for ``fp4_picked_linear`` / ``grouped_expert``: ((packed codes uint8
@@ -186,8 +188,9 @@ class ProductionSession:
         self.counts: Counts = {}  # this session's implementations, kernel fallbacks and routes (call_counts)
         self.res_dtypes = [torch.float32 if self.profile.residual_fp32(i) else BF16 for i in range(self.cfg.n_layers)]
         self.fused = self.profile.norm_fusion == "fused"
-        self._inputs: dict[str, object] = {}  # input_projection's projections of the attention core's input
-        self._index_q: dict[int, torch.Tensor] = {}  # layer -> its indexer's wq_b product made beside wq_b's
+        # weight name -> its product with this layer call's input, made in one launch with other weights reading the
+        # same input before its reader asks (``stacked_linears``, ``input_projection``); emptied after ``attn_core``
+        self._made: dict[str, torch.Tensor] = {}
 
     def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         """Record ``tensor`` at the site ``template`` of ``layer`` (None outside the layers) if the recorder wants
@@ -386,7 +389,8 @@ class ProductionSession:
         qr = self.norm(a, w(pre + "q_norm.weight"))
         if cfg.ratio(i) == 4:  # the indexer's wq_b reads qr too: stacked with wq_b, its product kept for index_query
             q, index_q = self.stacked_linears(qr, (pre + "wq_b.weight", pre + "indexer.wq_b.weight"), lazy=1)
-            self._index_q = {} if index_q is None else {i: index_q}
+            if index_q is not None:
+                self._made[pre + "indexer.wq_b.weight"] = index_q
         else:
             q = self.linear(qr, pre + "wq_b.weight")
         q = q.unflatten(-1, (cfg.n_heads, cfg.head_dim))
@@ -408,7 +412,7 @@ class ProductionSession:
         if stacked is None:
             return tuple(self.linear(x, n) if lazy is None or k < lazy else None for k, n in enumerate(names))
         y = self.op("fp8_weight_linear")(x.xq if isinstance(x, Fp8Input) else x, *stacked, act)
-        return tuple(y.split([self.model.ckpt.stored(n).data.shape[0] for n in names], dim=-1))
+        return tuple(y.split(self.model.rows(names), dim=-1))
 
     def attn_core(self, i: int, x: torch.Tensor, qr, q: torch.Tensor, kv: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:
@@ -420,29 +424,26 @@ class ProductionSession:
             else:
                 o = self.attend_decode(i, x, qr, q, kv, positions)
         finally:
-            self._inputs, self._index_q = {}, {}
+            self._made = {}
         self.emit("L{i}.attn.core", i, o)
         return o
 
-    def input_projection(self, i: int, x: torch.Tensor, part: str) -> tuple[torch.Tensor, ...] | None:
-        """Layer i's fp32 projections of its attention input x [n, dim] by the bf16 weights that read x: ``part``
-        "compressor" or "index_compressor" (kv [n, coff d], score [n, coff d]) or "index_weights" (weights_proj
-        [n, index heads],). For a few rows on the GEMV path every such weight of the layer goes through one
-        ``fp32_linear`` over their stacked rows (one launch on a GPU), at the first ask of the call; None where that
-        path does not run (more rows, no GPU kernels, a weight not stored in bf16)."""
+    def input_projection(self, i: int, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, ...] | None:
+        """x [n, dim], layer i's attention input, times the bf16 weights ``names`` (of ``_input_weights``) -> fp32
+        [n, out] each. For a few rows on the GEMV path every such weight of the layer goes through one
+        ``fp32_linear`` over their stacked rows (one launch on a GPU) at the first ask of the call, the others' kept
+        for their readers; None where that path does not run (more rows, no GPU kernels, a weight not stored in
+        bf16)."""
         if x.shape[0] > ops.GEMV_ROWS:
             return None
-        if self._inputs.get("x") is not x or self._inputs.get("layer") != i:
+        if names[0] not in self._made:
             stack = self.model.input_stack(i)
             if stack is None:
                 return None
-            stacked, rows = stack
-            y = self.op("fp32_linear")(x, stacked).split([r for sizes in rows.values() for r in sizes], dim=-1)
-            parts, start = {}, 0
-            for name, sizes in rows.items():
-                parts[name], start = y[start : start + len(sizes)], start + len(sizes)
-            self._inputs = {"x": x, "layer": i, "parts": parts}
-        return self._inputs["parts"].get(part)
+            stacked, order = stack
+            self._made.update(zip(order, self.op("fp32_linear")(x, stacked).split(self.model.rows(order), dim=-1),
+                                  strict=True))
+        return tuple(self._made.pop(n) for n in names)
 
     def attn_out(self, i: int, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """o [n, heads, hd] -> bf16 [n, dim]: the inverse RoPE, the grouped wo_a, wo_b."""
@@ -462,7 +463,7 @@ class ProductionSession:
         w, cache, ratio = self.model.w, self.layers[i], self.cfg.ratio(i)
         pre = f"layers.{i}.attn.indexer.compressor." if index else f"layers.{i}.attn.compressor."
         fp32 = torch.float32  # the compressor GEMMs run in fp32: the converted weights are kept
-        projected = None if x is None else self.input_projection(i, x, "index_compressor" if index else "compressor")
+        projected = None if x is None else self.input_projection(i, x, (pre + "wkv.weight", pre + "wgate.weight"))
         weights = CompressorWeights(self.model.w_as(pre + "wkv.weight", fp32),
                                     self.model.w_as(pre + "wgate.weight", fp32), w(pre + "ape"), w(pre + "norm.weight"),
                                     projected)
@@ -600,13 +601,13 @@ class ProductionSession:
     def index_query(self, i: int, x: torch.Tensor, qr: torch.Tensor | Fp8Input, positions: torch.Tensor):
         w, cfg, prof = self.model.w, self.cfg, self.profile
         pre = f"layers.{i}.attn.indexer."
-        q = self._index_q.pop(i, None)
+        q = self._made.pop(pre + "wq_b.weight", None)
         q = self.linear(qr, pre + "wq_b.weight") if q is None else q
         q = self.op("apply_rope")(q.unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim)), positions,
                                   self.model.freqs[4])
         q = self.op("indexer_round")(q, prof.indexer_qk, prof.hadamard == "on")
         self.emit("L{i}.indexer.q", i, lambda: _unrotated(q, prof))
-        projected = self.input_projection(i, x, "index_weights")
+        projected = self.input_projection(i, x, (pre + "weights_proj.weight",))
         logits = projected[0].to(BF16) if projected else x @ w(pre + "weights_proj.weight").to(BF16).T  # bf16 GEMM
         weights = logits * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
         self.emit("L{i}.indexer.weights", i, weights)
@@ -772,14 +773,14 @@ class ProductionSession:
                                          self.cfg.swiglu_limit, self.profile.gemm_act, isinstance(h, Fp8Input))
 
 
-def _input_weights(i: int, ratio: int) -> dict[str, tuple[str, ...]]:
-    """The bf16 weights of layer i that read the attention input, by ``input_projection`` part: the compressor's
-    wkv and wgate (compressed layers), the indexer compressor's and weights_proj (CSA layers)."""
+def _input_weights(i: int, ratio: int) -> tuple[str, ...]:
+    """The bf16 weights of layer i that read the attention input (``input_projection``): the compressor's wkv and
+    wgate (compressed layers), the indexer compressor's and weights_proj (CSA layers)."""
     pre = f"layers.{i}.attn."
-    names = {"compressor": (pre + "compressor.wkv.weight", pre + "compressor.wgate.weight")} if ratio else {}
+    names = (pre + "compressor.wkv.weight", pre + "compressor.wgate.weight") if ratio else ()
     if ratio == 4:
-        names["index_compressor"] = (pre + "indexer.compressor.wkv.weight", pre + "indexer.compressor.wgate.weight")
-        names["index_weights"] = (pre + "indexer.weights_proj.weight",)
+        names += (pre + "indexer.compressor.wkv.weight", pre + "indexer.compressor.wgate.weight",
+                  pre + "indexer.weights_proj.weight")
     return names
 
 

@@ -203,7 +203,7 @@ class Recorder:
             raise KeyError(f"unknown site {site!r}; sites are listed in fidelity.model.sites.SITES")
         if self.wants(site):
             if self.kept_rows(site) is not None and not kept:
-                tensor = self._kept_rows(site, tensor)
+                tensor = self._select_kept(site, tensor)
             copy = tensor.detach().clone() if self.device is None else tensor.detach().to(self.device, copy=True)
             self.records.setdefault(site, []).append((self.step, copy))
 
@@ -211,7 +211,7 @@ class Recorder:
         """The call rows (ascending) this recorder keeps of ``site``; None where it keeps every row."""
         return self.rows if self.rows is not None and site_template(site) in self.rows_only else None
 
-    def _kept_rows(self, site: str, part: torch.Tensor) -> torch.Tensor:
+    def _select_kept(self, site: str, part: torch.Tensor) -> torch.Tensor:
         """The rows of ``part`` [m, ...] that are in ``rows``, ``part`` being the call's rows after those recorded
         at ``site`` so far."""
         start = self._seen_rows.get(site, 0)
@@ -236,7 +236,7 @@ class Recorder:
             whole = torch.cat(parts, dim=0)
         if rows is None:
             return whole
-        if self.rows is not None and site_template(site) in self.rows_only:
+        if self.kept_rows(site) is not None:
             if not torch.equal(rows.cpu(), self.rows.cpu()):
                 raise ValueError(f"{site}: recorded at rows {self.rows.tolist()}, asked for rows {rows.tolist()}")
             return whole

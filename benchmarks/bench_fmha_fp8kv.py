@@ -54,8 +54,13 @@ from fidelity.model.formats import dequantize_fp8  # noqa: E402
 
 SCALE = 512**-0.5
 CASES = [("V4-Flash", 64, 512), ("V4-Pro", 128, 1024)]
-# (consumers, bf16 slots, L2 prefetch distance in blocks): layouts that fit the shared memory
-WS_RINGS = [(1, 5, 0), (1, 5, 1), (1, 5, 2), (1, 4, 1), (1, 3, 1), (2, 4, 0), (2, 4, 1), (2, 4, 2), (2, 3, 1)]
+# (consumers, bf16 slots, L2 prefetch distance in blocks, two consumers' halves loaded one ahead): layouts that fit
+# the shared memory
+WS_RINGS = [(1, 5, 0, None), (1, 5, 1, None), (1, 5, 2, None), (1, 4, 1, None), (1, 3, 1, None),
+            (2, 4, 0, False), (2, 4, 1, False), (2, 4, 2, False), (2, 3, 1, False),
+            (2, 4, 0, True), (2, 4, 1, True), (2, 4, 2, True), (2, 3, 1, True)]
+# --quick: the two-consumer producer's fill orders alone, at the default ring
+QUICK_RINGS = [(2, None, None, False), (2, None, None, True)]
 # --diag: the kernel with parts switched off (wrong results by design; PARTS bits of the kernel module): the
 # producers' loads (1), the consumers' math (2), dequantization and stores (4), the producers' proxy fence (8)
 DIAG_PARTS = {"all": 15, "no fence": 7, "no math": 13, "no gathers": 14, "math only": 10, "none": 8}
@@ -67,11 +72,11 @@ def check(s0: dict, heads: int) -> dict:
     rows = kv_layout.unpack(s0["packed"], 512, 64)
     ref = ops.sparse_attention(s0["q"], rows, s0["idx"], s0["sink"], SCALE)
     out = {}
-    for nc in (1, 2) if heads % 64 == 0 else (1,):
+    for nc, ahead in ((1, None), (2, False), (2, True)) if heads % 64 == 0 else ((1, None),):
         got = sparse_attention.sparse_attention_fp8kv(s0["q"], s0["packed"], s0["idx"], s0["sink"], SCALE,
-                                                      config={"consumers": nc})
+                                                      config={"consumers": nc, "ahead": ahead})
         bf16 = sparse_attention_ws(s0["q"], rows, s0["idx"], s0["sink"], SCALE, consumers=nc)
-        out[f"consumers={nc}"] = {
+        out[f"consumers={nc}" + ("" if ahead is None else f" ahead={int(ahead)}")] = {
             "bit_equal_to_bf16_ws_on_unpacked_rows": bool(torch.equal(got.view(torch.int16), bf16.view(torch.int16))),
             "max_row_calc_diff_vs_emulation": float(_row_calc_diff(got, ref).max()),
             "bf16_equal_frac_vs_emulation": float((got == ref).float().mean())}
@@ -101,10 +106,9 @@ def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: boo
     args8 = [(s["q"], s["packed"], s["idx"], s["sink"]) for s in sets]
     args16 = [(s["q"], s["rows"], s["idx"], s["sink"]) for s in sets]
     variants = [("ws FP8 (default)", {"route": "ws"}, args8)]
-    if not quick:
-        variants += [(f"ws FP8 c{c} slots {ns} prefetch {pf}",
-                      {"route": "ws", "consumers": c, "slots": ns, "prefetch": pf}, args8)
-                     for c, ns, pf in WS_RINGS if heads % (32 * c) == 0]
+    variants += [(f"ws FP8 c{c} slots {ns} prefetch {pf}" + ("" if ah is None else f" ahead {int(ah)}"),
+                  {"route": "ws", "consumers": c, "slots": ns, "prefetch": pf, "ahead": ah}, args8)
+                 for c, ns, pf, ah in (QUICK_RINGS if quick else WS_RINGS) if heads % (32 * c) == 0]
     variants += [("Triton FP8", {"route": "triton"}, args8), ("ws bf16 rows (1024 B)", {"route": "ws"}, args16)]
     for label, cfg, args in variants:
         fn = (sparse_attention.sparse_attention_cuda if args is args16 else sparse_attention.sparse_attention_fp8kv)
@@ -119,13 +123,14 @@ def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: boo
         ROWS.append(row)
         print(f"[time] {case} {label}: {t.get('us', float('nan')):.2f} us {t.get('error', '')}", flush=True)
     if diag:
-        for c in (1, 2) if heads % 64 == 0 else (1,):
+        for c, ah in ((1, None), (2, False), (2, True)) if heads % 64 == 0 else ((1, None),):
+            layout = f"c{c}" + ("" if ah is None else f" ahead {int(ah)}")
             for label, parts in DIAG_PARTS.items():
-                t = time_fn(lambda q, kv, i, s, c=c, parts=parts: sparse_attention_ws_fp8kv(
-                    q, kv, i, s, SCALE, consumers=c, parts=parts), args8)
-                ROWS.append({"case": case, "variant": f"diag c{c}: {label}", **t, "floor_us": fl["us"],
+                t = time_fn(lambda q, kv, i, s, c=c, ah=ah, parts=parts: sparse_attention_ws_fp8kv(
+                    q, kv, i, s, SCALE, consumers=c, ahead=ah, parts=parts), args8)
+                ROWS.append({"case": case, "variant": f"diag {layout}: {label}", **t, "floor_us": fl["us"],
                              "floor_bound": fl["bound"]})
-                print(f"[diag] {case} c{c} {label}: {t['us']:.2f} us", flush=True)
+                print(f"[diag] {case} {layout} {label}: {t['us']:.2f} us", flush=True)
     del sets, args8, args16
     torch.cuda.empty_cache()
 
@@ -214,7 +219,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--peer", type=Path, help="a FlashMLA tree with the sm90 MODEL1 decode kernels")
-    ap.add_argument("--quick", action="store_true", help="no ring sweep, fewer peer input sets")
+    ap.add_argument("--quick", action="store_true",
+                    help="no ring sweep (the two-consumer fill orders only), fewer peer input sets")
     ap.add_argument("--diag", action="store_true", help="also time the kernel with parts switched off")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)

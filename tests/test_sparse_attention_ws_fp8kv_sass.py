@@ -23,14 +23,16 @@ POINTERS = {"q_ptr": "*bf16", "kv_ptr": "*u8", "kvi_ptr": "*i32", "kvw_ptr": "*i
 INTS = ("stride_qn", "stride_qh", "stride_in", "stride_on", "stride_oh")
 
 
-def _sass(consumers: int, prefetch: int, tmp_path) -> str:
+def _sass(consumers: int, prefetch: int, tmp_path, ahead: bool = False) -> str:
     if not triton.__version__.startswith(GLUON_VERSION):
         pytest.skip(f"the kernel is written for Triton {GLUON_VERSION}'s Gluon, found {triton.__version__}")
     bh, ns, pregs, cregs = fp8kv._LAYOUT[consumers]
     kernel = fp8kv._one_consumer_fp8_kernel if consumers == 1 else fp8kv._two_consumer_fp8_kernel
     consts = dict(D=512, BH=bh, BN=64, NS=ns, PF=prefetch, PW=4, PREGS=pregs)
     if consumers == 2:
-        consts["CREGS"] = cregs
+        if ahead:
+            consts["PREGS"], cregs = fp8kv._AHEAD_REGS
+        consts["CREGS"], consts["AHEAD"] = cregs, ahead
     consts["PARTS"] = fp8kv.GATHER | fp8kv.MATH | fp8kv.DEQUANT | fp8kv.FENCE
     sig = {**POINTERS, "topk": "i32", "scale": "fp32", **{name: "i32" for name in INTS},
            **{name: "constexpr" for name in consts}}
@@ -47,9 +49,9 @@ def _ops(sass: str, prefix: str) -> list[str]:
     return re.findall(rf"\b({prefix}[A-Z0-9_.]*)", sass)
 
 
-@pytest.mark.parametrize("consumers", [1, 2])
-def test_the_rows_are_read_with_8_byte_loads_and_only_q_with_16(consumers, tmp_path):
-    sass = _sass(consumers, fp8kv.PREFETCH, tmp_path)
+@pytest.mark.parametrize("consumers, ahead", [(1, False), (2, False), (2, True)])
+def test_the_rows_are_read_with_8_byte_loads_and_only_q_with_16(consumers, ahead, tmp_path):
+    sass = _sass(consumers, fp8kv.PREFETCH, tmp_path, ahead)
     assert "HGMMA" in sass
     heads = fp8kv._LAYOUT[consumers][0]
     q_loads = heads * 512 * 2 // (128 * 16)  # Q [heads, 512] bf16 by one warpgroup, 16 B a load
@@ -62,3 +64,10 @@ def test_no_prefetch_without_a_distance_and_the_carried_words_stay_in_registers(
     assert "CCTL" not in _sass(1, 0, tmp_path)
     sass = _sass(1, fp8kv.PREFETCH, tmp_path)
     assert len(_ops(sass, "STL")) < 16
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_two_consumer_layout_fits_its_registers_with_either_fill_order(ahead, tmp_path):
+    """12 warps share the register file; with the halves loaded one ahead the producer holds two halves' words
+    (120 registers, the lead 176): a few spilled values, not the hundreds of a loop-carried tile."""
+    assert len(_ops(_sass(2, fp8kv.PREFETCH, tmp_path, ahead), "STL")) < 24

@@ -112,7 +112,7 @@ def bench_attention(quick: bool):
         print(f"[attn] {name}: {check}", flush=True)
         args_bf16 = [(s["q"], s["cache"], s["idx"], s["sink"]) for s in sets]
         args_fp8 = [(s["q"], s["packed"], s["idx"], s["sink"]) for s in sets]
-        extra = [] if ATTN_CONFIGS else [dict(cfgs512[i], num_splits=2) for i in (3, 5)]
+        extra = [] if ATTN_CONFIGS else [dict(cfgs512[i], num_splits=2) for i in (3, 5) if i < len(cfgs512)]
         configs = cfgs512 + extra if batch > 1 else [
             dict(c, num_splits=ns) for c in cfgs512[:2] for ns in (1, 5, 10)]
         if batch == 1 and quick:

@@ -36,13 +36,15 @@ def _packed_rows(g: torch.Generator, m: int, extreme: bool = False) -> torch.Ten
 @pytest.mark.skipif(not ws_runs_here(), reason="the warp-specialized kernel needs sm_90 and Triton 3.6")
 @pytest.mark.parametrize("heads", [64, 128])
 @pytest.mark.parametrize("topk", [1, 63, 65, 130, 320, 1152])
-@pytest.mark.parametrize("ring", [(1, None, None), (1, 2, 0), (1, 3, 2), (2, None, None), (2, 2, 0)])
+@pytest.mark.parametrize("ring", [(1, None, None, None), (1, 2, 0, None), (1, 3, 2, None), (2, None, None, False),
+                                  (2, 2, 0, False), (2, None, None, True), (2, 2, 0, True), (2, 3, 2, True)])
 def test_fp8_kv_ws_route_equals_the_bf16_ws_kernel_on_the_unpacked_rows(heads, topk, ring):
     """The FP8 layout's ``ws`` route dequantizes in its producers into the tiles the bf16 ``ws`` kernel reads from
     ``kv_layout.unpack`` rows, so each consumer layout, ring depth and prefetch distance gives the same bits, over 1 to
     18 blocks (the ring wraps; an odd count leaves the producers' two-block loop step half used), a ragged last
-    block, 30% masked entries and a row with none valid (zero output); and meets the emulation's contract."""
-    consumers, slots, prefetch = ring
+    block, 30% masked entries and a row with none valid (zero output), with the two-consumer producer filling the
+    halves in turn or one ahead; and meets the emulation's contract."""
+    consumers, slots, prefetch, ahead = ring
     g = torch.Generator().manual_seed(heads * 10_000 + topk + 7 * consumers)
     q = (torch.randn(5, heads, 512, generator=g) * 2).to(BF16)
     packed = _packed_rows(g, 3000)
@@ -51,7 +53,7 @@ def test_fp8_kv_ws_route_equals_the_bf16_ws_kernel_on_the_unpacked_rows(heads, t
     idx[2] = -1
     sink = torch.randn(heads, generator=g)
     args = [x.to(CUDA) for x in (q, packed, idx, sink)]
-    config = {"consumers": consumers, "slots": slots, "prefetch": prefetch}
+    config = {"consumers": consumers, "slots": slots, "prefetch": prefetch, "ahead": ahead}
     got = sparse_attention.sparse_attention_fp8kv(*args, 512**-0.5, config=config)
     assert sparse_attention._route(*args[:3], "fp8-kv", config)[0] == "ws"
     rows = kv_layout.unpack(args[1], 512, 64)

@@ -309,7 +309,7 @@ def _ws_refusal(q, kv, idx, fmt) -> str | None:
 # the warp-specialized kernels' launch parameters: 1 or 2 consumer warpgroups; the FP8 layout's ring depths
 WS_LAUNCH = {
     "bf16": ("consumers",),
-    "fp8-kv": ("consumers", "slots", "prefetch"),
+    "fp8-kv": ("consumers", "slots", "prefetch", "ahead"),
 }
 
 

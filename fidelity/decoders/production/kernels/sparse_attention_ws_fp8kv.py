@@ -16,9 +16,11 @@ slots with one consumer, four with two); only the producers differ. A cache row 
    fences, meets its partition barrier and arrives on the slot's ``ready`` barrier.
 
 With one consumer, two producer partitions take half 0 and half 1 of every block, each loading block j + 1 before
-it stores block j (the loop takes two blocks a step, so no loaded register is copied); with two consumers, whose
-warpgroups leave registers for one half, one partition loads and stores each half in turn. The partition with half
-0 prefetches rows into L2 (``prefetch.global.L2``) ``prefetch`` blocks ahead of its loads.
+it stores block j (the loop takes two blocks a step, so no loaded register is copied); with two consumers one
+partition fills both halves, each loaded one half ahead of its store (``ahead=False``: in turn). The two-consumer CTA
+stays at 12 warps: its wgmma accumulators need at least 154 registers a thread in the compiled function, and 16 warps
+of 154 exceed the register file. The partition with half 0 prefetches rows into L2 (``prefetch.global.L2``)
+``prefetch`` blocks ahead of its loads.
 
 The consumers see the same bf16 tiles as the bf16 kernel on the unpacked rows, in the same order, so the outputs
 are bit-identical to ``sparse_attention_ws(q, kv_layout.unpack(kv, 512, 64), ...)`` with the same layout.
@@ -51,8 +53,12 @@ from fidelity.decoders.production.kernels.sparse_attention_ws import (
 ROW_BYTES = 584
 # consumers -> (heads per CTA, bf16 slots, registers of a producer partition, lead warpgroup's registers); shared
 # memory: a bf16 slot 32 KB, Q 32 KB per 32 heads (the bf16 kernel's rings). One consumer: two producer partitions
-# (one per half of a block); two consumers: one
+# (one per half of a block); two consumers: one, filling the halves in turn (the two warpgroups' wgmma accumulators
+# hold the kernel to 12 warps: a 16-warp CTA would leave fewer registers per thread than one wgmma needs)
 _LAYOUT = {1: (BLOCK_H, 5, 128, 0), 2: (2 * BLOCK_H, 4, 96, 192)}
+# two consumers, halves loaded one ahead of their stores: (producer, lead) registers (the tail keeps 208)
+_AHEAD_REGS = (120, 176)
+AHEAD = True  # the two-consumer producer's default fill order (BENCHMARKS.md: the ``ahead`` sweep)
 PREFETCH = 1  # blocks whose rows are prefetched into L2 ahead of the loads (H200: 1 best of 0-3)
 # PARTS bits: which parts run (all by default; the diagnosis switches some off): the producers' loads, the consumers'
 # math, the dequantization and stores, the producers' proxy fence
@@ -123,6 +129,15 @@ def _dequant(words, sw, T0: gl.constexpr, NT: gl.constexpr):
 
 
 @gluon.jit
+def _split_tiles(words):
+    """int32 [2N, 64, 16] code tiles -> tiles 0 ..N and N ..2N, each [N, 64, 16] (the tile dimension lies within
+    each thread, so the split moves no data)."""
+    N: gl.constexpr = words.shape[0] // 2
+    pairs = gl.permute(gl.reshape(words, [2, N, 64, 16]), (1, 2, 3, 0))
+    return gl.split(pairs)
+
+
+@gluon.jit
 def _load_lo(kvi_ptr, kvw_ptr, ids, L3: gl.constexpr, PARTS: gl.constexpr):
     """Half 0 of the rows ``ids`` (a block's 64 indices, -1: zero rows) in registers: code tiles 0-3 and each row's
     scale word (int64 [64])."""
@@ -158,8 +173,10 @@ def _fill(kv_smem, ready, empty, u, NS: gl.constexpr, PARTS: gl.constexpr, H: gl
     mbarrier.wait(empty.index(s), ((u // NS) & 1) ^ 1)
     if PARTS & 4:  # DEQUANT
         slot = _slot_words(kv_smem, s)
-        if H == 0:
-            slot.store(_dequant(codes, sw, 0, 4))
+        if H == 0:  # two tiles a store
+            first, second = _split_tiles(codes)
+            slot.slice(0, 64, dim=1).store(_dequant(first, sw, 0, 2))
+            slot.slice(64, 64, dim=1).store(_dequant(second, sw, 2, 2))
         else:
             slot.slice(0, 64, dim=1).store(_dequant(codes, sw, 4, 2))
             slot.slice(64, 32, dim=1).store(_dequant(last, sw, 6, 1))
@@ -201,6 +218,29 @@ def _fill_halves_in_turn(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, 
 
 
 @gluon.jit
+def _fill_halves_ahead(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, pf_ids,
+                       BN: gl.constexpr, NS: gl.constexpr, PF: gl.constexpr, L3: gl.constexpr,
+                       PF_LAYOUT: gl.constexpr, PARTS: gl.constexpr):
+    """Both halves of every block, each loaded one half ahead of its store (load half 1 of block j, store half 0,
+    load half 0 of block j + 1, store half 1), so that two halves' loads are in flight while one is stored; block
+    j + 1 + PF's rows prefetched."""
+    pf_rows: gl.constexpr = gl.SliceLayout(1, PF_LAYOUT)
+    rows_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L3))
+    ids = _block_ids(idx_row_ptr, 0, topk, BN, rows_l)
+    lo, lo_sw = _load_lo(kvi_ptr, kvw_ptr, ids, L3, PARTS)
+    for j in range(n_blocks):
+        if PF > 0:
+            if j + 1 + PF < n_blocks:
+                _prefetch_rows(kv_ptr, pf_ids, PF_LAYOUT)
+            pf_ids = _block_ids(idx_row_ptr, j + 2 + PF, topk, BN, pf_rows)
+        hi, last, rope, hi_sw = _load_hi(kvi_ptr, kvw_ptr, ids, L3, PARTS)
+        _fill(kv_smem, ready, empty, 2 * j, NS, PARTS, 0, lo, lo_sw, lo, lo)
+        ids = _block_ids(idx_row_ptr, j + 1, topk, BN, rows_l)
+        lo, lo_sw = _load_lo(kvi_ptr, kvw_ptr, ids, L3, PARTS)
+        _fill(kv_smem, ready, empty, 2 * j + 1, NS, PARTS, 1, hi, hi_sw, last, rope)
+
+
+@gluon.jit
 def _fill_one_half_ahead(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, pf_ids,
                          BN: gl.constexpr, NS: gl.constexpr, H: gl.constexpr, PF: gl.constexpr, L3: gl.constexpr,
                          PF_LAYOUT: gl.constexpr, PARTS: gl.constexpr):
@@ -234,10 +274,11 @@ def _fill_one_half_ahead(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, 
 @gluon.jit
 def _dequant_producer(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty,
                       BN: gl.constexpr, NS: gl.constexpr, H0: gl.constexpr, NH: gl.constexpr, PF: gl.constexpr,
-                      PW: gl.constexpr, PARTS: gl.constexpr):
+                      PW: gl.constexpr, AHEAD: gl.constexpr, PARTS: gl.constexpr):
     """Fills the bf16 slots of halves H0 ..+NH of every block (slot 2j + h mod NS) from the 584 B rows (8-byte
     words loaded into registers): one half (NH = 1) with its loads a block ahead (:func:`_fill_one_half_ahead`),
-    or both (the two-consumer layout, whose warpgroups leave registers for one half) in turn. Half 0 holds code
+    or both (the two-consumer layout), each loaded one half ahead of its store (AHEAD, :func:`_fill_halves_ahead`)
+    or in turn (:func:`_fill_halves_in_turn`). Half 0 holds code
     tiles 0-3 (dims 0-255), half 1 tiles 4-6 and the rope dims. The partition with half 0 prefetches rows into L2,
     PF blocks ahead of its loads."""
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 4, 8], [1, PW, 1], [2, 1, 0])  # [tiles, rows, 16 words]
@@ -247,7 +288,10 @@ def _dequant_producer(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_
         for j in range(1, gl.minimum(n_blocks, 1 + PF)):
             _prefetch_rows(kv_ptr, _block_ids(idx_row_ptr, j, topk, BN, pf_rows), pf_layout)
     pf_ids = _block_ids(idx_row_ptr, 1 + PF, topk, BN, pf_rows)  # loaded a loop step before its prefetch
-    if NH == 2:
+    if NH == 2 and AHEAD:
+        _fill_halves_ahead(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, pf_ids,
+                           BN, NS, PF, L3, pf_layout, PARTS)
+    elif NH == 2:
         _fill_halves_in_turn(kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, pf_ids,
                              BN, NS, PF, L3, pf_layout, PARTS)
     else:
@@ -270,9 +314,9 @@ def _one_consumer_fp8_kernel(q_ptr, kv_ptr, kvi_ptr, kvw_ptr, idx_ptr, sink_ptr,
         (_one_consumer, (q_ptr, stride_qn, stride_qh, idx_row_ptr, sink_ptr, o_ptr, stride_on, stride_oh, pid_n, h0,
                          topk, n_blocks, scale, kv_smem, q_smem, p_smem, red, ready, empty, D, BH, BN, NS, PARTS)),
         (_dequant_producer, (kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, BN, NS,
-                             0, 1, PF, PW, PARTS)),
+                             0, 1, PF, PW, 1, PARTS)),
         (_dequant_producer, (kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, BN, NS,
-                             1, 1, PF, PW, PARTS)),
+                             1, 1, PF, PW, 1, PARTS)),
     ], [PW, PW], [PREGS, PREGS])
 
 
@@ -281,7 +325,7 @@ def _two_consumer_fp8_kernel(q_ptr, kv_ptr, kvi_ptr, kvw_ptr, idx_ptr, sink_ptr,
                              stride_qn, stride_qh, stride_in, stride_on, stride_oh,
                              D: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
                              PF: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, CREGS: gl.constexpr,
-                             PARTS: gl.constexpr):
+                             AHEAD: gl.constexpr, PARTS: gl.constexpr):
     W: gl.constexpr = D // 2
     pid_n = gl.program_id(1).to(gl.int64)
     h0 = gl.program_id(0) * BH
@@ -297,7 +341,7 @@ def _two_consumer_fp8_kernel(q_ptr, kv_ptr, kvi_ptr, kvw_ptr, idx_ptr, sink_ptr,
         (_lead, (q_ptr, stride_qn, stride_qh, o_ptr, stride_on, stride_oh, pid_n, h0, n_blocks, kv_smem, q_h,
                  p_buf, a_buf, l_buf, empty, q_ready, p_ready, p_free, l_ready, BH, W, NS, PARTS)),
         (_dequant_producer, (kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, BN,
-                             NS, 0, 2, PF, PW, PARTS)),
+                             NS, 0, 2, PF, PW, AHEAD, PARTS)),
     ], [4, PW], [CREGS, PREGS])
 
 
@@ -320,13 +364,14 @@ def takes(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> str | None:
 
 def sparse_attention_ws_fp8kv(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                               scale: float, *, consumers: int | None = None, slots: int | None = None,
-                              prefetch: int | None = None, parts: int = GATHER | MATH | DEQUANT | FENCE
-                              ) -> torch.Tensor:
+                              prefetch: int | None = None, ahead: bool | None = None,
+                              parts: int = GATHER | MATH | DEQUANT | FENCE) -> torch.Tensor:
     """q [n, H, 512] bf16, kv uint8 [m, 584] (the FP8 layout), idx [n, K] int (-1 = masked), sink [H] fp32 ->
     o [n, H, 512] bf16 (inputs as checked by :func:`takes`). ``consumers`` (1: 32 heads per CTA, 2: 64) defaults
     to :func:`kernels.sparse_attention_ws.consumers_for`; ``slots`` overrides the bf16 ring depth of that layout
-    (shared memory permitting), ``prefetch`` the L2 prefetch distance in blocks (0: none); ``parts`` other than all
-    is for the diagnosis only (wrong results)."""
+    (shared memory permitting), ``prefetch`` the L2 prefetch distance in blocks (0: none); ``ahead`` (two consumers)
+    has the producer load each half of a block one half ahead of its store (default :data:`AHEAD`); ``parts`` other
+    than all is for the diagnosis only (wrong results)."""
     n, h, d = q.shape
     o = torch.empty((n, h, d), dtype=torch.bfloat16, device=q.device)
     if n == 0:
@@ -344,5 +389,8 @@ def sparse_attention_ws_fp8kv(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tens
     if nc == 1:
         _one_consumer_fp8_kernel[(h // bh, n)](*args, **common)
     else:
-        _two_consumer_fp8_kernel[(h // bh, n)](*args, CREGS=cregs, **common)
+        fill_ahead = AHEAD if ahead is None else bool(ahead)
+        if fill_ahead:
+            common["PREGS"], cregs = _AHEAD_REGS
+        _two_consumer_fp8_kernel[(h // bh, n)](*args, CREGS=cregs, AHEAD=fill_ahead, **common)
     return o

@@ -81,3 +81,14 @@ def test_the_gemv_kernels_entry_points_refuse_fp32_scales_before_any_launch():
     with pytest.raises(ValueError, match=r"fp4_picked_linear: scales: expected e8m0 scale bytes uint8 \[3, 64, 8\], "
                                          r"found torch.float32 \[3, 64, 8\]"):
         weight_gemv.takes_fp4_picked_linear(**args, act="fp8")
+
+
+@pytest.mark.parametrize("weight, n, k, slices", [
+    ("wo_b", 4096, 8192, 4), ("wq_a", 1024, 4096, 8), ("wkv", 512, 4096, 8), ("shared w1", 2048, 4096, 8),
+    ("wq_b", 32768, 1024, 1), ("indexer wq_b", 8192, 1024, 1), ("shared w2", 4096, 2048, 1)])
+def test_fp8_gemv_slices_rows_of_4096_columns_or_more_over_about_eight_programs_per_sm(weight, n, k, slices):
+    """The FP8 GEMV's default k slices for a decode row on an H100's 132 SMs (16-row blocks, 512-column steps): the
+    sweep's fastest for the k >= 4096 weights, none for the k = 1024 / 2048 ones; no SMs (the interpreter): none."""
+    weight_gemv = pytest.importorskip("fidelity.decoders.production.kernels.weight_gemv")
+    assert weight_gemv.fp8_gemv_slices(n // 16, k, 512, 132) == slices, weight
+    assert weight_gemv.fp8_gemv_slices(n // 16, k, 512, 0) == 1

@@ -135,15 +135,25 @@ def _sum_splits_kernel(p_ptr, y_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.cons
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _splits(programs: int, k: int, bk: int, device: torch.device, per_sm: int = 2) -> int:
-    """The k slices (a power of two dividing k / bk) that bring the grid to about ``per_sm`` programs per SM."""
-    if device.type != "cuda":  # the interpreter
-        return 1
-    want = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+def k_slices(programs: int, k: int, bk: int, sms: int, per_sm: int = 2) -> int:
+    """The k slices (a power of two dividing k / bk) that bring a grid of ``programs`` row blocks to about
+    ``per_sm`` programs per SM on ``sms`` SMs."""
     splits = 1
-    while programs * splits * 2 <= want and k % (splits * 2 * bk) == 0:
+    while programs * splits * 2 <= per_sm * sms and k % (splits * 2 * bk) == 0:
         splits *= 2
     return splits
+
+
+def fp8_gemv_slices(programs: int, k: int, bk: int, sms: int) -> int:
+    """The FP8 / bf16 GEMV's default k slices: about eight programs per SM for rows of 4096 columns or more, two
+    otherwise (one H100, ``bench_weight_gemv.py``'s sweep: wo_b 4096 x 8192 in 4 slices 15.4 us against 20.0 us
+    in 1; wq_a 1024 x 4096 in 8 slices 5.0 against 5.8 in 4; the k = 1024 / 2048 weights fastest unsliced)."""
+    return k_slices(programs, k, bk, sms, 8 if k >= 4096 else 2)
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count; 0 off CUDA (the interpreter: no k slices)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 _COUNTS: dict[torch.device, torch.Tensor] = {}
@@ -184,9 +194,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, *, quantize:
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
     bk = bk if k % bk == 0 else FP8_BLOCK
     programs = triton.cdiv(n, bn)
-    # rows of 4096 columns or more: about 8 programs per SM (one H100, bench_weight_gemv.py's sweep: wo_b 4096 x
-    # 8192 in 4 slices 15.4 us against 20.0 us in 1, wq_a 1024 x 4096 in 8 slices 5.0 against 5.8 in 4)
-    splits = splits or _splits(programs, k, bk, x.device, 8 if k >= 4096 else 2)
+    splits = splits or fp8_gemv_slices(programs, k, bk, _sm_count(x.device))
     while k % (splits * bk) and bk > FP8_BLOCK:
         bk //= 2
     if k % (splits * bk):
@@ -378,7 +386,7 @@ def fp4_expert_linear(xq: torch.Tensor, experts: torch.Tensor, packed: torch.Ten
     while blocks % bb:
         bb //= 2
     programs = triton.cdiv(n, bn) * slots
-    splits = splits or _splits(programs, blocks, bb, xq.device)
+    splits = splits or k_slices(programs, blocks, bb, _sm_count(xq.device))
     while blocks % (splits * bb) and bb > 1:
         bb //= 2
     if blocks % (splits * bb):

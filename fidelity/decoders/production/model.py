@@ -546,8 +546,9 @@ class ProductionSession:
         here is eager mode's small temporaries (masks, the FP8 dequantization), which graph decode replays without
         allocating."""
         cfg, cache = self.cfg, self.layers[i]
-        cache.kv.write(self.window_slot(cache.window), kv)
-        self.emit_kv_cache(i, kv, self.window_slot(cache.window))
+        slot = self.window_slot(cache.window)
+        cache.kv.write(slot, kv)
+        self.emit_kv_cache(i, kv, slot)
         if on("cache-concat-growth"):
             cache.spill.append(kv.clone())
         comp = self.decode_compressed(i, x, qr, positions) if cfg.ratio(i) else None

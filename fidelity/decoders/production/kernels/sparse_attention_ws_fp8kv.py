@@ -53,8 +53,9 @@ from fidelity.decoders.production.kernels.sparse_attention_ws import (
 ROW_BYTES = 584
 # consumers -> (heads per CTA, bf16 slots, registers of a producer partition, lead warpgroup's registers); shared
 # memory: a bf16 slot 32 KB, Q 32 KB per 32 heads (the bf16 kernel's rings). One consumer: two producer partitions
-# (one per half of a block); two consumers: one, filling the halves in turn (the two warpgroups' wgmma accumulators
-# hold the kernel to 12 warps: a 16-warp CTA would leave fewer registers per thread than one wgmma needs)
+# (one per half of a block); two consumers: one (the two warpgroups' wgmma accumulators hold the kernel to 12 warps:
+# a 16-warp CTA would leave fewer registers per thread than one wgmma needs), here with the registers of the in-turn
+# fill
 _LAYOUT = {1: (BLOCK_H, 5, 128, 0), 2: (2 * BLOCK_H, 4, 96, 192)}
 # two consumers, halves loaded one ahead of their stores: (producer, lead) registers (the tail keeps 208)
 _AHEAD_REGS = (120, 176)

@@ -61,6 +61,8 @@ WS_RINGS = [(1, 5, 0, None), (1, 5, 1, None), (1, 5, 2, None), (1, 4, 1, None), 
             (2, 4, 0, True), (2, 4, 1, True), (2, 4, 2, True), (2, 3, 1, True)]
 # --quick: the two-consumer producer's fill orders alone, at the default ring
 QUICK_RINGS = [(2, None, None, False), (2, None, None, True)]
+# (consumers, two consumers' halves loaded one ahead) checked and diagnosed; one consumer where 64 heads do not divide
+LAYOUTS, ONE_CONSUMER = ((1, None), (2, False), (2, True)), ((1, None),)
 # --diag: the kernel with parts switched off (wrong results by design; PARTS bits of the kernel module): the
 # producers' loads (1), the consumers' math (2), dequantization and stores (4), the producers' proxy fence (8)
 DIAG_PARTS = {"all": 15, "no fence": 7, "no math": 13, "no gathers": 14, "math only": 10, "none": 8}
@@ -72,7 +74,7 @@ def check(s0: dict, heads: int) -> dict:
     rows = kv_layout.unpack(s0["packed"], 512, 64)
     ref = ops.sparse_attention(s0["q"], rows, s0["idx"], s0["sink"], SCALE)
     out = {}
-    for nc, ahead in ((1, None), (2, False), (2, True)) if heads % 64 == 0 else ((1, None),):
+    for nc, ahead in LAYOUTS if heads % 64 == 0 else ONE_CONSUMER:
         got = sparse_attention.sparse_attention_fp8kv(s0["q"], s0["packed"], s0["idx"], s0["sink"], SCALE,
                                                       config={"consumers": nc, "ahead": ahead})
         bf16 = sparse_attention_ws(s0["q"], rows, s0["idx"], s0["sink"], SCALE, consumers=nc)
@@ -123,7 +125,7 @@ def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: boo
         ROWS.append(row)
         print(f"[time] {case} {label}: {t.get('us', float('nan')):.2f} us {t.get('error', '')}", flush=True)
     if diag:
-        for c, ah in ((1, None), (2, False), (2, True)) if heads % 64 == 0 else ((1, None),):
+        for c, ah in LAYOUTS if heads % 64 == 0 else ONE_CONSUMER:
             layout = f"c{c}" + ("" if ah is None else f" ahead {int(ah)}")
             for label, parts in DIAG_PARTS.items():
                 t = time_fn(lambda q, kv, i, s, c=c, ah=ah, parts=parts: sparse_attention_ws_fp8kv(

@@ -105,15 +105,15 @@ class ProductionModel:
             self._gemv[key] = torch.cat([st.data for st in stored]).to(self.device) if ok else None
         return self._gemv[key]
 
-    def input_stack(self, i: int) -> tuple[torch.Tensor, tuple[str, ...]] | None:
+    def input_stack(self, i: int) -> tuple[torch.Tensor, tuple[str, ...], list[int]] | None:
         """Layer i's bf16 weights that read the attention input (``_input_weights``) stacked for one GEMV, with their
-        names in stacking order, kept; None where that path does not run (no such weight, no GPU kernels, or one not
-        stored in bf16)."""
+        names in stacking order and their row counts (the output's split sizes), kept; None where that path does not
+        run (no such weight, no GPU kernels, or one not stored in bf16)."""
         key = f"input stack {i}"
         if key not in self._gemv:
             names = _input_weights(i, self.cfg.ratio(i))
             stacked = self.stacked_bf16(names) if names else None
-            self._gemv[key] = None if stacked is None else (stacked, names)
+            self._gemv[key] = None if stacked is None else (stacked, names, self.rows(names))
         return self._gemv[key]
 
     def rows(self, names: tuple[str, ...]) -> list[int]:
@@ -440,9 +440,8 @@ class ProductionSession:
             stack = self.model.input_stack(i)
             if stack is None:
                 return None
-            stacked, order = stack
-            self._made.update(zip(order, self.op("fp32_linear")(x, stacked).split(self.model.rows(order), dim=-1),
-                                  strict=True))
+            stacked, order, rows = stack
+            self._made.update(zip(order, self.op("fp32_linear")(x, stacked).split(rows, dim=-1), strict=True))
         return tuple(self._made.pop(n) for n in names)
 
     def attn_out(self, i: int, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

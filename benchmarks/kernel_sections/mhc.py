@@ -11,7 +11,8 @@ from kernel_sections.common import BF16, DEV, _n_sets, _row_calc_diff, record, s
 
 def bench_mhc(quick: bool):
     for name, n, dim in (("V4-Flash 4096 tokens", 4096, 4096), ("V4-Pro 4096 tokens", 4096, 7168),
-                         ("V4-Flash decode 64", 64, 4096)):
+                         ("V4-Flash decode 64", 64, 4096), ("V4-Flash decode 1", 1, 4096),
+                         ("V4-Flash decode 4", 4, 4096), ("V4-Flash decode 16", 16, 4096)):
         g = torch.Generator(device=DEV).manual_seed(5)
         per = n * 4 * dim * 2
         sets = []
@@ -44,11 +45,13 @@ def bench_mhc(quick: bool):
             cfgs += [{"precision": "bf16x3", "bt": bt, "splits": sp, "num_warps": nw}
                      for bt, sp, nw in ((16, 1, 4), (64, 2, 4), (64, 4, 4), (64, 2, 8), (64, 3, 8), (64, 4, 8),
                                         (64, None, 8))]
+        elif n <= 16:  # one tile: the split launch and its finish as one launch or two
+            cfgs = [{"one_launch": True}, {"one_launch": False}]
         else:
             cfgs = [{"precision": "tf32x3", "splits": 1}, {"precision": "tf32x3", "splits": None},
                     {"precision": "tf32x3", "splits": 8}, {"precision": "ieee", "splits": None},
                     {"precision": "bf16x3", "splits": None}, {"precision": "bf16x3", "bt": 64, "splits": None}]
-        if quick:
+        if quick and n > 16:
             cfgs = cfgs[::2]
         best = sweep("hc_pre", name, "triton fused", lambda cfg: (
             lambda *xs: mhc.hc_pre_cuda(*xs, 1e-6, 20, 1e-6, **cfg)), cfgs, sets,

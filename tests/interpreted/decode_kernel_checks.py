@@ -12,6 +12,7 @@ import torch
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.decode_slots import decode_slots_reference
 from fidelity.decoders.production.kernels import weight_gemv
+from fidelity.decoders.production.kernels._common import arrival_counts
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
 from fidelity.decoders.production.kernels.decode_slots import decode_slots_cuda, mask_past_cuda
 from fidelity.decoders.production.kernels.expert import expert_cuda, swiglu, takes_expert
@@ -123,7 +124,7 @@ def _k_slices_differ(g: torch.Generator) -> str:
     for i in range(1, 4):
         want = want + weight_gemv.bf16_weight_linear_f32(x[:, i * q:(i + 1) * q], w[:, i * q:(i + 1) * q], splits=1,
                                                         bk=128)
-    counts = weight_gemv._split_counts(x.device, 1)
+    counts = arrival_counts(x.device, 1)
     bad = [] if torch.equal(got, want) else ["sum of the slices"]
     if counts.any():
         bad.append(f"counts left at {counts.nonzero().flatten().tolist()}")
@@ -172,7 +173,8 @@ def _fp4_scale_bytes_differ() -> str:
 
 
 def _put_at_block_end_differs(g: torch.Generator) -> str:
-    """The row lands at pos // ratio + offset exactly where pos completes a block, nowhere otherwise."""
+    """The row lands at pos // ratio + offset exactly where pos completes a block, nowhere otherwise; with a ring,
+    at pos % ring."""
     bad = []
     for dtype in (BF16, torch.float8_e4m3fn, torch.uint8):
         store = torch.randn(9, 3, 40, generator=g).to(dtype) if dtype != torch.uint8 else \
@@ -185,6 +187,12 @@ def _put_at_block_end_differs(g: torch.Generator) -> str:
             put_at_block_end(got, torch.tensor([pos]), ratio, offset, row)
             if not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
                 bad.append(f"{dtype} pos {pos} ratio {ratio} offset {offset}")
+        for pos in (0, 8, 9, 130):  # a window of 9 slots: the row at pos % 9
+            want, got = store.clone(), store.clone()
+            want[pos % 9] = row[0]
+            put_at_block_end(got, torch.tensor([pos]), 1, 0, row, ring=9)
+            if not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
+                bad.append(f"{dtype} pos {pos} ring 9")
     return ", ".join(bad)
 
 

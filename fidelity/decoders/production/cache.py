@@ -83,6 +83,19 @@ class _RowStore:
         for store, new in self._parts(rows):
             store[at] = new
 
+    def write_at_ring(self, pos: torch.Tensor, ring: int, rows: torch.Tensor) -> None:
+        """``write(pos % ring, rows)`` with the slot computed on the device from the token's position ``pos``
+        (int64 [1], on the store's device): graph decode's window row. One row of a flat store on a GPU is one
+        launch per storage tensor (``kernels.take.put_at_block_end`` with a ring); else torch's remainder and
+        indexed write."""
+        if self.block or not (pos.is_cuda and kernels.available() and rows.shape[0] == 1 and pos.numel() == 1):
+            self.write(pos % ring, rows)
+            return
+        from fidelity.decoders.production.kernels.take import put_at_block_end
+
+        for store, new in self._parts(rows):
+            put_at_block_end(store, pos.reshape(1), 1, 0, new, ring=ring)
+
     def write_at_block_end(self, pos: torch.Tensor, ratio: int, offset: int, rows: torch.Tensor) -> None:
         """``write(pos // ratio + offset, rows)`` where the token at ``pos`` (int64 [1], on the store's device)
         completes a block (``pos % ratio == ratio - 1``), else the rows are left as they are: a write decided on

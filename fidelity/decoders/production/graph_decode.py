@@ -252,9 +252,9 @@ class GraphDecodeSession(ProductionSession):
         if any(on(f) for f in SLOT_FAULTS):
             return super().attend_decode(i, x, qr, q, kv, positions)
         cfg, cache, ratio = self.cfg, self.layers[i], self.cfg.ratio(i)
-        slot = self.window_slot(cache.window)  # one launch in graph decode (pos % window on the device)
-        cache.kv.write(slot, kv)
-        self.emit_kv_cache(i, kv, slot)
+        cache.kv.write_at_ring(self.pos_dev, cache.window, kv)  # slot pos % window, computed by the write
+        if cache.kv.fmt == "fp8":
+            self.emit_kv_cache(i, kv, self.window_slot(cache.window))
         picks = None
         if ratio:
             self.compress(i, x, positions, index=False)

@@ -1,8 +1,8 @@
 """Copies addressed by device-side indices, so that they sit inside a captured CUDA graph: :func:`take` copies one
 slice of a stacked tensor (graph decode's expert weights) at streaming-copy speed (torch's ``index_select`` of one
 large slice runs at about half the HBM bandwidth on the H200); :func:`put_at_block_end` writes one row of a cache
-where the device-side position completes a block (graph decode's compressed entries), one launch instead of torch's
-position arithmetic, gather, ``where`` and scatter."""
+where the device-side position completes a block (graph decode's compressed entries), or at its ring slot (the
+window's row), one launch instead of torch's position arithmetic, gather, ``where`` and scatter."""
 
 from __future__ import annotations
 
@@ -39,27 +39,34 @@ def take(stack: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _put_at_block_end_kernel(store_ptr, pos_ptr, row_ptr, n, ratio, offset, BLOCK: tl.constexpr):
+def _put_at_block_end_kernel(store_ptr, pos_ptr, row_ptr, n, ratio, offset, ring, BLOCK: tl.constexpr):
     wait_for_previous_kernel()
     pos = tl.load(pos_ptr).to(tl.int64)
     if pos % ratio == ratio - 1:
+        slot = pos // ratio + offset
+        if ring > 0:
+            slot = slot % ring
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        tl.store(store_ptr + (pos // ratio + offset) * n + offs, tl.load(row_ptr + offs, mask=mask), mask=mask)
+        tl.store(store_ptr + slot * n + offs, tl.load(row_ptr + offs, mask=mask), mask=mask)
 
 
-def put_at_block_end(store: torch.Tensor, pos: torch.Tensor, ratio: int, offset: int, row: torch.Tensor) -> None:
+def put_at_block_end(store: torch.Tensor, pos: torch.Tensor, ratio: int, offset: int, row: torch.Tensor,
+                     ring: int = 0) -> None:
     """``store[pos // ratio + offset] = row[0]`` where ``pos % ratio == ratio - 1`` (the token at ``pos`` completes a
-    block of ``ratio``): store [capacity, ...] contiguous on CUDA, row [1, ...] of its row shape and dtype, pos int
+    block of ``ratio``); ``ring`` > 0: at ``(pos // ratio + offset) % ring`` (ratio 1, offset 0: a window's ring
+    slot ``pos % ring``). store [capacity, ...] contiguous on CUDA, row [1, ...] of its row shape and dtype, pos int
     [1] on its device (read there: the slot is not range-checked, as that would read it on the host)."""
     if not (on_device(store) and store.is_contiguous() and row.shape == (1, *store.shape[1:])
-            and row.dtype == store.dtype and pos.numel() == 1 and pos.device == store.device and ratio >= 1):
+            and row.dtype == store.dtype and pos.numel() == 1 and pos.device == store.device and ratio >= 1
+            and ring >= 0):
         raise ValueError(f"put_at_block_end: expected a contiguous CUDA store, a row [1, ...] of its row shape and "
-                         f"dtype, a one-element position on its device and ratio >= 1, found store "
+                         f"dtype, a one-element position on its device, ratio >= 1 and ring >= 0, found store "
                          f"{tuple(store.shape)} {store.dtype} on {store.device}, row {tuple(row.shape)} {row.dtype}, "
-                         f"pos numel {pos.numel()} on {pos.device}, ratio {ratio}")
+                         f"pos numel {pos.numel()} on {pos.device}, ratio {ratio}, ring {ring}")
     flat = store.view(store.shape[0], -1).view(torch.uint8)
     n = flat.shape[1]
     if n:
         _put_at_block_end_kernel[(triton.cdiv(n, BLOCK),)](flat, pos, row.contiguous().view(1, -1).view(torch.uint8),
-                                                           n, ratio, offset, BLOCK=BLOCK, num_warps=4, **PDL_LAUNCH)
+                                                           n, ratio, offset, ring, BLOCK=BLOCK, num_warps=4,
+                                                           **PDL_LAUNCH)

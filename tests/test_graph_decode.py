@@ -155,7 +155,9 @@ def test_graph_decode_takes_a_wider_topk_injected_after_its_first_steps(tiny, pr
     sized its buffers and ran its first decode steps: it takes effect in graph decode (no switch to eager; on CUDA
     the changed faults re-capture, ``GraphDecodeSession._graph_step``), the steps give the eager session's logits
     under the same schedule bit for bit, and the gather buffer is re-sized as the eager session's is (not replaced
-    by a fresh tensor each step). 50-52 compressed entries are visible: more than index_topk (32), under twice it."""
+    by a fresh tensor each step) where graph decode gathers (packed FP8 rows); from a flat bf16 store its attention
+    reads the rows in place, and the buffer keeps its size. 50-52 compressed entries are visible: more than
+    index_topk (32), under twice it."""
     ids = _ids(KEY_TOTAL)
     schedule = [() if t < 3 else ("index-topk-hardcoded",) for t in range(KEY_TOTAL - KEY_PROMPT)]
     dec = ProductionDecoder(tiny, profile, max_context=KEY_TOTAL, graphs=True)
@@ -174,8 +176,12 @@ def test_graph_decode_takes_a_wider_topk_injected_after_its_first_steps(tiny, pr
     info = dec.info()
     assert isinstance(dec.session, GraphDecodeSession) and dec.pos == KEY_TOTAL
     assert info["decode_graphs"] and info["decode_graphs_off"] is None
-    for g, e in zip(dec.session.layers, sessions["eager"].layers, strict=True):
-        assert g.gather.shape == e.gather.shape  # graph decode reads no slots buffer: decode_slots gives its own
+    rows = [(g.gather.shape[0], e.gather.shape[0]) for g, e in zip(dec.session.layers, sessions["eager"].layers,
+                                                                    strict=True)]
+    if profile == "reference":  # nothing gathered: the rows are read where the store holds them
+        assert all(a <= b for a, b in rows) and any(a < b for a, b in rows)
+    else:  # graph decode reads no slots buffer: decode_slots gives its own
+        assert all(a == b for a, b in rows)
 
 
 @contextmanager

@@ -10,11 +10,11 @@ import json
 import torch
 
 from fidelity.decoders.production import ops
-from fidelity.decoders.production.decode_slots import decode_slots_reference
+from fidelity.decoders.production.decode_slots import decode_idx_reference, decode_slots_reference
 from fidelity.decoders.production.kernels import weight_gemv
 from fidelity.decoders.production.kernels._common import arrival_counts
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
-from fidelity.decoders.production.kernels.decode_slots import decode_slots_cuda, mask_past_cuda
+from fidelity.decoders.production.kernels.decode_slots import decode_idx_cuda, decode_slots_cuda, mask_past_cuda
 from fidelity.decoders.production.kernels.expert import expert_cuda, swiglu, takes_expert
 from fidelity.decoders.production.kernels.indexer_round import indexer_round_cuda
 from fidelity.decoders.production.kernels.moe_sum import moe_sum
@@ -98,7 +98,8 @@ def main() -> dict[str, str]:
 
 
 def _decode_slots_differ(g: torch.Generator) -> str:
-    """Positions around the window filling and the compression boundaries; CSA picks past the causal limit."""
+    """Positions around the window filling and the compression boundaries; CSA picks past the causal limit. The
+    store indices (``decode_idx``) name the rows the gather puts at each local index, -1 where none."""
     bad = []
     for ratio, n_comp in ((0, 0), (4, 37), (128, 5)):
         for t in (0, 1, 5, 126, 127, 128, 129, 130, 255, 256, 511, 640):
@@ -108,6 +109,12 @@ def _decode_slots_differ(g: torch.Generator) -> str:
             got = decode_slots_cuda(pos, picks, 128, ratio, n_comp)
             if not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
                 bad.append(f"ratio {ratio} t {t}")
+            idx = decode_idx_cuda(pos, picks, 128, ratio, n_comp)
+            if not torch.equal(idx, decode_idx_reference(pos, picks, 128, ratio, n_comp)):
+                bad.append(f"idx ratio {ratio} t {t}")
+            rows, local = want  # the store rows the gathered buffer holds at the local indices
+            if not torch.equal(idx.long(), torch.where(local >= 0, rows[None], -1)):
+                bad.append(f"idx against the gather, ratio {ratio} t {t}")
     return ", ".join(bad)
 
 

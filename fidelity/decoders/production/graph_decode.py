@@ -39,7 +39,7 @@ import torch
 from fidelity.decoders.production import faults, kernels, registry
 from fidelity.decoders.production.call_counts import counting
 from fidelity.decoders.production.compressor import compress_decode_on_device
-from fidelity.decoders.production.decode_slots import decode_slots, mask_past
+from fidelity.decoders.production.decode_slots import decode_idx, decode_slots, mask_past
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.model import (
@@ -247,8 +247,9 @@ class GraphDecodeSession(ProductionSession):
         return picks
 
     def attend_decode(self, i, x, qr, q, kv, positions) -> torch.Tensor:
-        """``ProductionSession.attend_decode`` with the attended rows from :func:`decode_slots` (one launch on a
-        GPU); the torch path while a fault that moves those rows is injected."""
+        """``ProductionSession.attend_decode`` with the attended rows from :func:`decode_idx` (a flat bf16 store:
+        the attention reads the store's rows where they are, nothing gathered) or :func:`decode_slots` (one launch
+        on a GPU each); the torch path while a fault that moves those rows is injected."""
         if any(on(f) for f in SLOT_FAULTS):
             return super().attend_decode(i, x, qr, q, kv, positions)
         cfg, cache, ratio = self.cfg, self.layers[i], self.cfg.ratio(i)
@@ -260,12 +261,15 @@ class GraphDecodeSession(ProductionSession):
             self.compress(i, x, positions, index=False)
             picks = self.index_picks(i, x, qr, positions) if ratio == 4 else None
         self.emit("L{i}.attn.visible", i, lambda: self.visible(i, picks, positions))
+        sink, scale = self.model.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
+        if cache.kv.fmt != "fp8" and not cache.kv.block:  # the attention reads the store's rows where they are
+            idx = decode_idx(self.pos_dev, picks, cache.window, ratio, cache.n_compressed)
+            return self.op("sparse_attention")(q, cache.kv.rows, idx, sink, scale, self.profile.fmha)
         rows, local = decode_slots(self.pos_dev, picks, cache.window, ratio, cache.n_compressed)
         if cache.kv.fmt == "fp8" and self.profile.fmha == "bf16":
             return self.attend_packed(i, q, torch.where(local >= 0, rows, -1))
         _, buf = cache.decode_buffers(rows.shape[0])
         cache.kv.read_into(rows, buf)
-        sink, scale = self.model.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
         return self.op("sparse_attention")(q, buf, local, sink, scale, self.profile.fmha)
 
     def visible(self, i: int, picks: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """``decode_slots`` in one launch: the window ring's slots and the visible compressed entries of a graph decode
-step, written as gather rows and local attention indices; ``mask_past``: the indexer scores past the causal limit
+step, written as gather rows and local attention indices, or as the attention's indices into the store
+(``decode_idx_cuda``); ``mask_past``: the indexer scores past the causal limit
 set to -inf in place (``fidelity/decoders/production/decode_slots.py``)."""
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ BLOCK = 1024  # slots per program
 
 @triton.jit(do_not_specialize=["window", "n_comp", "ratio"])
 def _decode_slots_kernel(pos_ptr, picks_ptr, rows_ptr, local_ptr, window, n_comp, ratio, BLOCK: tl.constexpr,
-                         PICKS: tl.constexpr):
+                         PICKS: tl.constexpr, DIRECT: tl.constexpr):
     """Slot s < window: the ring slot (oldest first) or -1; slot window + c: entry c (PICKS: picks[c]) if visible,
-    as a store row (+ window), else -1. rows = max(slot, 0); local = s where slot >= 0, else -1."""
+    as a store row (+ window), else -1. rows = max(slot, 0); local = s where slot >= 0, else -1. DIRECT: local
+    (int32) = the slot itself, rows not written."""
     wait_for_previous_kernel()
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     pos = tl.load(pos_ptr)
@@ -34,22 +36,38 @@ def _decode_slots_kernel(pos_ptr, picks_ptr, rows_ptr, local_ptr, window, n_comp
     comp_slot = tl.where((entry >= limit) | (entry < 0), -1, entry + window)
     slot = tl.where(in_window, win_slot, comp_slot)
     ok = s < window + n_comp
-    tl.store(rows_ptr + s, tl.maximum(slot, 0), mask=ok)
-    tl.store(local_ptr + s, tl.where(slot >= 0, s.to(tl.int64), -1), mask=ok)
+    if DIRECT:
+        tl.store(local_ptr + s, slot.to(tl.int32), mask=ok)
+    else:
+        tl.store(rows_ptr + s, tl.maximum(slot, 0), mask=ok)
+        tl.store(local_ptr + s, tl.where(slot >= 0, s.to(tl.int64), -1), mask=ok)
 
 
 def decode_slots_cuda(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
                       n_compressed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Same signature and integers as ``decode_slots_reference`` (pos int64 [1] on the GPU)."""
     n_comp = (picks.shape[-1] if ratio == 4 else n_compressed) if ratio else 0
-    total = window + n_comp
-    rows = torch.empty(total, dtype=torch.int64, device=pos.device)
-    local = torch.empty((1, total), dtype=torch.int64, device=pos.device)
-    picks_arg = picks.contiguous() if ratio == 4 else rows
-    block = min(BLOCK, next_pow2(total))
-    _decode_slots_kernel[(triton.cdiv(total, block),)](pos, picks_arg, rows, local, window, n_comp, max(ratio, 1),
-                                                       BLOCK=block, PICKS=ratio == 4, num_warps=4, **PDL_LAUNCH)
+    rows = torch.empty(window + n_comp, dtype=torch.int64, device=pos.device)
+    local = torch.empty((1, window + n_comp), dtype=torch.int64, device=pos.device)
+    _launch(pos, picks, rows, local, window, n_comp, ratio, direct=False)
     return rows, local
+
+
+def decode_idx_cuda(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
+                    n_compressed: int) -> torch.Tensor:
+    """Same signature and integers as ``decode_idx_reference`` (pos int64 [1] on the GPU): int32 [1, w + c]."""
+    n_comp = (picks.shape[-1] if ratio == 4 else n_compressed) if ratio else 0
+    idx = torch.empty((1, window + n_comp), dtype=torch.int32, device=pos.device)
+    _launch(pos, picks, idx, idx, window, n_comp, ratio, direct=True)
+    return idx
+
+
+def _launch(pos, picks, rows, local, window: int, n_comp: int, ratio: int, direct: bool) -> None:
+    total = window + n_comp
+    block = min(BLOCK, next_pow2(total))
+    _decode_slots_kernel[(triton.cdiv(total, block),)](pos, picks.contiguous() if ratio == 4 else rows, rows, local,
+                                                       window, n_comp, max(ratio, 1), BLOCK=block, PICKS=ratio == 4,
+                                                       DIRECT=direct, num_warps=4, **PDL_LAUNCH)
 
 
 @triton.jit

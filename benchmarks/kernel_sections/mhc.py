@@ -45,8 +45,8 @@ def bench_mhc(quick: bool):
             cfgs += [{"precision": "bf16x3", "bt": bt, "splits": sp, "num_warps": nw}
                      for bt, sp, nw in ((16, 1, 4), (64, 2, 4), (64, 4, 4), (64, 2, 8), (64, 3, 8), (64, 4, 8),
                                         (64, None, 8))]
-        elif n <= 16:  # one tile: the split launch and its finish as one launch or two
-            cfgs = [{"one_launch": True}, {"one_launch": False}]
+        elif n <= 16:  # one token tile: the default launches (split-K, then the finish)
+            cfgs = [{}]
         else:
             cfgs = [{"precision": "tf32x3", "splits": 1}, {"precision": "tf32x3", "splits": None},
                     {"precision": "tf32x3", "splits": 8}, {"precision": "ieee", "splits": None},

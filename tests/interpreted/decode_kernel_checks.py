@@ -12,7 +12,6 @@ import torch
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.decode_slots import decode_idx_reference, decode_slots_reference
 from fidelity.decoders.production.kernels import weight_gemv
-from fidelity.decoders.production.kernels._common import arrival_counts
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
 from fidelity.decoders.production.kernels.decode_slots import decode_idx_cuda, decode_slots_cuda, mask_past_cuda
 from fidelity.decoders.production.kernels.expert import expert_cuda, swiglu, takes_expert
@@ -131,7 +130,7 @@ def _k_slices_differ(g: torch.Generator) -> str:
     for i in range(1, 4):
         want = want + weight_gemv.bf16_weight_linear_f32(x[:, i * q:(i + 1) * q], w[:, i * q:(i + 1) * q], splits=1,
                                                         bk=128)
-    counts = arrival_counts(x.device, 1)
+    counts = weight_gemv._split_counts(x.device, 1)
     bad = [] if torch.equal(got, want) else ["sum of the slices"]
     if counts.any():
         bad.append(f"counts left at {counts.nonzero().flatten().tolist()}")

@@ -4,8 +4,7 @@ under Triton's CPU interpreter; run as ``TRITON_INTERPRET=1 python -m tests.inte
 run) is stood in for by torch: each split's fp32 mixes and sum of squares, written where the kernel writes them, so
 ``hc_pre_cuda`` / ``hc_head_cuda`` run their finish launches on real partials, at the token counts of decode (a tile
 of their own size, many splits summed a group at a time) and of prefill (the mix kernels' tile, split order).
-Decode's one-launch path (the mixes, the count and the finish in one kernel) runs interpreted whole, its mixes in
-fp32 FMA. Prints one JSON object: {check name: error text, empty when the check passed}."""
+Prints one JSON object: {check name: error text, empty when the check passed}."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from tests.interpreted import contract_error, index_through_item
 index_through_item()
 
 from fidelity.decoders.production.kernels import mhc  # noqa: E402
-from fidelity.decoders.production.kernels._common import arrival_counts  # noqa: E402
 
 
 class TorchPartials:
@@ -37,14 +35,8 @@ class TorchPartials:
 
 
 def split_hc_pre(*args):
-    """``hc_pre_cuda`` over 16-column slices (a split launch and its finish launch at every width the cases draw)."""
-    return mhc.hc_pre_cuda(*args, bk=16, one_launch=False)
-
-
-def one_launch_hc_pre(*args):
-    """``hc_pre_cuda`` over 16-column slices finished by the split launch's last program (where the tokens fit one
-    tile), the mixes in fp32 FMA (the interpreter runs those dots)."""
-    return mhc.hc_pre_cuda(*args, bk=16, precision="ieee", one_launch=True)
+    """``hc_pre_cuda`` over 16-column slices (a split launch and its finish at every width the cases draw)."""
+    return mhc.hc_pre_cuda(*args, bk=16)
 
 
 def split_hc_head(*args):
@@ -61,38 +53,17 @@ def _groups_differ(g: torch.Generator) -> str:
     x = torch.randn(3, 4, 256, generator=g).to(torch.bfloat16)
     fn = torch.randn(24, 1024, generator=g) * 0.05
     scale, base = torch.rand(3, generator=g), torch.randn(24, generator=g) * 0.1
-    decode = mhc.hc_pre_cuda(x, fn, scale, base, 1e-6, 20, 1e-6, precision="ieee", splits=64, one_launch=False)
+    decode = mhc.hc_pre_cuda(x, fn, scale, base, 1e-6, 20, 1e-6, precision="ieee", splits=64)
     prefill = mhc.hc_pre_cuda(x, fn, scale, base, 1e-6, 20, 1e-6, precision="ieee", splits=64, bt=2)
     bad = [name for name, a, b in zip(("y", "pre", "post", "comb"), decode, prefill, strict=True)
            if not torch.allclose(a.float(), b.float(), rtol=2e-6 if a.dtype == torch.float32 else 2**-7, atol=1e-6)]
     return ", ".join(bad)
 
 
-def _one_launch_differs(g: torch.Generator) -> str:
-    """Decode's one launch against the split launch and its finish launch on the same inputs (both interpreted,
-    fp32 FMA mixes): the same bits for 1, 3 and 4 tokens (the same partials, summed in the same groups), and the
-    arrival count back at zero after each (a CUDA-graph replay finds it as the capture did)."""
-    bad = []
-    for n in (1, 3, 4):
-        x = torch.randn(n, 4, 256, generator=g).to(torch.bfloat16)
-        fn = torch.randn(24, 1024, generator=g) * 0.05
-        scale, base = torch.rand(3, generator=g), torch.randn(24, generator=g) * 0.1
-        args = (x, fn, scale, base, 1e-6, 20, 1e-6)
-        one = mhc.hc_pre_cuda(*args, precision="ieee", bk=16, one_launch=True)
-        two = mhc.hc_pre_cuda(*args, precision="ieee", bk=16, one_launch=False)
-        bad += [f"{name} ({n} tokens)" for name, a, b in zip(("y", "pre", "post", "comb"), one, two, strict=True)
-                if not torch.equal(a, b)]
-        if arrival_counts(x.device, 1).any():
-            bad.append(f"count left at {arrival_counts(x.device, 1)[0].item()} ({n} tokens)")
-    return ", ".join(bad)
-
-
 def main() -> dict[str, str]:
-    g = torch.Generator().manual_seed(0)
-    checks = {"hc_pre_one_launch_contract": _contract("hc_pre", one_launch_hc_pre),
-              "one_launch_equals_two_launches": _one_launch_differs(g)}
     mhc._hc_mix_partial_kernel = TorchPartials()
-    return {**checks, "hc_pre_split_finish_contract": _contract("hc_pre", split_hc_pre),
+    g = torch.Generator().manual_seed(0)
+    return {"hc_pre_split_finish_contract": _contract("hc_pre", split_hc_pre),
             "hc_head_split_finish_contract": _contract("hc_head", split_hc_head),
             "decode_and_prefill_finish_agree": _groups_differ(g)}
 

@@ -228,28 +228,3 @@ if triton is not None:
             return tl.fma(b * -1.0, s, a * c), tl.fma(b, c, a * s)
         else:
             return a * c - b * s, a * s + b * c
-
-    _FENCE = tl.constexpr(not INTERPRET)
-
-    @triton.jit
-    def gpu_fence():
-        """``fence.acq_rel.gpu`` in every thread (this thread's writes before it are visible device-wide to a thread
-        that acquires after observing a later write of this CTA); nothing under the interpreter (one program at a
-        time)."""
-        if _FENCE:
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                      pack=1)
-
-
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counts(device: torch.device, programs: int) -> torch.Tensor:
-    """The arrival counts of the kernels whose last-arriving program finishes the work of all (the k-sliced GEMVs,
-    one count per row block; the decode ``hc_pre``, one) on ``device``: int32 zeros, allocated once (and grown
-    outside a CUDA-graph capture); each launch leaves the counts it used at zero. Launches on one stream only (two
-    such kernels running at once on one device would share them)."""
-    counts = _COUNTS.get(device)
-    if counts is None or counts.numel() < programs:
-        counts = _COUNTS[device] = torch.zeros(max(programs, 4096), dtype=torch.int32, device=device)
-    return counts

@@ -20,14 +20,10 @@ import triton.language as tl
 from fidelity.decoders.production.kernels._common import (
     PDL_LAUNCH,
     UNSUPPORTED,
-    arrival_counts,
-    gpu_fence,
     next_pow2,
     on_device,
     wait_for_previous_kernel,
 )
-
-ONE_LAUNCH_TOKENS = 4  # hc_pre_cuda's default: decode calls of up to this many tokens finish in the split launch
 
 
 @triton.jit
@@ -45,8 +41,8 @@ def _split_collapse(m_pre, m_post, m_comb, toks, tmask, x_ptr, scale_ptr, base_p
     post = 2.0 * tl.sigmoid(m_post * s1 + tl.load(base_ptr + 4 + r4)[None, :])
     c = tl.reshape(m_comb * s2 + tl.load(base_ptr + 8 + r16)[None, :], [BT, 4, 4])
     c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
-    # each normalisation multiplies by the correctly rounded reciprocals of the 4 sums (4 divisions, not 16: at
-    # decode every thread runs all 20 rounds of a token's 4 x 4, and the divisions were most of its time)
+    # each normalisation multiplies by the correctly rounded reciprocals of the 4 sums: 4 divisions a round, not
+    # 16 (at decode each thread runs all 20 rounds of a token's 4 x 4 on its own; the divisions were most of it)
     c = c * tl.math.div_rn(1.0, tl.sum(c, axis=2))[:, :, None] + hc_eps
     c = c * tl.math.div_rn(1.0, tl.sum(c, axis=1) + hc_eps)[:, None, :]
     for _ in range(iters - 1):
@@ -129,26 +125,21 @@ def _hc_pre_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
                     comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD, 0, dim, True)
 
 
-@triton.jit
-def _store_partial(x_ptr, fn_ptr, ws_ptr, toks, tmask, s, n, dim, k_per_split, stride_xn, BT: tl.constexpr,
-                   BK: tl.constexpr, PREC: tl.constexpr, MIXES: tl.constexpr):
-    """The partial mixes (fn's MIXES rows) and sum of squares of k slice s of tokens toks -> ws[s, toks, :33]."""
-    mix, ssq = _mix_chunk(x_ptr, fn_ptr, toks, tmask, s * k_per_split, k_per_split, 4 * dim, stride_xn, BT, BK, PREC,
-                          MIXES)
-    row = (s * n + toks) * 33
-    tl.store(ws_ptr + row[:, None] + tl.arange(0, 32)[None, :], mix, mask=tmask[:, None])
-    tl.store(ws_ptr + row + 32, ssq, mask=tmask)
-
-
 @triton.jit(do_not_specialize=["n"])
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, ws_ptr, n, dim, k_per_split, stride_xn,
                            BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, MIXES: tl.constexpr):
     """Split-K (few tokens): program (tile, s) writes partial mixes (fn's MIXES rows) + sum of squares to ws
     [S, n, 33]."""
     wait_for_previous_kernel()
-    toks = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
-    _store_partial(x_ptr, fn_ptr, ws_ptr, toks, toks < n, tl.program_id(1), n, dim, k_per_split, stride_xn, BT, BK,
-                   PREC, MIXES)
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    toks = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
+    tmask = toks < n
+    mix, ssq = _mix_chunk(x_ptr, fn_ptr, toks, tmask, pid_s * k_per_split, k_per_split, 4 * dim, stride_xn, BT, BK,
+                          PREC, MIXES)
+    row = (pid_s * n + toks) * 33
+    tl.store(ws_ptr + row[:, None] + tl.arange(0, 32)[None, :], mix, mask=tmask[:, None])
+    tl.store(ws_ptr + row + 32, ssq, mask=tmask)
 
 
 @triton.jit
@@ -158,16 +149,22 @@ def _split_sums(ws_ptr, toks, tmask, s0, n, n_splits, lo: tl.constexpr, WIDTH: t
     s = s0 + tl.arange(0, SB)
     row = (s[None, :] * n + toks[:, None]) * 33  # [BT, SB]
     ok = tmask[:, None] & (s < n_splits)[None, :]
-    part = tl.load(ws_ptr + row[:, :, None] + lo + tl.arange(0, WIDTH)[None, None, :], mask=ok[:, :, None],
-                   other=0.0, cache_modifier=".cg")  # from L2: other programs of a launch may have written them
+    part = tl.load(ws_ptr + row[:, :, None] + lo + tl.arange(0, WIDTH)[None, None, :], mask=ok[:, :, None], other=0.0)
     return tl.sum(part, axis=1)
 
 
-@triton.jit
-def _summed_mixes(ws_ptr, toks, tmask, n, n_splits, dim, norm_eps, BT: tl.constexpr, SB: tl.constexpr):
-    """The split-K partials ws [S, n, 33] of tokens toks summed in a fixed order (deterministic: SB splits a load,
-    summed as a fixed tree, the groups in order; SB = 1 is the plain split order) and scaled by the RMS factor ->
-    the mixes (pre [BT, 4], post [BT, 4], comb [BT, 16])."""
+@triton.jit(do_not_specialize=["n", "iters", "n_splits"])
+def _hc_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr,
+                      n, dim, n_splits, norm_eps, hc_eps, iters, stride_xn, d_per_prog,
+                      BT: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr):
+    """Sums the split-K partials in a fixed order (deterministic: SB splits a load, summed as a fixed tree, the
+    groups in order; SB = 1 is the plain split order), then split + collapse; program (tile, j) collapses dims
+    j*d_per_prog .. (j+1)*d_per_prog-1 (j == 0 runs the Sinkhorn and stores the split)."""
+    wait_for_previous_kernel()
+    pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    toks = (pid * BT + tl.arange(0, BT)).to(tl.int64)
+    tmask = toks < n
     m_pre = tl.zeros([BT, 4], tl.float32)
     m_post = tl.zeros([BT, 4], tl.float32)
     m_comb = tl.zeros([BT, 16], tl.float32)
@@ -179,54 +176,14 @@ def _summed_mixes(ws_ptr, toks, tmask, n, n_splits, dim, norm_eps, BT: tl.conste
         ssq += _split_sums(ws_ptr, toks, tmask, s0, n, n_splits, 32, 1, SB)
     ssq = tl.sum(ssq, axis=1)
     rs = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ssq, (4 * dim).to(tl.float32)) + norm_eps))
-    return m_pre * rs[:, None], m_post * rs[:, None], m_comb * rs[:, None]
-
-
-@triton.jit(do_not_specialize=["n", "iters", "n_splits"])
-def _hc_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr,
-                      n, dim, n_splits, norm_eps, hc_eps, iters, stride_xn, d_per_prog,
-                      BT: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr):
-    """Sums the split-K partials (``_summed_mixes``), then split + collapse; program (tile, j) collapses dims
-    j*d_per_prog .. (j+1)*d_per_prog-1 (j == 0 runs the Sinkhorn and stores the split)."""
-    wait_for_previous_kernel()
-    pid = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    toks = (pid * BT + tl.arange(0, BT)).to(tl.int64)
-    tmask = toks < n
-    m_pre, m_post, m_comb = _summed_mixes(ws_ptr, toks, tmask, n, n_splits, dim, norm_eps, BT, SB)
     if pid_d == 0:
-        _split_collapse(m_pre, m_post, m_comb, toks, tmask, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
-                        comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD, 0, d_per_prog, True)
+        _split_collapse(m_pre * rs[:, None], m_post * rs[:, None], m_comb * rs[:, None], toks, tmask, x_ptr,
+                        scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD,
+                        0, d_per_prog, True)
     else:
-        _split_collapse(m_pre, m_post, m_comb, toks, tmask, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
-                        comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD, pid_d * d_per_prog, (pid_d + 1) * d_per_prog,
-                        False)
-
-
-@triton.jit(do_not_specialize=["n", "iters"])
-def _hc_pre_decode_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, ws_ptr, count_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr,
-                          n, dim, k_per_split, norm_eps, hc_eps, iters, stride_xn,
-                          BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FT: tl.constexpr,
-                          BD: tl.constexpr, SB: tl.constexpr):
-    """Decode in one launch (n <= BT tokens, one tile): program s stores the partials of k slice s (as
-    ``_hc_mix_partial_kernel``) and counts itself in count[0] (zero on entry); the program that counts last sums
-    them (``_summed_mixes`` over FT = n rounded up to a power of two tokens), runs the split and the collapse of all
-    dims, and sets the count back to zero. The same sums as the two-launch finish with the same FT and SB: the same
-    bits, whichever program arrives last."""
-    wait_for_previous_kernel()
-    toks = tl.arange(0, BT).to(tl.int64)
-    _store_partial(x_ptr, fn_ptr, ws_ptr, toks, toks < n, tl.program_id(0), n, dim, k_per_split, stride_xn, BT, BK,
-                   PREC, 24)
-    gpu_fence()
-    tl.debug_barrier()
-    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        gpu_fence()
-        ftoks = tl.arange(0, FT).to(tl.int64)
-        fmask = ftoks < n
-        m_pre, m_post, m_comb = _summed_mixes(ws_ptr, ftoks, fmask, n, tl.num_programs(0), dim, norm_eps, FT, SB)
-        _split_collapse(m_pre, m_post, m_comb, ftoks, fmask, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr,
-                        comb_ptr, dim, hc_eps, iters, stride_xn, FT, BD, 0, dim, True)
-        tl.store(count_ptr, 0)
+        _split_collapse(m_pre * rs[:, None], m_post * rs[:, None], m_comb * rs[:, None], toks, tmask, x_ptr,
+                        scale_ptr, base_ptr, y_ptr, pre_ptr, post_ptr, comb_ptr, dim, hc_eps, iters, stride_xn, BT, BD,
+                        pid_d * d_per_prog, (pid_d + 1) * d_per_prog, False)
 
 
 def takes_hc_pre(x, fn, scale, base, norm_eps, iters, hc_eps) -> str | None:
@@ -239,7 +196,7 @@ def takes_hc_pre(x, fn, scale, base, norm_eps, iters, hc_eps) -> str | None:
 
 def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int | None = None, bk: int = 128,
                 bd: int | None = None, num_warps: int | None = None, precision: str | None = None,
-                splits: int | None = None, one_launch: bool | None = None):
+                splits: int | None = None):
     """Same signature and outputs as ``ops.hc_pre``; x [n, 4, dim] (bf16 or fp32 streams) on CUDA.
 
     ``precision``: the mixes GEMM as ``"bf16x3"`` (the default for bf16 streams: bf16 tensor-core MMAs of the
@@ -250,10 +207,7 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int | None =
     from 1024 tokens (2.7x faster than tf32x3 at 4096 tokens on the H200: BENCHMARKS.md), else 16 and 4.
     ``splits``: split-K programs per token tile (default: about 256 programs in all for the 64-token tiles; else
     1 = the fused single launch when the tiles fill the GPU, or enough splits for ~2 programs per SM); a split
-    launch is followed by one that sums the partials in a fixed order and finishes (deterministic either way).
-    ``one_launch`` (default: up to ``ONE_LAUNCH_TOKENS`` tokens, as at decode; at most one tile): a split launch's
-    last program to finish its slice does that finish itself (``_hc_pre_decode_kernel``: one launch, the same
-    bits; one program collapses every token's streams)."""
+    launch is followed by one that sums the partials in a fixed order and finishes (deterministic either way)."""
     n, _, dim = x.shape
     precision = precision or ("bf16x3" if x.dtype == torch.bfloat16 else "tf32x3")
     if precision == "bf16x3" and x.dtype != torch.bfloat16:
@@ -285,15 +239,6 @@ def hc_pre_cuda(x, fn, scale, base, norm_eps, iters, hc_eps, *, bt: int | None =
             BT=bt, BK=bk, BD=bd, PREC=precision, num_warps=num_warps, **PDL_LAUNCH)
         return y, pre, post, comb
     ws = torch.empty((splits, n, 33), dtype=torch.float32, device=dev)
-    one_launch = (n <= ONE_LAUNCH_TOKENS if one_launch is None else one_launch) and n <= bt
-    if one_launch:
-        ft, _, sb = _finish_tiles(n, bt, bd, splits, 16)
-        bd = max(32, 2048 // ft)  # one program collapses all dims: [ft, 4, bd] a step
-        _hc_pre_decode_kernel[(splits,)](
-            x, fn, scale, base, ws, arrival_counts(dev, 1), y, pre, post, comb, n, dim, per, float(norm_eps),
-            float(hc_eps), int(iters), x.stride(0), BT=bt, BK=bk, PREC=precision, FT=ft, BD=bd, SB=sb,
-            num_warps=num_warps, **PDL_LAUNCH)
-        return y, pre, post, comb
     _hc_mix_partial_kernel[(tiles, splits)](x, fn, ws, n, dim, per, x.stride(0), BT=bt, BK=bk, PREC=precision,
                                             MIXES=24, num_warps=num_warps, **PDL_LAUNCH)
     bt, bd, sb = _finish_tiles(n, bt, bd, splits, 16)

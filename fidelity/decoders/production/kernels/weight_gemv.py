@@ -29,12 +29,10 @@ from fidelity.decoders.production.kernels._common import (
     INTERPRET,
     PDL_LAUNCH,
     UNSUPPORTED,
-    arrival_counts,
     bf16_rne,
     check_fp4_picked_linear,
     e4m3_blocks,
     e8m0_scale,
-    gpu_fence,
     next_pow2,
     on_device,
     wait_for_previous_kernel,
@@ -42,6 +40,7 @@ from fidelity.decoders.production.kernels._common import (
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
 
 FP8_BLOCK = 128
+_FENCE = tl.constexpr(not INTERPRET)
 _ASM = tl.constexpr(not INTERPRET)  # inline PTX (the interpreter cannot run it)
 
 
@@ -54,6 +53,15 @@ def _activation(x_ptr, N: tl.constexpr, QUANT: tl.constexpr):
         codes, _, s = e4m3_blocks(tl.reshape(x, [N // 128, 128]))
         x = tl.reshape(codes.to(tl.float32) * s[:, None], [N])
     return x
+
+
+@triton.jit
+def _gpu_fence():
+    """``fence.acq_rel.gpu`` in every thread (this thread's writes before it are visible device-wide to a thread
+    that acquires after observing a later write of this CTA); nothing under the interpreter (one program at a time)."""
+    if _FENCE:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
 
 @triton.jit
@@ -100,10 +108,10 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr, n, k_split: 
         else:
             tl.store(part_ptr + (tl.program_id(1) * M + m) * n + rows, y, mask=ok)
     if SPLITS > 1:
-        gpu_fence()
+        _gpu_fence()
         tl.debug_barrier()
         if tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            gpu_fence()
+            _gpu_fence()
             for m in tl.static_range(M):
                 y = tl.load(part_ptr + m * n + rows, mask=ok, other=0.0, cache_modifier=".cg")
                 for i in tl.static_range(1, SPLITS):
@@ -148,6 +156,19 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counts(device: torch.device, programs: int) -> torch.Tensor:
+    """The per-row-block arrival counts of the k-sliced GEMVs on ``device``: int32 zeros, allocated once (and grown
+    outside a CUDA-graph capture); each launch leaves the counts it used at zero. Launches on one stream only (two
+    GEMVs running at once on one device would share them)."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < programs:
+        counts = _COUNTS[device] = torch.zeros(max(programs, 4096), dtype=torch.int32, device=device)
+    return counts
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x with unit column stride, as the kernels index it (row stride as given: 0 for one row repeated)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -182,7 +203,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, *, quantize:
         raise ValueError(f"weight GEMV: a group's {n // groups} rows must be a multiple of the row block {bn}")
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     partials = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
-    counts = arrival_counts(x.device, programs) if splits > 1 else y
+    counts = _split_counts(x.device, programs) if splits > 1 else y
     _gemv_kernel[(programs, splits)](x, w, w if s is None else s, y, partials, counts, n, k // splits, x.stride(0),
                                      w.stride(0), 0 if s is None else s.stride(0), n // groups,
                                      k if groups > 1 else 0, M=m, MP=next_pow2(m), BN=bn, BK=bk, SPLITS=splits,

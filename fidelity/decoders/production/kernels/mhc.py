@@ -41,13 +41,11 @@ def _split_collapse(m_pre, m_post, m_comb, toks, tmask, x_ptr, scale_ptr, base_p
     post = 2.0 * tl.sigmoid(m_post * s1 + tl.load(base_ptr + 4 + r4)[None, :])
     c = tl.reshape(m_comb * s2 + tl.load(base_ptr + 8 + r16)[None, :], [BT, 4, 4])
     c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
-    # each normalisation multiplies by the correctly rounded reciprocals of the 4 sums: 4 divisions a round, not
-    # 16 (at decode each thread runs all 20 rounds of a token's 4 x 4 on its own; the divisions were most of it)
-    c = c * tl.math.div_rn(1.0, tl.sum(c, axis=2))[:, :, None] + hc_eps
-    c = c * tl.math.div_rn(1.0, tl.sum(c, axis=1) + hc_eps)[:, None, :]
+    c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
+    c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
     for _ in range(iters - 1):
-        c = c * tl.math.div_rn(1.0, tl.sum(c, axis=2) + hc_eps)[:, :, None]
-        c = c * tl.math.div_rn(1.0, tl.sum(c, axis=1) + hc_eps)[:, None, :]
+        c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+        c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
     if STORE_SPLIT:
         tl.store(pre_ptr + toks[:, None] * 4 + r4[None, :], pre, mask=tmask[:, None])
         tl.store(post_ptr + toks[:, None] * 4 + r4[None, :], post, mask=tmask[:, None])
@@ -159,7 +157,7 @@ def _hc_finish_kernel(ws_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, pre_ptr, post_p
                       BT: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr):
     """Sums the split-K partials in a fixed order (deterministic: SB splits a load, summed as a fixed tree, the
     groups in order; SB = 1 is the plain split order), then split + collapse; program (tile, j) collapses dims
-    j*d_per_prog .. (j+1)*d_per_prog-1 (j == 0 runs the Sinkhorn and stores the split)."""
+    j*d_per_prog .. (j+1)*d_per_prog-1 (every program redoes the 4x4 Sinkhorn, j == 0 stores it)."""
     wait_for_previous_kernel()
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)

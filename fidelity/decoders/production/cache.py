@@ -83,32 +83,22 @@ class _RowStore:
         for store, new in self._parts(rows):
             store[at] = new
 
-    def write_at_ring(self, pos: torch.Tensor, ring: int, rows: torch.Tensor) -> None:
-        """``write(pos % ring, rows)`` with the slot computed on the device from the token's position ``pos``
-        (int64 [1], on the store's device): graph decode's window row. One row of a flat store on a GPU is one
-        launch per storage tensor (``kernels.take.put_at_block_end`` with a ring); else torch's remainder and
-        indexed write."""
-        if self.block or not (pos.is_cuda and kernels.available() and rows.shape[0] == 1 and pos.numel() == 1):
-            self.write(pos % ring, rows)
-            return
-        from fidelity.decoders.production.kernels.take import put_at_block_end
-
-        for store, new in self._parts(rows):
-            put_at_block_end(store, pos.reshape(1), 1, 0, new, ring=ring)
-
-    def write_at_block_end(self, pos: torch.Tensor, ratio: int, offset: int, rows: torch.Tensor) -> None:
+    def write_at_block_end(self, pos: torch.Tensor, ratio: int, offset: int, rows: torch.Tensor,
+                           ring: int = 0) -> None:
         """``write(pos // ratio + offset, rows)`` where the token at ``pos`` (int64 [1], on the store's device)
         completes a block (``pos % ratio == ratio - 1``), else the rows are left as they are: a write decided on
-        the device, with no host sync (graph decode's compressed entries); one row of a flat store on a GPU is one
-        launch per storage tensor (``kernels.take.put_at_block_end``); a paged store translates the slot on the
-        device and takes torch's path."""
+        the device, with no host sync (graph decode's compressed entries); ``ring`` > 0: at that slot modulo
+        ``ring`` (ratio 1, offset 0: the window row of the token, slot ``pos % ring``). One row of a flat store on a
+        GPU is one launch per storage tensor (``kernels.take.put_at_block_end``); a paged store translates the slot
+        on the device and takes torch's path."""
         for store, new in self._parts(rows):
             if store.is_cuda and kernels.available() and new.shape[0] == 1 and pos.numel() == 1 and not self.block:
                 from fidelity.decoders.production.kernels.take import put_at_block_end
 
-                put_at_block_end(store, pos.reshape(1), ratio, offset, new)
+                put_at_block_end(store, pos.reshape(1), ratio, offset, new, ring=ring)
                 continue
-            cond, slots = pos % ratio == ratio - 1, self.physical(pos // ratio + offset)
+            slot = pos // ratio + offset
+            cond, slots = pos % ratio == ratio - 1, self.physical(slot % ring if ring else slot)
             if store.dtype.itemsize == 1 and store.dtype != torch.uint8:  # torch.where has no float8 kernels
                 store, new = store.view(torch.uint8), new.view(torch.uint8)
             store[slots] = torch.where(cond.view(-1, *([1] * (new.dim() - 1))), new, store[slots])

@@ -253,7 +253,7 @@ class GraphDecodeSession(ProductionSession):
         if any(on(f) for f in SLOT_FAULTS):
             return super().attend_decode(i, x, qr, q, kv, positions)
         cfg, cache, ratio = self.cfg, self.layers[i], self.cfg.ratio(i)
-        cache.kv.write_at_ring(self.pos_dev, cache.window, kv)  # slot pos % window, computed by the write
+        cache.kv.write_at_block_end(self.pos_dev, 1, 0, kv, ring=cache.window)  # slot pos % window, on the device
         if cache.kv.fmt == "fp8":
             self.emit_kv_cache(i, kv, self.window_slot(cache.window))
         picks = None

@@ -46,28 +46,28 @@ def _decode_slots_kernel(pos_ptr, picks_ptr, rows_ptr, local_ptr, window, n_comp
 def decode_slots_cuda(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
                       n_compressed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Same signature and integers as ``decode_slots_reference`` (pos int64 [1] on the GPU)."""
-    n_comp = (picks.shape[-1] if ratio == 4 else n_compressed) if ratio else 0
-    rows = torch.empty(window + n_comp, dtype=torch.int64, device=pos.device)
-    local = torch.empty((1, window + n_comp), dtype=torch.int64, device=pos.device)
-    _launch(pos, picks, rows, local, window, n_comp, ratio, direct=False)
-    return rows, local
+    return _launch(pos, picks, window, ratio, n_compressed, direct=False)
 
 
 def decode_idx_cuda(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
                     n_compressed: int) -> torch.Tensor:
     """Same signature and integers as ``decode_idx_reference`` (pos int64 [1] on the GPU): int32 [1, w + c]."""
+    return _launch(pos, picks, window, ratio, n_compressed, direct=True)[1]
+
+
+def _launch(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int, n_compressed: int,
+            direct: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gather rows int64 [w + c], local indices int64 [1, w + c]); ``direct``: (the same int32 [1, w + c] twice,
+    the store indices)."""
     n_comp = (picks.shape[-1] if ratio == 4 else n_compressed) if ratio else 0
-    idx = torch.empty((1, window + n_comp), dtype=torch.int32, device=pos.device)
-    _launch(pos, picks, idx, idx, window, n_comp, ratio, direct=True)
-    return idx
-
-
-def _launch(pos, picks, rows, local, window: int, n_comp: int, ratio: int, direct: bool) -> None:
     total = window + n_comp
+    local = torch.empty((1, total), dtype=torch.int32 if direct else torch.int64, device=pos.device)
+    rows = local if direct else torch.empty(total, dtype=torch.int64, device=pos.device)
     block = min(BLOCK, next_pow2(total))
     _decode_slots_kernel[(triton.cdiv(total, block),)](pos, picks.contiguous() if ratio == 4 else rows, rows, local,
                                                        window, n_comp, max(ratio, 1), BLOCK=block, PICKS=ratio == 4,
                                                        DIRECT=direct, num_warps=4, **PDL_LAUNCH)
+    return rows, local
 
 
 @triton.jit

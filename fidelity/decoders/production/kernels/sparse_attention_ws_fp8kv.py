@@ -315,9 +315,9 @@ def _one_consumer_fp8_kernel(q_ptr, kv_ptr, kvi_ptr, kvw_ptr, idx_ptr, sink_ptr,
         (_one_consumer, (q_ptr, stride_qn, stride_qh, idx_row_ptr, sink_ptr, o_ptr, stride_on, stride_oh, pid_n, h0,
                          topk, n_blocks, scale, kv_smem, q_smem, p_smem, red, ready, empty, D, BH, BN, NS, PARTS)),
         (_dequant_producer, (kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, BN, NS,
-                             0, 1, PF, PW, 1, PARTS)),
+                             0, 1, PF, PW, False, PARTS)),
         (_dequant_producer, (kv_ptr, kvi_ptr, kvw_ptr, idx_row_ptr, topk, n_blocks, kv_smem, ready, empty, BN, NS,
-                             1, 1, PF, PW, 1, PARTS)),
+                             1, 1, PF, PW, False, PARTS)),
     ], [PW, PW], [PREGS, PREGS])
 
 

@@ -15,8 +15,9 @@ each rotating over >= 3 input sets whose bytes exceed the 60 MB L2 several times
 in a CUDA graph when possible (replay time / calls = device time per call, no Python launch gaps); the eager
 per-call time (Python launch included) is reported beside it. The ceilings are measured in the same run (a
 device-to-device copy, bytes read + written; an 8192^3 bf16 matmul) and each result is given as the fraction
-of its floor (``max(bytes / bandwidth, flops / rate)``) for both the vendor peaks (4.8 TB/s, 989 TFLOP/s bf16,
-67 TFLOP/s fp32) and the measured ceilings. FLOP convention for attention (performance-floors.md):
+of its floor (``max(bytes / bandwidth, flops / rate)``) for both the vendor peaks of the card
+(``common.VENDOR_PEAKS``: H200 4.8 TB/s, H100 SXM 3.35 TB/s; 989 TFLOP/s bf16, 67 TFLOP/s fp32 on both; none for
+another card) and the measured ceilings. FLOP convention for attention (performance-floors.md):
 ``2 * H * entries * (d_qk + d_v)`` per query; bytes: Q + O + each unique KV entry + indices.
 
 Writes DIR/bench_kernels.json and DIR/bench_kernels.md; prints the markdown table last. The benchmarks of each
@@ -42,12 +43,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_sections import act, attention, common, indexer, kv, mhc, moe, norm, topk  # noqa: E402
 
 
+def _frac(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def markdown() -> str:
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"triton {__import__('triton').__version__}, {datetime.datetime.now().isoformat(timespec='seconds')}",
              f"ceilings measured in this run: copy {common.CEIL.get('bw', 0) / 1e12:.2f} TB/s, bf16 matmul "
              f"{common.CEIL.get('bf16', 0) / 1e12:.0f} TFLOP/s, "
-             f"fp32 matmul {common.CEIL.get('fp32', 0) / 1e12:.1f} TFLOP/s", "",
+             f"fp32 matmul {common.CEIL.get('fp32', 0) / 1e12:.1f} TFLOP/s; vendor peaks: "
+             f"{common.VENDOR or 'none known for this card'}", "",
              "| kernel | shape | variant | us (median) | eager us | GB/s | TFLOP/s | floor us (meas.) | bound | "
              "frac of floor meas. / vendor | config | speed-ups |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -64,7 +70,7 @@ def markdown() -> str:
         lines.append(
             f"| {r['kernel']} | {r['shape']} | {r['variant']} | {r['us']:.2f} | {r['eager_us'] or 0:.2f} | "
             f"{r['GBps']:.0f} | {r['TFLOPs']:.1f} | {fl.get('floor_us', 0):.2f} | {fl.get('bound', '')} | "
-            f"{r['frac_floor_measured'] or 0:.2f} / {r['frac_floor_vendor'] or 0:.2f} | {r['config']} | {sp} |")
+            f"{r['frac_floor_measured'] or 0:.2f} / {_frac(r['frac_floor_vendor'])} | {r['config']} | {sp} |")
     return "\n".join(lines)
 
 

@@ -11,7 +11,10 @@ import torch
 BF16 = torch.bfloat16
 DEV = "cuda"
 L2_BYTES = 60e6
-VENDOR = {"bw": 4.8e12, "bf16": 989e12, "fp32": 67e12, "fp8": 1979e12}
+# vendor peaks (dense) by the device name's model: the SXM H200 and H100 share the compute and differ in HBM
+VENDOR_PEAKS = {"H200": {"bw": 4.8e12, "bf16": 989e12, "fp32": 67e12, "fp8": 1979e12},
+                "H100 80GB HBM3": {"bw": 3.35e12, "bf16": 989e12, "fp32": 67e12, "fp8": 1979e12}}
+VENDOR: dict[str, float] = {}
 RESULTS: list[dict] = []
 CEIL: dict[str, float] = {}
 
@@ -69,11 +72,17 @@ def time_fn(fn, sets, *, graph: bool = True, calls: int | None = None, reps: int
     return out
 
 
+def vendor_peaks(device_name: str) -> dict[str, float]:
+    """The vendor's peaks for ``device_name`` (``torch.cuda.get_device_name``); {} for a card not in
+    ``VENDOR_PEAKS``, whose rows then carry the measured floor only."""
+    return next((dict(v) for k, v in VENDOR_PEAKS.items() if k in device_name), {})
+
+
 def record(kernel: str, shape: str, variant: str, t: dict, *, bytes_: float, flops: float, unit: str = "bf16",
            check: dict | None = None, config: dict | None = None, baselines: dict | None = None) -> dict:
     us = t["us"]
     floors = {}
-    for tag, bw, rate in (("vendor", VENDOR["bw"], VENDOR[unit]), ("measured", CEIL.get("bw"), CEIL.get(unit))):
+    for tag, bw, rate in (("vendor", VENDOR.get("bw"), VENDOR.get(unit)), ("measured", CEIL.get("bw"), CEIL.get(unit))):
         if bw:
             mem = bytes_ / bw * 1e6
             comp = flops / rate * 1e6 if rate else 0.0
@@ -118,6 +127,8 @@ def sweep(kernel, shape, variant, make_fn, configs, sets, validate=None, **rec):
 
 
 def measure_ceilings():
+    VENDOR.clear()
+    VENDOR.update(vendor_peaks(torch.cuda.get_device_name()))
     bws = []
     for dtype, numel in ((torch.uint8, 1 << 30), (torch.float32, 1 << 28), (torch.float32, 1 << 30)):
         src = torch.randn(numel, device=DEV).to(dtype) if dtype != torch.uint8 else torch.randint(

@@ -11,9 +11,8 @@ import torch
 BF16 = torch.bfloat16
 DEV = "cuda"
 L2_BYTES = 60e6
-# vendor peaks (dense) by the device name's model: the SXM H200 and H100 share the compute and differ in HBM
-VENDOR_PEAKS = {"H200": {"bw": 4.8e12, "bf16": 989e12, "fp32": 67e12, "fp8": 1979e12},
-                "H100 80GB HBM3": {"bw": 3.35e12, "bf16": 989e12, "fp32": 67e12, "fp8": 1979e12}}
+_HOPPER_SXM_RATES = {"bf16": 989e12, "fp32": 67e12, "fp8": 1979e12}  # dense; the SXM H200 and H100 share them
+VENDOR_PEAKS = {"H200": {"bw": 4.8e12, **_HOPPER_SXM_RATES}, "H100 80GB HBM3": {"bw": 3.35e12, **_HOPPER_SXM_RATES}}
 VENDOR: dict[str, float] = {}
 RESULTS: list[dict] = []
 CEIL: dict[str, float] = {}

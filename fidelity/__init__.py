@@ -5,32 +5,27 @@ decoders under test (``decoders``: the built-in ``decoders.production`` and fore
 modes, comparison, judgement), ``outputs`` (run directory, report, plots, comparisons), and the ``testing`` kit for
 your own kernels; ``job``, ``mutants``, ``api`` and ``cli`` sit on top. Each imports only from those before it."""
 
-from fidelity._version import __version__
-from fidelity.model.checkpoint import Checkpoint, CheckpointError
-from fidelity.model.config import ConfigError, ModelConfig
-from fidelity.model.default import default_checkpoint
-from fidelity.model.load import load_checkpoint
-from fidelity.model.save import save_checkpoint
-from fidelity.model.synthesize import synthesize
+from importlib import import_module
 
-__all__ = [
-    "__version__",
-    "Checkpoint",
-    "CheckpointError",
-    "ConfigError",
-    "ModelConfig",
-    "default_checkpoint",
-    "load_checkpoint",
-    "run",
-    "save_checkpoint",
-    "synthesize",
-]
+from fidelity._version import __version__
+
+_LAZY = {  # name -> module: imported on first use, so that ``import fidelity`` (and ``fidelity --help``) needs no torch
+    "Checkpoint": "fidelity.model.checkpoint",
+    "CheckpointError": "fidelity.model.checkpoint",
+    "ConfigError": "fidelity.model.config",
+    "ModelConfig": "fidelity.model.config",
+    "default_checkpoint": "fidelity.model.default",
+    "load_checkpoint": "fidelity.model.load",
+    "run": "fidelity.api",
+    "save_checkpoint": "fidelity.model.save",
+    "synthesize": "fidelity.model.synthesize",
+}
+
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str):
-    """``fidelity.run`` (``fidelity.api.run``), imported on first use: it pulls in the models and pandas."""
-    if name == "run":
-        from fidelity.api import run
-
-        return run
+    """The public names (``fidelity.run`` is ``fidelity.api.run``), each imported on first use."""
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fidelity' has no attribute {name!r}")

@@ -1,4 +1,7 @@
-"""The ``fidelity`` command line. Bad inputs end in one clear line on stderr and exit code 2."""
+"""The ``fidelity`` command line. Bad inputs end in one clear line on stderr and exit code 2.
+
+Help, the version and argument errors need no torch: every heavy module (torch, pandas, the harness) is imported
+inside the command that uses it."""
 
 from __future__ import annotations
 
@@ -9,12 +12,13 @@ import re
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from fidelity._version import __version__
 from fidelity.model.config import ConfigError, ModelConfig
-from fidelity.model.default import RANDOM_PROMPT_LEN
+
+if TYPE_CHECKING:
+    import torch
 
 EXAMPLES = """examples:
   fidelity run                               the default: the trained default checkpoint (tiny shape), its own
@@ -44,7 +48,7 @@ OPTION_NAMES = {"checkpoint": "--checkpoint", "preset": "--preset", "max_context
                 "graphs": "--graphs"}
 SAMPLER_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "repetition_penalty": "--repetition-penalty",
                  "seed": "--sample-seed"}
-DEFAULT_PROMPT_LEN = RANDOM_PROMPT_LEN
+DEFAULT_PROMPT_LEN = 1024  # fidelity.model.default.RANDOM_PROMPT_LEN, written out to keep torch out of --help
 SMALL_MODEL_DIM = 1024  # --threads auto: one intra-op thread on the CPU up to this hidden size
 
 
@@ -57,6 +61,11 @@ def _plan(args, replay=None):
     opened or planned, not yet synthesized, so that every argument is checked first)."""
     from fidelity.api import plan_checkpoint
 
+    layers = getattr(args, "layers", None)
+    if layers is not None and layers < 1:
+        raise UsageError(f"--layers: expected >= 1, found {layers}")
+    if layers is not None and getattr(args, "checkpoint", None):
+        raise UsageError("--layers: cuts a --preset's layers; a --checkpoint keeps its own (leave --layers out)")
     return plan_checkpoint(args.checkpoint, replay, preset=args.preset, seed=args.seed,
                            layers=getattr(args, "layers", None), device=getattr(args, "device", "cpu") or "cpu",
                            names=OPTION_NAMES, notify=_notify)
@@ -91,6 +100,56 @@ def _prompt(args, plan) -> torch.Tensor:
     return ids if args.prompt_len is None else ids[: args.prompt_len]
 
 
+def _given_prompt(args) -> bool:
+    """Whether the prompt comes from ``--prompt-file`` / ``--prompt-text`` / ``--prompt-text-file``."""
+    return bool(args.prompt_file or args.prompt_text is not None or args.prompt_text_file)
+
+
+def _check_device(device: str | None, option: str = "--device") -> None:
+    """A device this torch can run on, or one line naming the torch build and what to install (before any work)."""
+    import torch
+
+    if device is None or device == "cpu":
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind != "cuda":
+        raise UsageError(f"{option}: expected cpu or cuda[:N] (the devices the decoders and the oracle run on), found "
+                         f"{device!r}")
+    if torch.version.cuda is None:
+        raise UsageError(f"{option} {device}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
+                         "build (pip install torch --index-url https://download.pytorch.org/whl/cu128, "
+                         "https://pytorch.org/get-started/locally/) or leave --device out to run on the CPU")
+    if not torch.cuda.is_available():
+        raise UsageError(f"{option} {device}: torch {torch.__version__} (CUDA {torch.version.cuda}) finds no CUDA "
+                         "device on this machine (driver, CUDA_VISIBLE_DEVICES); leave --device out to run on the CPU")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise UsageError(f"{option} {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+
+
+def _check_memory(args, plan, profile, prompt_len: int) -> None:
+    """A run on the CPU whose estimated memory (``fidelity.budget``) exceeds what this machine has available is
+    refused in one line that names the parts and what to change."""
+    from fidelity import budget
+    from fidelity.decoders.production.cache_sizes import profile_formats
+
+    if args.device != "cpu" or (args.oracle_device or "cpu") != "cpu":  # the host's memory holds it all only here
+        return
+    steps = 64 if args.decode is None else args.decode
+    kv_fmt, index_fmt = profile_formats(profile)
+    need = budget.estimate(plan.config, prompt_len, steps,
+                           tuple(args.mode or ("free", "layer", "op")), args.prefill_chunk, kv_fmt, index_fmt,
+                           8 if args.oracle_dtype == "fp64" else 4)
+    if why := budget.shortfall(need, budget.available_bytes()):
+        raise UsageError(f"prompt {prompt_len} tokens + {steps} decode steps: "
+                         f"the run {why}; shorten --prompt-len, or --mode op (the oracle then keeps no cache of its "
+                         "own), or run on a larger machine")
+
+
 def _given_tokenizer(args) -> Path | None:
     """``--tokenizer`` when it is a tokenizer.json (the others name stop ids only)."""
     given = getattr(args, "tokenizer", None)
@@ -107,6 +166,8 @@ def _text_tokenizer(args, path) -> Path | None:
 def _threads(args, cfg: ModelConfig, device: str = "cpu") -> int:
     """Apply ``--threads`` (``auto``: 1 on the CPU for models up to SMALL_MODEL_DIM wide, where torch's intra-op
     threads cost more than they give on small tensors; torch's default otherwise). Returns the count."""
+    import torch
+
     if args.threads == "auto":
         if torch.device(device).type != "cpu" or cfg.dim > SMALL_MODEL_DIM:
             return torch.get_num_threads()
@@ -123,6 +184,8 @@ def _threads(args, cfg: ModelConfig, device: str = "cpu") -> int:
 
 
 def cmd_run(args) -> int:
+    _check_device(args.device)
+    _check_device(args.oracle_device, "--oracle-device")
     if args.scenario:
         if args.graphs is not None:
             raise UsageError(f"{'--graphs' if args.graphs else '--no-graphs'}: applies to a run's decoder, not to "
@@ -147,18 +210,27 @@ def cmd_run(args) -> int:
     sampler = SamplerConfig(**given)
     if args.thresholds:
         load_thresholds(args.thresholds)
-    run_id = args.run_id or new_run_id()
+    run_id = new_run_id() if args.run_id is None else args.run_id
     check_output(args.out, run_id, args.overwrite)
     if args.write_trace:
         check_new_dir(args.write_trace, args.overwrite, "--write-trace")
-    if args.decode < 0:
+    if args.decode is not None and args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
+    if args.sample_queries is not None and args.sample_queries < 1:
+        raise UsageError(f"--sample-queries: expected >= 1 prefill queries, found {args.sample_queries}")
     check_graphs(args.graphs, args.decoder, OPTION_NAMES["graphs"])
     _require_transformers(args)
     replays = _traces(args)  # every sequence to judge, each view checked before any run starts
     replay = replays[0] if replays else None
+    if replay is not None and args.decode is not None:
+        _notify("note", f"--decode {args.decode}: does not apply to --decoder trace:DIR (a trace replays its own "
+                        "decode steps); ignored")
     plan = _plan(args, replay)
+    if replay is None and args.prompt_len is not None and not _given_prompt(args):
+        _check_memory(args, plan, profile, args.prompt_len)  # before the prompt: a long default one is built from text
     prompt = _run_prompt(args, plan, replay)
+    if prompt is not None:
+        _check_memory(args, plan, profile, len(prompt))
     continuation = _read_ids(args.continuation_file, plan.config.vocab_size, "--continuation-file") \
         if args.continuation_file else None
     threads = _threads(args, plan.config, args.device)
@@ -214,6 +286,7 @@ def cmd_scenarios(args) -> int:
     from fidelity.outputs.rundir import check_output, new_run_id
     from fidelity.scenarios import check_names, run_scenarios
 
+    _check_device(args.device)
     try:
         scenarios = check_names(args.scenario)
         get_profile(args.profile)
@@ -231,7 +304,7 @@ def cmd_scenarios(args) -> int:
         if unknown := sorted(set(faults) - set(known)):
             raise UsageError(f"--inject: expected faults of the {args.decoder} decoder ({', '.join(known)}), found "
                              f"{', '.join(unknown)}")
-    run_id = args.run_id or f"scenarios-{new_run_id()}"
+    run_id = f"scenarios-{new_run_id()}" if args.run_id is None else args.run_id
     check_output(args.out, run_id, args.overwrite)
     plan = _plan(args)
     threads = _threads(args, plan.config, args.device)
@@ -297,6 +370,8 @@ def _run_prompt(args, plan, replay) -> torch.Tensor | None:
 def _stops(args, cfg) -> tuple[int, ...] | None:
     from fidelity.model.sampling import StopSet
 
+    if bad := [i for i in args.stop_id or () if not 0 <= i < cfg.vocab_size]:
+        raise UsageError(f"--stop-id: expected ids in [0, {cfg.vocab_size}), found {', '.join(map(str, bad))}")
     if args.tokenizer:
         return tuple(StopSet.from_tokenizer_file(args.tokenizer, extra=args.stop_id or ()))
     if args.stop_id:
@@ -376,6 +451,7 @@ def cmd_mutants(args) -> int:
     from fidelity.outputs.report import md_table
     from fidelity.outputs.rundir import check_output, new_run_id
 
+    _check_device(args.device)
     if args.decoder not in ("production", "transformers"):
         raise UsageError(f"--decoder: expected production or transformers, found {args.decoder!r}")
     _require_transformers(args)
@@ -386,7 +462,7 @@ def cmd_mutants(args) -> int:
         raise UsageError(str(err)) from None
     if args.decode is not None and args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
-    run_id = args.run_id or f"mutants-{new_run_id()}"
+    run_id = f"mutants-{new_run_id()}" if args.run_id is None else args.run_id
     check_output(args.out, run_id, args.overwrite)
     plan = _plan(args)
     threads = _threads(args, plan.config)
@@ -438,6 +514,7 @@ def cmd_recall(args) -> int:
     from fidelity import recall
     from fidelity.api import open_checkpoint
 
+    _check_device(args.device)
     ckpt = open_checkpoint(args.checkpoint)
     _threads(args, ckpt.config, args.device)
     try:
@@ -507,6 +584,8 @@ _ID_SEPARATORS = re.compile(r"[\s,\[\]]+")
 def _read_ids(path: str, vocab: int, option: str) -> torch.Tensor:
     """Token ids from a file: separated by whitespace or commas, or a JSON list. Errors name the first bad
     token by position (0-based) and text."""
+    import torch
+
     try:
         text = Path(path).read_text()
     except OSError as err:
@@ -539,6 +618,7 @@ def cmd_train(args) -> int:
     from fidelity.atomic_write import check_new_dir
     from fidelity.train.loop import TrainSettings, train
 
+    _check_device(args.device)
     for name in ("steps", "seq_len"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}: expected >= 1, found {getattr(args, name)}")
@@ -620,7 +700,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="a decoder (default: production) vs the oracle side by side; writes runs/<run-id>/",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _source_args(r)
-    r.add_argument("--decode", type=int, default=64, help="decode steps after the prompt (default 64)")
+    r.add_argument("--decode", type=int, help="decode steps after the prompt (default 64; a trace replays its own)")
     _decoder_args(r, "the decoder under test: production (default), transformers (DeepseekV4ForCausalLM), or "
                      "trace:DIR (a recorded trace, replayed with its own prompt and tokens)", "bf16")
     r.add_argument("--write-trace", metavar="DIR", help="also record the decoder's calls as a trace in DIR")
@@ -798,7 +878,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that are a user's error (one line, exit 2), imported only when a command raised one."""
     from fidelity.api import InputError
     from fidelity.atomic_write import OutputError
     from fidelity.decoders.base import DecoderError
@@ -813,24 +894,57 @@ def main(argv: list[str] | None = None) -> int:
     from fidelity.outputs.rundir import RunDirError
     from fidelity.train.corpus import CorpusError
 
+    return (UsageError, InputError, ConfigError, CheckpointError, RunDirError, ThresholdError, RunError, ContextError,
+            TokenizerFileError, OutputError, CompareError, TraceError, CorpusError, TextError, DecoderError)
+
+
+def _new_folders(args) -> list[tuple[Path, Path]]:
+    """(output folder, its first missing ancestor) for each output option (``--out``, ``--write-trace``) whose
+    folder does not exist yet."""
+    found = []
+    for option in ("out", "write_trace"):
+        path = getattr(args, option, None)
+        if not path or Path(path).exists():
+            continue
+        top = Path(path).absolute()
+        while not top.parent.exists():
+            top = top.parent
+        found.append((Path(path).absolute(), top))
+    return found
+
+
+def _remove_if_empty(folders: list[tuple[Path, Path]]) -> None:
+    """Remove each folder that ``_new_folders`` found missing and is now empty, up to its first missing ancestor."""
+    for path, top in folders:
+        for folder in (path, *path.parents):
+            if not folder.is_dir() or any(folder.iterdir()):
+                break
+            folder.rmdir()
+            if folder == top:
+                break
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["run", *(argv or [])])
+    if args.command is None:  # plain ``fidelity``: the commands, not a run
+        parser.print_help()
+        return 0
+    new_folders = _new_folders(args)
     try:
         return args.func(args)
-    except (UsageError, InputError, ConfigError, CheckpointError, RunDirError, ThresholdError, RunError, ContextError,
-            TokenizerFileError, OutputError, CompareError, TraceError, CorpusError, TextError,
-            DecoderError) as err:
+    except UsageError as err:
         print(f"fidelity: error: {err}", file=sys.stderr)
-        return 2
+    except user_errors() as err:  # the tuple is evaluated only once a command raised
+        print(f"fidelity: error: {err}", file=sys.stderr)
     except OSError as err:  # a place that could not be read or written
         where = f"{err.filename}: " if err.filename else ""
         print(f"fidelity: error: {where}{err.strerror or err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:  # the temporary folders of what was being written are gone already
         print("fidelity: interrupted", file=sys.stderr)
         return 130
+    _remove_if_empty(new_folders)  # a refused command leaves no empty output folder behind
+    return 2
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ class UsageError(Exception):
     """A user error reported as one line, exit code 2."""
 
 
-def _plan(args, replay=None):
+def _plan(args, replay=None, notify=None):
     """The run's checkpoint from ``--checkpoint`` / ``--preset`` / ``--layers`` / ``--seed`` (``api.plan_checkpoint``:
     opened or planned, not yet synthesized, so that every argument is checked first)."""
     from fidelity.api import plan_checkpoint
@@ -68,7 +68,7 @@ def _plan(args, replay=None):
         raise UsageError("--layers: cuts a --preset's layers; a --checkpoint keeps its own (leave --layers out)")
     return plan_checkpoint(args.checkpoint, replay, preset=args.preset, seed=args.seed,
                            layers=getattr(args, "layers", None), device=getattr(args, "device", "cpu") or "cpu",
-                           names=OPTION_NAMES, notify=_notify)
+                           names=OPTION_NAMES, notify=notify or _notify)
 
 
 def _notify(kind: str, message: str) -> None:
@@ -220,6 +220,7 @@ def cmd_run(args) -> int:
         raise UsageError(f"--sample-queries: expected >= 1 prefill queries, found {args.sample_queries}")
     check_graphs(args.graphs, args.decoder, OPTION_NAMES["graphs"])
     _require_transformers(args)
+    _check_trace_model(args)
     replays = _traces(args)  # every sequence to judge, each view checked before any run starts
     replay = replays[0] if replays else None
     if replay is not None and args.decode is not None:
@@ -336,6 +337,15 @@ def _require_transformers(args) -> None:
             require_transformers("--decoder transformers")
         except TransformersMissing as err:
             raise UsageError(str(err)) from None
+
+
+def _check_trace_model(args) -> None:
+    """``--decoder trace:DIR``: the config in trace.json against the checkpoint the trace will be judged on, before
+    any step file is read (a trace of another model is named as that, not as the first site of the wrong shape)."""
+    if args.decoder.startswith("trace:"):
+        from fidelity.decoders.trace import TraceHeader
+
+        _plan(args, TraceHeader(args.decoder.removeprefix("trace:")), notify=lambda kind, message: None)
 
 
 def _traces(args) -> list:

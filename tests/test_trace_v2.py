@@ -235,6 +235,12 @@ def _edit(src, dst, change_json=None, change_file=None):
      "events[6] (batch-4.safetensors): sequence 0 starts at 44; it stands at 43"),
     ("hand", lambda m: m["events"].__setitem__(2, {"fork": [2, 0, "x"]}), None, "events[2]: expected {'call'"),
     ("hand", lambda m: m.update(version=3), None, "version: expected 1 or 2, found 3"),
+    ("hand", lambda m: m["events"][0]["rows"].append([0, 40, 1]), None,
+     "events[0] (batch-0.safetensors): sequence 0 is listed twice in one call's rows"),
+    ("hand", None, ("batch-1.safetensors", lambda t: t["ids"].__setitem__(3, -1)),
+     "batch-1.safetensors: ids: row 3 is -1, expected a token id in [0, 4096)"),
+    ("hand", None, ("batch-1.safetensors", lambda t: t["ids"].__setitem__(0, 4096)),
+     "batch-1.safetensors: ids: row 0 is 4096, expected a token id in [0, 4096)"),
 ])
 def test_a_malformed_trace_is_refused_naming_what_is_wrong(served, tmp_path, source, json_edit, file_edit, message):
     _, root = served
@@ -243,3 +249,15 @@ def test_a_malformed_trace_is_refused_naming_what_is_wrong(served, tmp_path, sou
         for k in (0, 1, 2):
             TraceDecoder(bad, k)
     assert message in str(err.value), str(err.value)
+
+
+def test_a_trace_of_another_model_is_named_a_config_mismatch_before_its_tensors_are_read(served, tmp_path, capsys):
+    """trace.json's config says hidden size 512, the checkpoint's is 256: the config is named, not a site's shape."""
+    from fidelity import cli
+
+    _, root = served
+    bad = _edit(root / "hand", tmp_path / "d512", lambda m: m["config"].update(dim=512))
+    assert cli.main(["run", "--decoder", f"trace:{bad}", "--out", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its config differs from the checkpoint's (dim: 512 vs 256)" in err[0], err
+    assert not (tmp_path / "runs").exists()

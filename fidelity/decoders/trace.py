@@ -17,7 +17,15 @@ from fidelity.decoders.base import (
     Decoder,
     required_sites,
 )
-from fidelity.decoders.trace_file import ENTRY_SITES, MANIFEST, Segment, TraceError, read_trace, stored_name
+from fidelity.decoders.trace_file import (
+    ENTRY_SITES,
+    MANIFEST,
+    REPLICATED,
+    Segment,
+    TraceError,
+    read_trace,
+    stored_name,
+)
 from fidelity.model.config import ConfigError, ModelConfig
 from fidelity.model.sites import SITE_TABLE, is_site, same_layer, site_name, site_template, trailing_shape
 
@@ -30,13 +38,11 @@ MODE_INPUTS = frozenset({*LAYER_INPUTS, *OP_INPUTS, *OP_INPUTS_COMPRESSED, *OP_I
 READ_WITH = {"L{i}.attn.visible": "L{i}.indexer.topk", "L{i}.moe.weights": "L{i}.moe.experts"}
 
 
-class TraceDecoder(Decoder):
-    """Replays one sequence of the trace in ``directory`` (``seq``: which; may be left out when the trace holds
-    one): its timeline (a fork's parent's calls up to the fork, rows a rollback voided left out) as the runner
-    drives a decoder: ``prompt`` in ``chunks`` (its calls up to the last of several tokens), then ``generated``
-    one token per call. Every step file is checked (read from its header) before a run starts."""
+class TraceHeader:
+    """A trace's trace.json alone, checked (fields, events, positions), and its model config: enough to choose and
+    check the checkpoint of a replay before any step file is read."""
 
-    def __init__(self, directory: str | Path, seq: int | None = None):
+    def __init__(self, directory: str | Path):
         self.dir = Path(directory)
         self.trace = read_trace(self.dir)
         self.manifest = self.trace.manifest
@@ -44,6 +50,30 @@ class TraceDecoder(Decoder):
             self.config = ModelConfig.from_dict(self.manifest["config"], source=f"{self.dir}/trace.json: config")
         except ConfigError as err:
             raise TraceError(str(err)) from None
+
+    def checkpoint_path(self) -> Path | None:
+        """trace.json's ``checkpoint.path``, a relative one read from the trace's folder; None when it has none.
+        TraceError (naming trace.json) when no checkpoint directory is there."""
+        raw = (self.manifest.get("checkpoint") or {}).get("path")
+        if not raw:
+            return None
+        path = self.dir / raw
+        if not path.is_dir():
+            found = "a file" if path.exists() else "nothing"
+            raise TraceError(f"{self.dir / MANIFEST}: checkpoint.path {raw!r}: expected a checkpoint directory at "
+                             f"{path} (a relative path is read from the trace's folder), found {found}; give the "
+                             "checkpoint instead (--checkpoint)")
+        return path
+
+
+class TraceDecoder(TraceHeader, Decoder):
+    """Replays one sequence of the trace in ``directory`` (``seq``: which; may be left out when the trace holds
+    one): its timeline (a fork's parent's calls up to the fork, rows a rollback voided left out) as the runner
+    drives a decoder: ``prompt`` in ``chunks`` (its calls up to the last of several tokens), then ``generated``
+    one token per call. Every step file is checked (read from its header) before a run starts."""
+
+    def __init__(self, directory: str | Path, seq: int | None = None):
+        super().__init__(directory)
         seqs = self.trace.sequences
         if seq is None and len(seqs) > 1:
             raise TraceError(f"trace {self.dir}: holds sequences {seqs}; replay one (TraceDecoder(dir, seq=K), "
@@ -71,7 +101,7 @@ class TraceDecoder(Decoder):
         self.rec = None
         self.pos = 0
         self.calls = 0
-        self._held: list[dict[str, torch.Tensor]] | None = None  # every step's tensors, once ``in_memory``
+        self._held: list[tuple[dict, dict]] | None = None  # every step's tensors and rank parts, once ``in_memory``
         self._sites = frozenset(site_template(n) for names in held for n in names) | {"logits"}
         self._check_sites(held)
 
@@ -88,20 +118,6 @@ class TraceDecoder(Decoder):
             if not torch.equal(got, ids):
                 raise TraceError(f"{self.dir / step.call.file}: ids {got.tolist()[:8]} differ from the tokens fed "
                                  f"{ids.tolist()[:8]} (trace.json's prompt and generated)")
-
-    def checkpoint_path(self) -> Path | None:
-        """trace.json's ``checkpoint.path``, a relative one read from the trace's folder; None when it has none.
-        TraceError (naming trace.json) when no checkpoint directory is there."""
-        raw = (self.manifest.get("checkpoint") or {}).get("path")
-        if not raw:
-            return None
-        path = self.dir / raw
-        if not path.is_dir():
-            found = "a file" if path.exists() else "nothing"
-            raise TraceError(f"{self.dir / MANIFEST}: checkpoint.path {raw!r}: expected a checkpoint directory at "
-                             f"{path} (a relative path is read from the trace's folder), found {found}; give the "
-                             "checkpoint instead (--checkpoint)")
-        return path
 
     def reset(self) -> None:
         """Rewind to the trace's first call."""
@@ -138,20 +154,49 @@ class TraceDecoder(Decoder):
         self._held = [self._tensors(step) for step in self.steps]
         return self
 
-    def _tensors(self, step: Segment) -> dict[str, torch.Tensor]:
+    def _tensors(self, step: Segment) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+        """This sequence's rows of ``step``'s tensors (shards joined), and of each sharded site its ranks' own rows
+        ``[(rank, dim or None (a whole copy), tensor)]``, which the runner judges one by one too."""
+        tensors, parts = {}, {}
         with safe_open(str(self.dir / step.call.file), framework="pt") as f:
-            return {name: self._rows(step, name, self._joined(f, parts), "@" in parts[0]) for name, parts in
-                    self._resolve(step, list(f.keys())).items()}  # noqa: SIM118 (safe_open has no __iter__)
+            for name, stored in self._resolve(step, list(f.keys())).items():  # noqa: SIM118 (no __iter__)
+                own = "@" in stored[0]
+                if name == "logits":
+                    tensors[name] = self._logits(step, self._joined(f, stored))
+                    continue
+                tensors[name] = self._rows(step, name, self._joined(f, stored), own)
+                dim = self.trace.split_dim(stored[0]) if len(stored) > 1 else None
+                if dim is not None and site_template(name) not in ENTRY_SITES:
+                    parts[name] = [(r, None if dim == REPLICATED else dim, self._rows(step, name, f.get_tensor(p), own))
+                                   for r, p in enumerate(stored)]
+        return tensors, parts
+
+    def _logits(self, step: Segment, t: torch.Tensor) -> torch.Tensor:
+        """This sequence's logits of ``step``: its rows, or where the engine computed only each sequence's last row
+        (one logits row per sequence of the call), that row alone."""
+        if self._last_rows_only(step, t.shape[0]):
+            k = step.call.rows.index(step.rows)
+            return t[k : k + 1]
+        lo = step.rows.offset if t.shape[0] != step.rows.n or len(step.call.rows) == 1 else 0
+        return t[lo : lo + step.keep]
+
+    def _last_rows_only(self, step: Segment, n: int) -> bool:
+        total = sum(r.n for r in step.call.rows)
+        return n == len(step.call.rows) and n != total
 
     def _replay(self, ids: torch.Tensor) -> torch.Tensor:
-        tensors = self._held[self.calls] if self._held is not None else self._tensors(self.steps[self.calls])
+        step = self.steps[self.calls]
+        tensors, parts = self._held[self.calls] if self._held is not None else self._tensors(step)
         if self.rec is not None:
             self.rec.step = self.calls
             for name, t in tensors.items():
                 if name != "logits" and self.rec.wants(name):
                     self.rec(name, t)
+                    for rank, dim, part in parts.get(name, ()):
+                        self.rec.part(name, rank, len(parts[name]), dim, part)
             if self.rec.wants("logits"):
-                self.rec("logits", tensors["logits"])
+                last = len(tensors["logits"]) == 1 and step.keep > 1
+                self.rec("logits", tensors["logits"], at=torch.tensor([step.keep - 1]) if last else None)
         self.pos += len(ids)
         self.calls += 1
         return tensors["logits"].float()
@@ -190,6 +235,8 @@ class TraceDecoder(Decoder):
         if len(parts) == 1:
             return get(parts[0])
         dim = self.trace.split_dim(parts[0])
+        if dim == REPLICATED:
+            return get(parts[0])
         if header:
             shapes = [list(f.get_slice(p).get_shape()) for p in parts]
             shape = shapes[0][:dim] + [sum(s[dim] for s in shapes)] + shapes[0][dim + 1 :]
@@ -256,6 +303,10 @@ class TraceDecoder(Decoder):
                              f"{fed['seq'].tolist()[:8]}")
         if "seq" not in fed and len(step.call.rows) > 1:
             raise TraceError(f"{path}: missing tensor 'seq' (the call holds {len(step.call.rows)} sequences)")
+        if bad := ((fed["ids"] < 0) | (fed["ids"] >= vocab)).nonzero().flatten().tolist():
+            raise TraceError(f"{path}: ids: row {bad[0]} is {int(fed['ids'][bad[0]])}, expected a token id in [0, "
+                             f"{vocab}) (the config's vocab_size; an engine's padding rows do not belong in a "
+                             f"trace){f', and {len(bad) - 1} more rows' if len(bad) > 1 else ''}")
         rows = fed["positions"][step.rows.offset : step.rows.offset + step.rows.n]
         if not torch.equal(rows, torch.arange(step.start, step.start + step.rows.n)):
             raise TraceError(f"{path}: positions: expected {step.start}..{step.start + step.rows.n - 1}, found "
@@ -279,8 +330,10 @@ class TraceDecoder(Decoder):
             shape = list(h.get_shape())
             rows_stored = step.rows.n if own else total
             if name == "logits":
-                if shape != [rows_stored, vocab]:
-                    raise TraceError(f"{path}: logits: expected shape [{rows_stored}, {vocab}], found {shape}")
+                last = self._last_rows_only(step, shape[0] if shape else 0) and not own
+                if shape != [rows_stored, vocab] and not (last and shape[1:] == [vocab]):
+                    raise TraceError(f"{path}: logits: expected shape [{rows_stored}, {vocab}] (or one row per "
+                                     f"sequence of the call, its last), found {shape}")
                 continue
             if not is_site(name):
                 raise TraceError(f"{path}: unknown site {name!r}; sites are listed in fidelity.model.sites.SITES")

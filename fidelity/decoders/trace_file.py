@@ -46,6 +46,7 @@ from fidelity.model.config import ModelConfig
 from fidelity.model.sites import Recorder, is_site, site_template
 
 FORMAT, VERSION, MANIFEST = "dsv4-fidelity-trace", 2, "trace.json"
+REPLICATED = "replicated"  # shards.dims: every rank holds the whole tensor (rank 0's is judged, each rank's too)
 ENTRY_SITES = frozenset({"L{i}.attn.compressed_kv", "L{i}.indexer.keys"})  # rows per compressed entry
 _STORED = re.compile(r"(?P<name>[^@#]+)(@(?P<seq>\d+))?(#(?P<rank>\d+))?")
 
@@ -112,7 +113,7 @@ class Trace:
     manifest: dict
     events: list[CallEvent | ForkEvent | RollbackEvent]
     ranks: int = 1
-    dims: dict[str, int] | None = None
+    dims: dict[str, int | str] | None = None
 
     @property
     def calls(self) -> list[CallEvent]:
@@ -139,9 +140,9 @@ class Trace:
                              f"{self.sequences}")
         return lines[seq]
 
-    def split_dim(self, name: str) -> int | None:
-        """The dim shards of stored tensor ``name`` (a site, ``site@seq`` or ``logits``) join along, None when
-        the trace has no shards."""
+    def split_dim(self, name: str) -> int | str | None:
+        """The dim shards of stored tensor ``name`` (a site, ``site@seq`` or ``logits``) join along (``replicated``:
+        each shard is the whole tensor), None when the trace has no shards."""
         if self.ranks == 1 or self.dims is None:
             return None
         base = _STORED.fullmatch(name)["name"]
@@ -224,8 +225,12 @@ def _v2_events(m: dict, where: Path) -> list[CallEvent | ForkEvent | RollbackEve
                         raise ValueError
                     rows.append(Rows(int(seq), int(start), int(n), offset))
                     offset += int(n)
-                if not rows or len({r.seq for r in rows}) != len(rows):
+                if not rows:
                     raise ValueError
+                if twice := sorted({r.seq for r in rows if [x.seq for x in rows].count(r.seq) > 1}):
+                    raise TraceError(f"{where}: events[{k}] ({e['call']}): sequence {twice[0]} is listed twice in "
+                                     "one call's rows; a call feeds each sequence once ([seq, start, n] with all its "
+                                     "tokens)")
                 out.append(CallEvent(str(e["call"]), tuple(rows), tuple(str(s) for s in e.get("sites", []))))
             elif isinstance(e, dict) and set(e) == {"fork"}:
                 seq, parent, pos = (int(v) for v in e["fork"])
@@ -235,6 +240,8 @@ def _v2_events(m: dict, where: Path) -> list[CallEvent | ForkEvent | RollbackEve
                 out.append(RollbackEvent(seq, pos))
             else:
                 raise ValueError
+        except TraceError:
+            raise
         except (KeyError, TypeError, ValueError):
             raise TraceError(f"{where}: events[{k}]: expected {{'call': file, 'rows': [[seq, start, n], ...] (n >= "
                              "1, each sequence once), 'sites': [...]}, {'fork': [seq, parent, pos]} or "
@@ -242,14 +249,15 @@ def _v2_events(m: dict, where: Path) -> list[CallEvent | ForkEvent | RollbackEve
     return out
 
 
-def _check_shards(shards, where: Path) -> tuple[int, dict[str, int]]:
+def _check_shards(shards, where: Path) -> tuple[int, dict[str, int | str]]:
     try:
-        ranks, dims = int(shards["ranks"]), {str(k): int(v) for k, v in shards["dims"].items()}
-        if ranks < 1 or any(d < 0 for d in dims.values()):
+        ranks = int(shards["ranks"])
+        dims = {str(k): v if v == REPLICATED else int(v) for k, v in shards["dims"].items()}
+        if ranks < 1 or any(d != REPLICATED and d < 0 for d in dims.values()):
             raise ValueError
     except (KeyError, TypeError, ValueError, AttributeError):
-        raise TraceError(f"{where}: shards: expected {{'ranks': R >= 1, 'dims': {{site or template: dim >= 0}}}}, "
-                         f"found {json.dumps(shards)[:200]}") from None
+        raise TraceError(f"{where}: shards: expected {{'ranks': R >= 1, 'dims': {{site or template: dim >= 0 or "
+                         f"'replicated'}}}}, found {json.dumps(shards)[:200]}") from None
     return ranks, dims
 
 

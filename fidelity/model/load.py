@@ -102,6 +102,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     problems: list[str] = []
     config = _read_config(root, problems)
     files, index = _list_files(root, problems)
+    if not files and index is None:  # no weights at all: that is the problem, not each of the tensors
+        raise CheckpointError(problems, f"checkpoint {root}")
     infos, unreadable = _read_headers(root, files, problems)
     _check_index(index, infos, [f for f in files if f not in unreadable], problems)
     # the layout is told by the key names, an unreadable file's included where its header survives

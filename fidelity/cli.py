@@ -358,10 +358,17 @@ def _traces(args) -> list:
         if args.trace_seq is not None:
             raise UsageError("--trace-seq: needs --decoder trace:DIR")
         return []
-    if not args.decoder.startswith("trace:"):
-        raise UsageError(f"--decoder: expected production, transformers or trace:DIR, found {args.decoder!r}")
+    from fidelity.decoders.engine_dump import is_dump, open_dump
+
+    if not args.decoder.startswith("trace:") and not is_dump(args.decoder):
+        raise UsageError(f"--decoder: expected production, transformers, trace:DIR, sglang-dump:DIR or hook-dump:DIR, "
+                         f"found {args.decoder!r}")
     if args.write_trace:
         raise UsageError("--write-trace: a replayed trace is not recorded again")
+    if is_dump(args.decoder):  # the dump read as the checkpoint's model: it names no checkpoint of its own
+        return open_dump(args.decoder, _plan(args).config, args.site_map, args.dump_precision, args.trace_seq)
+    if args.site_map:
+        raise UsageError("--site-map: applies to --decoder sglang-dump:DIR and hook-dump:DIR")
     directory = args.decoder.removeprefix("trace:")
     seqs = [args.trace_seq] if args.trace_seq is not None else read_trace(directory).sequences
     return [TraceDecoder(directory, seq) for seq in seqs]
@@ -400,20 +407,34 @@ def _print_verdict(j) -> None:
                   "no value of this run", file=sys.stderr)
 
 
-def cmd_report(args) -> int:
-    from fidelity.harness.judgement import judge, run_rules
-    from fidelity.outputs.report import write_report
-    from fidelity.outputs.rundir import read_run, update_manifest
+REJUDGED = "report-rejudged"  # fidelity report RUN --thresholds F: the re-judged report, beside the run's own
 
-    df, manifest = read_run(args.run)
+
+def cmd_report(args) -> int:
+    """Re-render a run's report with its plots and stored rules; ``--thresholds``: re-judge it into
+    report-rejudged.md / .html, rejudged.json and plots-rejudged/, leaving the run's own verdict as it was."""
+    from fidelity.atomic_write import write_text_atomic
+    from fidelity.harness.judgement import judge, run_rules
+    from fidelity.outputs.plots import existing_plots, make_plots
+    from fidelity.outputs.report import write_report
+    from fidelity.outputs.rundir import read_run
+
+    run_dir = Path(args.run)
+    df, manifest = read_run(run_dir)
     rules, klass = run_rules(manifest, df, args.thresholds)
     judgement = judge(df, rules, klass)
-    if args.thresholds:  # the new judgement becomes the run's: a later plain re-render reproduces it
-        manifest.update(judgement.manifest_entries(), rejudged_with=str(args.thresholds))
-        update_manifest(args.run, manifest)
-    md, html = write_report(args.run, df, manifest, judgement)
+    if args.thresholds:
+        entries = {**judgement.manifest_entries(), "rejudged_with": str(args.thresholds)}
+        plots = make_plots(df, run_dir / "plots-rejudged", judgement.rules)
+        md, html = write_report(run_dir, df, {**manifest, **entries}, judgement, plots, stem=REJUDGED)
+        write_text_atomic(run_dir / "rejudged.json", json.dumps(entries, indent=2) + "\n")
+    else:
+        md, html = write_report(run_dir, df, manifest, judgement, existing_plots(run_dir / "plots"))
     _print_verdict(judgement)
     print(f"report: {md} and {html}")
+    if args.thresholds:
+        print(f"re-judged with {args.thresholds} beside the run's own report (report.md, manifest.json: its verdict "
+              "as run); rejudged.json holds the new rules and verdict")
     return 1 if args.gate and not judgement.passed else 0
 
 
@@ -714,6 +735,12 @@ def build_parser() -> argparse.ArgumentParser:
     _decoder_args(r, "the decoder under test: production (default), transformers (DeepseekV4ForCausalLM), or "
                      "trace:DIR (a recorded trace, replayed with its own prompt and tokens)", "bf16")
     r.add_argument("--write-trace", metavar="DIR", help="also record the decoder's calls as a trace in DIR")
+    r.add_argument("--site-map", metavar="FILE",
+                   help="with --decoder sglang-dump:DIR / hook-dump:DIR: a name map (TOML: engine tensor name regex -> "
+                        "site), read before the engine's built-in one, or a built-in map's name: sglang, transformers, "
+                        "vllm (docs/engines.md)")
+    r.add_argument("--dump-precision", choices=("exact", "bf16", "quantized"), default="quantized",
+                   help="with a dump: the engine's numerics, which pick the default thresholds (default: quantized)")
     r.add_argument("--trace-seq", type=int, metavar="K",
                    help="with --decoder trace:DIR: judge sequence K only (default: every sequence of the trace, "
                         "each its own run directory <run-id>-seq<K> when there are several)")
@@ -800,7 +827,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="re-render a run's report.md / report.html with the rules it was judged "
                          "with, or re-judge it with a threshold file added")
     rep.add_argument("run")
-    rep.add_argument("--thresholds", help="TOML rules appended to the run's (the manifest records the new verdict)")
+    rep.add_argument("--thresholds", help="TOML rules appended to the run's: the re-judged report is written "
+                     "beside the run's own (report-rejudged.md/.html, rejudged.json, plots-rejudged/), which keeps its "
+                     "verdict")
     rep.add_argument("--gate", action="store_true")
     rep.set_defaults(func=cmd_report)
     pl = sub.add_parser("plot", help="re-draw a run's plots")

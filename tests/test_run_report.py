@@ -97,7 +97,7 @@ def test_the_memory_table_gives_each_judged_quantity_its_value_band_and_the_rule
     th = tmp_path / "th.toml"
     th.write_text(f"[memory]\nheld_growth = \"<={-2**20}\"\n")
     assert cli.main(["report", str(copy), "--thresholds", str(th)]) == 0
-    md = _report_of(copy)
+    md = (copy / "report-rejudged.md").read_text()
     memory = _section(md, "Memory flatness")
     assert _rows(memory.split("Not judged")[0])["held_growth"] == ["<= -1 MiB", "1", "0", "no"]
     assert "Flat: no. held_growth reaches 0 against <= -1 MiB." in memory
@@ -120,17 +120,18 @@ def test_the_report_opens_with_the_verdict_and_the_first_divergence(run):
 
 
 def test_the_sinkhorn_plot_draws_what_the_stored_rules_judge_against_their_limits(run, tmp_path):
-    from fidelity.outputs.plots import plot_sinkhorn, run_dir_rules
+    from fidelity.outputs.plots import plot_sinkhorn
 
     copy = tmp_path / "copy"
     shutil.copytree(run.run_dir, copy)
     th = tmp_path / "th.toml"
     th.write_text("['L\\d+\\.mhc_(attn|ffn)\\.comb']\ncol_dev = \"<=0.05\"\n")
     assert cli.main(["report", str(copy), "--thresholds", str(th)]) == 0
-    assert (copy / "plots" / "sinkhorn.png").read_bytes() != (run.run_dir / "plots" / "sinkhorn.png").read_bytes()
+    assert (copy / "plots-rejudged" / "sinkhorn.png").read_bytes() != \
+        (run.run_dir / "plots" / "sinkhorn.png").read_bytes()
     df, manifest = read_run(copy)
     excess = next(r["value"] for r in manifest["thresholds"] if r["metric"] == "row_dev_excess")
-    fig = plot_sinkhorn(df, run_dir_rules(df, copy / "plots"))
+    fig = plot_sinkhorn(df, run_rules(manifest, df, th)[0])
     assert [ax.get_title() for ax in fig.axes] == [f"row_dev_excess <= {excess:g} (op, layer mode)",
                                                    "col_dev <= 0.05 (op, layer, free mode)"]
     for ax, (metric, modes, limit) in zip(fig.axes, [("row_dev_excess", ("op", "layer"), excess),
@@ -176,7 +177,7 @@ def test_a_rule_that_checks_nothing_is_named_in_the_report_and_on_the_command_li
     err = capsys.readouterr().err
     assert "warning: threshold rule 'L9\\\\.attn\\\\.out' cos >= 0.5 (th.toml) checked no value of this run" in err
     assert "reserved_bytes" not in err  # that rule checked the memory rows
-    md = _report_of(copy)
+    md = (copy / "report-rejudged.md").read_text()
     assert "rule(s) checked nothing in this run" in md and "L9\\\\.attn\\\\.out cos, th.toml" in md
 
 
@@ -195,6 +196,31 @@ def test_rerendering_a_run_reproduces_its_report_and_verdict(run, tmp_path, caps
     assert verdict in out and f"first divergence: {run.first_divergence or 'none'}" in out
     checked = json.loads((copy / "manifest.json").read_text())["verdict"]["checked"]
     assert f"all {checked} checked values" in before[0] or f"of {checked} checked values" in before[0]
+
+
+def test_rejudging_writes_beside_the_run_and_keeps_its_verdict(run, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(run.run_dir, copy)
+    kept = {name: (copy / name).read_bytes() for name in ("report.md", "report.html", "manifest.json")}
+    th = tmp_path / "strict.toml"
+    th.write_text("['logits']\ncos = \">=0.9999999999\"\n")
+    assert cli.main(["report", str(copy), "--thresholds", str(th)]) == 0
+    out = capsys.readouterr().out
+    assert {name: (copy / name).read_bytes() for name in kept} == kept
+    assert "verdict: FAIL" in out and f"report: {copy / 'report-rejudged.md'}" in out
+    assert "beside the run's own report" in out
+    rejudged = json.loads((copy / "rejudged.json").read_text())
+    assert rejudged["verdict"]["passed"] is False and rejudged["rejudged_with"] == str(th)
+    assert (copy / "report-rejudged.md").read_text().split("## Verdict")[1].split()[0] == "FAIL:"
+    assert (copy / "plots-rejudged").is_dir()
+
+
+def test_a_rerender_reuses_the_runs_plots(run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(run.run_dir, copy)
+    (copy / "plots" / "sinkhorn.png").write_bytes(b"kept")  # a re-render that redrew it would overwrite this
+    assert cli.main(["report", str(copy)]) == 0
+    assert (copy / "plots" / "sinkhorn.png").read_bytes() == b"kept"
 
 
 def test_a_csa_floor_holds_only_a_quantized_decoder_reporting_no_top_k_and_names_the_configs_csa_layers(run, tiny):

@@ -272,6 +272,14 @@ def run_dir_rules(df: pd.DataFrame, out_dir: Path) -> list[Threshold]:
     return run_rules(manifest if isinstance(manifest, dict) else {}, df)[0]
 
 
+def existing_plots(out_dir: str | Path) -> list[Path] | None:
+    """The plots a run directory's ``out_dir`` holds, in the report's order; None when it holds none (a re-render
+    reuses them: they depend only on the rows and the stored rules)."""
+    out_dir = Path(out_dir)
+    found = [out_dir / name for name in PLOTS if (out_dir / name).is_file()]
+    return found or None
+
+
 def make_plots(df: pd.DataFrame, out_dir: str | Path, rules: Sequence[Threshold] | None = None) -> list[Path]:
     """Write every plot that has data to ``out_dir``; returns the written paths (possibly none). ``rules``: those
     that judged the run (None: :func:`run_dir_rules`)."""

@@ -207,10 +207,11 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
     steps = sorted(df["step"].unique())
     layers = sorted(v for v in df["layer"].unique() if v >= 0)
     profile = manifest.get("profile")
+    present = set(df["mode"].unique())
     facts = {
         "checkpoint": describe_checkpoint(manifest.get("checkpoint")),
         "run_id": ", ".join(map(str, df["run_id"].unique())) or manifest.get("run_id", ""),
-        "modes": ", ".join(m for m in MODES if m in set(df["mode"])),
+        "modes": ", ".join(m for m in MODES if m in present),
         "profile": profile_label(profile) if profile else ", ".join(map(str, df["profile"].unique())),
         "steps": _steps_text(df) if steps else "none",
         "layers": f"{len(layers)} (L{layers[0]}..L{layers[-1]})" if layers else "none",
@@ -869,8 +870,8 @@ def render_html(title: str, sections: Sequence[Section]) -> str:
 
 def write_report(run_dir: str | Path, df: pd.DataFrame, manifest: dict,
                  judgement: Judgement | Sequence[Threshold] | None = None, plots: Sequence[Path] | None = None,
-                 token_margin: float = TOKEN_FLIP_MARGIN) -> tuple[Path, Path]:
-    """Write ``report.md`` and ``report.html`` into ``run_dir`` (each atomically); plots are made under
+                 token_margin: float = TOKEN_FLIP_MARGIN, stem: str = "report") -> tuple[Path, Path]:
+    """Write ``<stem>.md`` and ``<stem>.html`` (``report``) into ``run_dir`` (each atomically); plots are made under
     ``run_dir/plots`` if None. ``judgement``: the run's judgement, rules to judge with, or None for the rules in
     ``manifest`` (or the defaults of its profile)."""
     run_dir = Path(run_dir)
@@ -883,7 +884,7 @@ def write_report(run_dir: str | Path, df: pd.DataFrame, manifest: dict,
     sections.insert(len(sections) - 1, Section("Plots", [] if plots else ["No plot had data."], images=list(plots)))
     run_ids = [str(r) for r in df["run_id"].unique()]
     title = f"dsv4-fidelity report: {', '.join(run_ids) or manifest.get('run_id', run_dir.name)}"
-    md_path, html_path = run_dir / "report.md", run_dir / "report.html"
+    md_path, html_path = run_dir / f"{stem}.md", run_dir / f"{stem}.html"
     write_text_atomic(md_path, render_markdown(title, sections, run_dir))
     write_text_atomic(html_path, render_html(title, sections))
     return md_path, html_path

@@ -1,16 +1,18 @@
 """Sparse FMHA decode on the 584 B/token FP8 KV layout, in one run on one GPU: the warp-specialized route
-(``ws``, its ring depth and prefetch distance swept), the Triton route, the bf16 ``ws`` kernel
+(``ws``, its ring depth and prefetch distance swept), the CUDA C++ route (``cuda``: CTA pairs sharing the
+dequantized rows, ``kernels/sparse_attention_pair.py``), the Triton route, the bf16 ``ws`` kernel
 on the unpacked rows (1024 B a row), and optionally FlashMLA's sm90 MODEL1 sparse FP8 decode kernel (the peer) on
 the same timer.
 
-    python benchmarks/bench_fmha_fp8kv.py --out DIR [--peer PATH] [--quick] [--diag]
+    python benchmarks/bench_fmha_fp8kv.py --out DIR [--peer PATH] [--quick] [--diag] [--diag-cuda]
 
 Cases: V4-Flash (64 heads, 128 window + 512 selected entries) and V4-Pro (128 heads, 128 + 1024) at batch 64 with
 one query per sequence and with two (MTP, s_q = 2: 128 query tokens, each with its own indices). Every token owns
 a sequence of 128 window rows and 8192 compressed rows (``kernel_sections.attention.decode_sets``).
 
 Before timing, on the benchmark inputs: the ``ws`` FP8 outputs against the bf16 ``ws`` kernel on
-``kv_layout.unpack`` rows (bit for bit, each consumer layout), and the per-row calc_diff against the emulation.
+``kv_layout.unpack`` rows (bit for bit, each consumer layout), the per-row calc_diff against the emulation (the
+``cuda`` route's too, with the fractions of its outputs equal to the emulation's and to ``ws``'s).
 Timing: ``kernel_sections.common.time_fn`` (median device time per call of CUDA-graph replays rotating over input
 sets that exceed the L2 several times). Floor: bytes (Q, O, 584 B per entry, indices) at the copy bandwidth
 measured in the same run, or the FLOPs at the measured bf16 matmul rate, whichever is larger.
@@ -48,6 +50,7 @@ from kernel_sections.common import CEIL, _n_sets, _row_calc_diff, measure_ceilin
 
 from fidelity.decoders.production import kv_layout, ops  # noqa: E402
 from fidelity.decoders.production.kernels import sparse_attention  # noqa: E402
+from fidelity.decoders.production.kernels.sparse_attention_pair import sparse_attention_pair  # noqa: E402
 from fidelity.decoders.production.kernels.sparse_attention_ws import sparse_attention_ws  # noqa: E402
 from fidelity.decoders.production.kernels.sparse_attention_ws_fp8kv import sparse_attention_ws_fp8kv  # noqa: E402
 from fidelity.model.formats import dequantize_fp8  # noqa: E402
@@ -66,6 +69,10 @@ LAYOUTS, ONE_CONSUMER = ((1, None), (2, False), (2, True)), ((1, None),)
 # --diag: the kernel with parts switched off (wrong results by design; PARTS bits of the kernel module): the
 # producers' loads (1), the consumers' math (2), dequantization and stores (4), the producers' proxy fence (8)
 DIAG_PARTS = {"all": 15, "no fence": 7, "no math": 13, "no gathers": 14, "math only": 10, "none": 8}
+# route cuda with parts switched off (``sparse_attention_pair``'s bits: row copies 1, math 2, dequantization and
+# stores 4)
+CUDA_DIAG_PARTS = {"all": 7, "producers only (no math)": 5, "math only": 2, "no dequant": 3, "no loads": 6,
+                   "none (handshakes)": 0}
 ROWS: list[dict] = []
 
 
@@ -85,6 +92,17 @@ def check(s0: dict, heads: int) -> dict:
     tri = sparse_attention.sparse_attention_fp8kv(s0["q"], s0["packed"], s0["idx"], s0["sink"], SCALE,
                                                   config={"route": "triton"})
     out["triton_max_row_calc_diff_vs_emulation"] = float(_row_calc_diff(tri, ref).max())
+    why = sparse_attention._cuda_refusal(s0["q"], s0["packed"], s0["idx"], "fp8-kv")
+    if why is None:
+        pair = sparse_attention.sparse_attention_fp8kv(s0["q"], s0["packed"], s0["idx"], s0["sink"], SCALE,
+                                                       config={"route": "cuda"})
+        ws = sparse_attention.sparse_attention_fp8kv(s0["q"], s0["packed"], s0["idx"], s0["sink"], SCALE,
+                                                     config={"route": "ws"})
+        out["cuda"] = {"max_row_calc_diff_vs_emulation": float(_row_calc_diff(pair, ref).max()),
+                       "bf16_equal_frac_vs_emulation": float((pair == ref).float().mean()),
+                       "bf16_equal_frac_vs_ws": float((pair == ws).float().mean())}
+    else:
+        out["cuda"] = {"refusal": why}
     return out
 
 
@@ -95,7 +113,7 @@ def floor_us(n_tokens: int, heads: int, entries: int) -> dict:
             "bound": "memory" if bytes_ / CEIL["bw"] > flops / CEIL["bf16"] else "bf16 MMA"}
 
 
-def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: bool) -> None:
+def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: bool, diag_cuda: bool) -> None:
     n = 64 * s_q
     entries = 128 + topk
     sets, _ = decode_sets(n, heads, topk, _n_sets(n * entries * 584, hi=16), 8192, fp8=True)
@@ -111,6 +129,7 @@ def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: boo
     variants += [(f"ws FP8 c{c} slots {ns} prefetch {pf}" + ("" if ah is None else f" ahead {int(ah)}"),
                   {"route": "ws", "consumers": c, "slots": ns, "prefetch": pf, "ahead": ah}, args8)
                  for c, ns, pf, ah in (QUICK_RINGS if quick else WS_RINGS) if heads % (32 * c) == 0]
+    variants += [("CUDA pairs FP8 (route cuda)", {"route": "cuda"}, args8)] if "refusal" not in checks["cuda"] else []
     variants += [("Triton FP8", {"route": "triton"}, args8), ("ws bf16 rows (1024 B)", {"route": "ws"}, args16)]
     for label, cfg, args in variants:
         fn = (sparse_attention.sparse_attention_cuda if args is args16 else sparse_attention.sparse_attention_fp8kv)
@@ -124,6 +143,12 @@ def time_ours(name: str, heads: int, topk: int, s_q: int, quick: bool, diag: boo
             row["frac_of_floor"] = fl["us"] / t["us"]
         ROWS.append(row)
         print(f"[time] {case} {label}: {t.get('us', float('nan')):.2f} us {t.get('error', '')}", flush=True)
+    if diag_cuda and "refusal" not in checks["cuda"]:
+        for label, parts in CUDA_DIAG_PARTS.items():
+            t = time_fn(lambda q, kv, i, s, parts=parts: sparse_attention_pair(q, kv, i, s, SCALE, parts=parts), args8)
+            ROWS.append({"case": case, "variant": f"diag cuda: {label}", **t, "floor_us": fl["us"],
+                         "floor_bound": fl["bound"]})
+            print(f"[diag] {case} cuda {label}: {t['us']:.2f} us", flush=True)
     if diag:
         for c, ah in LAYOUTS if heads % 64 == 0 else ONE_CONSUMER:
             layout = f"c{c}" + ("" if ah is None else f" ahead {int(ah)}")
@@ -224,13 +249,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="no ring sweep (the two-consumer fill orders only), fewer peer input sets")
     ap.add_argument("--diag", action="store_true", help="also time the kernel with parts switched off")
+    ap.add_argument("--diag-cuda", action="store_true", help="also time route cuda with parts switched off")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     measure_ceilings()
     print(f"[ceilings] {CEIL}", flush=True)
     for name, heads, topk in CASES:
         for s_q in (1, 2):
-            time_ours(name, heads, topk, s_q, a.quick, a.diag)
+            time_ours(name, heads, topk, s_q, a.quick, a.diag, a.diag_cuda)
         time_decode_step(name, heads, topk)
     if a.peer:
         try:

@@ -32,3 +32,25 @@ def test_registered_kernels_accept_cpu_tensors():
     out = dispatch("sparse_attention")(q, kv, idx, torch.zeros(4), 128**-0.5)
     assert out.device.type == "cpu" and out.dtype == BF16
     assert row_calc_diff(out, ops.sparse_attention(q, kv, idx, torch.zeros(4), 128**-0.5)).max() <= ROW_CALC_DIFF
+
+
+def test_sparse_attention_fp8kv_cuda_route_meets_the_op_contract():
+    """Route ``cuda`` of ``sparse_attention_fp8kv`` (CUDA C++ CTA pairs) against the op's contract on its head_dim
+    512 draws; head counts it does not take are padded to 64 with zero heads (heads are independent), then sliced."""
+    from fidelity.decoders.production.kernels import sparse_attention
+    from fidelity.testing.strategies import sparse_attention_fp8kv_inputs
+
+    probe = (torch.zeros(1, 64, 512, dtype=BF16, device=CUDA), torch.zeros(1, 584, dtype=torch.uint8, device=CUDA),
+             torch.zeros(1, 1, dtype=torch.int32, device=CUDA))
+    why = sparse_attention._cuda_refusal(*probe, "fp8-kv")
+    if why:
+        pytest.skip(f"route 'cuda' does not run here: {why}")
+
+    def cuda_route(q, kv_packed, idx, sink, scale, rope_dims=64):
+        h, pad = q.shape[1], -q.shape[1] % 64
+        q = torch.cat((q, q.new_zeros(q.shape[0], pad, q.shape[2])), 1)
+        sink = torch.cat((sink, sink.new_zeros(pad)))
+        return sparse_attention.sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, config={"route": "cuda"})[:, :h]
+
+    check_against_oracle("sparse_attention_fp8kv", cuda_route, max_examples=40, device=CUDA,
+                         strategy=sparse_attention_fp8kv_inputs(head_dims=(512,)))

@@ -306,6 +306,8 @@ def _ws_refusal(q, kv, idx, fmt) -> str | None:
     return ws_refusal("sparse_attention_ws", q, kv, idx)
 
 
+# route ``cuda`` (the CUDA C++ kernel) is the FP8 KV layout's default for a multiple of this many heads (None: never)
+CUDA_DEFAULT_HEADS: int | None = None
 # the warp-specialized kernels' launch parameters: 1 or 2 consumer warpgroups; the FP8 layout's ring depths
 WS_LAUNCH = {
     "bf16": ("consumers",),
@@ -313,15 +315,38 @@ WS_LAUNCH = {
 }
 
 
+def _cuda_refusal(q, kv, idx, fmt) -> str | None:
+    """Why the CUDA C++ kernel (``kernels/sparse_attention_pair.py``) cannot take these inputs (None: it can); it
+    runs the FP8 KV layout only."""
+    if fmt != "fp8-kv":
+        return f"fmt {fmt!r} (it runs the 584 B FP8 KV layout)"
+    from fidelity.decoders.production.kernels.sparse_attention_pair import refusal
+    return refusal(q, kv, idx)
+
+
+def _cuda_default(q, kv, idx, fmt) -> bool:
+    """Whether route ``cuda`` is the default for these inputs: the FP8 KV layout with a multiple of
+    ``CUDA_DEFAULT_HEADS`` heads (the shapes where it measured faster than ``ws``, BENCHMARKS.md), where it runs."""
+    return (CUDA_DEFAULT_HEADS is not None and fmt == "fp8-kv" and q.dim() == 3
+            and q.shape[1] % CUDA_DEFAULT_HEADS == 0 and _cuda_refusal(q, kv, idx, fmt) is None)
+
+
 def _route(q, kv, idx, fmt, config) -> tuple[str, dict | None]:
-    """``("ws", its launch parameters)`` or ``("triton", launch parameters)``. ``config={"route": "ws" |
-    "triton"}`` picks one; without it, the warp-specialized kernel runs where it can (the faster route,
+    """``("cuda", None)``, ``("ws", its launch parameters)`` or ``("triton", launch parameters)``.
+    ``config={"route": "cuda" | "ws" | "triton"}`` picks one; without it, the CUDA C++ kernel runs where it is the
+    default (:func:`_cuda_default`), else the warp-specialized kernel where it can (the faster route,
     BENCHMARKS.md) unless Triton launch parameters are given. ``WS_LAUNCH`` lists the ``ws`` kernels' own."""
     launch = dict(config or {})
     route = launch.pop("route", None)
+    if route == "cuda" or (route is None and not launch and _cuda_default(q, kv, idx, fmt)):
+        refusal = _cuda_refusal(q, kv, idx, fmt)
+        if refusal or launch:
+            raise ValueError(f"sparse_attention: route 'cuda' cannot run: "
+                             f"{refusal or f'it takes no launch parameters, found {sorted(launch)}'}")
+        return "cuda", None
     ws_launch = {k: launch.pop(k) for k in WS_LAUNCH.get(fmt, WS_LAUNCH["bf16"]) if k in launch}
     if route not in (None, "ws", "triton"):
-        raise ValueError(f"sparse_attention: config route must be 'ws' or 'triton', found {route!r}")
+        raise ValueError(f"sparse_attention: config route must be 'cuda', 'ws' or 'triton', found {route!r}")
     refusal = None if route == "triton" else _ws_refusal(q, kv, idx, fmt)
     if route == "ws" and (refusal or launch):
         raise ValueError(f"sparse_attention: route 'ws' cannot run: "
@@ -348,17 +373,20 @@ def route_sparse_attention(q, kv, idx, sink, scale, fmt="bf16") -> str:
 
 def sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, *, config=None):
     """``sparse_attention`` reading the 584 B/token FP8 cache (uint8 [m, 584], ``kv_layout.pack``);
-    q [n, H, 512] bf16 on CUDA. Routes as :func:`sparse_attention_cuda`: ``ws``
-    (``kernels/sparse_attention_ws_fp8kv.py``, dequantizing in its producer partition; its outputs equal the
-    bf16 ``ws`` kernel's on ``kv_layout.unpack(kv_packed, 512, 64)`` bit for bit) where it can, else the Triton
-    kernel (same
-    tile values; outputs equal up to the MMA's fp32 summation order)."""
+    q [n, H, 512] bf16 on CUDA. Routes (:func:`_route`): ``cuda`` (``kernels/sparse_attention_pair.py``, CUDA C++
+    CTA pairs sharing the dequantized rows; ``config={"route": "cuda"}``, or by default where
+    ``CUDA_DEFAULT_HEADS`` says), ``ws`` (``kernels/sparse_attention_ws_fp8kv.py``, dequantizing in its producer
+    partition; its outputs equal the bf16 ``ws`` kernel's on ``kv_layout.unpack(kv_packed, 512, 64)`` bit for bit)
+    where it can, else the Triton kernel (same tile values; outputs equal up to the MMA's fp32 summation order)."""
     if kv_packed.dtype != torch.uint8 or kv_packed.dim() != 2 or kv_packed.shape[1] != FP8_ROW_BYTES:
         raise ValueError(f"kv_packed: expected uint8 [m, {FP8_ROW_BYTES}], found {kv_packed.dtype} "
                          f"{list(kv_packed.shape)}")
     if q.shape[-1] != 512:
         raise ValueError(f"q: the FP8 layout has head_dim 512, found {q.shape[-1]}")
     route, launch = _route(q, kv_packed, idx, "fp8-kv", config)
+    if route == "cuda":
+        from fidelity.decoders.production.kernels.sparse_attention_pair import sparse_attention_pair
+        return sparse_attention_pair(q, kv_packed, idx, sink, scale)
     if route == "ws":
         from fidelity.decoders.production.kernels.sparse_attention_ws_fp8kv import sparse_attention_ws_fp8kv
         return sparse_attention_ws_fp8kv(q, kv_packed, idx, sink, scale, **launch)
@@ -383,5 +411,5 @@ def sparse_attention_fp8kv_cuda(q, kv_packed, idx, sink, scale, rope_dims=FP8_RO
 
 
 def route_sparse_attention_fp8kv(q, kv_packed, idx, sink, scale, rope_dims=FP8_ROPE) -> str:
-    """The route :func:`sparse_attention_fp8kv_cuda` takes for these inputs: ``ws`` or ``triton``."""
+    """The route :func:`sparse_attention_fp8kv_cuda` takes for these inputs: ``cuda``, ``ws`` or ``triton``."""
     return _route(q, kv_packed, idx, "fp8-kv", None)[0]

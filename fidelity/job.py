@@ -13,7 +13,7 @@ from fidelity.decoders.profiles import get_profile, profile_dict
 from fidelity.decoders.trace_file import TraceWriter
 from fidelity.harness.judgement import Judgement, judge, rules_for
 from fidelity.harness.runner import Runner, RunSpec, check_spec
-from fidelity.harness.thresholds import COLUMNS, Divergence, profile_class
+from fidelity.harness.thresholds import COLUMNS, RANK_COLUMNS, Divergence, profile_class
 from fidelity.outputs.rundir import check_output, new_run_id, write_run
 
 
@@ -43,13 +43,14 @@ class RunResult:
 
 
 def tidy(df: pd.DataFrame, run_id: str, profile: str) -> pd.DataFrame:
-    """The runner's rows in the long format of ``thresholds.COLUMNS``."""
+    """The runner's rows in the long format of ``thresholds.COLUMNS`` (and, where a decoder reported sharded sites,
+    ``rank`` / ``ranks``: rows of one rank's own tensor, empty on the others)."""
     df = df.assign(run_id=run_id, profile=profile)
     df["position"] = df["position"].fillna(-1).astype("int64")
     for col in ("step", "layer"):
         df[col] = df[col].astype("int64")
     df["value"] = df["value"].astype("float64")
-    return df[list(COLUMNS)]
+    return df[list(COLUMNS) + [c for c in RANK_COLUMNS if c in df.columns]]
 
 
 def run_job(checkpoint, spec: RunSpec, out_root: str | Path = "runs", run_id: str | None = None,

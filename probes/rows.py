@@ -62,7 +62,7 @@ def collect(pending: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, 
     values, host_pos = host[: len(pending)], iter(host[len(pending) :])
     rows = []
     for p, vals in zip(pending, values, strict=True):
-        base = {"site": p["site"], "layer": p["layer"], "metric": p["metric"], **fields}
+        base = {"site": p["site"], "layer": p["layer"], "metric": p["metric"], **p.get("extra", {}), **fields}
         pos = p["position"]
         if pos is None:
             rows.append({**base, "position": AGGREGATE, "value": vals[0]})

@@ -162,7 +162,7 @@ class TraceDecoder(TraceHeader, Decoder):
             for name, stored in self._resolve(step, list(f.keys())).items():  # noqa: SIM118 (no __iter__)
                 own = "@" in stored[0]
                 if name == "logits":
-                    tensors[name] = self._logits(step, self._joined(f, stored))
+                    tensors[name] = self._logits(step, self._joined(f, stored), own)
                     continue
                 tensors[name] = self._rows(step, name, self._joined(f, stored), own)
                 dim = self.trace.split_dim(stored[0]) if len(stored) > 1 else None
@@ -171,14 +171,13 @@ class TraceDecoder(TraceHeader, Decoder):
                                    for r, p in enumerate(stored)]
         return tensors, parts
 
-    def _logits(self, step: Segment, t: torch.Tensor) -> torch.Tensor:
+    def _logits(self, step: Segment, t: torch.Tensor, own: bool) -> torch.Tensor:
         """This sequence's logits of ``step``: its rows, or where the engine computed only each sequence's last row
         (one logits row per sequence of the call), that row alone."""
-        if self._last_rows_only(step, t.shape[0]):
+        if not own and self._last_rows_only(step, t.shape[0]):
             k = step.call.rows.index(step.rows)
             return t[k : k + 1]
-        lo = step.rows.offset if t.shape[0] != step.rows.n or len(step.call.rows) == 1 else 0
-        return t[lo : lo + step.keep]
+        return self._rows(step, "logits", t, own)
 
     def _last_rows_only(self, step: Segment, n: int) -> bool:
         total = sum(r.n for r in step.call.rows)
@@ -192,7 +191,7 @@ class TraceDecoder(TraceHeader, Decoder):
             for name, t in tensors.items():
                 if name != "logits" and self.rec.wants(name):
                     self.rec(name, t)
-                    for rank, dim, part in parts.get(name, ()):
+                    for rank, dim, part in parts.get(name, ()) if hasattr(self.rec, "part") else ():
                         self.rec.part(name, rank, len(parts[name]), dim, part)
             if self.rec.wants("logits"):
                 last = len(tensors["logits"]) == 1 and step.keep > 1

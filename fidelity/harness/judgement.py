@@ -21,6 +21,7 @@ from fidelity.harness.thresholds import (
     Threshold,
     ThresholdError,
     apply_thresholds,
+    blame_ranks,
     default_thresholds,
     first_divergence,
     load_thresholds,
@@ -50,7 +51,14 @@ class Judgement:
 
     @property
     def first_divergence(self) -> Divergence | None:
-        return first_divergence(self.failures)
+        """The first failing check of a whole tensor (a sharded site's ranks judged one by one name the ranks that
+        fail it too); where only a rank's own tensor fails (a replicated copy that disagrees), that rank's."""
+        failures = self.failures
+        if "rank" in failures.columns and failures["rank"].notna().any():
+            whole = failures[failures["rank"].isna()]
+            div = first_divergence(whole if len(whole) else failures.drop(columns=["rank", "ranks"]))
+            return blame_ranks(div, self.judged) if div is not None else None
+        return first_divergence(failures)
 
     def rule_counts(self) -> pd.DataFrame:
         """Per rule (index into ``rules``): rows checked and rows failed; rules that judged nothing get 0."""

@@ -248,7 +248,7 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
     sel = positions if rows is None else positions[rows]
     ctx = {"positions": sel, "window": cfg.window_size, "ref": ref, "test": test, "rows": rows,
            "ratios": cfg.compress_ratios}
-    selections, routings, batches = {}, {}, PairBatches()
+    selections, routings, batches, ranked = {}, {}, PairBatches(), []
     for i in range(cfg.n_layers):
         agree = _decided_rows(i, "L{i}.indexer.topk", ref, test, margins.selection, len(sel), device)
         if agree is not None:
@@ -261,7 +261,7 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
     for site in ref.records:
         if site not in test.records or (not per_position and not site_of(site).every_step):
             continue
-        r = ref.get(site)
+        r = _at_rows(site, ref.get(site), test, len(positions))
         t = _align(r, test.get(site), rows)
         r, t, counts = _rows_matched(site, r.to(t.device), t)
         pending += to_rows(site, _layer(site), counts)
@@ -274,7 +274,39 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
         if counts.get("shape_mismatch") is not None or (site.endswith(".scores") and r.shape != t.shape):
             continue  # scores are compared through indexer recall (widths differ when the oracle pads)
         pending += compare_site(site, r, t, site_ctx, per_position, batches)
-    return pending + batches.rows()
+        if site in test.parts and r.is_floating_point() and site_of(site).probe != "sinkhorn":
+            ranked += rank_rows(site, r, test.parts[site], rows, len(t), keep)
+    return pending + batches.rows() + ranked
+
+
+def _at_rows(site: str, ref: torch.Tensor, test: Recorder, n_call: int) -> torch.Tensor:
+    """The oracle's rows of ``site`` that the decoder recorded it at (``Recorder.at_rows``: an engine's logits at
+    each sequence's last row), where the oracle has every row of the call."""
+    at = test.at_rows.get(site)
+    return ref[at.to(ref.device)] if at is not None and ref.shape[0] == n_call else ref
+
+
+def rank_rows(site: str, ref: torch.Tensor, parts: list, rows: torch.Tensor | None, n: int,
+              keep: torch.Tensor | None) -> list[dict]:
+    """Pending ``similarity`` rows of each rank's own tensor of ``site`` (``Recorder.parts``) against its part of
+    the oracle's ``ref`` (the rows compared at the site: ``n`` common rows, then ``keep``): a concatenated shard
+    against its slice along the split dim, a replicated copy against the whole. Rows carry ``rank`` and ``ranks``."""
+    out, offset = [], 0
+    for rank, ranks, dim, t in sorted(parts, key=lambda p: p[0]):
+        t = _align(ref, t, rows)[:n].to(ref.device)
+        t = t[keep] if keep is not None and len(keep) == len(t) else t
+        if dim is None:
+            want = ref
+        else:
+            want = ref.narrow(dim, offset, min(t.shape[dim], max(0, ref.shape[dim] - offset)))
+            offset += t.shape[dim]
+        if want.shape != t.shape:
+            continue
+        metrics = similarity_batch(want[None], t[None])
+        for row in to_rows(site, _layer(site), {k: v[0] for k, v in metrics.items()}):
+            row["extra"] = {"rank": rank, "ranks": ranks}
+            out.append(row)
+    return out
 
 
 def residual_rows(site: str, ref: torch.Tensor, test: torch.Tensor) -> list[dict]:

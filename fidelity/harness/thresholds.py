@@ -14,6 +14,7 @@ core's gap. Cosine floors apply to every mode; free mode inherits upstream error
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import tomllib
@@ -31,6 +32,7 @@ from probes.metrics import METRIC_PATTERNS, METRICS, is_metric
 
 # The metric table contract (long format, one value per row).
 COLUMNS = ("run_id", "mode", "profile", "step", "phase", "position", "layer", "site", "metric", "value")
+RANK_COLUMNS = ("rank", "ranks")  # optional: a sharded site's rows of one rank's own tensor (empty elsewhere)
 MODES = ("op", "layer", "free")  # tie-break order for a divergence: the most local evidence first
 # then alphabetical, for rows failing together
 METRIC_PRIORITY = ("nonfinite_mismatch", "test_nonfinite", "cos", "calc_diff")
@@ -400,6 +402,8 @@ def wide(rows: pd.DataFrame) -> pd.DataFrame:
     """Long rows -> one row per (run_id, mode, profile, step, phase, position, layer, site), one column per
     metric; NaN values are kept (a metric whose every value is NaN still gets its column)."""
     keys = [c for c in COLUMNS if c not in ("metric", "value")]
+    if "rank" in rows.columns:  # one rank's own tensor: not the site's value
+        rows = rows[rows["rank"].isna()]
     unique = rows.drop_duplicates([*keys, "metric"])
     return unique.set_index([*keys, "metric"])["value"].unstack("metric").reset_index().rename_axis(columns=None)
 
@@ -536,6 +540,17 @@ class Divergence:
     position: int
     consequences: int = 0  # free-mode failures at later sites or steps: inherited from this one
     first_consequence: str = ""  # the earliest of them, 'logits (step 0)'
+    ranks_failed: tuple[int, ...] = ()  # tensor-parallel ranks whose own tensor fails the same check
+    ranks: int = 0  # ranks judged one by one at this site (0: a tensor of no ranks)
+
+    def rank_text(self) -> str:
+        """' on rank 1 of 2' where some ranks' own tensors fail, ' on every rank (2 of 2)' where all do."""
+        if not self.ranks or not self.ranks_failed:
+            return ""
+        if len(self.ranks_failed) == self.ranks:
+            return f" on every rank ({self.ranks} of {self.ranks}: not one rank's shard)"
+        which = ", ".join(map(str, self.ranks_failed))
+        return f" on rank{'s' if len(self.ranks_failed) > 1 else ''} {which} of {self.ranks}"
 
     def __str__(self) -> str:
         if math.isnan(self.value):
@@ -543,7 +558,7 @@ class Divergence:
         else:
             check = f"{self.metric} {fmt_num(self.value)} {'<' if self.op == '>=' else '>'} {fmt_num(self.limit)}"
         where = f"{self.mode} mode" + (f", position {self.position}" if self.position >= 0 else "")
-        text = f"step {self.step} ({self.phase}), {self.site} {check} ({where})"
+        text = f"step {self.step} ({self.phase}), {self.site}{self.rank_text()} {check} ({where})"
         hint = SITE_HINTS.get(self.site) or METRIC_HINTS.get(self.metric)
         if hint:
             text += f": {hint}"
@@ -552,6 +567,19 @@ class Divergence:
             text += (f"; {self.consequences} free-mode failure{'s' if many else ''} downstream "
                      f"follow{'' if many else 's'} from it (first: {self.first_consequence})")
         return text
+
+
+def blame_ranks(div: Divergence, judged: pd.DataFrame) -> Divergence:
+    """``div`` with the ranks whose own tensor fails a check (rows with a ``rank``: a sharded site judged one rank
+    at a time) at the same step, mode and site (a scaled shard keeps its own cosine: its calc_diff fails)."""
+    if "rank" not in judged.columns:
+        return div
+    own = judged[judged["rank"].notna() & (judged["step"] == div.step) & (judged["mode"] == div.mode)
+                 & (judged["site"] == div.site)]
+    if own.empty:
+        return div
+    failed = tuple(sorted(int(r) for r in own.loc[~own["passed"], "rank"].unique()))
+    return dataclasses.replace(div, ranks_failed=failed, ranks=int(own["ranks"].max()))
 
 
 def first_divergence(failures: pd.DataFrame) -> Divergence | None:

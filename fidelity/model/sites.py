@@ -192,15 +192,26 @@ class Recorder:
     def __post_init__(self) -> None:
         self._compiled = [re.compile(p) for p in self.patterns]
         self._seen_rows: dict[str, int] = {}
+        self.at_rows: dict[str, torch.Tensor] = {}  # site -> the call rows its record holds (recorded ``at``)
+        self.parts: dict[str, list[tuple[int, int, int | None, torch.Tensor]]] = {}  # site -> rank tensors
+
+    def part(self, site: str, rank: int, ranks: int, dim: int | None, tensor: torch.Tensor) -> None:
+        """Rank ``rank`` of ``ranks``'s own tensor of ``site`` (recorded whole as well): its part along ``dim`` of
+        the whole, or with ``dim`` None a whole copy (a replicated tensor); the runner judges each rank's."""
+        if self.wants(site):
+            self.parts.setdefault(site, []).append((rank, ranks, dim, tensor.detach()))
 
     def wants(self, site: str) -> bool:
         return any(p.fullmatch(site) for p in self._compiled)
 
-    def __call__(self, site: str, tensor: torch.Tensor, kept: bool = False) -> None:
+    def __call__(self, site: str, tensor: torch.Tensor, kept: bool = False, at: torch.Tensor | None = None) -> None:
         """Record ``tensor`` at ``site``; ``kept``: it holds only the rows :meth:`kept_rows` names, in order (a
-        model that computed just those), so no rows are selected here."""
+        model that computed just those), so no rows are selected here; ``at``: it holds these rows of the call alone
+        (an engine's logits at each sequence's last row), compared with the same rows of the oracle's."""
         if not is_site(site):
             raise KeyError(f"unknown site {site!r}; sites are listed in fidelity.model.sites.SITES")
+        if at is not None and self.wants(site):
+            self.at_rows[site] = at
         if self.wants(site):
             if self.kept_rows(site) is not None and not kept:
                 tensor = self._select_kept(site, tensor)

@@ -21,7 +21,7 @@ from fidelity.harness.thresholds import COLUMNS, Threshold
 from fidelity.outputs.plots import make_plots
 from fidelity.outputs.report import write_report
 
-METRICS_FILE, MANIFEST_FILE = "metrics.parquet", "manifest.json"
+METRICS_FILE, MANIFEST_FILE, VERDICT_FILE = "metrics.parquet", "manifest.json", "verdict.json"
 INT_COLUMNS, STR_COLUMNS = ("step", "position", "layer"), ("run_id", "mode", "profile", "phase", "site", "metric")
 MODES = frozenset({"free", "layer", "op"})
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
@@ -70,9 +70,31 @@ def check_output(out_root: str | Path, run_id: str, overwrite: bool = False) -> 
     return check_new_dir(Path(out_root) / run_id, overwrite, "--run-id")
 
 
+def verdict_record(judgement: Judgement, manifest: dict) -> dict:
+    """What ``verdict.json`` holds (stable keys, for CI): ``verdict`` PASS / FAIL, ``checked`` / ``failed`` rows,
+    ``first_divergence`` (its fields, the ranks whose own tensors fail it, and the sentence) or null,
+    ``failing_sites`` (each failing site with its first failing step and mode), ``decoder``, ``run_id``."""
+    div = judgement.first_divergence
+    first = None
+    if div is not None:
+        first = {"step": div.step, "phase": div.phase, "site": div.site, "metric": div.metric, "value": div.value,
+                 "op": div.op, "limit": div.limit, "mode": div.mode, "position": div.position,
+                 "layer": int(div.site[1:div.site.index(".")]) if div.site[:1] == "L" and "." in div.site else None,
+                 "ranks_failed": list(div.ranks_failed), "ranks": div.ranks, "text": str(div)}
+    fails = judgement.failures
+    sites = [] if fails.empty else [
+        {"site": site, "step": int(g["step"].min()), "mode": str(g.sort_values("step")["mode"].iloc[0])}
+        for site, g in fails.groupby("site", sort=False)]
+    return {"verdict": "PASS" if judgement.passed else "FAIL", "checked": len(judgement.judged),
+            "failed": int((~judgement.judged["passed"]).sum()), "first_divergence": first, "failing_sites": sites,
+            "decoder": manifest.get("decoder"), "run_id": manifest.get("run_id")}
+
+
 def _fill(tmp: Path, df: pd.DataFrame, manifest: dict, judgement: Judgement) -> None:
     df.to_parquet(tmp / METRICS_FILE, index=False)
     (tmp / MANIFEST_FILE).write_text(_manifest_json(manifest), encoding="utf-8")
+    (tmp / VERDICT_FILE).write_text(json.dumps(verdict_record(judgement, manifest), indent=1, default=str) + "\n",
+                                    encoding="utf-8")
     plots = make_plots(df, tmp / "plots")
     write_report(tmp, df, manifest, judgement, plots=plots)
 

@@ -732,8 +732,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _source_args(r)
     r.add_argument("--decode", type=int, help="decode steps after the prompt (default 64; a trace replays its own)")
-    _decoder_args(r, "the decoder under test: production (default), transformers (DeepseekV4ForCausalLM), or "
-                     "trace:DIR (a recorded trace, replayed with its own prompt and tokens)", "bf16")
+    _decoder_args(r, "the decoder under test: production (default), transformers (DeepseekV4ForCausalLM), "
+                     "trace:DIR (a recorded trace, replayed with its own prompt and tokens), or sglang-dump:DIR / "
+                     "hook-dump:DIR (an engine's own dump, docs/engines.md)", "bf16")
     r.add_argument("--write-trace", metavar="DIR", help="also record the decoder's calls as a trace in DIR")
     r.add_argument("--site-map", metavar="FILE",
                    help="with --decoder sglang-dump:DIR / hook-dump:DIR: a name map (TOML: engine tensor name regex -> "

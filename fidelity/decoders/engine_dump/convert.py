@@ -131,6 +131,11 @@ def _sites(dump: Dump, step: int, ranks, names: NameMap, cfg: ModelConfig, rows:
     for site, per_rank in found.items():
         joined, parts, join = _join(dump, site, per_rank, cfg)
         first = per_rank[0][0]
+        full = trailing_shape(site_template(site), cfg)
+        if full is not None and tuple(joined.shape[1:]) != full:
+            raise DumpError(f"{first.path}: {site} ({first.name}): rows of shape {list(joined.shape[1:])}"
+                            f"{' joined over the ranks' if dump.world > 1 else ''}, the checkpoint's config gives "
+                            f"{list(full)} (do the dump's model and --checkpoint agree?)")
         if joined.shape[0] != n_rows:
             raise DumpError(f"{first.path}: {site} ({first.name}): {joined.shape[0]} rows, the pass has {n_rows} "
                             "tokens (input_ids)")

@@ -11,7 +11,6 @@ max_context). The clean decoder runs every scenario run the chosen mutants use.
 
 from __future__ import annotations
 
-import html
 import re
 import tempfile
 import time
@@ -34,7 +33,7 @@ from fidelity.job import tidy
 from fidelity.model.config import ModelConfig
 from fidelity.model.default import default_prompt, prompt_for
 from fidelity.model.sampling import SamplerConfig
-from fidelity.outputs.report import html_table, md_table, raised_in_call
+from fidelity.outputs.report import Section, raised_in_call, render_html, render_markdown
 from fidelity.outputs.rundir import check_output, new_run_id
 from fidelity.scenarios import CATALOGUE as SCENARIOS
 from fidelity.scenarios import USER_ERRORS, Run, Scenario, Script, play, tokens
@@ -556,11 +555,17 @@ def write_matrix(matrix: pd.DataFrame, out_dir: str | Path, run_id: str | None =
     failures = gate_failures(matrix)
     verdict = "PASS" if not failures else "FAIL: " + "; ".join(failures)
 
+    mutants = table.loc[table["mutant"] != "clean", "mutant"].nunique()
+    head = f"gate: {verdict}" if failures else \
+        f"gate: PASS: the clean decoder stays silent and each of the {mutants} mutants is caught where it was planted"
+    sections = [Section("Verdict", [head], css="fail" if failures else "pass"),
+                Section("Detection matrix", ["First detection step and site per probe; '-': the probe stayed "
+                                             "silent."], table, na="-")]
+    title = f"dsv4-fidelity mutant detection matrix: {target.name}"
+
     def fill(tmp: Path) -> None:
         matrix.to_parquet(tmp / "detection.parquet", index=False)
-        (tmp / "detection.md").write_text(f"# Mutant detection matrix\n\ngate: {verdict}\n\n{md_table(table)}\n")
-        (tmp / "detection.html").write_text(
-            "<!doctype html><meta charset='utf-8'><title>mutants</title><h1>Mutant detection matrix</h1>"
-            f"<p>gate: {html.escape(verdict)}</p>{html_table(table)}")
+        (tmp / "detection.md").write_text(render_markdown(title, sections, tmp), encoding="utf-8")
+        (tmp / "detection.html").write_text(render_html(title, sections), encoding="utf-8")
 
     return write_dir_atomic(target, fill, overwrite)

@@ -22,7 +22,6 @@ and compares one script's sequence with another's at the positions both have (:c
 
 from __future__ import annotations
 
-import html
 import re
 import shutil
 import time
@@ -49,7 +48,7 @@ from fidelity.harness.thresholds import Divergence, site_order_key
 from fidelity.model.checkpoint import CheckpointError
 from fidelity.model.sites import Recorder
 from fidelity.outputs.plots import DPI, FLOOR
-from fidelity.outputs.report import html_table, md_table, raised_in_call
+from fidelity.outputs.report import Section, raised_in_call, render_html, render_markdown
 from fidelity.outputs.rundir import RunDirError, check_output, new_run_id
 
 # the gate of a pair whose bits may differ: the smallest cosine of two logits rows at one position and the mean
@@ -697,14 +696,30 @@ def _panels(matrix: pd.DataFrame) -> list[tuple[pd.DataFrame, str, str]]:
             (chunked, "param_value", "prefill chunk size (tokens; the whole prompt is the largest)")]
 
 
+NO_CHUNKS = "no run of the chunks scenario in this report"
+
+
+def _no_data(ax, empty: bool, why: str) -> bool:
+    """Write on an empty panel why it is empty; returns ``empty``."""
+    if empty:
+        ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="#555")
+    return empty
+
+
 def plot(matrix: pd.DataFrame, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    local_cos_figure(matrix).savefig(path, dpi=DPI)
+    return path
+
+
+def local_cos_figure(matrix: pd.DataFrame) -> Figure:
     """1 - worst local cos over prompt length (every run) and over chunk size (the chunks scenario); a failing run
-    is drawn as a red cross."""
+    is drawn as a red cross; an empty panel says why."""
     fig = Figure(figsize=(11, 3.8), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2)
-    for ax, (rows, x, xlabel) in zip(axes, _panels(matrix), strict=True):
-        rows = rows.dropna(subset=["worst_local_cos"])  # free mode only, or nothing judged: no point
+    for ax, (panel, x, xlabel) in zip(axes, _panels(matrix), strict=True):
+        rows = panel.dropna(subset=["worst_local_cos"])  # free mode only, or nothing judged: no point
         for name, group in rows.groupby("scenario", sort=False):
             y = (1 - group["worst_local_cos"]).clip(lower=FLOOR)
             ax.scatter(group[x], y, label=name, s=18)
@@ -712,7 +727,8 @@ def plot(matrix: pd.DataFrame, path: Path) -> Path:
             ax.scatter(bad[x], (1 - bad["worst_local_cos"]).clip(lower=FLOOR), marker="x", color="red", s=50)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("1 - worst local cos (layer/op)")
-        if not len(rows):
+        if _no_data(ax, not len(rows), NO_CHUNKS if x == "param_value" and not len(panel) else
+                    "no run judged in layer or op mode (free mode has no local cos)"):
             continue
         ax.set_yscale("log")
         if x == "param_value":
@@ -720,9 +736,7 @@ def plot(matrix: pd.DataFrame, path: Path) -> Path:
     if len(matrix.dropna(subset=["worst_local_cos"])):
         axes[0].legend(fontsize=7, loc="best")
     fig.suptitle("worst local cos per run (red x: the run fails against the oracle)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    return path
+    return fig
 
 
 def divergence_rows(matrix: pd.DataFrame) -> tuple[pd.Series, dict[float, str]]:
@@ -753,6 +767,7 @@ def divergence_figure(matrix: pd.DataFrame) -> Figure:
     y, ticks = divergence_rows(matrix)
     markers = {name: MARKERS[k % len(MARKERS)] for k, name in enumerate(matrix["scenario"].unique())}
     for ax, (rows, x, xlabel) in zip(axes, _panels(matrix), strict=True):
+        _no_data(ax, not len(rows), NO_CHUNKS if x == "param_value" else "no run in this report")
         for name, group in rows.groupby("scenario", sort=False):
             ax.scatter(group[x], y[group.index], marker=markers[name], s=24, label=name)
         if x == "param_value" and len(rows):
@@ -774,31 +789,49 @@ def plot_divergence(matrix: pd.DataFrame, path: Path) -> Path:
 
 
 def write_report(folder: Path, result: ScenarioResult, checkpoint: str, decoder: Decoder | str) -> None:
+    """report.md and report.html (styled as a run's report: the verdict first, '-' where nothing ran, each run's
+    report linked), matrix.csv, pairs.csv and plots/."""
     matrix, pairs = result.matrix, result.pairs
     matrix.to_csv(folder / "matrix.csv", index=False)
     pairs.to_csv(folder / "pairs.csv", index=False)
-    pngs = {"worst local cos": plot(matrix, folder / "plots" / "worst_local_cos.png"),
-            "first divergence": plot_divergence(matrix, folder / "plots" / "first_divergence.png")}
+    pngs = [plot(matrix, folder / "plots" / "worst_local_cos.png"),
+            plot_divergence(matrix, folder / "plots" / "first_divergence.png")]
     label = decoder.label if isinstance(decoder, Decoder) else decoder
     if planted := sorted(active()):
         label += f" with {', '.join(planted)} planted"
-    verdict = result.verdict()
-    head = (f"decoder {label} on {checkpoint}; {len(matrix)} runs, {len(pairs)} self-consistency pairs, "
-            f"{len(result.skipped)} scenarios skipped, {result.seconds:.0f} s")
-    gate = f"self-consistency bound where bits may differ: cos_min >= {COS_MIN}, rel_l2 <= {REL_L2_MAX}"
-    tables = [("Scenario matrix", matrix[list(MATRIX_COLUMNS)]),
-              ("Self-consistency (the decoder against itself)", pairs[list(PAIR_COLUMNS)] if len(pairs) else pairs)]
+    sections = [_verdict_section(result),
+                Section("Run", [f"Decoder {label} on {checkpoint}; {len(matrix)} runs, {len(pairs)} self-consistency "
+                                f"pairs, {len(result.skipped)} scenarios skipped, {result.seconds:.0f} s.",
+                                "Each run's own report: the report column links to it."]),
+                Section("Plots", images=pngs),
+                Section("Scenario matrix", table=_matrix_table(matrix), na="-", links=("report",)),
+                Section("Self-consistency (the decoder against itself)",
+                        [f"Bound where bits may differ: cos_min >= {COS_MIN}, rel_l2 <= {REL_L2_MAX}."],
+                        pairs[list(PAIR_COLUMNS)] if len(pairs) else None, na="-", nowrap=("bound",))]
     if result.skipped:
-        tables.append(("Skipped (the decoder lacks a capability; not judged)",
-                       pd.DataFrame({"scenario": list(result.skipped), "why": list(result.skipped.values())})))
-    md = [f"# Scenarios\n\nverdict: {verdict}\n\n{head}\n\n{gate}\n"]
-    md += [f"## {title}\n\n{md_table(t)}\n" for title, t in tables]
-    images = "\n\n".join(f"![{alt}]({png.relative_to(folder)})" for alt, png in pngs.items())
-    md.append(f"## Plots\n\n{images}\n\nEach run's own report: runs/<run>/.\n")
-    (folder / "report.md").write_text("\n".join(md), encoding="utf-8")
-    body = "".join(f"<h2>{html.escape(title)}</h2>{html_table(t)}" for title, t in tables)
-    (folder / "report.html").write_text(
-        "<!doctype html><meta charset='utf-8'><title>scenarios</title><h1>Scenarios</h1>"
-        f"<p>verdict: {html.escape(verdict)}</p><p>{html.escape(head)}</p><p>{html.escape(gate)}</p>{body}"
-        "<h2>Plots</h2>" + "".join(f"<p><img src='{png.relative_to(folder)}' alt='{alt}'></p>"
-                                   for alt, png in pngs.items()), encoding="utf-8")
+        sections.append(Section("Skipped (the decoder lacks a capability; not judged)", table=pd.DataFrame(
+            {"scenario": list(result.skipped), "why": list(result.skipped.values())})))
+    title = f"dsv4-fidelity scenarios: {result.out_dir.name}"
+    (folder / "report.md").write_text(render_markdown(title, sections, folder), encoding="utf-8")
+    (folder / "report.html").write_text(render_html(title, sections), encoding="utf-8")
+
+
+def _verdict_section(result: ScenarioResult) -> Section:
+    """PASS / FAIL (or SKIPPED) first, in the run report's banner, then each failure on its own line."""
+    verdict = result.verdict()
+    passed = result.passed and not verdict.startswith("SKIPPED")
+    runs = int((result.matrix["verdict"] == "PASS").sum()) if len(result.matrix) else 0
+    pairs = int(result.pairs["passed"].sum()) if len(result.pairs) else 0
+    head = f"{'PASS' if passed else verdict.split(':')[0]}: {runs} of {len(result.matrix)} runs pass against the " \
+           f"oracle, {pairs} of {len(result.pairs)} self-consistency pairs pass."
+    lines = [f"FAIL {f}" for f in result.failures()] + [f"SKIPPED {k}: {why}" for k, why in result.skipped.items()]
+    return Section("Verdict", [head, *lines], css="pass" if passed else "fail")
+
+
+def _matrix_table(matrix: pd.DataFrame) -> pd.DataFrame:
+    """The matrix's columns and a link to each run's report.html (its run directory under runs/)."""
+    table = matrix[list(MATRIX_COLUMNS)]
+    if "run_dir" in matrix:
+        table = table.assign(report=[f"{d}/report.html" if isinstance(d, str) and d else None
+                                     for d in matrix["run_dir"]])
+    return table

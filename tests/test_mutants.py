@@ -203,6 +203,8 @@ class GateOnOneSeed:
         md = (out / "detection.md").read_text()
         assert "gate: PASS" in md and "| mutant | scenario run | first detection |" in md
         assert "| window-127 | lengths / prompt 128 | step 0 L0.attn.visible" in md
+        page = (out / "detection.html").read_text()
+        assert page.index('<section class="pass"><h2>Verdict') < page.index("<table>") and ">nan<" not in page
 
     def test_gate_reports_an_undetected_mutant_a_misplaced_one_and_a_clean_alarm(self, matrix):
         broken = matrix.copy()

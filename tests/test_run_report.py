@@ -110,11 +110,14 @@ def test_the_report_opens_with_the_verdict_and_the_first_divergence(run):
     divergence = f"first divergence: {run.first_divergence or 'none'}"
     text = [ln for ln in md.splitlines() if ln and not ln.startswith("#")]
     assert text[0].startswith(verdict) and text[1] == divergence
-    assert [ln for ln in md.splitlines() if ln.startswith("## ")][:2] == ["## Verdict", "## Run"]
+    assert [ln for ln in md.splitlines() if ln.startswith("## ")][:4] == [
+        "## Verdict", "## Per-layer error: local vs inherited", "## Plots", "## Run"]  # the summary first
     body = (run.run_dir / "report.html").read_text().split("<body>")[1]
     paragraphs = re.findall(r"<p>(.*?)</p>", body)
     assert paragraphs[0].startswith(verdict) and paragraphs[1] == html.escape(divergence)
-    assert body.index("<h2>Verdict") < body.index("<h2>Run") < body.index("<table>")
+    assert body.index("<h2>Verdict") < body.index("<h2>Per-layer") < body.index("<img") < body.index("<h2>Run")
+    run_section = body.split("<h2>Run</h2>")[1].split("</section>")[0]
+    assert run_section.index(" fields of this run</summary>") < run_section.index("<table>")  # collapsed
     ids = " ".join(map(str, run.manifest["generated"]))
     assert ids not in md and f"| generated | {len(run.manifest['generated'])} tokens (ids in manifest.json) |" in md
 

@@ -166,9 +166,28 @@ def test_cli_writes_the_combined_report(plan, tmp_path, monkeypatch, capsys):
     assert rc == 0, out
     assert "2/2 runs pass" in out and "1/1 pairs pass" in out
     md = (tmp_path / "t" / "report.md").read_text()
-    assert "verdict: PASS" in md and "chunked==whole" in md and "Scenario matrix" in md
-    assert (tmp_path / "t" / "report.html").is_file()
+    assert "## Verdict\n\nPASS: 2 of 2 runs pass against the oracle, 1 of 1 self-consistency pairs pass." in md
+    assert "chunked==whole" in md and "Scenario matrix" in md
+    page = (tmp_path / "t" / "report.html").read_text()
+    assert page.index('<section class="pass"><h2>Verdict') < page.index("<h2>Scenario matrix")
+    for run_dir in (tmp_path / "t" / "runs").iterdir():  # each run's report, linked
+        link = f"runs/{run_dir.name}/report.html"
+        assert f'<a href="{link}">{link}</a>' in page and (tmp_path / "t" / link).is_file()
+    assert ">nan<" not in page and "<style>" in page
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial folder left
+
+
+def test_an_empty_plot_panel_says_why(plan, tmp_path):
+    """Free mode only: no run has a local cos, and no run belongs to the chunks scenario; the panels say so."""
+    tiny = Scenario("tiny", "one whole prompt", (Run("whole", 40, 1),), ())
+    res = run_scenarios(plan, [tiny], "production", out=tmp_path, run_id="f", modes=("free",))
+    assert res.matrix["worst_local_cos"].isna().all()
+    texts = [[t.get_text() for t in ax.texts] for ax in scenarios.local_cos_figure(res.matrix).axes]
+    assert texts == [["no run judged in layer or op mode (free mode has no local cos)"], [scenarios.NO_CHUNKS]]
+    texts = [[t.get_text() for t in ax.texts] for ax in scenarios.divergence_figure(res.matrix).axes]
+    assert texts == [[], [scenarios.NO_CHUNKS]]
+    page = (tmp_path / "f" / "report.html").read_text()
+    assert "<td class=\"num\">-</td>" in page and ">nan<" not in page  # worst_local_cos of a free-mode run
 
 
 @pytest.mark.parametrize("command", ["scenarios", "run"])

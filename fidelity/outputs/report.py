@@ -48,6 +48,8 @@ PLOT_CAPTIONS = {
     "residual_norms.png": "Residual stream RMS per layer: production's streams; oracle vs decoder over every stream",
     "sinkhorn.png": "Sinkhorn deviations as judged (row excess over the oracle's, columns) per layer, with limits",
     "recall.png": "Indexer recall@k over steps",
+    "worst_local_cos.png": "worst local cos",  # a scenario report's
+    "first_divergence.png": "first divergence",
 }
 
 
@@ -64,12 +66,16 @@ class Section:
     details_title: str = "details"
     blocks: list[tuple[str, str]] = field(default_factory=list)  # (caption, preformatted text), side by side in HTML
     tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)  # (caption, table) after ``table``
+    collapsed: str = ""  # HTML: ``table`` folded in a <details> with this summary
+    na: str = "nan"  # how the tables show a missing value ('-': nothing ran there)
+    links: tuple[str, ...] = ()  # columns whose cells are relative links (HTML)
+    nowrap: tuple[str, ...] = ()  # columns kept on one line (HTML)
 
 
 # ---- value formatting and tables -------------------------------------------------------------------------------
 
-def fmt_value(v: object) -> str:
-    """Table cell text: integers plainly, floats with 6 significant digits (more next to 1), NaN as 'nan'."""
+def fmt_value(v: object, na: str = "nan") -> str:
+    """Table cell text: integers plainly, floats with 6 significant digits (more next to 1), NaN as ``na``."""
     if v is None or v is pd.NA:
         return ""
     if isinstance(v, bool | np.bool_):
@@ -79,7 +85,7 @@ def fmt_value(v: object) -> str:
     if isinstance(v, Real):
         f = float(v)
         if math.isnan(f):
-            return "nan"
+            return na
         if math.isinf(f):
             return "inf" if f > 0 else "-inf"
         return str(int(f)) if f.is_integer() and abs(f) < 1e15 else fmt_num(f)
@@ -98,22 +104,31 @@ def _numeric(df: pd.DataFrame) -> list[bool]:
     return [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]) for c in df.columns]
 
 
-def md_table(df: pd.DataFrame) -> str:
-    """A GitHub-flavoured markdown table (numeric columns right-aligned)."""
+def md_table(df: pd.DataFrame, na: str = "nan") -> str:
+    """A GitHub-flavoured markdown table (numeric columns right-aligned; a missing value as ``na``)."""
     head = "| " + " | ".join(md_escape(c) for c in df.columns) + " |"
     sep = "|" + "|".join("---:" if n else "---" for n in _numeric(df)) + "|"
-    rows = ["| " + " | ".join(md_escape(fmt_value(v)) for v in row) + " |" for row in df.itertuples(index=False)]
+    rows = ["| " + " | ".join(md_escape(fmt_value(v, na)) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join([head, sep, *rows])
 
 
-def html_table(df: pd.DataFrame) -> str:
-    """An HTML table with escaped cells."""
+def _cell(v: object, numeric: bool, na: str, link: bool, nowrap: bool) -> str:
+    text = html.escape(fmt_value(v, na))
+    classes = " ".join(c for c, on in (("num", numeric), ("nowrap", nowrap)) if on)
+    attr = f' class="{classes}"' if classes else ""
+    content = f'<a href="{text}">{text}</a>' if link and text not in ("", na) else text
+    return f"<td{attr}>{content}</td>"
+
+
+def html_table(df: pd.DataFrame, na: str = "nan", links: Sequence[str] = (), nowrap: Sequence[str] = ()) -> str:
+    """An HTML table with escaped cells; a missing value as ``na``, the cells of ``links`` as links, those of
+    ``nowrap`` on one line."""
     numeric = _numeric(df)
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
     body = []
     for row in df.itertuples(index=False):
-        cells = "".join(f'<td{" class=num" if n else ""}>{html.escape(fmt_value(v))}</td>'
-                        for v, n in zip(row, numeric, strict=True))
+        cells = "".join(_cell(v, n, na, c in links, c in nowrap)
+                        for v, n, c in zip(row, numeric, df.columns, strict=True))
         body.append(f"<tr>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -234,14 +249,25 @@ def header_section(df: pd.DataFrame, manifest: dict) -> Section:
         if isinstance(v, str | int | float | bool) and key not in facts:
             facts[key] = v
     if isinstance(profile, dict):
-        reference = profile_fields("reference") or {}
-        changed = {k: v for k, v in (profile_fields(profile) or {}).items() if reference.get(k) != v}
-        facts["profile fields"] = ", ".join(f"{k}={v}" for k, v in changed.items()) or "as reference"
+        facts["profile fields"] = _profile_fields_text(profile)
     table = pd.DataFrame({"field": list(facts), "value": [fmt_value(v) for v in facts.values()]})
     manifest_json = json.dumps(manifest, indent=2, sort_keys=True, default=str)
     tested = manifest.get("decoder", facts["profile"])
     text = [f"Tested: {tested} on {facts['checkpoint']}.", "The full manifest is in manifest.json."]
-    return Section("Run", text, table, details=manifest_json, details_title="manifest.json")
+    return Section("Run", text, table, details=manifest_json, details_title="manifest.json",
+                   collapsed=f"{len(table)} fields of this run")
+
+
+def _profile_fields_text(profile: dict) -> str:
+    """The production profile's fields that differ from ``reference``; for a decoder with no such fields (its own
+    numerics, e.g. transformers' model), what its profile says instead."""
+    fields = profile_fields(profile) or {}
+    if not fields:
+        precision = f", precision {profile['precision']}" if profile.get("precision") else ""
+        return f"none: not a production profile (the decoder's own numerics{precision})"
+    reference = profile_fields("reference") or {}
+    changed = {k: v for k, v in fields.items() if reference.get(k) != v}
+    return ", ".join(f"{k}={v}" for k, v in changed.items()) or "as reference"
 
 
 def _steps_text(df: pd.DataFrame) -> str:
@@ -636,6 +662,12 @@ def continuation_section(manifest: dict) -> Section | None:
         rest = t["oracle"][len(t["agreed_text"]) + len(t["oracle_token"]):]
         oracle = f"{t['agreed_text']}{a}{t['oracle_token']}{b}{rest}"
         decoder = f"{t['agreed_text']}{a}{t['decoder_token']}{b}"
+        stream = manifest.get("stream", "oracle")
+        if stream != "production":
+            whose = f"its first pick already differs; the stream then follows the {stream}" if k == 0 else \
+                f"its picks up to decode step {k}; the stream then follows the {stream}, so the rest is not its own"
+            blocks = [("end of the prompt", t["prompt_tail"]), ("oracle", oracle), (f"decoder ({whose})", decoder)]
+            return Section("Continuations", text, blocks=blocks)
     blocks = [("end of the prompt", t["prompt_tail"]), ("oracle", oracle), ("decoder", decoder)]
     return Section("Continuations", text, blocks=blocks)
 
@@ -792,8 +824,8 @@ def threshold_section(judgement: Judgement) -> Section:
 def build_sections(df: pd.DataFrame, manifest: dict, judgement: Judgement,
                    token_margin: float = TOKEN_FLIP_MARGIN) -> list[Section]:
     """All report sections in reading order, plots excluded."""
-    return [verdict_section(judgement, manifest), header_section(df, manifest), modes_section(df, manifest),
-            layer_error_section(df), residual_section(df), sinkhorn_section(df, judgement),
+    return [verdict_section(judgement, manifest), layer_error_section(df), header_section(df, manifest),
+            modes_section(df, manifest), residual_section(df), sinkhorn_section(df, judgement),
             indexer_section(df), visible_section(df), anomaly_section(df), token_section(df, token_margin),
             *filter(None, [repetition_section(df, manifest), continuation_section(manifest)]),
             memory_section(df, judgement),
@@ -804,10 +836,11 @@ def build_sections(df: pd.DataFrame, manifest: dict, judgement: Judgement,
 
 CSS = """
 body{font-family:system-ui,sans-serif;color:#222;max-width:1150px;margin:1.5em auto;padding:0 1em}
+table{display:block;max-width:100%;overflow-x:auto}
 h1{font-size:1.5em}h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
 table{border-collapse:collapse;margin:.6em 0;font-size:13px}
 th,td{border:1px solid #ccc;padding:2px 8px;vertical-align:top}th{background:#f2f2f2;text-align:left}
-td.num{text-align:right;font-family:ui-monospace,Menlo,monospace}
+td.num{text-align:right;font-family:ui-monospace,Menlo,monospace}td.nowrap{white-space:nowrap}
 section.pass>p:first-of-type{color:#060;font-weight:bold;font-size:1.15em}
 section.fail>p:first-of-type{color:#b00;font-weight:bold;font-size:1.15em}
 figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}figcaption{font-size:13px;color:#555}
@@ -827,9 +860,9 @@ def render_markdown(title: str, sections: Sequence[Section], base: Path) -> str:
         out += ["", f"## {md_escape(s.title)}"]
         out += [x for line in s.text for x in ("", md_escape(line))]
         if s.table is not None:
-            out += ["", md_table(s.table)]
+            out += ["", md_table(s.table, s.na)]
         for caption, table in s.tables:
-            out += ["", md_escape(caption), "", md_table(table)]
+            out += ["", md_escape(caption), "", md_table(table, s.na)]
         for caption, block in s.blocks:
             fence = "~~~~" if "~~~" in block else "~~~"
             out += ["", f"{md_escape(caption)}:", "", fence, block, fence]
@@ -852,10 +885,12 @@ def render_html(title: str, sections: Sequence[Section]) -> str:
         css = f' class="{html.escape(s.css)}"' if s.css else ""
         body.append(f"<section{css}><h2>{html.escape(s.title)}</h2>")
         body += [f"<p>{html.escape(line)}</p>" for line in s.text]
-        if s.table is not None:
-            body.append(html_table(s.table))
-        for caption, table in s.tables:
-            body += [f"<p>{html.escape(caption)}</p>", html_table(table)]
+        tables = [("", s.table)] * (s.table is not None) + list(s.tables)
+        for k, (caption, table) in enumerate(tables):
+            rendered = html_table(table, s.na, s.links, s.nowrap)
+            if k == 0 and s.table is not None and s.collapsed:
+                rendered = f"<details><summary>{html.escape(s.collapsed)}</summary>{rendered}</details>"
+            body += [f"<p>{html.escape(caption)}</p>"] * bool(caption) + [rendered]
         if s.blocks:
             body.append('<div class="blocks">' + "".join(
                 f"<div><p>{html.escape(c)}</p><pre>{html.escape(b)}</pre></div>" for c, b in s.blocks) + "</div>")
@@ -881,7 +916,8 @@ def write_report(run_dir: str | Path, df: pd.DataFrame, manifest: dict,
         judgement = judge(df, rules if judgement is None else judgement, klass, token_margin)
     plots = make_plots(df, run_dir / "plots", judgement.rules) if plots is None else [Path(p) for p in plots]
     sections = build_sections(df, manifest, judgement, token_margin)
-    sections.insert(len(sections) - 1, Section("Plots", [] if plots else ["No plot had data."], images=list(plots)))
+    # the plots after the verdict and the per-layer summary, before the Run table
+    sections.insert(2, Section("Plots", [] if plots else ["No plot had data."], images=list(plots)))
     run_ids = [str(r) for r in df["run_id"].unique()]
     title = f"dsv4-fidelity report: {', '.join(run_ids) or manifest.get('run_id', run_dir.name)}"
     md_path, html_path = run_dir / f"{stem}.md", run_dir / f"{stem}.html"

@@ -241,7 +241,7 @@ def cmd_run(args) -> int:
     run_ids = [run_id] if len(replays) < 2 else [f"{run_id}-seq{r.seq}" for r in replays]
     for rid in run_ids[1:]:
         check_output(args.out, rid, args.overwrite)
-    passed = True
+    failed = 0
     for decoder, rid in zip(replays or [args.decoder], run_ids, strict=True):
         t0 = time.perf_counter()
         progress = Progress()
@@ -256,11 +256,14 @@ def cmd_run(args) -> int:
                       tokenizer=str(tok) if tok else None, graphs=args.graphs, **extra)
         finally:
             progress.close()  # ends a bar (a run that stopped on a stop token, or one interrupted) on its own line
-        passed = passed and res.passed
+        failed += not res.passed
         _print_run(res, plan.what, time.perf_counter() - t0, threads)
+    if len(run_ids) > 1:
+        print(f"overall: {failed} of {len(run_ids)} sequences FAIL" if failed else
+              f"overall: all {len(run_ids)} sequences PASS")
     if args.write_trace:
         print(f"trace: {args.write_trace}")
-    return 1 if args.gate and not passed else 0
+    return 1 if args.gate and failed else 0
 
 
 def _print_run(res, checkpoint: str, seconds: float, threads: int) -> None:
@@ -277,7 +280,23 @@ def _print_run(res, checkpoint: str, seconds: float, threads: int) -> None:
     _print_verdict(res.judgement)
     if line := decoder_raised_line(res.manifest):
         print(line)
+    if line := _known_cause(res):
+        print(line)
     print(f"report: {res.run_dir / 'report.md'} (and report.html, metrics.parquet, plots/)")
+
+
+def _known_cause(res) -> str | None:
+    """The documented cause of a failure a new user meets first: transformers' bf16 router gate (README, "A live
+    decoder"); None for any other run."""
+    failures = res.judgement.failures
+    if res.passed or res.manifest.get("decoder_dtype") not in ("bf16", "bfloat16") or \
+            not str(res.manifest.get("decoder", "")).startswith("transformers"):
+        return None
+    if not failures["site"].str.fullmatch(r"L\d+\.moe\.weights").any():
+        return None
+    return ("cause (documented in README.md, \"A live decoder\"): transformers' router computes its gate logits in "
+            "bf16 (the official gate is fp32), so its routing weights fail op mode's rule; --decoder-dtype fp32 "
+            "judges the model without it")
 
 
 def cmd_scenarios(args) -> int:

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -250,3 +251,107 @@ def test_a_trace_folder_that_exists_is_refused_before_the_run(tmp_path, capsys, 
     (tmp_path / "trace" / "trace.json").write_text("{}")
     line = _error(capsys, ["run", "--write-trace", str(tmp_path / "trace"), "--out", str(tmp_path)])
     assert f"--write-trace {tmp_path / 'trace'}: exists; pass --overwrite to replace it" in line
+
+
+HEAVY = ("torch", "pandas", "numpy", "matplotlib", "fidelity.api", "fidelity.harness")
+CHECK = """import runpy, sys
+heavy = sys.argv.pop().split(",")
+try:
+    runpy.run_module("fidelity", run_name="__main__")
+except SystemExit as end:
+    code = end.code
+print("heavy:", [m for m in heavy if m in sys.modules], "exit:", code, file=sys.stderr)
+"""
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize(("argv", "code"), [
+    (["--help"], 0), (["--version"], 0), ([], 0), (["run", "--help"], 0), (["report", "--help"], 0),
+    (["run", "--bogus"], 2), (["run", "--decode", "x"], 2), (["run", "--mode", "fast"], 2),
+])
+def test_help_version_and_argument_errors_import_no_torch(argv, code):
+    """``python -m fidelity`` with these arguments: nothing heavy imported (heavy modules load inside commands)."""
+    res = subprocess.run([sys.executable, "-c", CHECK, *argv, ",".join(HEAVY)], capture_output=True, text=True,
+                         cwd=Path(cli.__file__).parents[1])
+    assert res.stderr.strip().splitlines()[-1] == f"heavy: [] exit: {code}", res.stderr
+
+
+@pytest.mark.smoke
+def test_python_m_fidelity_and_plain_fidelity_list_the_commands():
+    res = subprocess.run([sys.executable, "-m", "fidelity"], capture_output=True, text=True,
+                         cwd=Path(cli.__file__).parents[1])
+    assert res.returncode == 0 and res.stderr == ""
+    assert res.stdout.startswith("usage: fidelity") and "{run,scenarios,mutants,report" in res.stdout
+    assert "examples:" in res.stdout and "verdict" not in res.stdout  # the commands, not a run
+    res = subprocess.run([sys.executable, "-m", "fidelity", "--version"], capture_output=True, text=True)
+    assert res.stdout.strip() == f"dsv4-fidelity {cli.__version__}"
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--device", "tpu"], "--device: expected cpu or cuda[:N] (the devices the decoders and the oracle run on), "
+                          "found 'tpu'"),
+    (["--oracle-device", "npu"], "--oracle-device: expected cpu or cuda[:N] (the devices the decoders and the oracle "
+                                 "run on), found 'npu'"),
+    (["--layers", "0"], "--layers: expected >= 1, found 0"),
+    (["--checkpoint", "ckpt", "--layers", "2"], "--layers: cuts a --preset's layers; a --checkpoint keeps its own "
+                                                "(leave --layers out)"),
+    (["--run-id", ""], "--run-id: expected letters, digits, '.', '_', '+', '-' (not leading), found ''"),
+    (["--stop-id", "999999", "--stop-id", "7"], "--stop-id: expected ids in [0, 4096), found 999999"),
+    (["--sample-queries", "-1", "--mode", "op"], "--sample-queries: expected >= 1 prefill queries, found -1"),
+])
+def test_a_bad_run_option_is_one_line_before_any_work_and_leaves_no_out_folder(argv, message, tmp_path, capsys,
+                                                                              no_synthesis):
+    out = tmp_path / "new" / "runs"
+    assert _error(capsys, ["run", *argv, "--out", str(out)]).endswith(message)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.smoke
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch: --device cuda is not refused")
+def test_device_cuda_on_a_cpu_only_torch_names_the_build_and_what_to_install(tmp_path, capsys, no_synthesis):
+    for command in ("run", "scenarios", "mutants"):
+        line = _error(capsys, [command, "--device", "cuda", "--out", str(tmp_path / "runs")])
+        assert line.startswith(f"fidelity: error: --device cuda: this torch ({torch.__version__}) is a CPU-only "
+                               "build; install a CUDA build (pip install torch --index-url"), line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.smoke
+def test_a_run_that_cannot_fit_in_memory_is_refused_before_its_prompt_is_built(tmp_path, capsys, monkeypatch):
+    from fidelity import budget
+    from fidelity.model import default
+
+    monkeypatch.setattr(budget, "available_bytes", lambda: 8 << 30)  # this machine's memory, whatever it is
+
+    def no_prompt(*_a, **_k):
+        raise AssertionError("the prompt was built before the memory check")
+
+    monkeypatch.setattr(default, "default_prompt_ids", no_prompt)
+    line = _error(capsys, ["run", "--prompt-len", "100000000", "--out", str(tmp_path / "runs")])
+    assert line.startswith("fidelity: error: prompt 100000000 tokens + 64 decode steps: the run needs at least "), line
+    assert "oracle caches" in line and "this machine has 8.0 GiB available; shorten --prompt-len" in line
+    assert list(tmp_path.iterdir()) == []
+    cfg = ModelConfig.preset("tiny")
+    assert budget.estimate(cfg, 1221, 64).total < 8 << 30 < budget.estimate(cfg, 10**8, 64).total
+    assert budget.estimate(cfg, 10**6, 64, ("op",)).parts["oracle caches"] == 0  # op mode reads the decoder's
+
+
+@pytest.mark.smoke
+def test_a_checkpoint_folder_with_a_config_only_is_one_short_line(saved, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(saved["deepseek"] / "config.json", ckpt)
+    assert _error(capsys, ["inspect", str(ckpt)]) == f"fidelity: error: checkpoint {ckpt}: no *.safetensors files " \
+                                                     f"in {ckpt}"
+
+
+def test_the_transformers_decoders_bf16_router_failure_names_its_documented_cause(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    argv = ["run", "--decoder", "transformers", *SMALL, "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "verdict: FAIL" in out and "L0.moe.weights" in out
+    assert "cause (documented in README.md, \"A live decoder\"): transformers' router computes its gate logits in " \
+           "bf16 (the official gate is fp32)" in out
+    assert "A live decoder" in (Path(cli.__file__).parents[1] / "README.md").read_text()

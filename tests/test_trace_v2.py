@@ -162,7 +162,9 @@ def test_every_sequence_of_a_mixed_batch_passes_against_the_oracle_and_the_hand_
                                run_id=f"{name}-{k}")
             assert res.verdict == "PASS", (name, k, res.first_divergence)
             df = read_run(res.run_dir)[0]
-            metrics[name, k] = df[df["site"] != "memory"].set_index(KEYS)["value"].sort_index()
+            assert ("rank" in df.columns) == (name == "sharded")  # a sharded site is judged per rank too
+            whole = df[df["rank"].isna()] if "rank" in df.columns else df
+            metrics[name, k] = whole[whole["site"] != "memory"].set_index(KEYS)["value"].sort_index()
     for k in (0, 1, 2):
         assert len(metrics["writer", k]) > 200
         for other in ("hand", "sharded"):  # the same numbers, however stored
@@ -176,7 +178,16 @@ def test_the_command_line_judges_every_sequence_or_the_one_named(served, tmp_pat
     assert main(["run", "--decoder", trace, "--mode", "free", "--out", str(tmp_path), "--run-id", "t"]) == 0
     out = capsys.readouterr().out
     assert out.count("verdict: PASS") == 3 and "sequence 2" in out
+    assert out.strip().splitlines()[-1] == "overall: all 3 sequences PASS"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t-seq0", "t-seq1", "t-seq2"]
+    strict = tmp_path / "strict.toml"
+    strict.write_text("['logits']\ncos = \">=0.9999999999\"\n")
+    argv = ["run", "--decoder", trace, "--mode", "free", "--decode", "50", "--thresholds", str(strict), "--gate"]
+    assert main([*argv, "--out", str(tmp_path / "strict"), "--run-id", "t"]) == 1
+    out, err = capsys.readouterr()
+    assert out.strip().splitlines()[-1] == "overall: 3 of 3 sequences FAIL"
+    assert "fidelity: note: --decode 50: does not apply to --decoder trace:DIR (a trace replays its own decode " \
+           "steps); ignored" in err
     assert main(["run", "--decoder", trace, "--trace-seq", "1", "--mode", "free", "--out", str(tmp_path),
                  "--run-id", "one"]) == 0
     assert (tmp_path / "one").is_dir()

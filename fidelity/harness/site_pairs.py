@@ -267,7 +267,7 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
         pending += to_rows(site, _layer(site), counts)
         if site_of(site).probe == "residual" and "shape_mismatch" not in counts:
             pending += residual_rows(site, r, t)
-        site_ctx = ctx
+        site_ctx, n_common = ctx, len(t)
         keep = _comparable_rows(site, r, t, ref, test, rows, selections, routings)
         if keep is not None:
             r, t, site_ctx = r[keep], t[keep], {**ctx, "positions": ctx["positions"][keep], "keep": keep}
@@ -275,7 +275,7 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
             continue  # scores are compared through indexer recall (widths differ when the oracle pads)
         pending += compare_site(site, r, t, site_ctx, per_position, batches)
         if site in test.parts and r.is_floating_point() and site_of(site).probe != "sinkhorn":
-            ranked += rank_rows(site, r, test.parts[site], rows, len(t), keep)
+            ranked += rank_rows(site, r, test.parts[site], rows, n_common, keep)
     return pending + batches.rows() + ranked
 
 

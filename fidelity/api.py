@@ -239,7 +239,8 @@ def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | Checkpoi
         prompt: Sequence[int] | torch.Tensor | int | None = None, decode_steps: int | None = None,
         modes: Sequence[str] = ("free", "layer", "op"), out: str | Path = "runs", *, run_id: str | None = None,
         profile: str = "reference", decoder_dtype: str = "bf16", device: str = "cpu", oracle_dtype: str = "fp32",
-        thresholds: str | Path | None = None, trace: str | Path | None = None, overwrite: bool = False,
+        thresholds: str | Path | None = None, trace: str | Path | None = None, write_dump: str | Path | None = None,
+        overwrite: bool = False,
         progress: Callable[..., None] | None = None, notify: Callable[[str, str], None] = warn,
         names: dict[str, str] | None = None, graphs: bool | None = None, **spec_fields) -> RunResult:
     """Run ``decoder`` side by side with the oracle on ``checkpoint`` and write ``out/<run-id>/``.
@@ -251,7 +252,9 @@ def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | Checkpoi
     text, else 1024 random ids, when None; the first ``prompt`` ids of that text or random ids for a length).
     ``graphs`` (production only; None: on for ``device`` cuda, off on the CPU): decode in CUDA graphs, the sites
     recorded from the graph's outputs; True on the CPU runs the same fixed-shape step uncaptured; the manifest says
-    which ran (``decode_graphs``, docs/running.md). ``trace``: also record the decoder's calls as a trace there.
+    which ran (``decode_graphs``, docs/running.md). ``trace``: also record the decoder's calls as a trace there;
+    ``write_dump``: write the decoder's and the free-mode oracle's sites in SGLang's dumper layout there
+    (docs/engines.md).
     ``notify(kind, message)`` hears notes and warnings (default: ``UserWarning``); ``names``: how errors name inputs
     (``max_context``, ``graphs``). ``spec_fields``: further
     ``RunSpec`` fields (``stream``, ``continuation``, ``sampler``, ``stop_ids``, ``max_context``,
@@ -285,4 +288,4 @@ def run(decoder: Decoder | str = "production", checkpoint: Checkpoint | Checkpoi
     spec = RunSpec(prompt=prompt, decode_steps=steps, profile=profile, modes=tuple(modes), device=device,
                    oracle_dtype=ORACLE_DTYPES[oracle_dtype], **spec_fields)
     dec = replay or open_decoder(decoder, ckpt, profile, max_context, device, decoder_dtype, graphs)
-    return run_job(ckpt, spec, out, run_id, thresholds, overwrite, progress, dec, trace)
+    return run_job(ckpt, spec, out, run_id, thresholds, overwrite, progress, dec, trace, write_dump)

@@ -214,6 +214,7 @@ def cmd_run(args) -> int:
     check_output(args.out, run_id, args.overwrite)
     if args.write_trace:
         check_new_dir(args.write_trace, args.overwrite, "--write-trace")
+    write_dump = _write_dump(args)
     if args.decode is not None and args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
     if args.sample_queries is not None and args.sample_queries < 1:
@@ -249,7 +250,8 @@ def cmd_run(args) -> int:
             res = run(decoder, plan, prompt, None if replay is not None else args.decode,
                       tuple(args.mode or ("free", "layer", "op")), args.out, run_id=rid, profile=profile,
                       decoder_dtype=args.decoder_dtype, device=args.device, oracle_dtype=args.oracle_dtype,
-                      thresholds=args.thresholds, trace=args.write_trace, overwrite=args.overwrite,
+                      thresholds=args.thresholds, trace=args.write_trace, write_dump=write_dump,
+                      overwrite=args.overwrite,
                       progress=progress, notify=_notify, names=OPTION_NAMES, sampler=sampler,
                       stop_ids=_stops(args, plan.config), max_context=args.max_context,
                       sample_queries=args.sample_queries, oracle_device=args.oracle_device,
@@ -263,6 +265,8 @@ def cmd_run(args) -> int:
               f"overall: all {len(run_ids)} sequences PASS")
     if args.write_trace:
         print(f"trace: {args.write_trace}")
+    if args.write_dump:
+        print(f"dump: {write_dump}/oracle and {write_dump}/decoder (SGLang's dumper layout)")
     return 1 if args.gate and failed else 0
 
 
@@ -367,6 +371,19 @@ def _check_trace_model(args) -> None:
         _plan(args, TraceHeader(args.decoder.removeprefix("trace:")), notify=lambda kind, message: None)
 
 
+def _write_dump(args) -> str | None:
+    """``--write-dump sglang:DIR``'s folder, checked now (only SGLang's dumper layout is written)."""
+    if not args.write_dump:
+        return None
+    fmt, sep, directory = args.write_dump.partition(":")
+    if not sep or fmt != "sglang" or not directory:
+        raise UsageError(f"--write-dump: expected sglang:DIR (SGLang's dumper layout), found {args.write_dump!r}")
+    from fidelity.atomic_write import check_new_dir
+
+    check_new_dir(directory, args.overwrite, "--write-dump")
+    return directory
+
+
 def _traces(args) -> list:
     """The TraceDecoders of ``--decoder trace:DIR``: the sequence ``--trace-seq`` names, else every sequence the
     trace holds (each judged as its own run); every file checked now. Empty for a live decoder."""
@@ -382,8 +399,9 @@ def _traces(args) -> list:
     if not args.decoder.startswith("trace:") and not is_dump(args.decoder):
         raise UsageError(f"--decoder: expected production, transformers, trace:DIR, sglang-dump:DIR or hook-dump:DIR, "
                          f"found {args.decoder!r}")
-    if args.write_trace:
-        raise UsageError("--write-trace: a replayed trace is not recorded again")
+    if args.write_trace or args.write_dump:
+        raise UsageError(f"{'--write-trace' if args.write_trace else '--write-dump'}: a replayed trace or dump is not "
+                         "recorded again")
     if is_dump(args.decoder):  # the dump read as the checkpoint's model: it names no checkpoint of its own
         return open_dump(args.decoder, _plan(args).config, args.site_map, args.dump_precision, args.trace_seq)
     if args.site_map:
@@ -755,6 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "trace:DIR (a recorded trace, replayed with its own prompt and tokens), or sglang-dump:DIR / "
                      "hook-dump:DIR (an engine's own dump, docs/engines.md)", "bf16")
     r.add_argument("--write-trace", metavar="DIR", help="also record the decoder's calls as a trace in DIR")
+    r.add_argument("--write-dump", metavar="sglang:DIR",
+                   help="also write the oracle's (free mode) and the decoder's sites of every call in SGLang's dumper "
+                        "layout: DIR/oracle, DIR/decoder (docs/engines.md)")
     r.add_argument("--site-map", metavar="FILE",
                    help="with --decoder sglang-dump:DIR / hook-dump:DIR: a name map (TOML: engine tensor name regex -> "
                         "site), read before the engine's built-in one, or a built-in map's name: sglang, transformers, "

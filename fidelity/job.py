@@ -55,11 +55,14 @@ def tidy(df: pd.DataFrame, run_id: str, profile: str) -> pd.DataFrame:
 
 def run_job(checkpoint, spec: RunSpec, out_root: str | Path = "runs", run_id: str | None = None,
             thresholds_path: str | Path | None = None, overwrite: bool = False, progress=None,
-            decoder: Decoder | None = None, trace: str | Path | None = None) -> RunResult:
+            decoder: Decoder | None = None, trace: str | Path | None = None,
+            dump: str | Path | None = None) -> RunResult:
     """Run ``spec`` on ``decoder`` (default: ``fidelity.decoders.default_decoder``, the production decoder with
     ``spec.profile``), judge it once and write the run directory; ``trace``: also record the decoder's calls as a
-    trace directory there. Thresholds, the profile and the output places are checked before the long work; a
-    decoder object starts from position 0 (``Decoder.reset``: one that consumed tokens and cannot reset is refused)."""
+    trace directory there; ``dump``: write the decoder's and the oracle's sites in SGLang's dumper layout
+    (``<dump>/decoder``, ``<dump>/oracle``). Thresholds, the profile and the output places are checked before the
+    long work; a decoder object starts from position 0 (``Decoder.reset``: one that consumed tokens and cannot reset
+    is refused)."""
     profile = decoder.profile if decoder is not None else profile_dict(get_profile(spec.profile))
     rules = rules_for(profile, checkpoint.config, decoder.sites() if decoder is not None else None, thresholds_path,
                       len(spec.prompt) + spec.decode_steps)
@@ -69,14 +72,19 @@ def run_job(checkpoint, spec: RunSpec, out_root: str | Path = "runs", run_id: st
         check_spec(checkpoint, spec)
         decoder = default_decoder(checkpoint, spec.profile, spec.context(), spec.device)
     decoder.reset()
-    writer = None
+    writer = dumper = None
     if trace is not None:
         writer = TraceWriter(trace, checkpoint.config, spec.prompt, decoder.label, profile, overwrite=overwrite)
+    if dump is not None:
+        from fidelity.decoders.engine_dump.write import DumpWriter
+
+        dumper = DumpWriter(dump, overwrite)
     try:
-        df, manifest = Runner(checkpoint, spec, progress, decoder, writer).run()
+        df, manifest = Runner(checkpoint, spec, progress, decoder, writer, dumper).run()
     except BaseException:
-        if writer is not None:
-            writer.abort()
+        for w in (writer, dumper):
+            if w is not None:
+                w.abort()
         raise
     manifest["run_id"] = run_id
     df = tidy(df, run_id, str(manifest["profile"]["name"]))

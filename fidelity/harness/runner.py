@@ -157,14 +157,16 @@ class Runner:
     the manifest."""
 
     def __init__(self, checkpoint, spec: RunSpec, progress: Callable[..., None] | None = None,
-                 decoder: Decoder | None = None, trace: TraceWriter | None = None):
+                 decoder: Decoder | None = None, trace: TraceWriter | None = None, dump=None):
         """``decoder``: the decoder under test (default: ``fidelity.decoders.default_decoder`` with ``spec``'s
         profile, device and max_context). ``progress(phase, done, total, note)`` is told of each prefill pass and
         decode step (``fidelity.progress.Progress`` draws it); ``trace`` records every decoder call
-        (``fidelity.decoders.trace_file``)."""
+        (``fidelity.decoders.trace_file``); ``dump`` (a ``DumpWriter``) writes the decoder's and the free-mode
+        oracle's sites of every call in SGLang's dumper layout."""
         check_spec(checkpoint, spec, decoder)
         cfg = checkpoint.config
         self.ckpt, self.cfg, self.spec, self.progress, self.trace = checkpoint, cfg, spec, progress, trace
+        self.dump = dump
         self.dec = decoder or default_decoder(checkpoint, spec.profile, spec.context(), spec.device)
         self.modes, self.skipped = mode_support(self.dec, spec.modes)
         if not self.modes:
@@ -240,6 +242,8 @@ class Runner:
                                                    self.picks["oracle"], self.picks["decoder"])
         if self.trace is not None:
             self.trace.finish(manifest["checkpoint"])
+        if self.dump is not None:
+            self.dump.finish()
         return df, manifest
 
     @contextmanager
@@ -278,7 +282,8 @@ class Runner:
         rows = self.rows_of(positions) if prefill else None
         # records stay where the decoder made them (a GPU's memory); with sampled query rows and no trace written,
         # the sites only compared keep just those rows (a long prompt's index scores: GiBs a chunk)
-        thin = rows is not None and self.trace is None
+        writes = self.trace is not None or self.dump is not None  # every row of every site is written
+        thin = rows is not None and not writes
         # without free mode (which compares every row) the logits too are compared at the sampled rows alone; with no
         # trace written only the last row of what the call returns is read: the decoder may compute just those rows
         only = SAMPLED_ROWS_ONLY | (SAMPLED_LOGITS if "free" not in self.references else frozenset())
@@ -287,7 +292,7 @@ class Runner:
         tell(0, "decoder under test")
         with self._timed(phase, "decoder"):
             before = allocator_counts(self.spec.device)
-            self.dec.last_logits_only = self.trace is None  # for this call only: a user's later prefill gets every row
+            self.dec.last_logits_only = not writes  # for this call only: a user's later prefill gets every row
             try:
                 test_logits = self.dec.prefill(ids) if prefill else self.dec.step(int(ids[0]))[None]
             except ASKED_TOO_MUCH:
@@ -303,6 +308,8 @@ class Runner:
             self.decoder_memory["held_bytes"] = held_bytes(self.dec, exclude=(prod_rec,))  # not what it handed
         if self.trace is not None:
             self.trace.add_step(ids, positions, test_logits, prod_rec)
+        if self.dump is not None:
+            self.dump.add_call("decoder", step, ids, positions, test_logits, prod_rec)
         out = {"production": test_logits[-1]}
         pending: dict[str, list[dict]] = {}
         for mode, reference in self.references.items():
@@ -312,6 +319,8 @@ class Runner:
                 rec = reference.run(ids, prod_rec, sampled)
             if mode == "free":
                 out["oracle"] = rec.get("logits")[-1]
+                if self.dump is not None:
+                    self.dump.add_call("oracle", step, ids, positions, rec.get("logits"), rec)
             with self._timed(phase, "probes"):
                 pending[mode] = compare_recordings(rec, prod_rec, positions, self.cfg, sampled, prefill,
                                                    self.margins[mode], self.kv_scale_floor)

@@ -19,9 +19,11 @@ dims = "t h # tp:replicated"   # optional: how ranks join when the dump carries 
 lead = 1                    # optional: leading dims that are rows (2 for [batch, tokens, ...] outputs)
 ```
 
-A rule with ``site = ""`` names tensors that are known and not compared (kept out of the report's list of
-unmapped names). A user's map (``--site-map FILE``) is read first, so its rules win; ``base = "transformers"`` in it
-names the built-in map read after it (default: the dump format's engine), ``replace = true`` reads none.
+Names ``fidelity.<site>`` (what ``fidelity run --write-dump`` writes for sites SGLang has no module for) are that
+site in every map. A rule with ``site = ""`` names tensors that are known and not compared (kept out of the report's
+list of unmapped names). A user's map (``--site-map FILE``) is read first, so its rules win; ``base =
+"transformers"`` in it names the built-in map read after it (default: the dump format's engine), ``replace = true``
+reads none.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from importlib import resources
 from pathlib import Path
 
 from fidelity.decoders.engine_dump.dims import DimsError, parse_dims
-from fidelity.model.sites import SITE_TABLE, site_name
+from fidelity.model.sites import SITE_TABLE, is_site, site_name
 
 ENGINES = ("sglang", "transformers", "vllm")
+OWN_PREFIX = "fidelity."  # ``fidelity.<site>``: a site of ours by its own name (what ``--write-dump`` writes)
 META_FIELDS = ("input_ids", "positions", "seq_lens", "rids", "req_pool_indices", "logits")
 
 
@@ -50,6 +53,9 @@ class Rule:
     dims: str | None
     lead: int
     source: str
+
+
+OWN_RULE = Rule(re.compile(re.escape(OWN_PREFIX) + ".*"), "", None, 1, "fidelity.<site> names")
 
 
 @dataclass
@@ -77,6 +83,9 @@ class NameMap:
                 raise NameMapError(f"{rule.source}: rule {rule.pattern.pattern!r} -> {rule.site}: {name!r} has no "
                                    "layer (no 'layer' group matched and the dump gives no layer_id)")
             return site_name(rule.site, i), rule
+        own = name.removeprefix(OWN_PREFIX)
+        if own != name and is_site(own):
+            return own, OWN_RULE
         return None
 
     def meta_name(self, field_name: str) -> str | None:

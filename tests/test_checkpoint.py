@@ -22,6 +22,8 @@ from fidelity.model.save import save_checkpoint
 from fidelity.model.synthesize import synthesize
 from fidelity.model.weights import expected_tensors
 
+pytestmark = pytest.mark.smoke  # quick: part of the subset for iterating (-m smoke)
+
 # tiny, structure-faithful: SWA / CSA / HCA / CSA layers, one hash layer, FP8 + FP4 experts
 SMALL = ModelConfig.preset("tiny").replace(
     vocab_size=512, n_layers=4, n_hash_layers=1, compress_ratios=(0, 4, 128, 4), n_routed_experts=4, moe_inter_dim=128

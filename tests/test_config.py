@@ -6,6 +6,8 @@ import pytest
 
 from fidelity.model.config import ConfigError, ModelConfig
 
+pytestmark = pytest.mark.smoke  # quick: part of the subset for iterating (-m smoke)
+
 
 def test_flash_preset_matches_the_spec_table():
     c = ModelConfig.preset("flash")

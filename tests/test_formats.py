@@ -15,6 +15,8 @@ from hypothesis.extra import numpy as hnp
 
 from fidelity.model import formats as F
 
+pytestmark = pytest.mark.smoke  # quick: part of the subset for iterating (-m smoke)
+
 E4M3 = ml_dtypes.float8_e4m3fn
 E2M1 = ml_dtypes.float4_e2m1fn
 E8M0 = ml_dtypes.float8_e8m0fnu

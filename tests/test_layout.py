@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.smoke  # quick: part of the subset for iterating (-m smoke)
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fidelity", "oracles", "probes")
 # earliest first; a module may import from its own layer and the ones before it

@@ -15,6 +15,8 @@ from oracles.mhc import hc_post, hc_split, sinkhorn
 from oracles.moe import gate
 from oracles.rope import apply_rope, inv_freq, yarn_correction_range
 
+pytestmark = pytest.mark.smoke  # quick: part of the subset for iterating (-m smoke)
+
 
 @pytest.fixture(autouse=True)
 def _float64_by_default():

@@ -13,6 +13,8 @@ from fidelity.decoders.profiles import CHOICES, get_profile
 from fidelity.model.formats import dequantize_fp8, fake_quant_fp8, hadamard
 from fidelity.testing import Case, check_against_oracle, check_case, contract_of, strategy_of
 
+pytestmark = pytest.mark.smoke  # quick: part of the subset for iterating (-m smoke)
+
 MAX_EXAMPLES = 30
 BF16 = torch.bfloat16
 

@@ -24,6 +24,8 @@ from fidelity.outputs.plots import make_plots
 from fidelity.outputs.report import md_table, write_report
 from fidelity.outputs.rundir import RunDirError, new_run_id, read_run, write_run
 
+pytestmark = pytest.mark.smoke  # quick: part of the subset for iterating (-m smoke)
+
 LAYERS, STEPS = 4, 6
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -104,6 +104,7 @@ def test_the_memory_table_gives_each_judged_quantity_its_value_band_and_the_rule
     assert "held_growth" in _section(md, "Verdict").split("first divergence:")[1].splitlines()[0]
 
 
+@pytest.mark.smoke
 def test_the_report_opens_with_the_verdict_and_the_first_divergence(run):
     md = _report(run)
     verdict = "PASS: all " if run.passed else "FAIL: "
@@ -188,6 +189,7 @@ def _report_of(path) -> str:
     return (path / "report.md").read_text()
 
 
+@pytest.mark.smoke
 def test_rerendering_a_run_reproduces_its_report_and_verdict(run, tmp_path, capsys):
     copy = tmp_path / "copy"
     shutil.copytree(run.run_dir, copy)
@@ -201,6 +203,7 @@ def test_rerendering_a_run_reproduces_its_report_and_verdict(run, tmp_path, caps
     assert f"all {checked} checked values" in before[0] or f"of {checked} checked values" in before[0]
 
 
+@pytest.mark.smoke
 def test_rejudging_writes_beside_the_run_and_keeps_its_verdict(run, tmp_path, capsys):
     copy = tmp_path / "copy"
     shutil.copytree(run.run_dir, copy)

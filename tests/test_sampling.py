@@ -26,6 +26,8 @@ from fidelity.model.sampling import (
 )
 from probes.sampler import sampler_agreement
 
+pytestmark = pytest.mark.smoke  # quick: part of the subset for iterating (-m smoke)
+
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = 0, 1, 128803, 128804, 128821, 128822
 V_CHAT = 128830
 

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from fidelity.decoders.production import kernels, routes, topk
 from fidelity.decoders.production.topk import TORCH_ROUTES, order_keys, ordered_scores, stable_topk
 
+pytestmark = pytest.mark.smoke  # quick: part of the subset for iterating (-m smoke)
+
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38]
 DTYPES = (torch.float32, torch.bfloat16)
 

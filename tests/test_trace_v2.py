@@ -253,6 +253,7 @@ def _edit(src, dst, change_json=None, change_file=None):
     ("hand", None, ("batch-1.safetensors", lambda t: t["ids"].__setitem__(0, 4096)),
      "batch-1.safetensors: ids: row 0 is 4096, expected a token id in [0, 4096)"),
 ])
+@pytest.mark.smoke
 def test_a_malformed_trace_is_refused_naming_what_is_wrong(served, tmp_path, source, json_edit, file_edit, message):
     _, root = served
     bad = _edit(root / source, tmp_path / "bad", json_edit, file_edit)

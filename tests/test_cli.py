@@ -348,10 +348,13 @@ def test_a_checkpoint_folder_with_a_config_only_is_one_short_line(saved, tmp_pat
 
 def test_the_transformers_decoders_bf16_router_failure_names_its_documented_cause(tmp_path, capsys):
     pytest.importorskip("transformers")
-    argv = ["run", "--decoder", "transformers", *SMALL, "--out", str(tmp_path)]
+    argv = ["run", "--decoder", "transformers", *SMALL, "--out", str(tmp_path), "--run-id", "hf"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "verdict: FAIL" in out and "L0.moe.weights" in out
     assert "cause (documented in README.md, \"A live decoder\"): transformers' router computes its gate logits in " \
            "bf16 (the official gate is fp32)" in out
     assert "A live decoder" in (Path(cli.__file__).parents[1] / "README.md").read_text()
+    md = (tmp_path / "hf" / "report.md").read_text()  # no production profile: no 'as reference' beside its name
+    assert "| profile | transformers-bf16 |" in md
+    assert "| profile fields | none: not a production profile (the decoder's own numerics, precision bf16) |" in md

@@ -100,6 +100,9 @@ def test_where_the_picks_part_the_report_marks_the_token(tmp_path):
     report = (tmp_path / "broken" / "report.md").read_text()
     a, b = PART_MARK
     assert f"The picks part at decode step {k}" in report
+    assert ("decoder (its first pick already differs; the stream then follows the oracle)" if k == 0 else
+            f"decoder (its picks up to decode step {k}; the stream then follows the oracle, so the rest is not its "
+            "own)") in report
     assert f"{a}{t['decoder_token']}{b}" in report and f"{a}{t['oracle_token']}{b}" in report
 
 

@@ -27,7 +27,15 @@ from fidelity.decoders.trace_file import (
     stored_name,
 )
 from fidelity.model.config import ConfigError, ModelConfig
-from fidelity.model.sites import SITE_TABLE, is_site, same_layer, site_name, site_template, trailing_shape
+from fidelity.model.sites import (
+    SITE_TABLE,
+    Recorder,
+    is_site,
+    same_layer,
+    site_name,
+    site_template,
+    trailing_shape,
+)
 
 RESERVED = ("ids", "positions", "logits")
 # the rest are floats; attn.kv_cache holds raw bytes (uint8 / any integer dtype of 1 byte)
@@ -147,6 +155,19 @@ class TraceDecoder(TraceHeader, Decoder):
             raise TraceError(f"trace {self.dir}: decode step {k + 1} fed token {int(token)}, the trace fed "
                              f"{self.generated[k]}; replay with the trace's tokens (stream 'given')")
         return self._replay(torch.tensor([int(token)]))[0]
+
+    def recorded_calls(self) -> list[tuple[torch.Tensor, Recorder]]:
+        """Every call of this sequence as the runner will replay it: its token ids and a recorder holding its sites
+        (what a stream oracle reads ahead of the run)."""
+        out = []
+        for k, step in enumerate(self.steps):
+            tensors, _ = self._held[k] if self._held is not None else self._tensors(step)
+            rec = Recorder(device=None, step=k)
+            for name, t in tensors.items():
+                if name != "logits":
+                    rec(name, t)
+            out.append((self.fed[k], rec))
+        return out
 
     def in_memory(self) -> TraceDecoder:
         """Every step's tensors read now (this sequence's rows, shards joined), so that the trace's folder may go;

@@ -38,6 +38,7 @@ from fidelity.model.sampling import Sampler, SamplerConfig, StopSet
 from fidelity.model.sites import Recorder
 from fidelity.model.weights import expected_tensors
 from oracles import MODES, OracleModel, Reference
+from oracles.stream import StreamCall, StreamReference
 from probes import PeakMemory, collect, memory_stats
 from probes.memory import WARMUP_DECODE_CALLS, allocator_counts, allocator_delta, handed_bytes, held_bytes
 from probes.repetition import repetition
@@ -68,6 +69,9 @@ class RunSpec:
     oracle_device: str | None = None  # None: the decoder's device
     prefill_chunk: int | Sequence[int] | None = None  # tokens per prefill call; None: AUTO_CHUNK past AUTO_WHOLE
     tokenizer: str | None = None  # a tokenizer.json: the manifest then holds both continuations as text
+    # free and layer modes layer by layer over a decoder's calls known in advance (a trace, a dump: ``recorded_calls``)
+    # instead of call by call; None: where the oracle streams its weights (a model too large to hold whole)
+    oracle_stream: bool | None = None
 
     def chunk_sizes(self) -> list[int]:
         """The prompt's prefill calls: the whole prompt, chunks of ``prefill_chunk`` (the last one shorter), or the
@@ -181,6 +185,13 @@ class Runner:
         self.oracle_numerics = exact_float32()
         self.oracle = OracleModel(checkpoint, spec.oracle_dtype, device=spec.oracle_device or spec.device)
         self.references = {m: Reference(self.oracle, m) for m in MODES if m in self.modes}  # free, layer, op
+        known = getattr(self.dec, "recorded_calls", None)
+        self.oracle_stream = known is not None and (spec.oracle_stream if spec.oracle_stream is not None
+                                                    else self.oracle.stream_layers)
+        if self.oracle_stream:  # each layer's weights read once per mode, whatever the number of calls
+            for m in ("free", "layer"):
+                if m in self.references:
+                    self.references[m] = StreamReference(self.oracle, m, lambda m=m: self.stream_calls(m))
         self.sampler = Sampler(spec.sampler)  # the oracle side's sampler
         self.prod_sampler = Sampler(spec.sampler)  # the state of the decoder's picks (``Decoder.pick`` uses it)
         self.stops = StopSet.of(spec.stop_ids) if spec.stop_ids is not None else StopSet.from_config(cfg)
@@ -385,6 +396,17 @@ class Runner:
         mismatch = (token in self.stops) != (token in self.prod_stops)
         self._run_rows("stops", {"stop_mismatch": torch.tensor(float(mismatch))}, step)
 
+    def stream_calls(self, mode: str) -> list[StreamCall]:
+        """The decoder's calls known in advance, as the stream oracle reads them: tokens, the decoder's records
+        (layer mode's inputs) and a prefill call's sampled rows (layer mode)."""
+        calls, start, n_prefill = [], 0, len(self.spec.chunk_sizes())
+        for k, (ids, feed) in enumerate(self.dec.recorded_calls()):
+            positions = torch.arange(start, start + len(ids))
+            rows = self.rows_of(positions) if mode == "layer" and k < n_prefill else None
+            calls.append(StreamCall(ids, feed if mode == "layer" else None, rows))
+            start += len(ids)
+        return calls
+
     def rows_of(self, positions: torch.Tensor) -> torch.Tensor | None:
         """The sampled query rows of a prefill chunk at ``positions`` (None: every row): the prompt's sampled
         positions (``sample_queries``, always including the last) that fall in the chunk."""
@@ -440,6 +462,7 @@ class Runner:
             "oracle_dtype": dtype_name(s.oracle_dtype),
             "oracle_device": str(self.oracle.device),
             "oracle_weights": self.oracle.weight_policy,
+            "oracle_order": "layer by layer over the decoder's known calls" if self.oracle_stream else "call by call",
             "oracle_numerics": self.oracle_numerics,
             "sample_queries": s.sample_queries,
             "cache_bytes": self.dec.cache_bytes(),

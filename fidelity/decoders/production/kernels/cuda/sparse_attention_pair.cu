@@ -15,11 +15,13 @@
 //   warps 8-11 the producer warpgroup: the raw bytes of 32 of the block's 64 rows (rows 32 rank .. 32 rank + 31)
 //              staged by 8-byte cp.async one block ahead, dequantized (e4m3 -> f16 -> f32, times 2^(b - 127) in
 //              fp32, rounded to bf16: exact, the tile equals kv_layout.unpack's rows) and written to the KV slot
-//              of BOTH CTAs of the pair (st.shared and st.shared::cluster through mapa), then one mbarrier
-//              arrival per warp on the slot's `full` barrier of both CTAs (release at cluster scope).
+//              of BOTH CTAs of the pair: st.shared here, st.async to the peer (mapa addresses), each st.async
+//              completing its bytes on the peer's `full` barrier of the slot. Here, each producer warp fences
+//              (proxy) and arrives once on this CTA's `full` barrier; warp 0's arrival expects the peer's bytes.
 // Each CTA therefore dequantizes half of every block, and each KV slot (a [64 rows, 512 dims] bf16 tile, 128-byte
-// swizzle, 8 column chunks of [64 rows, 64 dims]) is filled half by each CTA. A slot is free once the four math
-// warps of both CTAs' two warpgroups have arrived on its `empty` barriers (local and remote). Two slots.
+// swizzle, 8 column chunks of [64 rows, 64 dims]) is filled half by each CTA. A slot is free once the eight math
+// warps of both CTAs have arrived on its `empty` barrier in each CTA (once their wgmmas on it completed). Two
+// slots: Q (64 KB), two tiles (128 KB), the S exchange (16 KB) and the staged rows (18.7 KB) fill the 227 KB.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -36,14 +38,16 @@ constexpr int OFF_Q = 0;                       // Q [64 heads, 512 dims] bf16, t
 constexpr int OFF_KV = OFF_Q + TILE_BYTES;
 constexpr int OFF_X = OFF_KV + NS * TILE_BYTES;  // S exchange: [32 values, 128 threads] fp32
 constexpr int OFF_STAGE = OFF_X + 32 * 128 * 4;  // raw rows: [32 rows, 584 B]
-constexpr int OFF_MASK = OFF_STAGE + HALF * ROW_BYTES;  // per slot, one byte per row: index >= 0
-constexpr int OFF_BAR = OFF_MASK + NS * BN;    // full[NS], empty[NS]
+constexpr int OFF_MASK = OFF_STAGE + HALF * ROW_BYTES;  // per slot, one 32-bit word per row: index >= 0
+constexpr int OFF_BAR = OFF_MASK + NS * BN * 4;  // full[NS], empty[NS]
 constexpr int SMEM_BYTES = OFF_BAR + 2 * NS * 8;
 constexpr int THREADS = 384;
-constexpr int FULL_ARRIVALS = 8;               // 4 producer warps x 2 CTAs
+constexpr int FULL_ARRIVALS = 4;               // this CTA's 4 producer warps; the peer's half completes bytes
+constexpr int PEER_BYTES = HALF * D * 2 + HALF * 4;  // what the peer's producers store here per block (st.async)
 constexpr int EMPTY_ARRIVALS = 16;             // 8 math warps x 2 CTAs
-constexpr int PRODUCER_REGS = 72;
-constexpr int MATH_REGS = 216;
+// registers per thread after setmaxnreg (the 384 threads start with 168): 128 x (96 + 2 x 208) = 64K
+constexpr int PRODUCER_REGS = 96;
+constexpr int MATH_REGS = 208;
 // named barriers (0 is __syncthreads): Q written, per math warpgroup; S_1 written; S written
 constexpr int BAR_Q = 1, BAR_S1 = 3, BAR_S = 4;
 
@@ -87,16 +91,27 @@ __device__ __forceinline__ void bar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
 }
 
-// one arrival on the mbarrier at shared::cluster address `bar` (this CTA's or the peer's), release at cluster scope
+// one arrival on the mbarrier at shared::cluster address `bar` (this CTA's or the peer's)
 __device__ __forceinline__ void bar_arrive_cluster(uint32_t bar) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(bar) : "memory");
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+// one arrival on this CTA's mbarrier `bar`
+__device__ __forceinline__ void bar_arrive(uint32_t bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" :: "r"(bar) : "memory");
+}
+
+// one arrival on this CTA's mbarrier `bar` that also expects `bytes` of transactions in the phase
+__device__ __forceinline__ void bar_arrive_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" :: "r"(bar),
+                 "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
     uint32_t done = 0;
     while (!done) {
         asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
             "selp.u32 %0, 1, 0, p;\n}\n"
             : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     }
@@ -128,27 +143,29 @@ __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
                  : "memory");
 }
 
-__device__ __forceinline__ void sts128_cluster(uint32_t addr, uint4 v) {
-    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
-                 "r"(v.w) : "memory");
+// st.async to the peer's shared memory, completing its bytes on the peer's mbarrier `bar`
+__device__ __forceinline__ void sts128_peer(uint32_t addr, uint4 v, uint32_t bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                 :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar) : "memory");
 }
 
 __device__ __forceinline__ void sts64(uint32_t addr, uint2 v) {
     asm volatile("st.shared.v2.u32 [%0], {%1, %2};" :: "r"(addr), "r"(v.x), "r"(v.y) : "memory");
 }
 
-__device__ __forceinline__ void sts64_cluster(uint32_t addr, uint2 v) {
-    asm volatile("st.shared::cluster.v2.u32 [%0], {%1, %2};" :: "r"(addr), "r"(v.x), "r"(v.y) : "memory");
+__device__ __forceinline__ void sts64_peer(uint32_t addr, uint2 v, uint32_t bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
+                 :: "r"(addr), "r"(v.x), "r"(v.y), "r"(bar) : "memory");
 }
 
-// one byte to this CTA's shared memory (shared::cta address) and to the peer's (shared::cluster address)
-__device__ __forceinline__ void sts8_both(uint32_t local, uint32_t remote, uint32_t v) {
-    asm volatile("st.shared.u8 [%0], %2;\nst.shared::cluster.u8 [%1], %2;" :: "r"(local), "r"(remote), "r"(v)
-                 : "memory");
+// one word to this CTA's shared memory (shared::cta address) and to the peer's (st.async, completing on `bar`)
+__device__ __forceinline__ void sts32_both(uint32_t local, uint32_t remote, uint32_t v, uint32_t bar) {
+    asm volatile("st.shared.u32 [%0], %2;\nst.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%1], %2, [%3];"
+                 :: "r"(local), "r"(remote), "r"(v), "r"(bar) : "memory");
 }
 
 __device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\nfence.proxy.async.shared::cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // two e4m3 codes (low byte first) times the fp32 scale -> bf16x2 (low half: the first code). e4m3 -> f16 -> f32
@@ -242,18 +259,50 @@ __device__ __forceinline__ float exp2_approx(float x) {
 }
 
 // ---- producer warpgroup: 32 rows of every block, staged one block ahead, into both CTAs' slots ----
+// A lane handles words lane, lane + 32 and lane + 64 (lane < 9) of each of its warp's 8 rows (73 words a row):
+// word lane holds the codes of dims 8 lane .. (chunk lane / 8), word 32 + lane those of dims 256 + 8 lane .. (lane
+// < 24) or rope dims 448 + 4 (lane - 24) .., word 64 + lane rope dims 480 + 4 lane .. (lane < 8) or the scale
+// bytes (lane 8).
+__device__ __forceinline__ void store_row(uint32_t base, uint32_t peer_base, uint32_t peer_full, uint32_t slot,
+                                          uint32_t row, uint32_t lane, uint2 w0, uint2 w1, uint2 w2) {
+    const uint32_t sw_lo = __shfl_sync(0xffffffffu, w2.x, 8);  // scale bytes 0-3 (word 72)
+    const uint32_t sw_hi = __shfl_sync(0xffffffffu, w2.y, 8);  // scale bytes 4-6
+    const uint4 v0 = dequant8(w0, ue8m0((sw_lo >> (8 * (lane >> 3))) & 0xFF));
+    const uint32_t o0 = slot + tile_offset(row, lane);
+    sts128(base + o0, v0);
+    sts128_peer(peer_base + o0, v0, peer_full);
+    if (lane < 24) {
+        const uint4 v1 = dequant8(w1, ue8m0((sw_hi >> (8 * (lane >> 3))) & 0xFF));  // chunks 4-6: bytes 4-6
+        const uint32_t o1 = slot + tile_offset(row, 32 + lane);
+        sts128(base + o1, v1);
+        sts128_peer(peer_base + o1, v1, peer_full);
+    } else {
+        const uint32_t dim = 448 + 4 * (lane - 24);
+        const uint32_t o1 = slot + tile_offset(row, dim / 8) + (dim % 8) * 2;
+        sts64(base + o1, w1);
+        sts64_peer(peer_base + o1, w1, peer_full);
+    }
+    if (lane < 8) {
+        const uint32_t dim = 480 + 4 * lane;
+        const uint32_t o2 = slot + tile_offset(row, dim / 8) + (dim % 8) * 2;
+        sts64(base + o2, w2);
+        sts64_peer(peer_base + o2, w2, peer_full);
+    }
+}
+
+// Per block j: block j + 3's rows prefetched into L2 (indices loaded three blocks ahead); four rows at a time, the
+// staged words of block j into registers and block j + 1's copies of those rows issued, the wait for the slot
+// (before the first stores), the dequantization and the stores; the proxy fence and one arrival per warp.
 __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint32_t rank, int64_t token, int nb) {
     const uint32_t warp = threadIdx.x / 32 - 8, lane = threadIdx.x % 32;
     const uint32_t base = smem_u32(smem);
     const uint32_t peer_base = map_to_rank(base, rank ^ 1);
-    const uint32_t own_base = map_to_rank(base, rank);
     const int32_t* idx_row = p.idx + token * p.idx_sn;
     const uint32_t row0 = warp * 8;  // this warp's rows of the CTA's 32
     auto block_id = [&](int j) -> int32_t {  // lane i < 8: the index of row0 + i of block j (-1 past the end)
         const int e = j * BN + static_cast<int>(rank) * HALF + static_cast<int>(row0 + lane);
         return (lane < 8 && j < nb && e < p.topk) ? __ldg(idx_row + e) : -1;
     };
-    // the words this lane copies of a row: lane, lane + 32, lane + 64 (lane < 9) of its 73
     auto stage = [&](int32_t ids, uint32_t i) {
         const int32_t id = __shfl_sync(0xffffffffu, ids, i);
         const uint8_t* src = p.kv + static_cast<int64_t>(id < 0 ? 0 : id) * ROW_BYTES;
@@ -263,69 +312,164 @@ __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint32_t
         cp_async8(dst + (lane + 32) * 8, src + (lane + 32) * 8, bytes);
         if (lane < 9) cp_async8(dst + (lane + 64) * 8, src + (lane + 64) * 8, bytes);
     };
+    auto prefetch = [&](int32_t ids, uint32_t i) {  // the row's 128-byte lines (a row spans at most 6)
+        const int32_t id = __shfl_sync(0xffffffffu, ids, i);
+        if (lane < 6 && id >= 0) {
+            const uint8_t* row = p.kv + static_cast<int64_t>(id) * ROW_BYTES + min(lane * 128, 576u);
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(row));
+        }
+    };
     int32_t ids = block_id(0);
-    if (nb > 0) {
 #pragma unroll
-        for (uint32_t i = 0; i < 8; ++i) stage(ids, i);
-    }
+    for (uint32_t i = 0; i < 8; ++i) stage(ids, i);
     cp_async_commit();
-    int32_t ids_next = block_id(1);
+    int32_t ids1 = block_id(1), ids2 = block_id(2), ids3 = block_id(3);
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i) prefetch(ids1, i);
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i) prefetch(ids2, i);
     for (int j = 0; j < nb; ++j) {
         const int s = j % NS;
-        bar_wait(base + OFF_BAR + (NS + s) * 8, ((j / NS) & 1) ^ 1);  // the slot is free in this CTA
         cp_async_wait_all();
-        const uint32_t slot = OFF_KV + s * TILE_BYTES;
+        if (j + 3 < nb) {
 #pragma unroll
-        for (uint32_t i = 0; i < 8; ++i) {
-            const uint32_t st = base + OFF_STAGE + (row0 + i) * ROW_BYTES;
-            const uint2 w0 = lds64(st + lane * 8);
-            const uint2 w1 = lds64(st + (lane + 32) * 8);
-            const uint2 w2 = lane < 9 ? lds64(st + (lane + 64) * 8) : make_uint2(0, 0);
-            if (j + 1 < nb) stage(ids_next, i);  // block j + 1's row i: after this lane's reads of row i
-            if (!(p.parts & PART_DEQUANT)) continue;
-            const uint32_t sw_lo = __shfl_sync(0xffffffffu, w2.x, 8);  // scale bytes 0-3 (word 72)
-            const uint32_t sw_hi = __shfl_sync(0xffffffffu, w2.y, 8);  // scale bytes 4-6
-            const uint32_t row = rank * HALF + row0 + i;
-            // word lane: codes of chunk lane / 8 (dims 8 lane ..)
-            const uint32_t b0 = (sw_lo >> (8 * (lane >> 3))) & 0xFF;
-            const uint4 v0 = dequant8(w0, ue8m0(b0));
-            const uint32_t o0 = slot + tile_offset(row, lane);
-            sts128(base + o0, v0);
-            sts128_cluster(peer_base + o0, v0);
-            if (lane < 24) {  // word 32 + lane: codes of chunk 4 + lane / 8 (dims 256 + 8 lane ..)
-                const uint32_t c = 4 + (lane >> 3);
-                const uint32_t b1 = ((c < 4 ? sw_lo : sw_hi) >> (8 * (c & 3))) & 0xFF;
-                const uint4 v1 = dequant8(w1, ue8m0(b1));
-                const uint32_t o1 = slot + tile_offset(row, 32 + lane);
-                sts128(base + o1, v1);
-                sts128_cluster(peer_base + o1, v1);
-            } else {  // words 56-63: rope dims 448 + 4 (lane - 24) ..
-                const uint32_t dim = 448 + 4 * (lane - 24);
-                const uint32_t o1 = slot + tile_offset(row, dim / 8) + (dim % 8) * 2;
-                sts64(base + o1, w1);
-                sts64_cluster(peer_base + o1, w1);
+            for (uint32_t i = 0; i < 8; ++i) prefetch(ids3, i);
+        }
+        const uint32_t slot = OFF_KV + s * TILE_BYTES;
+        const uint32_t peer_full = peer_base + OFF_BAR + s * 8;
+#pragma unroll
+        for (uint32_t h = 0; h < 8; h += 4) {  // four rows at a time (registers)
+            uint2 w[4][3];
+#pragma unroll
+            for (uint32_t i = 0; i < 4; ++i) {
+                const uint32_t st = base + OFF_STAGE + (row0 + h + i) * ROW_BYTES;
+                w[i][0] = lds64(st + lane * 8);
+                w[i][1] = lds64(st + (lane + 32) * 8);
+                w[i][2] = lane < 9 ? lds64(st + (lane + 64) * 8) : make_uint2(0, 0);
             }
-            if (lane < 8) {  // words 64-71: rope dims 480 + 4 lane ..
-                const uint32_t dim = 480 + 4 * lane;
-                const uint32_t o2 = slot + tile_offset(row, dim / 8) + (dim % 8) * 2;
-                sts64(base + o2, w2);
-                sts64_cluster(peer_base + o2, w2);
+            if (j + 1 < nb) {  // block j + 1 into these staging rows (after this lane's reads of them)
+#pragma unroll
+                for (uint32_t i = 0; i < 4; ++i) stage(ids1, h + i);
+            }
+            if (h == 0) bar_wait(base + OFF_BAR + (NS + s) * 8, ((j / NS) & 1) ^ 1);  // the slot is free here
+            if (p.parts & PART_DEQUANT) {
+#pragma unroll
+                for (uint32_t i = 0; i < 4; ++i) {
+                    store_row(base, peer_base, peer_full, slot, rank * HALF + row0 + h + i, lane, w[i][0], w[i][1],
+                              w[i][2]);
+                }
             }
         }
         cp_async_commit();
         if (lane < 8) {
-            const uint32_t m = OFF_MASK + s * BN + rank * HALF + row0 + lane;
-            sts8_both(base + m, peer_base + m, ids >= 0 ? 1u : 0u);
+            const uint32_t m = OFF_MASK + (s * BN + rank * HALF + row0 + lane) * 4;
+            sts32_both(base + m, peer_base + m, ids >= 0 ? 1u : 0u, peer_full);
         }
         fence_proxy_async();
         __syncwarp();
-        if (lane == 0) {
-            bar_arrive_cluster(own_base + OFF_BAR + s * 8);
-            bar_arrive_cluster(peer_base + OFF_BAR + s * 8);
+        if (lane == 0) {  // warp 0 also expects the peer's half of the block
+            if (warp == 0) {
+                bar_arrive_expect(base + OFF_BAR + s * 8, (p.parts & PART_DEQUANT) ? PEER_BYTES : HALF * 4);
+            } else {
+                bar_arrive(base + OFF_BAR + s * 8);
+            }
         }
-        ids = ids_next;
-        ids_next = block_id(j + 2);
+        ids = ids1;
+        ids1 = ids2;
+        ids2 = ids3;
+        ids3 = block_id(j + 4);
     }
+}
+
+// one block of the online softmax in a math warpgroup: S_wg = Q[:, 256 wg ..] K^T over the warpgroup's 256 dims,
+// S = S_0 + S_1 through shared memory (warpgroup 1 hands over its part, warpgroup 0 returns the sum), the masked
+// logits times scale, running max and sum (rows r0 = 16 warp + lane / 4 and r1 = r0 + 8 of the 64 heads), P in bf16
+// from registers times the slot's V columns d0 .. d0 + DV - 1 into acc; returns with the wgmmas complete
+template <int DV>
+__device__ __forceinline__ void block_math(float* s, float* acc, const uint32_t* valid, float& m0, float& m1,
+                                           float& l0, float& l1, float* xch, uint32_t q_tile, uint32_t slot,
+                                           uint32_t wg, int d0, float scale, uint32_t qcol) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 16; ++kk) {
+        const uint32_t off = (4 * wg + kk / 4) * CHUNK_BYTES + (kk % 4) * 32;
+        wgmma_ss_n64(s, smem_desc(q_tile + off, 16, 1024), smem_desc(slot + off, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    // S = S_0 + S_1, the same fp32 values in both warpgroups
+    if (wg == 1) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) xch[i * 128] = s[i];
+        named_arrive(BAR_S1, 256);
+        named_sync(BAR_S, 256);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] = xch[i * 128];
+    } else {
+        named_sync(BAR_S1, 256);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            s[i] += xch[i * 128];
+            xch[i * 128] = s[i];
+        }
+        named_arrive(BAR_S, 256);
+    }
+    // logits x scale, masked; the block's row max
+    float bm0 = -INFINITY, bm1 = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const bool ok = (valid[k] >> (8 * (e & 1))) & 0xFF;
+            float v = s[4 * k + e] * scale;
+            v = ok ? v : -INFINITY;
+            s[4 * k + e] = v;
+            if (e < 2) bm0 = fmaxf(bm0, v); else bm1 = fmaxf(bm1, v);
+        }
+    }
+    bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, 1));
+    bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, 2));
+    bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, 1));
+    bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, 2));
+    const float n0 = fmaxf(m0, bm0), n1 = fmaxf(m1, bm1);
+    const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
+    const float a0 = exp2_approx((m0 - u0) * 1.4426950408889634f);
+    const float a1 = exp2_approx((m1 - u1) * 1.4426950408889634f);
+    float r0 = 0.f, r1 = 0.f;
+    uint32_t pa[16];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const float p0 = exp2_approx((s[4 * k] - u0) * 1.4426950408889634f);
+        const float p1 = exp2_approx((s[4 * k + 1] - u0) * 1.4426950408889634f);
+        const float p2 = exp2_approx((s[4 * k + 2] - u1) * 1.4426950408889634f);
+        const float p3 = exp2_approx((s[4 * k + 3] - u1) * 1.4426950408889634f);
+        r0 += p0 + p1;
+        r1 += p2 + p3;
+        pa[2 * k] = pack_bf16(p0, p1);
+        pa[2 * k + 1] = pack_bf16(p2, p3);
+    }
+    r0 += __shfl_xor_sync(0xffffffffu, r0, 1);
+    r0 += __shfl_xor_sync(0xffffffffu, r0, 2);
+    r1 += __shfl_xor_sync(0xffffffffu, r1, 1);
+    r1 += __shfl_xor_sync(0xffffffffu, r1, 2);
+    l0 = l0 * a0 + r0;
+    l1 = l1 * a1 + r1;
+    m0 = n0;
+    m1 = n1;
+#pragma unroll
+    for (int i = 0; i < DV / 8; ++i) {
+        acc[4 * i] *= a0;
+        acc[4 * i + 1] *= a0;
+        acc[4 * i + 2] *= a1;
+        acc[4 * i + 3] *= a1;
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {  // rows 16 kk .. 16 kk + 15; A: P's columns 16 kk ..
+        const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+        wgmma_pv<DV>(acc, a, smem_desc(slot + (d0 / 64) * CHUNK_BYTES + kk * 2048, CHUNK_BYTES, 1024));
+    }    wgmma_commit();
+    wgmma_wait<0>();
 }
 
 // ---- math warpgroups ----
@@ -355,7 +499,6 @@ __device__ __forceinline__ void compute(const Params& p, uint8_t* smem, uint32_t
 #pragma unroll
     for (int i = 0; i < DV / 2; ++i) acc[i] = 0.f;
     float s[32];
-    const float scale2 = p.scale * 1.4426950408889634f;  // logits in log2 units
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows r0 = 16 warp + lane / 4, r1 = r0 + 8
     const uint32_t qcol = 2 * (lane % 4);
     float* xch = reinterpret_cast<float*>(smem + OFF_X) + t;
@@ -364,108 +507,23 @@ __device__ __forceinline__ void compute(const Params& p, uint8_t* smem, uint32_t
         const int sl = j % NS;
         const uint32_t slot = base + OFF_KV + sl * TILE_BYTES;
         bar_wait(base + OFF_BAR + sl * 8, (j / NS) & 1);
-        const bool math = p.parts & PART_MATH;
-        uint32_t valid[8];  // two bytes: columns 8k + qcol, + 1
+        fence_proxy_async();  // the rows stored by both CTAs' producers, then read by wgmma
+        uint32_t valid[8];  // byte 0: column 8k + qcol is a row, byte 1: column 8k + qcol + 1
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            valid[k] = *reinterpret_cast<const uint16_t*>(smem + OFF_MASK + sl * BN + 8 * k + qcol);
+            const uint2 v = *reinterpret_cast<const uint2*>(smem + OFF_MASK + (sl * BN + 8 * k + qcol) * 4);
+            valid[k] = (v.x ? 1u : 0u) | (v.y ? 0x100u : 0u);
         }
-        if (math) {
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 16; ++kk) {
-                const uint32_t off = (4 * wg + kk / 4) * CHUNK_BYTES + (kk % 4) * 32;
-                wgmma_ss_n64(s, smem_desc(base + OFF_Q + off, 16, 1024), smem_desc(slot + off, 16, 1024), kk > 0);
-            }
-            wgmma_commit();
+        if (p.parts & PART_MATH) block_math<DV>(s, acc, valid, m0, m1, l0, l1, xch, base + OFF_Q, slot, wg, d0,
+                                                 p.scale, qcol);
+        __syncwarp();
+        if (lane == 0) {  // this warp is done with the slot (its wgmmas completed)
+            const uint32_t e = OFF_BAR + (NS + sl) * 8;
+            bar_arrive_cluster(own_base + e);
+            bar_arrive_cluster(peer_base + e);
         }
-        if (j > 0) {  // P.V of block j - 1 done: its slot is free for this warp
-            if (math) wgmma_wait<1>();
-            __syncwarp();
-            if (lane == 0) {
-                const uint32_t e = OFF_BAR + (NS + (j - 1) % NS) * 8;
-                bar_arrive_cluster(own_base + e);
-                bar_arrive_cluster(peer_base + e);
-            }
-        }
-        if (!math) continue;
-        wgmma_wait<0>();
-        // S = S_0 + S_1, the same fp32 values in both warpgroups
-        if (wg == 1) {
-#pragma unroll
-            for (int i = 0; i < 32; ++i) xch[i * 128] = s[i];
-            named_arrive(BAR_S1, 256);
-            named_sync(BAR_S, 256);
-#pragma unroll
-            for (int i = 0; i < 32; ++i) s[i] = xch[i * 128];
-        } else {
-            named_sync(BAR_S1, 256);
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                s[i] += xch[i * 128];
-                xch[i * 128] = s[i];
-            }
-            named_arrive(BAR_S, 256);
-        }
-        // logits x scale, masked; the block's row max
-        float bm0 = -INFINITY, bm1 = -INFINITY;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const bool ok = (valid[k] >> (8 * (e & 1))) & 0xFF;
-                float v = s[4 * k + e] * p.scale;
-                v = ok ? v : -INFINITY;
-                s[4 * k + e] = v;
-                if (e < 2) bm0 = fmaxf(bm0, v); else bm1 = fmaxf(bm1, v);
-            }
-        }
-        bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, 1));
-        bm0 = fmaxf(bm0, __shfl_xor_sync(0xffffffffu, bm0, 2));
-        bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, 1));
-        bm1 = fmaxf(bm1, __shfl_xor_sync(0xffffffffu, bm1, 2));
-        const float n0 = fmaxf(m0, bm0), n1 = fmaxf(m1, bm1);
-        const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
-        const float a0 = exp2_approx((m0 - u0) * 1.4426950408889634f);
-        const float a1 = exp2_approx((m1 - u1) * 1.4426950408889634f);
-        float r0 = 0.f, r1 = 0.f;
-        uint32_t pa[16];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const float p0 = exp2_approx((s[4 * k] - u0) * 1.4426950408889634f);
-            const float p1 = exp2_approx((s[4 * k + 1] - u0) * 1.4426950408889634f);
-            const float p2 = exp2_approx((s[4 * k + 2] - u1) * 1.4426950408889634f);
-            const float p3 = exp2_approx((s[4 * k + 3] - u1) * 1.4426950408889634f);
-            r0 += p0 + p1;
-            r1 += p2 + p3;
-            pa[2 * k] = pack_bf16(p0, p1);
-            pa[2 * k + 1] = pack_bf16(p2, p3);
-        }
-        r0 += __shfl_xor_sync(0xffffffffu, r0, 1);
-        r0 += __shfl_xor_sync(0xffffffffu, r0, 2);
-        r1 += __shfl_xor_sync(0xffffffffu, r1, 1);
-        r1 += __shfl_xor_sync(0xffffffffu, r1, 2);
-        l0 = l0 * a0 + r0;
-        l1 = l1 * a1 + r1;
-        m0 = n0;
-        m1 = n1;
-#pragma unroll
-        for (int i = 0; i < DV / 8; ++i) {
-            acc[4 * i] *= a0;
-            acc[4 * i + 1] *= a0;
-            acc[4 * i + 2] *= a1;
-            acc[4 * i + 3] *= a1;
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {  // rows 16 kk .. 16 kk + 15; A: P's columns 16 kk ..
-            const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-            wgmma_pv<DV>(acc, a, smem_desc(slot + (d0 / 64) * CHUNK_BYTES + kk * 2048, CHUNK_BYTES, 1024));
-        }
-        wgmma_commit();
     }
-    wgmma_wait<0>();
-    (void)scale2;
+
     // O = acc / (l + exp(sink - m)), bf16
     const int hr0 = h0 + 16 * static_cast<int>(warp) + static_cast<int>(lane / 4), hr1 = hr0 + 8;
     const float L0 = l0 + exp2_approx((p.sink[hr0] - m0) * 1.4426950408889634f);

@@ -167,3 +167,24 @@ def test_names_written_for_sglang_read_back_as_their_sites_through_the_sglang_ma
 def test_write_dump_of_another_format_is_refused(tmp_path, capsys):
     assert cli.main(["run", "--write-dump", f"vllm:{tmp_path / 'd'}", "--out", str(tmp_path / "runs")]) == 2
     assert "expected sglang:DIR" in capsys.readouterr().err
+
+
+def test_hook_dump_logits_written_one_pass_late_are_read_as_the_previous_pass(tmp_path):
+    """SGLang's forward hook writes a pass's file when the model's forward returns, before the logits processor
+    runs: pass N's logits land in pass N+1's file, and the last pass's in none (that pass is left out)."""
+    hand_dump(tmp_path / "exp", pad=0)
+    folder = tmp_path / "hook" / "TP0_PP0_Rank0_pid7"
+    folder.mkdir(parents=True)
+    by_step: dict[int, dict] = {}
+    for p in (tmp_path / "exp").glob("*.pt"):
+        tags = dict(kv.split("=", 1) for kv in p.stem.split("___"))
+        by_step.setdefault(int(tags["step"]), {})[tags["name"]] = torch.load(p, weights_only=True)["value"]
+    for step, names in sorted(by_step.items()):
+        tensors = {f"model.forward_batch_info.{k}": names[k] for k in ("input_ids", "positions", "seq_lens")}
+        if step > 0:
+            tensors["logits_processor"] = by_step[step - 1]["next_token_logits"]
+        torch.save(tensors, folder / f"Pass{step:05d}.pt")
+    assert run(tmp_path, f"hook-dump:{tmp_path / 'hook'}") == 0
+    manifest = json.loads((tmp_path / "runs" / "r" / "manifest.json").read_text())
+    assert manifest["dump"]["passes"] == 2 and manifest["dump"]["passes_without_logits"] == 1
+    assert json.loads((tmp_path / "runs" / "r" / "verdict.json").read_text())["verdict"] == "PASS"

@@ -34,7 +34,10 @@ def convert(dump: Dump, names: NameMap, cfg: ModelConfig, out: Path, precision: 
     _check_ranks(dump, by_pass)
     aligner, events, unmapped, padded, shard_dims = Aligner(str(dump.directory)), [], set(), 0, {}
     late_logits = _hook_logits(dump, by_pass, names)
-    for k, step in enumerate(sorted(by_pass)):
+    steps = sorted(by_pass)
+    if late_logits and steps[-1] not in late_logits:
+        steps = steps[:-1]  # its logits would be in the file of a pass that did not run
+    for k, step in enumerate(steps):
         ranks = by_pass[step]
         rows = aligner.align(step, *_batch(dump, step, ranks, names))
         if not rows.rows:
@@ -52,7 +55,8 @@ def convert(dump: Dump, names: NameMap, cfg: ModelConfig, out: Path, precision: 
     if not events:
         raise DumpError(f"{dump.directory}: no forward pass with rows to judge")
     seen = {"format": f"{dump.kind} dump", "directory": str(dump.directory), "ranks": dump.world,
-            "passes": len(events), "padded_rows": padded, "unmapped": sorted(unmapped), "name_map": names.sources}
+            "passes": len(events), "passes_without_logits": len(by_pass) - len(steps), "padded_rows": padded,
+            "unmapped": sorted(unmapped), "name_map": names.sources}
     manifest = {"format": FORMAT, "version": VERSION, "decoder": f"{dump.kind} dump {dump.directory.name}",
                 "profile": {"name": f"{dump.kind}-dump", "precision": precision},
                 "config": cfg.to_official_dict(), "checkpoint": {}, "events": events, "dump": seen}
@@ -197,8 +201,9 @@ def _hook_logits(dump: Dump, by_pass, names: NameMap) -> dict[int, dict[int, Ent
     if dump.kind != "hook":
         return {}
     want = names.meta_name("logits")
-    return {step - 1: {r: e for r, es in ranks.items() for e in es if e.name == want}
+    late = {step - 1: {r: e for r, es in ranks.items() for e in es if e.name == want}
             for step, ranks in by_pass.items()}
+    return {step: found for step, found in late.items() if found}
 
 
 def _meta_logits(dump: Dump, step: int, ranks, names: NameMap, rows: PassRows, late: dict) -> torch.Tensor:

@@ -45,9 +45,10 @@ constexpr int THREADS = 384;
 constexpr int FULL_ARRIVALS = 4;               // this CTA's 4 producer warps; the peer's half completes bytes
 constexpr int PEER_BYTES = HALF * D * 2 + HALF * 4;  // what the peer's producers store here per block (st.async)
 constexpr int EMPTY_ARRIVALS = 16;             // 8 math warps x 2 CTAs
-// registers per thread after setmaxnreg (the 384 threads start with 168): 128 x (96 + 2 x 208) = 64K
-constexpr int PRODUCER_REGS = 96;
-constexpr int MATH_REGS = 208;
+// registers per thread after setmaxnreg: the launch gives the CTA 384 x 168, so PRODUCER_REGS + 2 MATH_REGS must
+// stay within 3 x 168 = 504 (a larger request waits forever for registers)
+constexpr int PRODUCER_REGS = 72;
+constexpr int MATH_REGS = 216;
 // named barriers (0 is __syncthreads): Q written, per math warpgroup; S_1 written; S written
 constexpr int BAR_Q = 1, BAR_S1 = 3, BAR_S = 4;
 
@@ -259,40 +260,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
 }
 
 // ---- producer warpgroup: 32 rows of every block, staged one block ahead, into both CTAs' slots ----
-// A lane handles words lane, lane + 32 and lane + 64 (lane < 9) of each of its warp's 8 rows (73 words a row):
-// word lane holds the codes of dims 8 lane .. (chunk lane / 8), word 32 + lane those of dims 256 + 8 lane .. (lane
-// < 24) or rope dims 448 + 4 (lane - 24) .., word 64 + lane rope dims 480 + 4 lane .. (lane < 8) or the scale
-// bytes (lane 8).
-__device__ __forceinline__ void store_row(uint32_t base, uint32_t peer_base, uint32_t peer_full, uint32_t slot,
-                                          uint32_t row, uint32_t lane, uint2 w0, uint2 w1, uint2 w2) {
-    const uint32_t sw_lo = __shfl_sync(0xffffffffu, w2.x, 8);  // scale bytes 0-3 (word 72)
-    const uint32_t sw_hi = __shfl_sync(0xffffffffu, w2.y, 8);  // scale bytes 4-6
-    const uint4 v0 = dequant8(w0, ue8m0((sw_lo >> (8 * (lane >> 3))) & 0xFF));
-    const uint32_t o0 = slot + tile_offset(row, lane);
-    sts128(base + o0, v0);
-    sts128_peer(peer_base + o0, v0, peer_full);
-    if (lane < 24) {
-        const uint4 v1 = dequant8(w1, ue8m0((sw_hi >> (8 * (lane >> 3))) & 0xFF));  // chunks 4-6: bytes 4-6
-        const uint32_t o1 = slot + tile_offset(row, 32 + lane);
-        sts128(base + o1, v1);
-        sts128_peer(peer_base + o1, v1, peer_full);
-    } else {
-        const uint32_t dim = 448 + 4 * (lane - 24);
-        const uint32_t o1 = slot + tile_offset(row, dim / 8) + (dim % 8) * 2;
-        sts64(base + o1, w1);
-        sts64_peer(peer_base + o1, w1, peer_full);
-    }
-    if (lane < 8) {
-        const uint32_t dim = 480 + 4 * lane;
-        const uint32_t o2 = slot + tile_offset(row, dim / 8) + (dim % 8) * 2;
-        sts64(base + o2, w2);
-        sts64_peer(peer_base + o2, w2, peer_full);
-    }
-}
-
-// Per block j: block j + 3's rows prefetched into L2 (indices loaded three blocks ahead); four rows at a time, the
-// staged words of block j into registers and block j + 1's copies of those rows issued, the wait for the slot
-// (before the first stores), the dequantization and the stores; the proxy fence and one arrival per warp.
 __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint32_t rank, int64_t token, int nb) {
     const uint32_t warp = threadIdx.x / 32 - 8, lane = threadIdx.x % 32;
     const uint32_t base = smem_u32(smem);
@@ -303,6 +270,7 @@ __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint32_t
         const int e = j * BN + static_cast<int>(rank) * HALF + static_cast<int>(row0 + lane);
         return (lane < 8 && j < nb && e < p.topk) ? __ldg(idx_row + e) : -1;
     };
+    // the words this lane copies of a row: lane, lane + 32, lane + 64 (lane < 9) of its 73
     auto stage = [&](int32_t ids, uint32_t i) {
         const int32_t id = __shfl_sync(0xffffffffu, ids, i);
         const uint8_t* src = p.kv + static_cast<int64_t>(id < 0 ? 0 : id) * ROW_BYTES;
@@ -312,52 +280,54 @@ __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint32_t
         cp_async8(dst + (lane + 32) * 8, src + (lane + 32) * 8, bytes);
         if (lane < 9) cp_async8(dst + (lane + 64) * 8, src + (lane + 64) * 8, bytes);
     };
-    auto prefetch = [&](int32_t ids, uint32_t i) {  // the row's 128-byte lines (a row spans at most 6)
-        const int32_t id = __shfl_sync(0xffffffffu, ids, i);
-        if (lane < 6 && id >= 0) {
-            const uint8_t* row = p.kv + static_cast<int64_t>(id) * ROW_BYTES + min(lane * 128, 576u);
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(row));
-        }
-    };
     int32_t ids = block_id(0);
+    if (nb > 0) {
 #pragma unroll
-    for (uint32_t i = 0; i < 8; ++i) stage(ids, i);
+        for (uint32_t i = 0; i < 8; ++i) stage(ids, i);
+    }
     cp_async_commit();
-    int32_t ids1 = block_id(1), ids2 = block_id(2), ids3 = block_id(3);
-#pragma unroll
-    for (uint32_t i = 0; i < 8; ++i) prefetch(ids1, i);
-#pragma unroll
-    for (uint32_t i = 0; i < 8; ++i) prefetch(ids2, i);
+    int32_t ids_next = block_id(1);
     for (int j = 0; j < nb; ++j) {
         const int s = j % NS;
+        bar_wait(base + OFF_BAR + (NS + s) * 8, ((j / NS) & 1) ^ 1);  // the slot is free in this CTA
         cp_async_wait_all();
-        if (j + 3 < nb) {
-#pragma unroll
-            for (uint32_t i = 0; i < 8; ++i) prefetch(ids3, i);
-        }
         const uint32_t slot = OFF_KV + s * TILE_BYTES;
         const uint32_t peer_full = peer_base + OFF_BAR + s * 8;
 #pragma unroll
-        for (uint32_t h = 0; h < 8; h += 4) {  // four rows at a time (registers)
-            uint2 w[4][3];
-#pragma unroll
-            for (uint32_t i = 0; i < 4; ++i) {
-                const uint32_t st = base + OFF_STAGE + (row0 + h + i) * ROW_BYTES;
-                w[i][0] = lds64(st + lane * 8);
-                w[i][1] = lds64(st + (lane + 32) * 8);
-                w[i][2] = lane < 9 ? lds64(st + (lane + 64) * 8) : make_uint2(0, 0);
+        for (uint32_t i = 0; i < 8; ++i) {
+            const uint32_t st = base + OFF_STAGE + (row0 + i) * ROW_BYTES;
+            const uint2 w0 = lds64(st + lane * 8);
+            const uint2 w1 = lds64(st + (lane + 32) * 8);
+            const uint2 w2 = lane < 9 ? lds64(st + (lane + 64) * 8) : make_uint2(0, 0);
+            if (j + 1 < nb) stage(ids_next, i);  // block j + 1's row i: after this lane's reads of row i
+            if (!(p.parts & PART_DEQUANT)) continue;
+            const uint32_t sw_lo = __shfl_sync(0xffffffffu, w2.x, 8);  // scale bytes 0-3 (word 72)
+            const uint32_t sw_hi = __shfl_sync(0xffffffffu, w2.y, 8);  // scale bytes 4-6
+            const uint32_t row = rank * HALF + row0 + i;
+            // word lane: codes of chunk lane / 8 (dims 8 lane ..)
+            const uint32_t b0 = (sw_lo >> (8 * (lane >> 3))) & 0xFF;
+            const uint4 v0 = dequant8(w0, ue8m0(b0));
+            const uint32_t o0 = slot + tile_offset(row, lane);
+            sts128(base + o0, v0);
+            sts128_peer(peer_base + o0, v0, peer_full);
+            if (lane < 24) {  // word 32 + lane: codes of chunk 4 + lane / 8 (dims 256 + 8 lane ..)
+                const uint32_t c = 4 + (lane >> 3);
+                const uint32_t b1 = ((c < 4 ? sw_lo : sw_hi) >> (8 * (c & 3))) & 0xFF;
+                const uint4 v1 = dequant8(w1, ue8m0(b1));
+                const uint32_t o1 = slot + tile_offset(row, 32 + lane);
+                sts128(base + o1, v1);
+                sts128_peer(peer_base + o1, v1, peer_full);
+            } else {  // words 56-63: rope dims 448 + 4 (lane - 24) ..
+                const uint32_t dim = 448 + 4 * (lane - 24);
+                const uint32_t o1 = slot + tile_offset(row, dim / 8) + (dim % 8) * 2;
+                sts64(base + o1, w1);
+                sts64_peer(peer_base + o1, w1, peer_full);
             }
-            if (j + 1 < nb) {  // block j + 1 into these staging rows (after this lane's reads of them)
-#pragma unroll
-                for (uint32_t i = 0; i < 4; ++i) stage(ids1, h + i);
-            }
-            if (h == 0) bar_wait(base + OFF_BAR + (NS + s) * 8, ((j / NS) & 1) ^ 1);  // the slot is free here
-            if (p.parts & PART_DEQUANT) {
-#pragma unroll
-                for (uint32_t i = 0; i < 4; ++i) {
-                    store_row(base, peer_base, peer_full, slot, rank * HALF + row0 + h + i, lane, w[i][0], w[i][1],
-                              w[i][2]);
-                }
+            if (lane < 8) {  // words 64-71: rope dims 480 + 4 lane ..
+                const uint32_t dim = 480 + 4 * lane;
+                const uint32_t o2 = slot + tile_offset(row, dim / 8) + (dim % 8) * 2;
+                sts64(base + o2, w2);
+                sts64_peer(peer_base + o2, w2, peer_full);
             }
         }
         cp_async_commit();
@@ -374,10 +344,8 @@ __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint32_t
                 bar_arrive(base + OFF_BAR + s * 8);
             }
         }
-        ids = ids1;
-        ids1 = ids2;
-        ids2 = ids3;
-        ids3 = block_id(j + 4);
+        ids = ids_next;
+        ids_next = block_id(j + 2);
     }
 }
 

@@ -69,8 +69,8 @@ def composed_checkpoint(work: Path, base: Path, layers: int) -> Path:
                 tensors[key] = f.get_tensor(key)
                 continue
             for i in range(layers):
-                if source_layer(i) == int(parts[at]):
-                    tensors[".".join([*parts[:at], str(i), *parts[at + 1:]])] = f.get_tensor(key)
+                if source_layer(i) == int(parts[at]):  # a copy each: safetensors stores no shared tensors
+                    tensors[".".join([*parts[:at], str(i), *parts[at + 1:]])] = f.get_tensor(key).clone()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(flash.to_official_dict(), indent=1))
     return path

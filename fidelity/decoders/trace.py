@@ -352,8 +352,8 @@ class TraceDecoder(TraceHeader, Decoder):
             if name == "logits":
                 last = self._last_rows_only(step, shape[0] if shape else 0) and not own
                 if shape != [rows_stored, vocab] and not (last and shape[1:] == [vocab]):
-                    raise TraceError(f"{path}: logits: expected shape [{rows_stored}, {vocab}] (or one row per "
-                                     f"sequence of the call, its last), found {shape}")
+                    raise TraceError(f"{path}: logits: expected shape [{rows_stored}, {vocab}], found {shape} (a "
+                                     "row per token of the call, or per sequence: its last)")
                 continue
             if not is_site(name):
                 raise TraceError(f"{path}: unknown site {name!r}; sites are listed in fidelity.model.sites.SITES")

@@ -10,6 +10,7 @@ from fidelity import scenarios
 from fidelity.api import open_decoder, plan_checkpoint
 from fidelity.cli import main
 from fidelity.decoders.production.decoder import ProductionDecoder
+from fidelity.outputs.report import md_escape
 from fidelity.scenarios import CATALOGUE, Pair, Run, Scenario, run_scenarios, self_consistency
 
 SMALL = Scenario("small", "a whole prompt, a chunked one (128-aligned and not), a prefix", (
@@ -152,7 +153,8 @@ def test_a_run_whose_decoder_raises_fails_alone_and_the_report_is_written(plan, 
     assert list(res.pairs["pair"]) == ["the decoder raised"] and not res.pairs["passed"].any()
     assert not res.passed and f"small/chunks 5,6,7,118: {raised}" in res.failures()
     report = (tmp_path / "s" / "report.md").read_text()
-    assert raised in report and (tmp_path / "s" / "plots" / "first_divergence.png").is_file()
+    assert f"FAIL small/chunks 5,6,7,118: {md_escape(raised)}" in report  # in the verdict, as markdown text
+    assert (tmp_path / "s" / "plots" / "first_divergence.png").is_file()
     assert len(list((tmp_path / "s" / "runs").iterdir())) == len(SMALL.runs)  # the failed run's as well
 
 

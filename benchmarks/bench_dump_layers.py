@@ -99,8 +99,16 @@ def write_oracle_dump(ckpt: Path, out: Path, prompt: int, decode: int) -> None:
 
 
 JUDGE = """
-import json, resource, sys, time
+import json, resource, sys, threading, time
 from collections import defaultdict
+anon = [0]
+def sample():  # the process's anonymous resident bytes (ru_maxrss also counts the checkpoint's mapped file pages)
+    while True:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                anon[0] = max(anon[0], int(line.split()[1]) * 1024)
+        time.sleep(0.2)
+threading.Thread(target=sample, daemon=True).start()
 import oracles.model as om
 spent = defaultdict(float)
 block = om.OracleSession.block
@@ -118,6 +126,7 @@ res = fidelity.run(dec, plan, modes=("free", "layer"), out=out, run_id=f"stream-
                    oracle_stream=stream)
 print(json.dumps({"wall_s": time.perf_counter() - t0, "verdict": res.verdict,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "peak_rss_anon_bytes": anon[0],
                   "oracle_s_by_layer": [spent[i] for i in sorted(spent)],
                   "oracle_order": res.manifest["oracle_order"],
                   "oracle_weights": res.manifest["oracle_weights"],
@@ -162,20 +171,21 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--decode", type=int, default=4)
+    p.add_argument("--orders", default="stream,call_by_call", help="which oracle orders to time, comma-separated")
     a = p.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     base = base_checkpoint(a.work, a.experts)
     ckpt = composed_checkpoint(a.work, base, a.layers)
-    dump = a.work / f"dump-{a.layers}"
+    dump = a.work / f"dump-{a.layers}-{a.prompt}-{a.decode}"
     if not dump.exists():
         write_oracle_dump(ckpt, dump, a.prompt, a.decode)
     prepared = time.perf_counter() - t0
     results = {"layers": a.layers, "experts": a.experts, "prompt": a.prompt, "decode": a.decode,
                "prepare_s": prepared, "layer_bytes": {k: layer_bytes(ckpt, k) for k in (0, 2, 3)},
                "peak_rss_before_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    for stream in (True, False):
+    for stream in [o == "stream" for o in a.orders.split(",")]:
         done = subprocess.run([sys.executable, "-c", JUDGE, str(ckpt), str(dump / "oracle"), str(a.work / "runs"),
                                "1" if stream else "0"], capture_output=True, text=True, check=True)
         results["stream" if stream else "call_by_call"] = json.loads(done.stdout.strip().splitlines()[-1])

@@ -56,6 +56,7 @@ def test_hand_written_dump_with_padded_rows_and_last_row_logits_judges_pass(tmp_
     manifest = json.loads((tmp_path / "runs" / "r" / "manifest.json").read_text())
     assert verdict["verdict"] == "PASS" and verdict["checked"] > 0
     assert manifest["dump"]["padded_rows"] == 2 and manifest["dump"]["passes"] == 3
+    assert manifest["dump"]["unmapped"] == []  # the batch metadata is read, not listed as unmapped
 
 
 class Planted:

@@ -112,8 +112,11 @@ def _tensor(e: Entry) -> torch.Tensor:
 def _sites(dump: Dump, step: int, ranks, names: NameMap, cfg: ModelConfig, rows: PassRows,
            unmapped: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, int | str]]:
     found: dict[str, dict[int, tuple[Entry, object]]] = defaultdict(dict)
+    meta = set(names.meta.values())  # the batch metadata: read by the alignment, not a site
     for rank, entries in ranks.items():
         for e in sorted(entries, key=lambda e: e.index):
+            if e.name in meta:
+                continue
             try:
                 hit = names.site_of(e.name, e.layer)
             except NameMapError as err:

@@ -13,8 +13,10 @@ call-by-call oracle, on a synthesized V4-Flash-width checkpoint in the release l
 3. A dump in SGLang's dumper layout of the oracle's own calls on it (``DumpWriter``; a ``--prompt``-token prompt in
    one call, then ``--decode`` steps), written call by call with the weights streamed.
 4. ``fidelity run --decoder sglang-dump:<dump> --checkpoint ckpt-<N> --mode free --mode layer`` in a fresh process,
-   once with the stream oracle and once call by call: wall time, the oracle's time by layer (block calls timed),
-   peak host RSS (``ru_maxrss``) and the verdict.
+   the oracle keeping one layer's weights at a time (``oracle_one_layer``, the default past 16 GiB of fp32 weights),
+   once with the stream oracle and once call by call (``--orders``): wall time, the oracle's time by layer (block
+   calls timed), peak host RSS (``ru_maxrss``, which counts the checkpoint's mapped file pages too, and the
+   anonymous bytes sampled from /proc) and the verdict.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ t0 = time.perf_counter()
 plan = plan_checkpoint(ckpt)
 [dec] = open_dump("sglang-dump:" + dump, plan.config, precision="exact")
 res = fidelity.run(dec, plan, modes=("free", "layer"), out=out, run_id=f"stream-{int(stream)}", overwrite=True,
-                   oracle_stream=stream)
+                   oracle_stream=stream, oracle_one_layer=True)
 print(json.dumps({"wall_s": time.perf_counter() - t0, "verdict": res.verdict,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "peak_rss_anon_bytes": anon[0],

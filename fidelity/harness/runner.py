@@ -72,6 +72,8 @@ class RunSpec:
     # free and layer modes layer by layer over a decoder's calls known in advance (a trace, a dump: ``recorded_calls``)
     # instead of call by call; None: where the oracle streams its weights (a model too large to hold whole)
     oracle_stream: bool | None = None
+    # the oracle keeps one layer's weights at a time; None: where its fp32 weights exceed 16 GiB (KEEP_ALL_BYTES)
+    oracle_one_layer: bool | None = None
 
     def chunk_sizes(self) -> list[int]:
         """The prompt's prefill calls: the whole prompt, chunks of ``prefill_chunk`` (the last one shorter), or the
@@ -183,7 +185,8 @@ class Runner:
                         "op": Margins(routing=ROUTING_GAP[klass]), "free": Margins()}
         self.kv_scale_floor = kv_scale_floor(self.dec.profile)  # the FP8 scale rule its stored KV rows are held to
         self.oracle_numerics = exact_float32()
-        self.oracle = OracleModel(checkpoint, spec.oracle_dtype, device=spec.oracle_device or spec.device)
+        self.oracle = OracleModel(checkpoint, spec.oracle_dtype, device=spec.oracle_device or spec.device,
+                                  stream_layers=spec.oracle_one_layer)
         self.references = {m: Reference(self.oracle, m) for m in MODES if m in self.modes}  # free, layer, op
         known = getattr(self.dec, "recorded_calls", None)
         self.oracle_stream = known is not None and (spec.oracle_stream if spec.oracle_stream is not None

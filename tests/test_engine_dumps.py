@@ -31,19 +31,19 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def judge(tmp_path: Path, decoder: str, site_map: Path, seq: int | None = 0) -> list[dict]:
-    args = ["run", "--decoder", decoder, "--site-map", str(site_map), "--dump-precision", "exact",
-            "--out", str(tmp_path), "--run-id", "r"] + ([] if seq is None else ["--trace-seq", str(seq)])
-    cli.main(args)
+def judge(tmp_path: Path, dumps: dict, kind: str, plant: str, seq: int | None = 0) -> list[dict]:
+    """The verdicts of the ``kind`` (sglang / hook) dump with ``plant``, sequence ``seq`` (None: every one)."""
+    prefix, fmt = ("", "sglang-dump") if kind == "sglang" else ("hook-", "hook-dump")
+    args = ["run", "--decoder", f"{fmt}:{dumps[prefix + plant]}", "--site-map", str(dumps[prefix + "map"]),
+            "--dump-precision", "exact", "--out", str(tmp_path), "--run-id", "r"]
+    cli.main(args + ([] if seq is None else ["--trace-seq", str(seq)]))
     return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("r*/verdict.json"))]
 
 
 @needs_sglang
 @pytest.mark.parametrize("kind", ["sglang", "hook"])
 def test_clean_tp2_dump_of_transformers_judges_pass_on_every_sequence(dumps, tmp_path, kind):
-    prefix, fmt = ("", "sglang-dump") if kind == "sglang" else ("hook-", "hook-dump")
-    verdicts = judge(tmp_path, f"{fmt}:{dumps[prefix + 'clean']}", dumps[prefix + "map"] if kind == "hook"
-                     else dumps["map"], seq=None)
+    verdicts = judge(tmp_path, dumps, kind, "clean", seq=None)
     assert [v["verdict"] for v in verdicts] == ["PASS"] * 3
     manifest = json.loads((tmp_path / "r-seq0" / "manifest.json").read_text())
     assert manifest["dump"]["ranks"] == 2 and manifest["dump"]["passes"] == 8
@@ -52,8 +52,7 @@ def test_clean_tp2_dump_of_transformers_judges_pass_on_every_sequence(dumps, tmp
 @needs_sglang
 @pytest.mark.parametrize("kind", ["sglang", "hook"])
 def test_bug_in_rank_1s_shard_is_blamed_on_rank_1(dumps, tmp_path, kind):
-    prefix, fmt = ("", "sglang-dump") if kind == "sglang" else ("hook-", "hook-dump")
-    [v] = judge(tmp_path, f"{fmt}:{dumps[prefix + 'rank']}", dumps[prefix + "map"])
+    [v] = judge(tmp_path, dumps, kind, "rank")
     first = v["first_divergence"]
     assert v["verdict"] == "FAIL" and first["site"] == "L3.attn.q" and first["step"] == 0
     assert first["ranks_failed"] == [1] and first["ranks"] == 2
@@ -63,8 +62,7 @@ def test_bug_in_rank_1s_shard_is_blamed_on_rank_1(dumps, tmp_path, kind):
 @needs_sglang
 @pytest.mark.parametrize("kind", ["sglang", "hook"])
 def test_bug_before_sharding_names_the_layer_without_blaming_a_rank(dumps, tmp_path, kind):
-    prefix, fmt = ("", "sglang-dump") if kind == "sglang" else ("hook-", "hook-dump")
-    [v] = judge(tmp_path, f"{fmt}:{dumps[prefix + 'all']}", dumps[prefix + "map"])
+    [v] = judge(tmp_path, dumps, kind, "all")
     first = v["first_divergence"]
     assert first["site"] == "L3.attn.q" and first["ranks_failed"] == [0, 1]
     assert "on every rank (2 of 2: not one rank's shard)" in first["text"]

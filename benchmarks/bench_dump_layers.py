@@ -78,14 +78,14 @@ def composed_checkpoint(work: Path, base: Path, layers: int) -> Path:
     return path
 
 
-def write_oracle_dump(ckpt: Path, out: Path, prompt: int, decode: int) -> None:
+def write_oracle_dump(ckpt: Path, out: Path, prompt: int, decode: int, device: str = "cpu") -> None:
     """The oracle's calls (a prompt call, then greedy decode steps) in SGLang's dumper layout at ``out``."""
     from fidelity.decoders.engine_dump.write import DumpWriter
     from fidelity.model.load import load_checkpoint
     from fidelity.model.sites import Recorder
     from oracles import OracleModel
 
-    model = OracleModel(load_checkpoint(ckpt))
+    model = OracleModel(load_checkpoint(ckpt), device=device)
     writer = DumpWriter(out, overwrite=True)
     session = model.session()
     ids = torch.randint(3, model.cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
@@ -96,7 +96,7 @@ def write_oracle_dump(ckpt: Path, out: Path, prompt: int, decode: int) -> None:
         logits = session.forward(ids)
         writer.add_call("oracle", step, ids, torch.arange(pos, pos + len(ids)), logits, rec)
         pos += len(ids)
-        ids = logits[-1:].argmax(-1)
+        ids = logits[-1:].argmax(-1).cpu()
     writer.finish()
 
 
@@ -120,15 +120,17 @@ om.OracleSession.block = timed
 import fidelity
 from fidelity.api import plan_checkpoint
 from fidelity.decoders.engine_dump import open_dump
-ckpt, dump, out, stream = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+ckpt, dump, out, stream, device = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5]
 t0 = time.perf_counter()
 plan = plan_checkpoint(ckpt)
 [dec] = open_dump("sglang-dump:" + dump, plan.config, precision="exact")
 res = fidelity.run(dec, plan, modes=("free", "layer"), out=out, run_id=f"stream-{int(stream)}", overwrite=True,
-                   oracle_stream=stream, oracle_one_layer=True)
+                   oracle_stream=stream, oracle_one_layer=True, oracle_device=device)
+import torch
+gpu = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
 print(json.dumps({"wall_s": time.perf_counter() - t0, "verdict": res.verdict,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "peak_rss_anon_bytes": anon[0],
+                  "peak_rss_anon_bytes": anon[0], "gpu_allocated_peak_bytes": gpu,
                   "oracle_s_by_layer": [spent[i] for i in sorted(spent)],
                   "oracle_order": res.manifest["oracle_order"],
                   "oracle_weights": res.manifest["oracle_weights"],
@@ -174,6 +176,7 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--decode", type=int, default=4)
     p.add_argument("--orders", default="stream,call_by_call", help="which oracle orders to time, comma-separated")
+    p.add_argument("--device", default="cpu", help="the oracle's device (cuda: its peak GPU memory is reported)")
     a = p.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -182,14 +185,14 @@ def main() -> int:
     ckpt = composed_checkpoint(a.work, base, a.layers)
     dump = a.work / f"dump-{a.layers}-{a.prompt}-{a.decode}"
     if not dump.exists():
-        write_oracle_dump(ckpt, dump, a.prompt, a.decode)
+        write_oracle_dump(ckpt, dump, a.prompt, a.decode, a.device)
     prepared = time.perf_counter() - t0
     results = {"layers": a.layers, "experts": a.experts, "prompt": a.prompt, "decode": a.decode,
                "prepare_s": prepared, "layer_bytes": {k: layer_bytes(ckpt, k) for k in (0, 2, 3)},
                "peak_rss_before_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     for stream in [o == "stream" for o in a.orders.split(",")]:
         done = subprocess.run([sys.executable, "-c", JUDGE, str(ckpt), str(dump / "oracle"), str(a.work / "runs"),
-                               "1" if stream else "0"], capture_output=True, text=True, check=True)
+                               "1" if stream else "0", a.device], capture_output=True, text=True, check=True)
         results["stream" if stream else "call_by_call"] = json.loads(done.stdout.strip().splitlines()[-1])
     (a.out / "bench_dump_layers.json").write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results, indent=1))

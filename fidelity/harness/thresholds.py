@@ -540,7 +540,7 @@ class Divergence:
     position: int
     consequences: int = 0  # free-mode failures at later sites or steps: inherited from this one
     first_consequence: str = ""  # the earliest of them, 'logits (step 0)'
-    ranks_failed: tuple[int, ...] = ()  # tensor-parallel ranks whose own tensor fails the same check
+    ranks_failed: tuple[int, ...] = ()  # tensor-parallel ranks whose own tensor fails a check at this site
     ranks: int = 0  # ranks judged one by one at this site (0: a tensor of no ranks)
 
     def rank_text(self) -> str:

@@ -93,8 +93,8 @@ def _routing_weights(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict
     """Routing weights compared per expert id on the tokens whose expert sets agree (flips are counted by
     ``moe.experts``): weight_max_err = max |w_test - w_ref|."""
     experts = same_layer("L{i}.moe.experts", site)
-    re_ = ctx["ref"].get(experts)
-    te = _align(re_, ctx["test"].get(experts), ctx["rows"]).to(re_.device)
+    re_ = ctx["ref"].get(experts).to(ref.device)  # the oracle's recorder may sit on another device
+    te = _align(re_, ctx["test"].get(experts), ctx["rows"]).to(ref.device)
     n = min(len(re_), len(te))
     re_, te = re_[:n], te[:n]
     if ctx.get("keep") is not None:

@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
 
 from fidelity.decoders import default_decoder  # noqa: E402
 from fidelity.harness.runner import Runner, RunSpec  # noqa: E402
+from fidelity.job import run_job  # noqa: E402
 from fidelity.model.config import ModelConfig  # noqa: E402
 from fidelity.model.synthesize import synthesize  # noqa: E402
 
@@ -30,3 +31,20 @@ def test_gpu_work_the_decoder_queued_is_timed_in_the_decoder_part():
     runner = Runner(ckpt, RunSpec(prompt, decode_steps=1, modes=("op",), device="cuda"), decoder=dec)
     runner.run()
     assert runner.seconds["prefill decoder"] >= 1.0, runner.seconds
+
+
+def test_an_oracle_on_the_gpu_judges_a_decoder_on_the_host_like_one_on_the_host(tmp_path):
+    """``oracle_device`` apart from the decoder's (a CPU-side dump judged by a GPU oracle): every site pair, the
+    routing weights' included, is compared on one device, and the verdict and the rows are those of an all-host run."""
+    ckpt = synthesize(ModelConfig.preset("tiny"), seed=0)
+    prompt = torch.randint(2, ckpt.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for oracle_device in ("cpu", "cuda"):
+        dec = default_decoder(ckpt, "reference", len(prompt) + 3, "cpu")
+        spec = RunSpec(prompt, decode_steps=2, modes=("free", "layer", "op"), device="cpu",
+                       oracle_device=oracle_device)
+        results[oracle_device] = run_job(ckpt, spec, tmp_path, oracle_device, decoder=dec)
+    host, gpu = (results[d].judgement.judged for d in ("cpu", "cuda"))
+    assert (host["site"].values == gpu["site"].values).all() and (host["metric"].values == gpu["metric"].values).all()
+    assert host["site"].str.endswith(".moe.weights").any(), "no routing-weight rows were compared"
+    assert results["cuda"].verdict == results["cpu"].verdict == "PASS"

@@ -192,7 +192,9 @@ def main() -> int:
                "peak_rss_before_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     for stream in [o == "stream" for o in a.orders.split(",")]:
         done = subprocess.run([sys.executable, "-c", JUDGE, str(ckpt), str(dump / "oracle"), str(a.work / "runs"),
-                               "1" if stream else "0", a.device], capture_output=True, text=True, check=True)
+                               "1" if stream else "0", a.device], capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"the judging process exited {done.returncode}:\n{done.stderr[-4000:]}")
         results["stream" if stream else "call_by_call"] = json.loads(done.stdout.strip().splitlines()[-1])
     (a.out / "bench_dump_layers.json").write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results, indent=1))

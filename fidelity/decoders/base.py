@@ -16,14 +16,15 @@ import torch
 
 from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, StopSet
-from fidelity.model.sites import Recorder
+from fidelity.model.sites import SITE, Recorder
 
-LAYER_INPUTS = ("embed", "L{i}.residual")
+LAYER_INPUTS = (SITE.embed.template, SITE.residual.template)
 # op mode: the exact inputs of the oracle's ops (oracles.op_mode.OpReplay reads these from the decoder's records)
-OP_INPUTS = ("embed", "L{i}.attn.in", "L{i}.attn.q", "L{i}.attn.kv", "L{i}.attn.visible", "L{i}.moe.in",
-             "L{i}.residual")
-OP_INPUTS_COMPRESSED = ("L{i}.attn.compressed_kv",)  # HCA and CSA layers
-OP_INPUTS_INDEXER = ("L{i}.indexer.q", "L{i}.indexer.weights", "L{i}.indexer.keys")  # CSA layers
+OP_INPUTS = tuple(h.template for h in (SITE.embed, SITE.attn_in, SITE.attn_q, SITE.attn_kv, SITE.attn_visible,
+                                       SITE.moe_in, SITE.residual))
+OP_INPUTS_COMPRESSED = (SITE.attn_compressed_kv.template,)  # HCA and CSA layers
+# CSA layers
+OP_INPUTS_INDEXER = (SITE.indexer_q.template, SITE.indexer_weights.template, SITE.indexer_keys.template)
 
 
 class DecoderError(ValueError):

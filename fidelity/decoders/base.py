@@ -31,6 +31,10 @@ class DecoderError(ValueError):
     """A decoder that cannot do what a run asks of it; the message names the decoder and what is wrong."""
 
 
+class ContextError(ValueError):
+    """A prompt or decode step beyond a decoder's ``max_context``: raised before any state changes."""
+
+
 def raised(err: BaseException) -> str:
     """What a decoder raised, for a report: the exception's type and the first line of its message (300 chars)."""
     first_line = (str(err).strip().splitlines() or [""])[0][:300]

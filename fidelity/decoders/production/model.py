@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from fidelity.decoders.base import ContextError
 from fidelity.decoders.production import kernels, ops
 from fidelity.decoders.production.cache import KeyStore, LayerCache
 from fidelity.decoders.production.call_counts import Counts, counting
@@ -29,10 +30,6 @@ from fidelity.model.weights import fp32_nbytes
 BF16 = torch.bfloat16
 QUERY_CHUNK = 512  # prefill attention / indexer queries per pass (bounds temporaries, not results)
 KEEP_ALL_BYTES = 16 << 30  # models up to this size in fp32 keep every dequantized weight
-
-
-class ContextError(ValueError):
-    """A prompt or decode step beyond ``max_context``: raised before any state changes."""
 
 
 class ProductionModel:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import find, settings
 
 from fidelity.decoders.production import faults, ops
-from fidelity.decoders.production.registry import REGISTRY, deselect, implementation, select, selections
+from fidelity.decoders.production.registry import REGISTRY, forcing, implementation, selections
 from fidelity.decoders.profiles import CHOICES, get_profile
 from fidelity.model.formats import dequantize_fp8, fake_quant_fp8, hadamard
 from fidelity.testing import Case, check_against_oracle, check_case, contract_of, strategy_of
@@ -270,31 +270,44 @@ def test_a_fault_planted_in_an_ops_emulation_routes_that_op_to_it_and_says_so(mo
     for op in ("sparse_attention", "hc_post"):
         monkeypatch.setitem(REGISTRY[op], "gpu-kernel", kernel)
     fallbacks.reset()
-    try:
-        for op in ("sparse_attention", "hc_post"):
-            select(op, "gpu-kernel")
+    with forcing({"sparse_attention": "gpu-kernel", "hc_post": "gpu-kernel"}):
         with inject("sink-dropped"):
             assert implementation("sparse_attention", "cuda") is REGISTRY["sparse_attention"]["cpu"]
             assert implementation("hc_post", "cuda") is kernel
         assert implementation("sparse_attention", "cuda") is kernel
-    finally:
-        for op in ("sparse_attention", "hc_post"):
-            deselect(op)
     assert fallbacks.counts() == {"sparse_attention": {"injected fault sink-dropped": 1}}
 
 
-def test_select_forces_an_implementation_and_deselect_undoes_it():
-    try:
-        select("sparse_attention", "cpu")
+def test_forcing_an_implementation_holds_for_its_block_only():
+    with forcing({"sparse_attention": "cpu"}):
         assert selections()["sparse_attention"] == "cpu"
         assert implementation("sparse_attention", "cuda") is REGISTRY["sparse_attention"]["cpu"]
-    finally:
-        deselect("sparse_attention")
     assert "sparse_attention" not in selections()
-    with pytest.raises(KeyError, match="implementation 'cuda-graph' not registered"):
-        select("sparse_attention", "cuda-graph")
-    with pytest.raises(KeyError, match="op 'flash_attention'"):
-        select("flash_attention", "cpu")
+    with pytest.raises(KeyError, match="implementation 'cuda-graph' not registered"), \
+            forcing({"sparse_attention": "cuda-graph"}):
+        pass
+    with pytest.raises(KeyError, match="op 'flash_attention'"), forcing({"flash_attention": "cpu"}):
+        pass
+
+
+def test_forced_implementations_and_injected_faults_stay_in_the_thread_that_set_them():
+    """Context-scoped state: a decoder in another thread sees neither this thread's forced implementations nor its
+    injected faults."""
+    import threading
+
+    from fidelity.decoders import faults
+
+    seen = {}
+
+    def other_thread():
+        seen["selections"], seen["faults"] = selections(), faults.active()
+
+    with forcing({"sparse_attention": "cpu"}), faults.inject("sink-dropped"):
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        assert selections() == {"sparse_attention": "cpu"} and faults.active() == {"sink-dropped"}
+    assert seen == {"selections": {}, "faults": frozenset()}
 
 
 def test_every_fault_planted_in_the_emulations_routes_its_op_away_from_a_kernel():

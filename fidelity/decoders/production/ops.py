@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from fidelity.decoders.production import kv_layout
 from fidelity.decoders.production.faults import on
-from fidelity.decoders.production.kernels._common import GEMV_ROWS as GEMV_ROWS  # noqa: F401 (re-exported)
-from fidelity.decoders.production.kernels._common import (
+from fidelity.decoders.production.op_spec import GEMV_ROWS as GEMV_ROWS  # noqa: F401 (re-exported)
+from fidelity.decoders.production.op_spec import (
     check_fp4_picked_linear,
     check_grouped_expert,
     expert_range_error,

@@ -82,6 +82,14 @@ OPS: dict[str, Op] = {
     "expert": _op("expert", "expert", "expert_cuda"),
     "grouped_expert": _op("grouped_expert", "grouped_expert", "grouped_expert_cuda"),
     "sinkhorn_split": _op("sinkhorn_split", None),  # an emulation and a contract, no kernel of its own
+    # graph decode's plumbing: copies, slots and selections addressed by device-side indices
+    "take": _op("take", "take", "take"),
+    "put_at_block_end": _op("put_at_block_end", "take", "put_at_block_end"),
+    "decode_slots": _op("decode_slots", "decode_slots", "decode_slots_cuda"),
+    "decode_idx": _op("decode_idx", "decode_slots", "decode_idx_cuda"),
+    "mask_past": _op("mask_past", "decode_slots", "mask_past_cuda"),
+    "radix_topk": _op("radix_topk", "radix_topk", "radix_topk"),
+    "moe_sum": _op("moe_sum", "moe_sum", "moe_sum"),
 }
 
 REGISTRY: dict[str, dict[str, Callable]] = {}

@@ -63,7 +63,7 @@ def test_a_misspelt_site_handle_fails_when_it_is_read():
 
 
 def test_site_handles_cover_the_table_and_name_its_sites():
-    assert [h.template for h in vars(SITE).values()] == list(SITE_TABLE)
+    assert list(vars(SITE).values()) == list(SITE_TABLE)
     assert [h.name for h in vars(ROW).values()] == list(RUN_ROWS)
     assert SITE.attn_q.at(3) == "L3.attn.q" and SITE.logits.at() == SITE.logits.name == "logits"
     with pytest.raises(ValueError, match="attn.q"):

@@ -18,13 +18,11 @@ from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, StopSet
 from fidelity.model.sites import SITE, Recorder
 
-LAYER_INPUTS = (SITE.embed.template, SITE.residual.template)
+LAYER_INPUTS = (SITE.embed, SITE.residual)
 # op mode: the exact inputs of the oracle's ops (oracles.op_mode.OpReplay reads these from the decoder's records)
-OP_INPUTS = tuple(h.template for h in (SITE.embed, SITE.attn_in, SITE.attn_q, SITE.attn_kv, SITE.attn_visible,
-                                       SITE.moe_in, SITE.residual))
-OP_INPUTS_COMPRESSED = (SITE.attn_compressed_kv.template,)  # HCA and CSA layers
-# CSA layers
-OP_INPUTS_INDEXER = (SITE.indexer_q.template, SITE.indexer_weights.template, SITE.indexer_keys.template)
+OP_INPUTS = (SITE.embed, SITE.attn_in, SITE.attn_q, SITE.attn_kv, SITE.attn_visible, SITE.moe_in, SITE.residual)
+OP_INPUTS_COMPRESSED = (SITE.attn_compressed_kv,)  # HCA and CSA layers
+OP_INPUTS_INDEXER = (SITE.indexer_q, SITE.indexer_weights, SITE.indexer_keys)  # CSA layers
 
 
 class DecoderError(ValueError):

@@ -40,12 +40,10 @@ METRIC_PRIORITY = ("nonfinite_mismatch", "test_nonfinite", "cos", "calc_diff")
 # Data-flow order of the sites: the site table's (``fidelity.model.sites``), then the run's own rows.
 SITES_BEFORE_LAYERS = sites.SITES_BEFORE_LAYERS
 LAYER_SITE_ORDER = sites.LAYER_SITE_ORDER
-# a free-mode failure here is local: both models read the same token ids
-SITES_WITHOUT_UPSTREAM = (SITE.embed.template,)
+SITES_WITHOUT_UPSTREAM = (SITE.embed,)  # a free-mode failure here is local: both models read the same token ids
 LOCAL_MODES = ("op", "layer")
 SITES_AFTER_LAYERS = (*sites.SITES_AFTER_LAYERS, *RUN_ROWS)
-# downstream of the layers' numerics (not the run's loop)
-NUMERIC_AFTER_LAYERS = (SITE.final.template, SITE.logits.template, ROW.tokens.template)
+NUMERIC_AFTER_LAYERS = (SITE.final, SITE.logits, ROW.tokens)  # downstream of the layers' numerics (not the run's loop)
 
 EXACT_PROFILES = frozenset({"exact", "fp32", "fp64", "oracle"})
 # Profile fields whose listed formats quantize (FP8 / FP4): any of them makes a profile "quantized".

@@ -178,40 +178,37 @@ def is_site(name: str) -> bool:
 RUN_ROWS: tuple[str, ...] = ("tokens", "sampler", "stops", "repetition", "memory", "decoder")
 
 
-@dataclass(frozen=True)
-class SiteHandle:
+class SiteHandle(str):
     """A site template (or run row) reached by attribute, ``SITE.attn_q``, so that a misspelt name fails when the
-    module loads instead of matching nothing. ``template``: ``L{i}.attn.q``; ``at(3)``: ``L3.attn.q``; ``regex``:
-    every layer's name, ``L\\d+\\.attn\\.q`` (a site outside the layers: its own name, escaped)."""
+    module loads instead of matching nothing. It is the template itself (a ``str``: ``"L{i}.attn.q"``, usable where
+    a template is), with ``at(3)``: ``L3.attn.q``; ``regex``: every layer's name, ``L\\d+\\.attn\\.q`` (a site
+    outside the layers: its own name, escaped)."""
 
-    template: str
+    __slots__ = ()
 
     @property
     def suffix(self) -> str:
         """The name inside a layer (``attn.q``); the whole name outside the layers."""
-        return self.template.removeprefix(LAYER_PREFIX)
+        return self.removeprefix(LAYER_PREFIX)
 
     @property
     def in_layer(self) -> bool:
-        return self.template.startswith(LAYER_PREFIX)
+        return self.startswith(LAYER_PREFIX)
 
     @property
     def regex(self) -> str:
-        return _template_regex(self.template)
+        return _template_regex(self)
 
     @property
     def name(self) -> str:
         """The name of a site outside the layers or of a run row (``logits``, ``memory``); ValueError for a layer's."""
         if self.in_layer:
-            raise ValueError(f"{self.template}: a layer's site has a name per layer; expected .at(layer)")
-        return self.template
+            raise ValueError(f"{self}: a layer's site has a name per layer; expected .at(layer)")
+        return str(self)
 
     def at(self, layer: int | None = None) -> str:
         """The site's name in ``layer`` (None outside the layers)."""
-        return site_name(self.template, layer) if self.template in SITE_TABLE else self.template
-
-    def __str__(self) -> str:
-        return self.template
+        return str(site_name(self, layer)) if self in SITE_TABLE else str(self)
 
 
 def model_row_sites(n_layers: int) -> list[str]:
@@ -237,7 +234,7 @@ def layer_sites_regex(*handles: SiteHandle, layers: str = r"L\d+") -> str:
     out in the order given:
     ``(SITE.attn_core, SITE.attn_out, SITE.moe_out)`` -> ``L\\d+\\.(attn\\.(core|out)|moe\\.out)``. A handle
     outside the layers raises ValueError."""
-    if outside := [h.template for h in handles if not h.in_layer]:
+    if outside := [str(h) for h in handles if not h.in_layer]:
         raise ValueError(f"layer_sites_regex: expected sites inside the layers (L{{i}}.*), found {outside}")
     return layers + r"\." + _alternatives([h.suffix.split(".") for h in handles])
 

@@ -251,6 +251,8 @@ def _alternatives(paths: list[list[str]]) -> str:
             parts.append(re.escape(head))
         elif len(tails) == 1:
             parts.append(re.escape(".".join([head, *rest[0]])))
+        elif len(rest) < len(tails):  # the name itself and names below it
+            parts.append(re.escape(head) + r"(\." + _alternatives(rest) + ")?")
         else:
             parts.append(re.escape(head) + r"\." + _alternatives(rest))
     return parts[0] if len(parts) == 1 else "(" + "|".join(parts) + ")"

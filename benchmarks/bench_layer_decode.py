@@ -76,8 +76,11 @@ WARMUP = 4  # steps before timing: compilation, first weight loads, one full com
 
 
 def run(model, context, steps, impl, ops_with_kernels, seed=0, graph=False):
-    for op in ops_with_kernels:
-        registry.select(op, impl)
+    with registry.forcing(dict.fromkeys(ops_with_kernels, impl)):
+        return _timed_steps(model, context, steps, seed, graph)
+
+
+def _timed_steps(model, context, steps, seed, graph):
     s = filled_session(model, context, seed, graph)
     tokens = torch.randint(0, model.cfg.vocab_size, (steps + WARMUP,),
                            generator=torch.Generator().manual_seed(seed))
@@ -98,15 +101,14 @@ def profile_path(model, context, ops_with_kernels, impl, steps=4, graph=False) -
     the most host (self CPU) and device time."""
     from torch.profiler import ProfilerActivity, profile
 
-    for op in ops_with_kernels:
-        registry.select(op, impl)
-    s = filled_session(model, context, 1, graph)
-    for tok in range(WARMUP):
-        s.step(tok)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for tok in range(steps):
-            s.step(tok + 10)
-        torch.cuda.synchronize()
+    with registry.forcing(dict.fromkeys(ops_with_kernels, impl)):
+        s = filled_session(model, context, 1, graph)
+        for tok in range(WARMUP):
+            s.step(tok)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for tok in range(steps):
+                s.step(tok + 10)
+            torch.cuda.synchronize()
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                         "cudaLaunchKernelExC", "cudaGraphLaunch"))

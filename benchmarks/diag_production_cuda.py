@@ -34,14 +34,10 @@ def main() -> None:
     gpu_ops = sorted(op for op, impls in registry.REGISTRY.items() if "triton" in impls)
     print("ops with a triton implementation:", gpu_ops)
 
-    def select(which: dict[str, str]) -> None:
-        for op, impl in which.items():
-            registry.select(op, impl)
-
     default_cpu = run("cpu")  # the test's reference: default selection (triton wrappers take CPU tensors too)
     default_gpu = run("cuda")
-    select({op: "cpu" for op in gpu_ops})
-    ref = run("cpu")
+    with registry.forcing(dict.fromkeys(gpu_ops, "cpu")):
+        ref = run("cpu")
 
     def cos(b: torch.Tensor, a: torch.Tensor = ref) -> list[float]:
         return [round(v, 5) for v in torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).tolist()]
@@ -53,8 +49,8 @@ def main() -> None:
     for op in gpu_ops:
         variants[f"cuda, only {op} triton"] = {o: ("triton" if o == op else "cpu") for o in gpu_ops}
     for name, which in variants.items():
-        select(which)
-        print(f"{name:58s} {cos(run('cuda'))}", flush=True)
+        with registry.forcing(which):
+            print(f"{name:58s} {cos(run('cuda'))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -160,8 +160,11 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=3, help="frames per launch site")
     ap.add_argument("--emulate", default="", help="ops to run on their emulation (comma-separated)")
     a = ap.parse_args()
-    for op in filter(None, a.emulate.split(",")):
-        registry.select(op, "cpu")
+    with registry.forcing(dict.fromkeys(filter(None, a.emulate.split(",")), "cpu")):
+        return _breakdown(a)
+
+
+def _breakdown(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = layer_config(a.context, "flash")

@@ -962,8 +962,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     """The exceptions that are a user's error (one line, exit 2), imported only when a command raised one."""
     from fidelity.api import InputError
     from fidelity.atomic_write import OutputError
-    from fidelity.decoders.base import DecoderError
-    from fidelity.decoders.production import ContextError
+    from fidelity.decoders.base import ContextError, DecoderError
     from fidelity.decoders.trace_file import TraceError
     from fidelity.harness.runner import RunError
     from fidelity.harness.thresholds import ThresholdError

@@ -37,10 +37,9 @@ from matplotlib.figure import Figure
 
 from fidelity.api import CheckpointPlan, InputError, open_decoder, run, warn
 from fidelity.atomic_write import write_dir_atomic
-from fidelity.decoders.base import Call, Decoder, DecoderError, raised
+from fidelity.decoders.base import Call, ContextError, Decoder, DecoderError, raised
 from fidelity.decoders.faults import active, inject
 from fidelity.decoders.production.decoder import ProductionDecoder
-from fidelity.decoders.production.model import ContextError
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.trace_file import TraceWriter, read_trace
 from fidelity.harness.runner import RunError

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fidelity.model.config import ModelConfig
-from fidelity.model.sites import MHC_SITES, Recorder, record
+from fidelity.model.sites import MHC_SITES, SITE, Recorder, record
 from oracles import attention as attn
 from oracles import mhc
 from oracles import moe as moe_ops
@@ -97,10 +97,10 @@ class OracleModel:
         weights, experts = moe_ops.gate(x, w(p + "gate.weight"), bias, w(p + "gate.tid2eid") if hashed else None,
                                         ids, cfg)
         if not hashed:
-            emit("L{i}.moe.scores",
+            emit(SITE.moe_scores,
                  lambda: moe_ops.selection_scores(moe_ops.gate_scores(x, w(p + "gate.weight"), cfg), bias))
-        emit("L{i}.moe.experts", experts)
-        emit("L{i}.moe.weights", weights)
+        emit(SITE.moe_experts, experts)
+        emit(SITE.moe_weights, weights)
 
         def expert_weights(e: int):
             q = f"{p}experts.{e}."
@@ -207,19 +207,19 @@ class OracleSession:
         w, cfg = self.m.w, self.cfg
         y = self.hc_pre(i, "attn", x)
         h = rms_norm(y[0], w(f"layers.{i}.attn_norm.weight"), cfg.norm_eps)
-        self.emit("L{i}.attn.in", i, h)
+        self.emit(SITE.attn_in, i, h)
         f = self.attention(i, h, positions, rows, picks)
-        self.emit("L{i}.attn.out", i, f)
+        self.emit(SITE.attn_out, i, f)
         if rows is not None:
             x, y, ids = x[rows], tuple(t[rows] for t in y), ids[rows]
         x = mhc.hc_post(f, x, y[1], y[2])
         y = self.hc_pre(i, "ffn", x)
         h = rms_norm(y[0], w(f"layers.{i}.ffn_norm.weight"), cfg.norm_eps)
-        self.emit("L{i}.moe.in", i, h)
+        self.emit(SITE.moe_in, i, h)
         f = self.moe(i, h, ids)
-        self.emit("L{i}.moe.out", i, f)
+        self.emit(SITE.moe_out, i, f)
         x = mhc.hc_post(f, x, y[1], y[2])
-        self.emit("L{i}.residual", i, x)
+        self.emit(SITE.residual, i, x)
         return x
 
     def hc_pre(self, i: int, which: str, x: torch.Tensor):
@@ -254,8 +254,8 @@ class OracleSession:
         q, qr = attn.query(qx, w(p + "wq_a.weight"), w(p + "q_norm.weight"), w(p + "wq_b.weight"), qpos, freqs,
                            cfg.n_heads, cfg.norm_eps)
         kv = attn.window_kv(x, w(p + "wkv.weight"), w(p + "kv_norm.weight"), positions, freqs, cfg.norm_eps)
-        self.emit("L{i}.attn.q", i, q)
-        self.emit("L{i}.attn.kv", i, kv)
+        self.emit(SITE.attn_q, i, q)
+        self.emit(SITE.attn_kv, i, kv)
         if st.kv is None:
             st.kv, st.kv_start = kv, int(positions[0])
         else:
@@ -263,14 +263,14 @@ class OracleSession:
         entries = x.new_zeros((0, cfg.head_dim))
         if ratio:
             new = compress(x, positions, st.comp, compressor_weights(self.m.w, p + "compressor."), freqs, cfg.norm_eps)
-            self.emit("L{i}.attn.compressed_kv", i, new)
+            self.emit(SITE.attn_compressed_kv, i, new)
             entries = all_entries(st.comp, cfg.head_dim, x)
         picks = self.indexer(i, x, qr, positions, rows) if ratio == 4 else None
         if given is not None:
             limit = torch.clamp((qpos + 1) // ratio, max=entries.shape[0])[:, None]
             picks = torch.where((given >= 0) & (given < limit), given, -1)
         o = self.attend(i, q, qpos, st, entries, picks)
-        self.emit("L{i}.attn.core", i, o)
+        self.emit(SITE.attn_core, i, o)
         keep = max(0, int(positions[-1]) + 1 - (cfg.window_size - 1))
         st.kv, st.kv_start = st.kv[keep - st.kv_start :], keep
         return attn.output_projection(o, qpos, freqs, w(p + "wo_a.weight"), w(p + "wo_b.weight"), cfg.o_groups)
@@ -288,7 +288,7 @@ class OracleSession:
             comp = attn.hca_entries(positions, ratio, entries.shape[0])
         else:
             comp = picks
-        self.emit("L{i}.attn.visible", i, torch.cat((win, comp), dim=1))
+        self.emit(SITE.attn_visible, i, torch.cat((win, comp), dim=1))
         shared = ratio > 0 and picks is None  # HCA
         kv_rows = torch.where(win >= 0, win - st.kv_start, 0)  # [n, W] rows of st.kv (row 0 where none)
         # rows of the table [window rows; compressed entries] (row 0 where none), read without building it
@@ -316,21 +316,21 @@ class OracleSession:
         freqs = self.m.freqs[4]
         qx, qpos = (x, positions) if rows is None else (x[rows], positions[rows])
         q = index_queries(qr, w(p + "wq_b.weight"), qpos, freqs, cfg.index_n_heads)  # [nq, h, d]
-        self.emit("L{i}.indexer.q", i, q)
+        self.emit(SITE.indexer_q, i, q)
         new = compress(x, positions, st.index, compressor_weights(self.m.w, p + "compressor."), freqs, cfg.norm_eps)
-        self.emit("L{i}.indexer.keys", i, new)
+        self.emit(SITE.indexer_keys, i, new)
         keys = all_entries(st.index, cfg.index_head_dim, x)
         weights = head_weights(qx, w(p + "weights_proj.weight"), cfg.index_n_heads, cfg.index_head_dim)
-        self.emit("L{i}.indexer.weights", i, weights)
+        self.emit(SITE.indexer_weights, i, weights)
         picks = []
         step = max(1, CHUNK_ELEMENTS // max(1, keys.shape[0] * cfg.index_n_heads))
         for s in range(0, len(qpos), step):
             sl = slice(s, s + step)
             scores = index_scores(q[sl], keys, weights[sl], qpos[sl], 4)
-            self.emit("L{i}.indexer.scores", i, scores)
+            self.emit(SITE.indexer_scores, i, scores)
             picks.append(select_topk(scores, qpos[sl], 4, cfg.index_topk))
         picks = torch.cat(picks)
-        self.emit("L{i}.indexer.topk", i, picks)
+        self.emit(SITE.indexer_topk, i, picks)
         return picks
 
     # ---- MoE -------------------------------------------------------------------------------

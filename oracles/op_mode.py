@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fidelity.model.sites import MHC_SITES, Recorder, site_name
+from fidelity.model.sites import MHC_SITES, SITE, Recorder, site_name
 from oracles import attention, indexer, mhc
 from oracles.cache import Rows, gather_rows
 from oracles.compressor import CompressorState, compress, compressor_weights
@@ -62,7 +62,7 @@ class OpReplay:
             self._mhc(i, "attn", streams, out)
             self._attention(i, take, take_q, positions, positions[sel], out)
             self._moe(i, take_q, ids[sel], out)
-            streams = take_q("L{i}.residual")
+            streams = take_q(SITE.residual)
         self.pos += len(ids)
 
     def _mhc(self, i: int, which: str, streams: torch.Tensor, out: Recorder) -> None:
@@ -79,18 +79,18 @@ class OpReplay:
         w, cfg, h = self.model.w, self.cfg, self.hist[i]
         ratio, p = cfg.ratio(i), f"layers.{i}.attn."
         freqs = self.model.freqs[ratio]
-        x = take("L{i}.attn.in")  # [n, dim]
-        q, _ = attention.query(take_q("L{i}.attn.in"), w(p + "wq_a.weight"), w(p + "q_norm.weight"),
+        x = take(SITE.attn_in)  # [n, dim]
+        q, _ = attention.query(take_q(SITE.attn_in), w(p + "wq_a.weight"), w(p + "q_norm.weight"),
                                w(p + "wq_b.weight"), qpos, freqs, cfg.n_heads, cfg.norm_eps)
-        out(site_name("L{i}.attn.q", i), q)
-        out(site_name("L{i}.attn.kv", i), attention.window_kv(x, w(p + "wkv.weight"), w(p + "kv_norm.weight"),
+        out(SITE.attn_q.at(i), q)
+        out(SITE.attn_kv.at(i), attention.window_kv(x, w(p + "wkv.weight"), w(p + "kv_norm.weight"),
                                                               positions, freqs, cfg.norm_eps))
-        new = take("L{i}.attn.kv")
+        new = take(SITE.attn_kv)
         h.kv = new if h.kv is None else torch.cat((h.kv, new))
         if ratio:
             weights = compressor_weights(w, p + "compressor.")
-            out(site_name("L{i}.attn.compressed_kv", i), compress(x, positions, h.comp, weights, freqs, cfg.norm_eps))
-            h.entries.append(take("L{i}.attn.compressed_kv"))
+            out(SITE.attn_compressed_kv.at(i), compress(x, positions, h.comp, weights, freqs, cfg.norm_eps))
+            h.entries.append(take(SITE.attn_compressed_kv))
         if ratio == 4:
             self._indexer(i, take, take_q, x, positions, qpos, out)
         self._core(i, take_q, out)
@@ -101,20 +101,20 @@ class OpReplay:
                  qpos: torch.Tensor, out: Recorder) -> None:
         cfg, h = self.cfg, self.hist[i]
         weights = compressor_weights(self.model.w, f"layers.{i}.attn.indexer.compressor.")
-        out(site_name("L{i}.indexer.keys", i), compress(x, positions, h.index, weights, self.model.freqs[4],
+        out(SITE.indexer_keys.at(i), compress(x, positions, h.index, weights, self.model.freqs[4],
                                                         cfg.norm_eps))
-        h.keys.append(take("L{i}.indexer.keys"))
+        h.keys.append(take(SITE.indexer_keys))
         keys = h.keys.all(cfg.index_head_dim, x)  # [entries, index_head_dim]
-        scores = indexer.index_scores(take_q("L{i}.indexer.q"), keys, take_q("L{i}.indexer.weights"), qpos, 4)
-        out(site_name("L{i}.indexer.scores", i), scores)
-        out(site_name("L{i}.indexer.topk", i), indexer.select_topk(scores, qpos, 4, cfg.index_topk))
+        scores = indexer.index_scores(take_q(SITE.indexer_q), keys, take_q(SITE.indexer_weights), qpos, 4)
+        out(SITE.indexer_scores.at(i), scores)
+        out(SITE.indexer_topk.at(i), indexer.select_topk(scores, qpos, 4, cfg.index_topk))
 
     def _core(self, i: int, take_q: Take, out: Recorder) -> None:
         """Oracle sparse attention over the decoder's q, KV rows and visible set."""
         cfg, h = self.cfg, self.hist[i]
         win = cfg.window_size
         entries = h.entries.all(cfg.head_dim, h.kv)
-        visible = take_q("L{i}.attn.visible")  # [nq, W + K]
+        visible = take_q(SITE.attn_visible)  # [nq, W + K]
         # the table [window rows; entries; a zero row]: an entry the decoder saw but never emitted (a causality
         # bug) reads what its cache held, zeros; read without building it
         table = (h.kv, entries, h.kv.new_zeros((1, cfg.head_dim)))
@@ -123,11 +123,11 @@ class OpReplay:
         valid = (visible >= 0) & torch.cat((window >= 0, visible[:, win:] >= 0), dim=1)
         gathered = gather_rows(table, torch.where(valid, rows, 0))
         sink = self.model.w(f"layers.{i}.attn.attn_sink")
-        out(site_name("L{i}.attn.core", i), attention.sparse_attention(take_q("L{i}.attn.q"), gathered, valid, sink,
+        out(SITE.attn_core.at(i), attention.sparse_attention(take_q(SITE.attn_q), gathered, valid, sink,
                                                                         cfg.head_dim**-0.5))
 
     def _moe(self, i: int, take_q: Take, ids: torch.Tensor, out: Recorder) -> None:
         def emit(template: str, t) -> None:
             out(site_name(template, i), t() if callable(t) else t)
 
-        emit("L{i}.moe.out", self.model.moe_layer(i, take_q("L{i}.moe.in"), ids, emit))  # moe.in: [nq, dim]
+        emit(SITE.moe_out, self.model.moe_layer(i, take_q(SITE.moe_in), ids, emit))  # moe.in: [nq, dim]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fidelity.model.sites import Recorder, site_name
+from fidelity.model.sites import SITE, Recorder, site_name
 from oracles.model import OracleModel
 from oracles.op_mode import OpReplay
 
@@ -26,12 +26,12 @@ def layer_input(feed: Recorder, i: int, hc: int) -> torch.Tensor:
     leaving layer i - 1."""
     if i == 0:
         return feed.get(site_name("embed")).unsqueeze(1).repeat(1, hc, 1)
-    return feed.get(site_name("L{i}.residual", i - 1))
+    return feed.get(SITE.residual.at(i - 1))
 
 
 def reported_topk(feed: Recorder, i: int) -> torch.Tensor | None:
     """The decoder's top-k [n, index_topk] of CSA layer i in this call, None when it reports none."""
-    site = site_name("L{i}.indexer.topk", i)
+    site = SITE.indexer_topk.at(i)
     return feed.get(site) if site in feed.records else None
 
 

@@ -11,7 +11,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from fidelity.decoders.production import ContextError, ProductionModel
+from fidelity.decoders.base import ContextError
+from fidelity.decoders.production import ProductionModel
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.production.faults import inject
 from fidelity.decoders.production.graph_decode import GraphDecodeSession, window_idx_on_device

@@ -12,7 +12,7 @@ import torch
 
 from fidelity.decoders.production import ProductionModel, ops
 from fidelity.decoders.production.fp8_input import Fp8Input
-from fidelity.decoders.production.model import _by_expert, _moe_sum
+from fidelity.decoders.production.model import _by_expert
 from fidelity.model.config import ModelConfig
 from fidelity.model.formats import decode_e8m0
 from fidelity.model.synthesize import synthesize
@@ -71,7 +71,7 @@ def test_emulation_gives_the_models_per_expert_loop_bits_on_the_tiny_checkpoint(
                                  isinstance(h, Fp8Input))
         assert got.shape == (40, cfg.n_activated_experts, cfg.dim)
         moe = session.moe(i, h, ids)  # the per-expert loop (no stored experts off the GPU)
-        assert torch.equal(_moe_sum(got, session.shared_expert(i, h)).view(torch.int16), moe.view(torch.int16)), i
+        assert torch.equal(ops.moe_sum(got, session.shared_expert(i, h)).view(torch.int16), moe.view(torch.int16)), i
 
 
 @pytest.mark.parametrize("act", ["fp8", "bf16"])

@@ -1,6 +1,7 @@
 """The package layout: the data flow model -> oracles -> probes -> decoders -> harness -> outputs -> jobs, no module
-importing one of a later layer, no import circle (imports inside functions count), and the old module paths of
-moved modules still import (one module object under both names)."""
+importing one of a later layer, no import circle (imports inside functions count); the production decoder's kernels
+reached through the op table only (each kernel module imports what its allow-list names); the harness and the
+studies never importing the production decoder (they judge any decoder)."""
 
 import ast
 from pathlib import Path
@@ -109,3 +110,81 @@ def test_the_checker_sees_a_circle_and_an_upward_import(monkeypatch):
         test_every_import_points_to_the_same_layer_or_an_earlier_one()
     with pytest.raises(AssertionError, match="fidelity.model.config"):
         test_no_module_imports_itself_through_others()
+
+
+PRODUCTION = "fidelity.decoders.production"
+KERNELS = f"{PRODUCTION}.kernels"
+# What every kernel module may import from the project: the Triton helpers and the op specs it shares with the
+# emulation. Beyond them, by kernel module, the other kernel modules it may import, and why.
+KERNEL_SHARED = {f"{KERNELS}._common", f"{PRODUCTION}.op_spec"}
+KERNEL_ALLOWED = {
+    "expert": {"act_quant"},  # the FP8 GEMM launch of its w1 / w3 / w2 projections
+    "grouped_expert": {"act_quant"},  # the e4m3 activation quantizer's launch before its grouped GEMM
+    "weight_gemv": {"act_quant"},  # ... and before the FP4 expert GEMV
+    "sparse_attention": {"sparse_attention_ws", "sparse_attention_pair", "sparse_attention_ws_fp8kv"},  # its routes
+    "sparse_attention_ws_fp8kv": {"sparse_attention_ws"},  # the warp-specialized pipeline's building blocks
+    "indexer": {"indexer_ws"},  # its warp-specialized route
+}
+# Outside kernels/, the modules that may import kernel modules (the op table finds the rest by name), and which.
+KERNEL_DOORS = {
+    f"{PRODUCTION}.registry": {f"{KERNELS}._common"},  # device_transparent around every dispatched kernel
+    f"{PRODUCTION}.topk": {f"{KERNELS}._common"},  # INTERPRET: the radix route also runs under the interpreter
+}
+# The studies (fidelity.scenarios, recall, mutants, or their package fidelity.studies) and the harness judge any
+# decoder: they import nothing of the production decoder. Edges still to remove, (study, production module):
+STUDIES = ("fidelity.scenarios", "fidelity.recall", "fidelity.mutants", "fidelity.studies")
+STUDY_EDGES_TO_REMOVE = {
+    ("fidelity.mutants", f"{PRODUCTION}.faults"),
+    ("fidelity.recall", f"{PRODUCTION}.cache"),
+    ("fidelity.recall", f"{PRODUCTION}.ops"),
+    ("fidelity.recall", f"{PRODUCTION}.topk"),
+    ("fidelity.scenarios", f"{PRODUCTION}.decoder"),
+}
+
+
+def _under(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_kernel_modules_import_only_their_allow_list():
+    wrong = []
+    for m, targets in GRAPH.items():
+        if not m.startswith(KERNELS + "."):
+            continue
+        allowed = KERNEL_SHARED | {f"{KERNELS}.{k}" for k in KERNEL_ALLOWED.get(m.removeprefix(KERNELS + "."), ())}
+        wrong += [f"{m} imports {t}" for t in sorted(targets - allowed)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_only_the_op_table_imports_kernel_modules():
+    wrong = sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if not _under(m, (KERNELS,))
+                   for t in targets if t.startswith(KERNELS + ".") and t not in KERNEL_DOORS.get(m, ()))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_harness_never_imports_the_production_decoder():
+    wrong = sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if _under(m, ("fidelity.harness",))
+                   for t in targets if _under(t, (PRODUCTION,)))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_studies_import_nothing_new_of_the_production_decoder():
+    edges = {(m, t) for m, targets in GRAPH.items() if _under(m, STUDIES) for t in targets if _under(t, (PRODUCTION,))}
+    new = sorted(edges - STUDY_EDGES_TO_REMOVE)
+    assert not new, "\n".join(f"{m} imports {t}" for m, t in new)
+    gone = STUDY_EDGES_TO_REMOVE - edges
+    assert not gone, "removed, so take them off STUDY_EDGES_TO_REMOVE: " + ", ".join(map(str, sorted(gone)))
+
+
+def test_the_import_rules_see_a_side_door(monkeypatch):
+    monkeypatch.setitem(GRAPH, f"{KERNELS}.take", GRAPH[f"{KERNELS}.take"] | {f"{KERNELS}.moe_sum"})
+    monkeypatch.setitem(GRAPH, f"{PRODUCTION}.cache", GRAPH[f"{PRODUCTION}.cache"] | {f"{KERNELS}.take"})
+    monkeypatch.setitem(GRAPH, "fidelity.harness.runner", GRAPH["fidelity.harness.runner"] | {f"{PRODUCTION}.model"})
+    monkeypatch.setitem(GRAPH, "fidelity.studies.play", {f"{PRODUCTION}.decoder"})
+    for rule, culprit in ((test_kernel_modules_import_only_their_allow_list, "kernels.take imports"),
+                          (test_only_the_op_table_imports_kernel_modules, "production.cache imports"),
+                          (test_the_harness_never_imports_the_production_decoder, "harness.runner imports"),
+                          (test_the_studies_import_nothing_new_of_the_production_decoder, "studies.play imports")):
+        with pytest.raises(AssertionError, match=culprit):
+            rule()
+

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fidelity.decoders.production import PROFILES, ContextError, ProductionModel, ProductionSession, get_profile, ops
+from fidelity.decoders.base import ContextError
+from fidelity.decoders.production import PROFILES, ProductionModel, ProductionSession, get_profile, ops
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.production.faults import inject
 from fidelity.decoders.production.graph_decode import GraphDecodeSession

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import find, settings
 
 from fidelity.decoders.production import faults, ops
-from fidelity.decoders.production.registry import REGISTRY, deselect, implementation, select, selections
+from fidelity.decoders.production.registry import REGISTRY, forcing, implementation, selections
 from fidelity.decoders.profiles import CHOICES, get_profile
 from fidelity.model.formats import dequantize_fp8, fake_quant_fp8, hadamard
 from fidelity.testing import Case, check_against_oracle, check_case, contract_of, strategy_of
@@ -226,6 +226,44 @@ def fp8_weight_linear_groups_ignored(x, codes, scales, act="fp8", groups=1):
     return ops.fp8_weight_linear(x[:, :k].repeat(1, groups), codes, scales, act, groups)
 
 
+def take_off_by_one(stack, index):
+    """The expert one past the picked one (a stack read at the wrong stride), wrapping at the end."""
+    return ops.take(stack, (index + 1) % stack.shape[0])
+
+
+def put_at_block_end_one_token_early(store, pos, ratio, offset, row, ring=0):
+    """The entry written when the block's second-to-last token arrives (pos % ratio == ratio - 2)."""
+    return ops.put_at_block_end(store, pos + 1, ratio, offset, row, ring) if ratio > 1 else \
+        ops.put_at_block_end(store, pos, ratio, offset + 1, row, ring)
+
+
+def decode_slots_window_without_self(pos, picks, window, ratio, n_compressed):
+    """The window's newest slot (the token itself) marked empty."""
+    rows, local = ops.decode_slots(pos, picks, window, ratio, n_compressed)
+    local = local.clone()
+    local[0, (window - 1) if int(pos) >= window - 1 else int(pos)] = -1
+    return rows, local
+
+
+def mask_past_keeps_the_limit(scores, pos, ratio):
+    """Entry (p + 1) // ratio left visible (j > limit masked instead of j >= limit)."""
+    return ops.mask_past(scores, pos + ratio, ratio)
+
+
+def topk_ties_to_the_higher_id(scores, k):
+    """Equal scores ranked by descending id."""
+    flipped = scores.flip(-1)
+    return (scores.shape[-1] - 1 - ops.radix_topk(flipped, k))
+
+
+def moe_sum_shared_first(out, shared):
+    """The shared expert added before the routed slots (another fp32 order: other bits)."""
+    y = shared.float()
+    for j in range(out.shape[1]):
+        y = y + out[:, j].float()
+    return y.to(BF16)
+
+
 BROKEN = [
     ("sparse_attention", sink_with_value_row, "cos|calc_diff"),
     ("sparse_attention", sink_dropped, "cos|calc_diff"),
@@ -250,6 +288,12 @@ BROKEN = [
     ("act_linear", act_linear_scale_floor, "error bound"),
     ("fp32_linear", fp32_linear_in_bf16, "error bound"),
     ("fp8_weight_linear", fp8_weight_linear_groups_ignored, "error bound"),
+    ("take", take_off_by_one, "not exact"),
+    ("put_at_block_end", put_at_block_end_one_token_early, "not exact"),
+    ("decode_slots", decode_slots_window_without_self, "not exact"),
+    ("mask_past", mask_past_keeps_the_limit, "not exact"),
+    ("radix_topk", topk_ties_to_the_higher_id, "not exact"),
+    ("moe_sum", moe_sum_shared_first, "not exact"),
 ]
 
 
@@ -270,31 +314,44 @@ def test_a_fault_planted_in_an_ops_emulation_routes_that_op_to_it_and_says_so(mo
     for op in ("sparse_attention", "hc_post"):
         monkeypatch.setitem(REGISTRY[op], "gpu-kernel", kernel)
     fallbacks.reset()
-    try:
-        for op in ("sparse_attention", "hc_post"):
-            select(op, "gpu-kernel")
+    with forcing({"sparse_attention": "gpu-kernel", "hc_post": "gpu-kernel"}):
         with inject("sink-dropped"):
             assert implementation("sparse_attention", "cuda") is REGISTRY["sparse_attention"]["cpu"]
             assert implementation("hc_post", "cuda") is kernel
         assert implementation("sparse_attention", "cuda") is kernel
-    finally:
-        for op in ("sparse_attention", "hc_post"):
-            deselect(op)
     assert fallbacks.counts() == {"sparse_attention": {"injected fault sink-dropped": 1}}
 
 
-def test_select_forces_an_implementation_and_deselect_undoes_it():
-    try:
-        select("sparse_attention", "cpu")
+def test_forcing_an_implementation_holds_for_its_block_only():
+    with forcing({"sparse_attention": "cpu"}):
         assert selections()["sparse_attention"] == "cpu"
         assert implementation("sparse_attention", "cuda") is REGISTRY["sparse_attention"]["cpu"]
-    finally:
-        deselect("sparse_attention")
     assert "sparse_attention" not in selections()
-    with pytest.raises(KeyError, match="implementation 'cuda-graph' not registered"):
-        select("sparse_attention", "cuda-graph")
-    with pytest.raises(KeyError, match="op 'flash_attention'"):
-        select("flash_attention", "cpu")
+    with pytest.raises(KeyError, match="implementation 'cuda-graph' not registered"), \
+            forcing({"sparse_attention": "cuda-graph"}):
+        pass
+    with pytest.raises(KeyError, match="op 'flash_attention'"), forcing({"flash_attention": "cpu"}):
+        pass
+
+
+def test_forced_implementations_and_injected_faults_stay_in_the_thread_that_set_them():
+    """Context-scoped state: a decoder in another thread sees neither this thread's forced implementations nor its
+    injected faults."""
+    import threading
+
+    from fidelity.decoders import faults
+
+    seen = {}
+
+    def other_thread():
+        seen["selections"], seen["faults"] = selections(), faults.active()
+
+    with forcing({"sparse_attention": "cpu"}), faults.inject("sink-dropped"):
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        assert selections() == {"sparse_attention": "cpu"} and faults.active() == {"sink-dropped"}
+    assert seen == {"selections": {}, "faults": frozenset()}
 
 
 def test_every_fault_planted_in_the_emulations_routes_its_op_away_from_a_kernel():

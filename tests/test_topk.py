@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fidelity.decoders.production import kernels, routes, topk
-from fidelity.decoders.production.topk import TORCH_ROUTES, order_keys, ordered_scores, stable_topk
+from fidelity.decoders.production.ops import ordered_scores
+from fidelity.decoders.production.topk import TORCH_ROUTES, order_keys, stable_topk
 
 pytestmark = pytest.mark.smoke  # quick: part of the subset for iterating (-m smoke)
 

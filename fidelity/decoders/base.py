@@ -16,18 +16,21 @@ import torch
 
 from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, StopSet
-from fidelity.model.sites import Recorder
+from fidelity.model.sites import SITE, Recorder
 
-LAYER_INPUTS = ("embed", "L{i}.residual")
+LAYER_INPUTS = (SITE.embed, SITE.residual)
 # op mode: the exact inputs of the oracle's ops (oracles.op_mode.OpReplay reads these from the decoder's records)
-OP_INPUTS = ("embed", "L{i}.attn.in", "L{i}.attn.q", "L{i}.attn.kv", "L{i}.attn.visible", "L{i}.moe.in",
-             "L{i}.residual")
-OP_INPUTS_COMPRESSED = ("L{i}.attn.compressed_kv",)  # HCA and CSA layers
-OP_INPUTS_INDEXER = ("L{i}.indexer.q", "L{i}.indexer.weights", "L{i}.indexer.keys")  # CSA layers
+OP_INPUTS = (SITE.embed, SITE.attn_in, SITE.attn_q, SITE.attn_kv, SITE.attn_visible, SITE.moe_in, SITE.residual)
+OP_INPUTS_COMPRESSED = (SITE.attn_compressed_kv,)  # HCA and CSA layers
+OP_INPUTS_INDEXER = (SITE.indexer_q, SITE.indexer_weights, SITE.indexer_keys)  # CSA layers
 
 
 class DecoderError(ValueError):
     """A decoder that cannot do what a run asks of it; the message names the decoder and what is wrong."""
+
+
+class ContextError(ValueError):
+    """A prompt or decode step beyond a decoder's ``max_context``: raised before any state changes."""
 
 
 def raised(err: BaseException) -> str:

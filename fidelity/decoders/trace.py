@@ -28,6 +28,7 @@ from fidelity.decoders.trace_file import (
 )
 from fidelity.model.config import ConfigError, ModelConfig
 from fidelity.model.sites import (
+    SITE,
     SITE_TABLE,
     Recorder,
     is_site,
@@ -39,11 +40,11 @@ from fidelity.model.sites import (
 
 RESERVED = ("ids", "positions", "logits")
 # the rest are floats; attn.kv_cache holds raw bytes (uint8 / any integer dtype of 1 byte)
-INTEGER_SITES = frozenset({"L{i}.indexer.topk", "L{i}.attn.visible", "L{i}.moe.experts", "L{i}.attn.kv_cache"})
+INTEGER_SITES = frozenset({SITE.indexer_topk, SITE.attn_visible, SITE.moe_experts, SITE.attn_kv_cache})
 MODE_INPUTS = frozenset({*LAYER_INPUTS, *OP_INPUTS, *OP_INPUTS_COMPRESSED, *OP_INPUTS_INDEXER})
 # sites the runner reads beside another one of the same layer and call: a CSA layer's visible set is judged
 # against the decoder's own top-k picks, routing weights per expert id
-READ_WITH = {"L{i}.attn.visible": "L{i}.indexer.topk", "L{i}.moe.weights": "L{i}.moe.experts"}
+READ_WITH = {SITE.attn_visible: SITE.indexer_topk, SITE.moe_weights: SITE.moe_experts}
 
 
 class TraceHeader:
@@ -428,7 +429,7 @@ def _layer_names(template: str, cfg: ModelConfig) -> list[str]:
     ratios = cfg.compress_ratios
     if template.startswith("L{i}.indexer."):
         layers = [i for i in range(cfg.n_layers) if ratios[i] == 4]
-    elif template == "L{i}.attn.compressed_kv":
+    elif template == SITE.attn_compressed_kv:
         layers = [i for i in range(cfg.n_layers) if ratios[i]]
     else:
         layers = list(range(cfg.n_layers))

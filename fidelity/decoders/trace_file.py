@@ -43,11 +43,11 @@ from safetensors.torch import save_file
 
 from fidelity.atomic_write import OutputError, check_new_dir
 from fidelity.model.config import ModelConfig
-from fidelity.model.sites import Recorder, is_site, site_template
+from fidelity.model.sites import SITE, Recorder, is_site, site_template
 
 FORMAT, VERSION, MANIFEST = "dsv4-fidelity-trace", 2, "trace.json"
 REPLICATED = "replicated"  # shards.dims: every rank holds the whole tensor (rank 0's is judged, each rank's too)
-ENTRY_SITES = frozenset({"L{i}.attn.compressed_kv", "L{i}.indexer.keys"})  # rows per compressed entry
+ENTRY_SITES = frozenset({SITE.attn_compressed_kv, SITE.indexer_keys})  # rows per compressed entry
 _STORED = re.compile(r"(?P<name>[^@#]+)(@(?P<seq>\d+))?(#(?P<rank>\d+))?")
 
 

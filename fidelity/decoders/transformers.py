@@ -32,14 +32,14 @@ from fidelity.model.checkpoint import Checkpoint
 from fidelity.model.config import ModelConfig
 from fidelity.model.layouts import hf_module_source
 from fidelity.model.load import load_checkpoint
-from fidelity.model.sites import MHC_SITES, SITES, record
+from fidelity.model.sites import MHC_SITES, SITE, SITES, record
 
 ATTENTION = "dsv4-fidelity"  # the name the reporting attention function is registered under
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 FAULTS = ("sink-dropped", "window-127", "window-no-self", "no-inverse-rope", "comb-transposed",
           "routing-bias-in-weights", "topk-cap-half", "causal-off-by-one", "sinkhorn-3-iters",
           "shared-clamp-missing", "yarn-on-swa", "index-topk-hardcoded", "tid2eid-bf16")
-NOT_REPORTED = ("L{i}.mhc_attn.pre", "L{i}.mhc_ffn.pre")
+NOT_REPORTED = (SITE.mhc_attn_pre, SITE.mhc_ffn_pre)
 REQUIREMENT = "transformers>=5.23"
 INSTALL = "pip install 'dsv4-fidelity[transformers]' (in a checkout: pip install -e '.[transformers]')"
 MARKS = 8  # cache copies kept per sequence, at the starts of its latest calls (fork and rollback points)
@@ -349,11 +349,11 @@ class TransformersDecoder(Decoder):
     def _instrument_layer(self, i: int, layer, simple, handles: list) -> None:
         attn = layer.self_attn
         attn._fidelity = (self, i)
-        simple(layer.input_layernorm, "L{i}.attn.in", i)
-        simple(layer.post_attention_layernorm, "L{i}.moe.in", i)
-        simple(layer.mlp, "L{i}.moe.out", i)
-        simple(layer, "L{i}.residual", i)
-        simple(attn, "L{i}.attn.out", i, lambda out: out[0][0])
+        simple(layer.input_layernorm, SITE.attn_in, i)
+        simple(layer.post_attention_layernorm, SITE.moe_in, i)
+        simple(layer.mlp, SITE.moe_out, i)
+        simple(layer, SITE.residual, i)
+        simple(attn, SITE.attn_out, i, lambda out: out[0][0])
         handles.append(attn.register_forward_pre_hook(self._rope_hook(i), with_kwargs=True))
         for which, hc in (("attn", layer.attn_hc), ("ffn", layer.ffn_hc)):
             handles.append(hc.register_forward_hook(self._hc_hook(i, which)))
@@ -392,9 +392,9 @@ class TransformersDecoder(Decoder):
                 biased = (module.score_fn(logits) + module.e_score_correction_bias).gather(1, indices)
                 weights = biased / (biased.sum(dim=-1, keepdim=True) + 1e-20) * module.routed_scaling_factor
             if hasattr(module, "e_score_correction_bias"):  # score-routed: what its top-k selects from
-                self.emit("L{i}.moe.scores", i, (module.score_fn(logits) + module.e_score_correction_bias).float())
-            self.emit("L{i}.moe.experts", i, indices)
-            self.emit("L{i}.moe.weights", i, weights)
+                self.emit(SITE.moe_scores, i, (module.score_fn(logits) + module.e_score_correction_bias).float())
+            self.emit(SITE.moe_experts, i, indices)
+            self.emit(SITE.moe_weights, i, weights)
             return logits, weights, indices
 
         return fn
@@ -409,7 +409,7 @@ class TransformersDecoder(Decoder):
         def fn(module, args, out):
             compressed, block_bias = out
             self._layer_entries[i] = compressed.shape[2]
-            self.emit("L{i}.attn.compressed_kv", i, self._new_rows(f"{i}.kv", compressed[0, 0]))
+            self.emit(SITE.attn_compressed_kv, i, self._new_rows(f"{i}.kv", compressed[0, 0]))
             if on("causal-off-by-one") and block_bias is not None and not hasattr(module, "indexer"):
                 block_bias = _one_more_entry(block_bias, self._positions, module.compress_rate)
             return compressed, block_bias
@@ -423,7 +423,7 @@ class TransformersDecoder(Decoder):
                 picks = picks.clone()
                 picks[..., (self.config.index_topk + 1) // 2:] = -1
             pad = self.config.index_topk - picks.shape[-1]
-            self.emit("L{i}.indexer.topk", i, torch.nn.functional.pad(picks[0], (0, pad), value=-1))
+            self.emit(SITE.indexer_topk, i, torch.nn.functional.pad(picks[0], (0, pad), value=-1))
             return picks
 
         return fn
@@ -432,13 +432,13 @@ class TransformersDecoder(Decoder):
         def fn(module, args, out):
             q, keys, hidden = args
             ratio = self.config.compress_ratios[i]
-            self.emit("L{i}.indexer.q", i, q[0])
-            self.emit("L{i}.indexer.keys", i, self._new_rows(f"{i}.keys", keys[0]))
+            self.emit(SITE.indexer_q, i, q[0])
+            self.emit(SITE.indexer_keys, i, self._new_rows(f"{i}.keys", keys[0]))
             weights = module.weights_proj(hidden)[0].float() * module.weights_scaling * module.softmax_scale
-            self.emit("L{i}.indexer.weights", i, weights)
+            self.emit(SITE.indexer_weights, i, weights)
             future = torch.arange(out.shape[-1], device=out.device)[None] >= \
                 ((self._positions.to(out.device) + 1) // ratio)[:, None]
-            self.emit("L{i}.indexer.scores", i, out[0].masked_fill(future, -math.inf))
+            self.emit(SITE.indexer_scores, i, out[0].masked_fill(future, -math.inf))
 
         return fn
 
@@ -468,10 +468,10 @@ class TransformersDecoder(Decoder):
         s, length = query.shape[2], key.shape[2]
         entries = self._layer_entries.get(i, 0)
         window_len = length - entries
-        self.emit("L{i}.attn.q", i, query[0].transpose(0, 1))
-        self.emit("L{i}.attn.kv", i, key[0, 0, window_len - s:window_len])
-        self.emit("L{i}.attn.core", i, output[0])
-        self.emit("L{i}.attn.visible", i, lambda: self._visible(mask, s, window_len, length))
+        self.emit(SITE.attn_q, i, query[0].transpose(0, 1))
+        self.emit(SITE.attn_kv, i, key[0, 0, window_len - s:window_len])
+        self.emit(SITE.attn_core, i, output[0])
+        self.emit(SITE.attn_visible, i, lambda: self._visible(mask, s, window_len, length))
 
     def _visible(self, mask, s: int, window_len: int, length: int) -> torch.Tensor:
         """[S, window + K]: the window positions, then the compressed entry ids, each query may see."""

@@ -29,6 +29,7 @@ from fidelity.harness.thresholds import (
     sort_divergence,
     thresholds_for,
 )
+from fidelity.model.sites import SITE
 
 
 @dataclass
@@ -111,7 +112,7 @@ def rules_for(profile: object, config, decoder_sites: frozenset[str] | None = No
     None: unknown) is judged with: the defaults for its profile, its config's CSA and hash layers, its top-k and
     context (the recall floor) and whether it reports its top-k (``decoder_sites``: its site templates; None: the
     built-in decoder, which does), then the rules of the threshold file ``path``."""
-    reports_topk = decoder_sites is None or "L{i}.indexer.topk" in decoder_sites
+    reports_topk = decoder_sites is None or SITE.indexer_topk in decoder_sites
     return thresholds_for(profile, path, csa_layers(config), reports_topk, hash_layers(config), config.index_topk,
                           context)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fidelity.model.sampling import Sampler, StopSet, generate
-from fidelity.model.sites import Recorder, site_name
+from fidelity.model.sites import SITE, Recorder
 from oracles import OracleModel
 
 ORACLE_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # the names the CLI and run manifests use
@@ -48,14 +48,14 @@ def layer_rows(rec: Recorder, kinds: tuple[str, ...]) -> list[dict[str, float | 
     """Per layer: residual RMS, sublayer output RMS, Sinkhorn deviations, NaN count (prefill records)."""
     rows = []
     for i, kind in enumerate(kinds):
-        res = rec.get(site_name("L{i}.residual", i))
-        comb = torch.cat([rec.get(site_name("L{i}.mhc_attn.comb", i)), rec.get(site_name("L{i}.mhc_ffn.comb", i))])
+        res = rec.get(SITE.residual.at(i))
+        comb = torch.cat([rec.get(SITE.mhc_attn_comb.at(i)), rec.get(SITE.mhc_ffn_comb.at(i))])
         rows.append({
             "layer": i,
             "kind": kind,
             "residual_rms": _rms(res),
-            "attn_out_rms": _rms(rec.get(site_name("L{i}.attn.out", i))),
-            "moe_out_rms": _rms(rec.get(site_name("L{i}.moe.out", i))),
+            "attn_out_rms": _rms(rec.get(SITE.attn_out.at(i))),
+            "moe_out_rms": _rms(rec.get(SITE.moe_out.at(i))),
             "sinkhorn_row_dev": float((comb.sum(-1) - 1).abs().max()),
             "sinkhorn_col_dev": float((comb.sum(-2) - 1).abs().max()),
             "nonfinite": int((~torch.isfinite(res)).sum()),

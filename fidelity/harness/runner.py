@@ -26,8 +26,7 @@ import torch
 
 from fidelity._version import __version__
 from fidelity.decoders import default_decoder
-from fidelity.decoders.base import Decoder, DecoderError, mode_support, raised
-from fidelity.decoders.production.model import ContextError
+from fidelity.decoders.base import ContextError, Decoder, DecoderError, mode_support, raised
 from fidelity.decoders.profiles import Profile
 from fidelity.decoders.trace_file import TraceError, TraceWriter
 from fidelity.harness.oracle_run import dtype_name

@@ -17,6 +17,7 @@ import torch
 from fidelity.model.config import ModelConfig
 from fidelity.model.sites import (
     LAYER_SITE_ORDER,
+    SITE,
     Recorder,
     same_layer,
     site_name,
@@ -42,12 +43,13 @@ NEAR_TIE_MARGIN = 1e-2  # relative gap to the k-th oracle score under which a to
 # sites that no oracle mode reads from the decoder's records and no other site's comparison reads: with sampled
 # query rows (layer and op modes) they are compared at those rows alone, so the decoder's are recorded at those rows
 # (``Recorder.rows_only``); wide per-query tensors, the index scores growing with the context
-SAMPLED_ROWS_ONLY = frozenset({"L{i}.attn.q", "L{i}.attn.core", "L{i}.indexer.scores"})
+SAMPLED_ROWS_ONLY = frozenset({SITE.attn_q, SITE.attn_core, SITE.indexer_scores})
 # the same for the logits where no free-mode comparison (every row) runs; the decoder may then multiply the head on
 # those rows and the last alone (a 16K-token chunk's logits at V4's vocabulary: 8.5 GB of fp32)
-SAMPLED_LOGITS = frozenset({"logits"})
+SAMPLED_LOGITS = frozenset({SITE.logits.name})
 # a selection's site -> the site of the scores it selects from (templates)
-SELECTION_SCORES = {"L{i}.indexer.topk": "L{i}.indexer.scores", "L{i}.moe.experts": "L{i}.moe.scores"}
+SELECTION_SCORES = {SITE.indexer_topk: SITE.indexer_scores,
+                    SITE.moe_experts: SITE.moe_scores}
 
 
 def _layer(site: str) -> int:
@@ -67,7 +69,7 @@ def _visible_reference(site: str, ref: torch.Tensor, ctx: dict) -> torch.Tensor:
     counted twice and a window or causality bug still is."""
     if ctx["ratios"][_layer(site)] != 4:
         return ref
-    picks = ctx["test"].get(same_layer("L{i}.indexer.topk", site))
+    picks = ctx["test"].get(same_layer(SITE.indexer_topk, site))
     picks = picks[ctx["rows"]] if ctx["rows"] is not None and len(picks) != len(ctx["positions"]) else picks
     limit = ((ctx["positions"] + 1) // 4)[:, None]
     picks = torch.where((picks >= 0) & (picks < limit), picks, -1)
@@ -79,7 +81,7 @@ def _same_routing(site: str, r: torch.Tensor, t: torch.Tensor, ref: Recorder, te
     """bool [n]: tokens both models routed to the same experts at this layer. MoE outputs (and the streams
     after them) are compared on those: a near-tied routing flip is a discrete event counted by
     ``moe.experts``, not a numeric error of the experts."""
-    experts = same_layer("L{i}.moe.experts", site)
+    experts = same_layer(SITE.moe_experts, site)
     if experts not in ref.records or experts not in test.records:
         return torch.ones(len(r), dtype=torch.bool)
     re_ = ref.get(experts)
@@ -92,7 +94,7 @@ def _same_routing(site: str, r: torch.Tensor, t: torch.Tensor, ref: Recorder, te
 def _routing_weights(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict) -> dict:
     """Routing weights compared per expert id on the tokens whose expert sets agree (flips are counted by
     ``moe.experts``): weight_max_err = max |w_test - w_ref|."""
-    experts = same_layer("L{i}.moe.experts", site)
+    experts = same_layer(SITE.moe_experts, site)
     re_ = ctx["ref"].get(experts).to(ref.device)  # the oracle's recorder may sit on another device
     te = _align(re_, ctx["test"].get(experts), ctx["rows"]).to(ref.device)
     n = min(len(re_), len(te))
@@ -110,7 +112,7 @@ def _routing_weights(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict
 
 def _routing(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict) -> dict:
     """``routing_agreement`` with the oracle's selection scores of these tokens (none on hash layers)."""
-    scores_site = same_layer("L{i}.moe.scores", site)
+    scores_site = same_layer(SITE.moe_scores, site)
     scores = None
     if scores_site in ctx["ref"].records:
         scores = ctx["ref"].get(scores_site).to(ref.device)
@@ -130,7 +132,7 @@ def compare_site(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict, pe
     if entry.probe == "sinkhorn":
         batches.add("sinkhorn", site, ref, test)
     elif entry.probe == "indexer_recall":
-        scores = ctx["ref"].get(same_layer("L{i}.indexer.scores", site))
+        scores = ctx["ref"].get(same_layer(SITE.indexer_scores, site))
         out += to_rows(site, layer, indexer_recall(test, ref, scores, NEAR_TIE_MARGIN))
     elif entry.probe == "visible_range":
         out += to_rows(site, layer, visible_range(test, _visible_reference(site, ref, ctx), ctx["positions"],
@@ -250,14 +252,14 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
            "ratios": cfg.compress_ratios}
     selections, routings, batches, ranked = {}, {}, PairBatches(), []
     for i in range(cfg.n_layers):
-        agree = _decided_rows(i, "L{i}.indexer.topk", ref, test, margins.selection, len(sel), device)
+        agree = _decided_rows(i, SITE.indexer_topk, ref, test, margins.selection, len(sel), device)
         if agree is not None:
             selections[i] = agree
-            pending += to_rows(site_name("L{i}.indexer.topk", i), i, {"ambiguous_queries": (~agree).sum()})
-        routed = _decided_rows(i, "L{i}.moe.experts", ref, test, margins.routing, len(sel), device)
+            pending += to_rows(SITE.indexer_topk.at(i), i, {"ambiguous_queries": (~agree).sum()})
+        routed = _decided_rows(i, SITE.moe_experts, ref, test, margins.routing, len(sel), device)
         if routed is not None:
             routings[i] = routed
-            pending += to_rows(site_name("L{i}.moe.experts", i), i, {"ambiguous_tokens": (~routed).sum()})
+            pending += to_rows(SITE.moe_experts.at(i), i, {"ambiguous_tokens": (~routed).sum()})
     for site in ref.records:
         if site not in test.records or (not per_position and not site_of(site).every_step):
             continue
@@ -329,7 +331,7 @@ def stored_kv_rows(test: Recorder, cfg: ModelConfig, kv_scale_floor: str) -> lis
         if cache.dim() != 2 or (cache.shape[1],) != trailing_shape(site_template(site), cfg):
             out += to_rows(site, layer, {"shape_mismatch": torch.tensor(1)})
             continue
-        kv_site = same_layer("L{i}.attn.kv", site)
+        kv_site = same_layer(SITE.attn_kv, site)
         kv = test.get(kv_site) if kv_site in test.records else None
         if kv is not None and len(kv) != len(cache):
             out += to_rows(site, layer, {"rows_missing": torch.tensor(max(0, len(kv) - len(cache))),

@@ -27,7 +27,7 @@ import pandas as pd
 
 from fidelity.decoders.profiles import CHOICES, Profile, get_profile, profile_dict
 from fidelity.model import sites
-from fidelity.model.sites import sites_regex
+from fidelity.model.sites import ROW, RUN_ROWS, SITE, layer_sites_regex, sites_regex
 from probes.metrics import METRIC_PATTERNS, METRICS, is_metric
 
 # The metric table contract (long format, one value per row).
@@ -40,10 +40,10 @@ METRIC_PRIORITY = ("nonfinite_mismatch", "test_nonfinite", "cos", "calc_diff")
 # Data-flow order of the sites: the site table's (``fidelity.model.sites``), then the run's own rows.
 SITES_BEFORE_LAYERS = sites.SITES_BEFORE_LAYERS
 LAYER_SITE_ORDER = sites.LAYER_SITE_ORDER
-SITES_WITHOUT_UPSTREAM = ("embed",)  # a free-mode failure here is local: both models read the same token ids
+SITES_WITHOUT_UPSTREAM = (SITE.embed,)  # a free-mode failure here is local: both models read the same token ids
 LOCAL_MODES = ("op", "layer")
-SITES_AFTER_LAYERS = (*sites.SITES_AFTER_LAYERS, "tokens", "sampler", "stops", "repetition", "memory", "decoder")
-NUMERIC_AFTER_LAYERS = ("final", "logits", "tokens")  # downstream of the layers' numerics (not the run's loop)
+SITES_AFTER_LAYERS = (*sites.SITES_AFTER_LAYERS, *RUN_ROWS)
+NUMERIC_AFTER_LAYERS = (SITE.final, SITE.logits, ROW.tokens)  # downstream of the layers' numerics (not the run's loop)
 
 EXACT_PROFILES = frozenset({"exact", "fp32", "fp64", "oracle"})
 # Profile fields whose listed formats quantize (FP8 / FP4): any of them makes a profile "quantized".
@@ -127,7 +127,7 @@ MEMORY_GROWTH_BAND = 50 * 2**20
 
 MAIN_SITES = sites_regex(lambda site: site.gated)  # the site table's gated sites (q, kv, core, out, residual, ...)
 ROWS_SITES = ".*"  # a different number of rows (tokens, entries, experts) than the oracle's, at any site
-EXPECTED_NONFINITE = r"L\d+\.indexer\.scores"  # -inf marks causally invisible entries in both models
+EXPECTED_NONFINITE = SITE.indexer_scores.regex  # -inf marks causally invisible entries in both models
 NONFINITE_SITES = rf"(?!{EXPECTED_NONFINITE}$).*"
 COMB_SITES = sites_regex(lambda site: site.probe == "sinkhorn")
 KV_CACHE_SITES = sites_regex(lambda site: site.probe == "kv_storage")  # stored KV rows vs the decoder's own attn.kv
@@ -166,6 +166,12 @@ class Threshold:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def unmatched_rules(rules: Sequence[Threshold], site_names: Sequence[str]) -> list[Threshold]:
+    """The rules whose ``site_regex`` fully matches none of ``site_names`` (a model's, ``sites.model_row_sites``):
+    a misspelt regex judges nothing and would pass silently."""
+    return [r for r in rules if not any(re.fullmatch(r.site_regex, name) for name in site_names)]
 
 
 def fmt_num(v: float) -> str:
@@ -266,13 +272,19 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None,
     core_gap = CORE_GAP_FP8 if fields.get("fmha") in ("fp8", "fp8-nope") else CORE_GAP
     unrotated = kind == "quantized" and fields.get("hadamard") == "off" and fields.get("indexer_qk") in ("fp4", "fp8")
     qk_cos = INDEXER_QK_COS_UNROTATED if unrotated else INDEXER_QK_COS[kind]
-    csa = csa_layers_regex(csa_layers) + r"\.(attn\.(core|out)|moe\.out|residual)"  # downstream of the top-k
-    hashed = csa_layers_regex(hash_layers, unknown="(?!)") + r"\.moe\.experts"
+    # downstream of the top-k
+    csa = layer_sites_regex(SITE.attn_core, SITE.attn_out, SITE.moe_out, SITE.residual,
+                            layers=csa_layers_regex(csa_layers))
+    hashed = layer_sites_regex(SITE.moe_experts, layers=csa_layers_regex(hash_layers, unknown="(?!)"))
+    qk = layer_sites_regex(SITE.indexer_q, SITE.indexer_keys)
+    embed, visible, core, scores, topk, experts = (h.regex for h in (
+        SITE.embed, SITE.attn_visible, SITE.attn_core, SITE.indexer_scores, SITE.indexer_topk, SITE.moe_experts))
+    memory, sampler = ROW.memory.regex, ROW.sampler.regex
     rules = [
         Threshold(ROWS_SITES, "rows_missing", "<=", 0),
         Threshold(ROWS_SITES, "rows_extra", "<=", 0),
         Threshold(ROWS_SITES, "shape_mismatch", "<=", 0),
-        Threshold("embed", "cos", ">=", 1 - gap),
+        Threshold(embed, "cos", ">=", 1 - gap),
         Threshold(".*", "nonfinite_mismatch", "<=", 0),
         # a NaN/Inf in the decoder is a failure where it first appears, even where the oracle has it too (a bad
         # weight): only the index scores hold -inf by design (causally invisible entries)
@@ -290,45 +302,45 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None,
         Threshold(KV_CACHE_SITES, "rows_mismatch", "<=", 0),
         Threshold(KV_CACHE_SITES, "rule_mismatch", "<=", 0),
         Threshold(KV_CACHE_SITES, "other_rule_rows", "<=", 0),
-        Threshold(r"L\d+\.attn\.visible", "missing", "<=", 0),
-        Threshold(r"L\d+\.attn\.visible", "extra", "<=", 0),
-        Threshold("tokens", "token_flip_with_margin", "<=", 0, modes=("free",)),
-        Threshold("sampler", "pick_flip_with_margin", "<=", 0),
-        Threshold("sampler", "sampler_impl_mismatch", "<=", 0),
-        Threshold("stops", "stop_mismatch", "<=", 0),
-        Threshold("decoder", "raised", "<=", 0),  # the decoder raised while it ran a call: the run ended there
-        Threshold("memory", "cache_growth", "<=", 0),
-        Threshold("memory", "reserved_growth", "<=", MEMORY_GROWTH_BAND),
-        Threshold("memory", "retained_growth", "<=", MEMORY_GROWTH_BAND),
-        Threshold("memory", "held_growth", "<=", MEMORY_GROWTH_BAND),
-        Threshold("memory", "new_device_mallocs", "<=", 0),
+        Threshold(visible, "missing", "<=", 0),
+        Threshold(visible, "extra", "<=", 0),
+        Threshold(ROW.tokens.regex, "token_flip_with_margin", "<=", 0, modes=("free",)),
+        Threshold(sampler, "pick_flip_with_margin", "<=", 0),
+        Threshold(sampler, "sampler_impl_mismatch", "<=", 0),
+        Threshold(ROW.stops.regex, "stop_mismatch", "<=", 0),
+        Threshold(ROW.decoder.regex, "raised", "<=", 0),  # the decoder raised while it ran a call: the run ended there
+        Threshold(memory, "cache_growth", "<=", 0),
+        Threshold(memory, "reserved_growth", "<=", MEMORY_GROWTH_BAND),
+        Threshold(memory, "retained_growth", "<=", MEMORY_GROWTH_BAND),
+        Threshold(memory, "held_growth", "<=", MEMORY_GROWTH_BAND),
+        Threshold(memory, "new_device_mallocs", "<=", 0),
         Threshold(MAIN_SITES, "cos", ">=", 1 - gap, modes=("op",)),
         Threshold(MAIN_SITES, "calc_diff", "<=", gap, modes=("op",)),
-        Threshold(r"L\d+\.attn\.core", "cos", ">=", 1 - core_gap, modes=("op",)),
-        Threshold(r"L\d+\.attn\.core", "calc_diff", "<=", core_gap, modes=("op",)),
-        Threshold(r"L\d+\.indexer\.scores", "cos", ">=", 1 - gap, modes=("op",)),
-        Threshold(r"L\d+\.indexer\.(q|keys)", "cos", ">=", qk_cos, modes=("op", "layer")),
+        Threshold(core, "cos", ">=", 1 - core_gap, modes=("op",)),
+        Threshold(core, "calc_diff", "<=", core_gap, modes=("op",)),
+        Threshold(scores, "cos", ">=", 1 - gap, modes=("op",)),
+        Threshold(qk, "cos", ">=", qk_cos, modes=("op", "layer")),
         Threshold(COMB_SITES, "orientation_err", "<=", COMB_ERR, modes=("op",)),
-        Threshold(r"L\d+\.indexer\.topk", "miss_gap", "<=", SCORE_TIE_MARGIN[kind], modes=("op",)),
-        Threshold(r"L\d+\.indexer\.topk", "size_mismatch", "<=", 0),  # every precision picks index_topk entries
-        Threshold(r"L\d+\.moe\.weights", "weight_max_err", "<=", ROUTING_WEIGHT_ERR, modes=("op",)),
-        Threshold(r"L\d+\.moe\.experts", "routing_gap", "<=", ROUTING_GAP[kind], modes=("op",)),
-        Threshold(r"L\d+\.moe\.experts", "routing_gap", "<=", ROUTING_GAP_LAYER[kind], modes=("layer",)),
+        Threshold(topk, "miss_gap", "<=", SCORE_TIE_MARGIN[kind], modes=("op",)),
+        Threshold(topk, "size_mismatch", "<=", 0),  # every precision picks index_topk entries
+        Threshold(SITE.moe_weights.regex, "weight_max_err", "<=", ROUTING_WEIGHT_ERR, modes=("op",)),
+        Threshold(experts, "routing_gap", "<=", ROUTING_GAP[kind], modes=("op",)),
+        Threshold(experts, "routing_gap", "<=", ROUTING_GAP_LAYER[kind], modes=("layer",)),
         Threshold(hashed, "routing_gap", "<=", 0),  # a hash lookup has no near-tie: any flip, in any mode
         Threshold(MAIN_SITES, "cos", ">=", 1 - layer_gap, modes=("layer",)),
         Threshold(MAIN_SITES, "calc_diff", "<=", layer_gap, modes=("layer",)),
-        Threshold("logits", "cos", ">=", FREE_LOGITS_COS[kind], modes=("free",)),
+        Threshold(SITE.logits.regex, "cos", ">=", FREE_LOGITS_COS[kind], modes=("free",)),
     ]
     if kind == "quantized" and not reports_topk:
         # the oracle layer attends its own top-k, which an FP4 / FP8 indexer's picks differ from by whole entries
         rules += [Threshold(csa, "cos", ">=", CSA_LAYER_COS, modes=("layer",)),
                   Threshold(csa, "calc_diff", "off", 0, modes=("layer",))]
     if kind == "exact":
-        rules.append(Threshold(r"L\d+\.indexer\.topk", "miss_gap", "<=", SCORE_TIE_MARGIN[kind]))
+        rules.append(Threshold(topk, "miss_gap", "<=", SCORE_TIE_MARGIN[kind]))
     else:
         floor = recall_floor(kind, index_topk, context)
         if floor > 0:
-            rules.append(Threshold(r"L\d+\.indexer\.topk", "recall", ">=", floor, modes=("layer",)))
+            rules.append(Threshold(topk, "recall", ">=", floor, modes=("layer",)))
     return rules
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -170,6 +171,91 @@ def sites_regex(keep) -> str:
 
 def is_site(name: str) -> bool:
     return SITE_PATTERN.match(name) is not None
+
+
+# Rows a run's metric table holds under names of their own, outside the site table (the run's loop: token agreement,
+# the sampler, stop conditions, repetition, memory, a decoder that raised), in report order after the sites.
+RUN_ROWS: tuple[str, ...] = ("tokens", "sampler", "stops", "repetition", "memory", "decoder")
+
+
+class SiteHandle(str):
+    """A site template (or run row) reached by attribute, ``SITE.attn_q``, so that a misspelt name fails when the
+    module loads instead of matching nothing. It is the template itself (a ``str``: ``"L{i}.attn.q"``, usable where
+    a template is), with ``at(3)``: ``L3.attn.q``; ``regex``: every layer's name, ``L\\d+\\.attn\\.q`` (a site
+    outside the layers: its own name, escaped)."""
+
+    __slots__ = ()
+
+    @property
+    def suffix(self) -> str:
+        """The name inside a layer (``attn.q``); the whole name outside the layers."""
+        return self.removeprefix(LAYER_PREFIX)
+
+    @property
+    def in_layer(self) -> bool:
+        return self.startswith(LAYER_PREFIX)
+
+    @property
+    def regex(self) -> str:
+        return _template_regex(self)
+
+    @property
+    def name(self) -> str:
+        """The name of a site outside the layers or of a run row (``logits``, ``memory``); ValueError for a layer's."""
+        if self.in_layer:
+            raise ValueError(f"{self}: a layer's site has a name per layer; expected .at(layer)")
+        return str(self)
+
+    def at(self, layer: int | None = None) -> str:
+        """The site's name in ``layer`` (None outside the layers)."""
+        return str(site_name(self, layer)) if self in SITE_TABLE else str(self)
+
+
+def model_row_sites(n_layers: int) -> list[str]:
+    """Every site name of a model of ``n_layers`` layers in data-flow order, then the run rows: the names a run's
+    metric table can hold."""
+    names = list(SITES_BEFORE_LAYERS)
+    names += [f"L{i}.{suffix}" for i in range(n_layers) for suffix in LAYER_SITE_ORDER]
+    return [*names, *SITES_AFTER_LAYERS, *RUN_ROWS]
+
+
+def _handle_attr(template: str) -> str:
+    return template.removeprefix(LAYER_PREFIX).replace(".", "_")
+
+
+# SITE.embed, SITE.attn_q, SITE.mhc_attn_comb, SITE.moe_out, SITE.residual, SITE.logits, ...: one per table row;
+# ROW.tokens, ROW.memory, ...: one per run row.
+SITE = SimpleNamespace(**{_handle_attr(t): SiteHandle(t) for t in SITE_TABLE})
+ROW = SimpleNamespace(**{name: SiteHandle(name) for name in RUN_ROWS})
+
+
+def layer_sites_regex(*handles: SiteHandle, layers: str = r"L\d+") -> str:
+    """A regex matching the named sites of the layers ``layers`` matches, the names' shared leading parts factored
+    out in the order given:
+    ``(SITE.attn_core, SITE.attn_out, SITE.moe_out)`` -> ``L\\d+\\.(attn\\.(core|out)|moe\\.out)``. A handle
+    outside the layers raises ValueError."""
+    if outside := [str(h) for h in handles if not h.in_layer]:
+        raise ValueError(f"layer_sites_regex: expected sites inside the layers (L{{i}}.*), found {outside}")
+    return layers + r"\." + _alternatives([h.suffix.split(".") for h in handles])
+
+
+def _alternatives(paths: list[list[str]]) -> str:
+    """Dotted name parts -> one regex, alternatives grouped by their first part (first appearance order)."""
+    groups: dict[str, list[list[str]]] = {}
+    for path in paths:
+        groups.setdefault(path[0], []).append(path[1:])
+    parts = []
+    for head, tails in groups.items():
+        rest = [t for t in tails if t]
+        if not rest:
+            parts.append(re.escape(head))
+        elif len(tails) == 1:
+            parts.append(re.escape(".".join([head, *rest[0]])))
+        elif len(rest) < len(tails):  # the name itself and names below it
+            parts.append(re.escape(head) + r"(\." + _alternatives(rest) + ")?")
+        else:
+            parts.append(re.escape(head) + r"\." + _alternatives(rest))
+    return parts[0] if len(parts) == 1 else "(" + "|".join(parts) + ")"
 
 
 @dataclass

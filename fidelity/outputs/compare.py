@@ -23,6 +23,7 @@ from matplotlib.ticker import MaxNLocator
 
 from fidelity.atomic_write import check_new_dir, write_dir_atomic
 from fidelity.harness.thresholds import LAYER_SITE_ORDER, MODES, profile_fields, profile_label, site_order_key
+from fidelity.model.sites import ROW, SITE
 from fidelity.outputs.plots import DPI, FLOOR
 from fidelity.outputs.report import decode_path, md_escape, md_table, worst
 from fidelity.outputs.rundir import MANIFEST_FILE, METRICS_FILE, check_metrics, read_run
@@ -119,22 +120,22 @@ def summary_row(label: str, df: pd.DataFrame, manifest: dict) -> dict:
     """One run in one row: verdict, worst logits cos (free mode), indexer recall (layer mode), token agreement,
     how it decoded, repetition of the stream, peak memory and cache growth."""
     verdict = manifest.get("verdict", {})
-    tokens = df[(df["site"] == "tokens") & (df["metric"] == "agree") & (df["mode"] == "free")]
-    loop = _value(df, "repetition", "loop_onset", "max")
+    tokens = df[(df["site"] == ROW.tokens.name) & (df["metric"] == "agree") & (df["mode"] == "free")]
+    loop = _value(df, ROW.repetition.regex, "loop_onset", "max")
     peaks = manifest.get("memory_peaks", {}).get("decode", {})
     peak = peaks.get("gpu_reserved_peak_bytes", peaks.get("host_rss_peak_bytes"))
     return {
         "run": label, "verdict": ("PASS" if verdict.get("passed") else "FAIL") if verdict else "-",
-        "free logits cos min": _value(df, "logits", "cos", "min", "free"),
-        "layer recall min": _value(df, r"L\d+\.indexer\.topk", "recall", "min", "layer"),
-        "layer recall mean": _value(df, r"L\d+\.indexer\.topk", "recall", "mean", "layer"),
+        "free logits cos min": _value(df, SITE.logits.regex, "cos", "min", "free"),
+        "layer recall min": _value(df, SITE.indexer_topk.regex, "recall", "min", "layer"),
+        "layer recall mean": _value(df, SITE.indexer_topk.regex, "recall", "mean", "layer"),
         "token agreement": float((tokens["value"] != 0).mean()) if len(tokens) else "-",
         "decode steps": manifest.get("decode_steps", "-"),
         "decode": decode_path(manifest),
-        "4-gram repeat rate": _value(df, "repetition", "repeat_rate", "max"),
+        "4-gram repeat rate": _value(df, ROW.repetition.regex, "repeat_rate", "max"),
         "loop onset": ("none" if loop < 0 else int(loop)) if loop != "-" else "-",
         "peak memory (decode)": f"{peak / 2**20:.0f} MiB" if peak else "-",
-        "cache growth": _value(df, "memory", "cache_growth", "max"),
+        "cache growth": _value(df, ROW.memory.regex, "cache_growth", "max"),
     }
 
 

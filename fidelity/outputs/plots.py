@@ -17,6 +17,7 @@ from matplotlib.ticker import MaxNLocator
 
 from fidelity.harness.judgement import run_rules
 from fidelity.harness.thresholds import COMB_SITES, MODES, Threshold, apply_thresholds, fmt_num
+from fidelity.model.sites import ROW, SITE
 
 DPI = 100
 FLOOR = 1e-16  # 1 - cos of exactly equal tensors, drawn at the bottom of log axes
@@ -103,7 +104,7 @@ def plot_cos_over_steps(df: pd.DataFrame) -> Figure | None:
 
 def loop_onset_step(df: pd.DataFrame) -> int | None:
     """The call (step) that picked the first token of the stream's loop, None without a loop."""
-    rows = df[(df["site"] == "repetition") & (df["metric"] == "loop_onset")]
+    rows = df[(df["site"] == ROW.repetition.name) & (df["metric"] == "loop_onset")]
     if rows.empty or rows["value"].iloc[-1] < 0:
         return None
     last_prefill = int(df.loc[df["phase"] == "prefill", "step"].max())  # its logits pick decode token 0
@@ -141,7 +142,7 @@ def plot_residual_norms(df: pd.DataFrame) -> Figure | None:
     """RMS of each of production's mHC streams leaving each layer (max over steps and positions), and where the rows
     hold both models' RMS over every stream a second panel: the oracle's (solid) beside the decoder's (dashed) per
     layer, in the prefill (its largest chunk) and at the last decode step; log scale."""
-    sel = df[df["site"].str.fullmatch(r"L\d+\.residual")]
+    sel = df[df["site"].str.fullmatch(SITE.residual.regex)]
     sel, mode = _one_mode(_finite(sel[sel["layer"] >= 0]))
     streams = sel[sel["metric"].str.fullmatch(r"rms_stream\d+|rms_max")]
     both = sel[sel["metric"].isin(["rms", "ref_rms"])]
@@ -240,7 +241,7 @@ def _limit_line(ax, rows: pd.DataFrame) -> str:
 
 def plot_recall(df: pd.DataFrame) -> Figure | None:
     """Indexer recall@k (worst position) over steps per layer, one panel per mode."""
-    data = _rows(df, "recall", r"L\d+\.indexer\.topk")
+    data = _rows(df, "recall", SITE.indexer_topk.regex)
     if data.empty:
         return None
     data = data.groupby(["mode", "layer", "step"], as_index=False)["value"].min()

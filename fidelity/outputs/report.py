@@ -37,6 +37,7 @@ from fidelity.harness.thresholds import (
     token_flip_rows,
     wide,
 )
+from fidelity.model.sites import ROW, SITE, layer_sites_regex
 from fidelity.outputs.plots import SINKHORN_METRICS, loop_onset_step, make_plots
 from probes.memory import WARMUP_DECODE_CALLS
 from probes.metrics import METRICS
@@ -371,7 +372,7 @@ def modes_section(df: pd.DataFrame, manifest: dict) -> Section:
     return Section("Modes", text, pd.DataFrame(rows))
 
 
-LAYER_ERROR_SITES = r"L\d+\.(attn\.out|moe\.out|residual)"
+LAYER_ERROR_SITES = layer_sites_regex(SITE.attn_out, SITE.moe_out, SITE.residual)
 SCOPE = {"op": "local", "layer": "local", "free": "inherited"}
 
 
@@ -394,7 +395,7 @@ def layer_error_section(df: pd.DataFrame) -> Section:
     return Section(title, text, _sort_sites(pd.DataFrame(cols).rename_axis("site").reset_index()))
 
 
-RESIDUAL_SITE = r"L\d+\.residual"
+RESIDUAL_SITE = SITE.residual.regex
 RESIDUAL_MODES = {"free": "free mode: the oracle's own model on the same tokens (its growth is the model's)",
                   "layer": "layer mode: each oracle layer on the decoder's input to that layer",
                   "op": "op mode: the oracle's ops on the decoder's op inputs"}
@@ -496,7 +497,7 @@ def _with_first(table: pd.DataFrame, loc: pd.Series, label: str) -> pd.DataFrame
 def sinkhorn_section(df: pd.DataFrame, judgement: Judgement) -> Section:
     """mHC mixing matrices: doubly-stochastic deviation, non-negativity and orientation; the limits as the run's
     rules set them."""
-    table = site_table(df, r"L\d+\.mhc_(attn|ffn)\.comb", [
+    table = site_table(df, COMB_SITES, [
         ("row_dev", "max", "row_dev max"), ("row_dev_excess", "max", "row excess max"),
         ("col_dev", "max", "col_dev max"), ("min_value", "min", "min value"), ("negative_count", "sum", "negatives"),
         ("orientation_err", "max", "orientation_err max"), ("transposed_err", "max", "transposed_err max"),
@@ -525,7 +526,7 @@ def _judged_text(judgement: Judgement, site_regex: str, metrics: Sequence[str]) 
 
 def indexer_section(df: pd.DataFrame) -> Section:
     """Tie-aware recall@k of the lightning indexer's top-k."""
-    site = r"L\d+\.indexer\.topk"
+    site = SITE.indexer_topk.regex
     table = site_table(df, site, [
         ("recall", "min", "recall min"), ("recall", "mean", "recall mean"), ("near_tie_miss", "sum", "near-tie misses"),
         ("true_miss", "sum", "true misses"), ("rank_disp_mean", "mean", "rank disp mean"),
@@ -540,7 +541,7 @@ def indexer_section(df: pd.DataFrame) -> Section:
 
 def visible_section(df: pd.DataFrame) -> Section:
     """Exact set difference of the KV positions each query may attend to."""
-    site = r"L\d+\.attn\.visible"
+    site = SITE.attn_visible.regex
     table = site_table(df, site, [("missing", "sum", "missing"), ("extra", "sum", "extra")])
     if table is None:
         return Section("Visible range", ["No visible-range rows in this run."])
@@ -598,7 +599,7 @@ def anomaly_section(df: pd.DataFrame) -> Section:
 
 def token_section(df: pd.DataFrame, margin: float = TOKEN_FLIP_MARGIN) -> Section:
     """Greedy-token agreement per mode, with flips that beat the stated oracle margin."""
-    tok = df[(df["site"] == "tokens") & df["metric"].isin(["agree", "ref_margin"])]
+    tok = df[(df["site"] == ROW.tokens.name) & df["metric"].isin(["agree", "ref_margin"])]
     if not (tok["metric"] == "agree").any():
         return Section("Token agreement", ["No token rows in this run."])
     table = wide(tok)
@@ -620,7 +621,7 @@ def token_section(df: pd.DataFrame, margin: float = TOKEN_FLIP_MARGIN) -> Sectio
 
 def repetition_section(df: pd.DataFrame, manifest: dict) -> Section | None:
     """Whether the stream's decode tokens fall into a loop, and the free-mode logits cosine before and after it."""
-    rep = df[(df["site"] == "repetition") & (df["metric"] != "ngram_seen")]
+    rep = df[(df["site"] == ROW.repetition.name) & (df["metric"] != "ngram_seen")]
     if rep.empty:
         return None
     v = rep.groupby("metric")["value"].last()
@@ -631,7 +632,7 @@ def repetition_section(df: pd.DataFrame, manifest: dict) -> Section | None:
            "longest repeated span": int(v["longest_repeat"])}
     text = ["Informational. The loop onset is the first decode step from which the stream repeats with one period "
             "(at most 64 tokens, at least 16 tokens and two periods) to its end."]
-    cos = df[(df["site"] == "logits") & (df["metric"] == "cos") & (df["mode"] == "free") & (df["position"] < 0)]
+    cos = df[(df["site"] == SITE.logits.name) & (df["metric"] == "cos") & (df["mode"] == "free") & (df["position"] < 0)]
     call = loop_onset_step(df)
     if call is not None and not cos.empty:
         before, after = cos[cos["step"] < call]["value"], cos[cos["step"] >= call]["value"]
@@ -721,8 +722,8 @@ def _memory_rule_row(rule: Threshold, judged: pd.DataFrame) -> dict[str, object]
 def memory_rule_table(judgement: Judgement) -> pd.DataFrame | None:
     """A row per memory quantity a rule judges (the last rule for its metric, unless off), in rule order."""
     last = {r.metric: k for k, r in enumerate(judgement.rules)
-            if METRICS.get(r.metric, "").startswith("memory:") and re.fullmatch(r.site_regex, "memory")}
-    judged = judgement.judged[judgement.judged["site"] == "memory"]
+            if METRICS.get(r.metric, "").startswith("memory:") and re.fullmatch(r.site_regex, ROW.memory.name)}
+    judged = judgement.judged[judgement.judged["site"] == ROW.memory.name]
     rows = [_memory_rule_row(judgement.rules[k], judged[judged["rule_index"] == k]) for k in last.values()
             if judgement.rules[k].op != "off"]
     return pd.DataFrame(rows) if rows else None
@@ -756,7 +757,7 @@ def _flatness_text(table: pd.DataFrame | None) -> str:
 def memory_section(df: pd.DataFrame, judgement: Judgement) -> Section:
     """Whether memory stays flat as the run's rules judge it (per judged quantity: value and band), then the
     informational byte counts over decode and what the decoder's own calls did to the allocator."""
-    decode = df[(df["site"] == "memory") & (df["phase"] == "decode")]
+    decode = df[(df["site"] == ROW.memory.name) & (df["phase"] == "decode")]
     rules = memory_rule_table(judgement)
     if decode.empty and (rules is None or not rules["values checked"].any()):
         return Section("Memory flatness", ["No decode-step memory rows in this run."])
@@ -783,7 +784,7 @@ def memory_section(df: pd.DataFrame, judgement: Judgement) -> Section:
 
 def _rss_note(df: pd.DataFrame) -> str:
     """What allocated / reserved bytes mean where the memory probe reads the process's resident set (the CPU)."""
-    rss = df[(df["site"] == "memory") & (df["metric"] == "memory_is_rss")]["value"]
+    rss = df[(df["site"] == ROW.memory.name) & (df["metric"] == "memory_is_rss")]["value"]
     if not len(rss) or rss.max() <= 0:
         return ""
     return (" On the CPU, allocated and reserved are the process's resident set (oracle and harness included), not "

@@ -348,6 +348,57 @@ def _fp4_picked_linear_bound(c: Case) -> torch.Tensor:
 
 _FP32_TOL = _rel(FP32_REL, "fp32 math throughout: roundoff 2^-24 grown by sums of <= 2^10 terms and 20 Sinkhorn "
                            "rounds stays under 2^-14 relative; a single bf16 rounding (2^-8) anywhere is 64x over")
+def _expected_take(c: Case) -> tuple[torch.Tensor, ...]:
+    return (c["stack"][int(c["index"][0])].clone(),)
+
+
+def _expected_put_at_block_end(c: Case) -> tuple[torch.Tensor, ...]:
+    p, ratio = int(c["pos"][0]), c["ratio"]
+    store = c["store"].clone()
+    if p % ratio == ratio - 1:
+        slot = p // ratio + c["offset"]
+        store[slot % c["ring"] if c["ring"] else slot] = c["row"][0]
+    return (store,)
+
+
+def _step_slots(c: Case) -> list[int]:
+    """A decode step's store rows, stated plainly: the window's positions max(0, p - w + 1) .. p oldest first at
+    their ring slot (position % w), -1 for the slots not filled yet, then the compressed entries it sees (CSA: each
+    pick j with 0 <= j < (p + 1) // 4; HCA: each entry j < (p + 1) // ratio of n_compressed) at row w + j, else -1."""
+    p, w, ratio = int(c["pos"][0]), c["window"], c["ratio"]
+    seen = range(max(0, p - w + 1), p + 1)
+    slots = [q % w for q in seen] + [-1] * (w - len(seen))
+    limit = (p + 1) // ratio if ratio else 0
+    entries = c["picks"].flatten().tolist() if ratio == 4 else list(range(c["n_compressed"])) if ratio else []
+    return slots + [w + j if 0 <= j < limit else -1 for j in entries]
+
+
+def _expected_decode_slots(c: Case) -> tuple[torch.Tensor, ...]:
+    slots = _step_slots(c)
+    rows = torch.tensor([max(s, 0) for s in slots], dtype=torch.int64)
+    local = torch.tensor([[i if s >= 0 else -1 for i, s in enumerate(slots)]], dtype=torch.int64)
+    return rows, local
+
+
+def _expected_mask_past(c: Case) -> tuple[torch.Tensor, ...]:
+    limit = (int(c["pos"][0]) + 1) // c["ratio"]
+    scores = c["scores"].clone()
+    scores[:, limit:] = float("-inf")
+    return (scores,)
+
+
+def _expected_radix_topk(c: Case) -> tuple[torch.Tensor, ...]:
+    scores = c["scores"].float()  # bf16 -> fp32 is exact: the same order
+    return (indexer_oracle.stable_topk_indices(scores.reshape(-1, scores.shape[-1]), c["k"]),)
+
+
+def _expected_moe_sum(c: Case) -> tuple[torch.Tensor, ...]:
+    out, y = c["out"], torch.zeros(c["shared"].shape, dtype=torch.float32)
+    for j in range(out.shape[1]):
+        y = y + out[:, j].float()
+    return ((y + c["shared"].float()).to(torch.bfloat16),)
+
+
 _ONE_ROUNDING = "fp32 math rounded once to bf16: relative error <= u = 2^-8 (x1.25 for fp32 noise)"
 
 # one contract per op, under the name ``registry.OPS[op].contract`` gives (``fidelity.testing.contract_of``)
@@ -547,3 +598,36 @@ def strategy_of(op_name: str) -> st.SearchStrategy[Case]:
     from fidelity.testing import strategies
 
     return getattr(strategies, _record(op_name).strategy)()
+take = OpContract(
+    "bitexact", _expected_take, (Output("y", BF16, None),),
+    "stack[index[0]] copied, bit for bit, with the index read on the device only (graph decode's expert weights "
+    "picked by a device-side expert id).")
+decode_slots = OpContract(
+    "bitexact", _expected_decode_slots, (Output("rows", None, None), Output("local", None, None)),
+    "The rows one decode step at position p attends (spec §4 attention step 5: the sliding window of 128 incl. "
+    "self, then the compressed entries j < (p + 1) // ratio the layer sees: the indexer's top-k on CSA layers, "
+    "every one on HCA layers): the window's ring slots oldest first (-1 before it fills), then row window + j per "
+    "visible entry (-1 past the causal limit or for a -1 pick); gather rows clamp -1 to row 0, the local indices "
+    "keep -1. Integers: bit-exact.")
+decode_idx = OpContract(
+    "bitexact", lambda c: (torch.tensor([_step_slots(c)], dtype=torch.int32),),
+    (Output("idx", None, None),),
+    "decode_slots' rows as the attention's indices into the store itself (int32, -1 where none).")
+mask_past = OpContract(
+    "bitexact", _expected_mask_past, (Output("scores", BF16, None),),
+    "Index scores [1, n] with every entry j >= (p + 1) // ratio set to -inf (causally invisible to the query at "
+    "p, spec §4 Indexer), the rest unchanged.")
+radix_topk = OpContract(
+    "bitexact", _expected_radix_topk, (Output("ids", None, None),),
+    "The k highest scores' ids per row, highest first, ties to the lower id (the oracle's stable descending "
+    "sort: -0 == +0, NaN of either sign above +inf), bf16 or fp32 scores.")
+moe_sum = OpContract(
+    "bitexact", _expected_moe_sum, (Output("y", BF16, None),),
+    "The MoE output: the routed slot outputs (ascending expert id) added in fp32 in slot order, then the shared "
+    "expert's, rounded once to bf16 (spec §4 MoE; the order fixes the bits).")
+put_at_block_end = OpContract(
+    "bitexact", _expected_put_at_block_end, (Output("store", BF16, None),),
+    "The row written to slot p // ratio + offset (modulo ring where ring > 0) only where the token at p completes a "
+    "block of ratio (p % ratio == ratio - 1), every other row of the store unchanged (spec §5: a compressed entry "
+    "is stored when its block completes; ratio 1: the window's ring slot p % ring).")
+

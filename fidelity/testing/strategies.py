@@ -668,3 +668,126 @@ def grouped_expert_inputs(dims: Sequence[int] = (128, 256), inter_dims: Sequence
         return Case(args, note=_plant_nan(draw, g, args, nan_inputs))
 
     return build()
+
+
+def take_inputs(max_stack: int = 8, max_rows: int = 64) -> st.SearchStrategy[Case]:
+    """``take(stack bf16 [E, r, c], index int64 [1])``: E in 1..8, rows and columns from 1 (one element) to a few
+    thousand elements in all (several 4096-element blocks), any in-range index, a NaN planted now and then."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        e, rows, cols = draw(st.integers(1, max_stack)), draw(st.integers(1, max_rows)), draw(st.integers(1, 160))
+        g = _gen(draw)
+        args = {"stack": _randn(g, e, rows, cols).to(BF16),
+                "index": torch.tensor([draw(st.integers(0, e - 1))], dtype=torch.int64)}
+        return Case(args, note=_plant_nan(draw, g, args, ("stack",)))
+
+    return build()
+
+
+def _decode_step(draw: Callable, windows: Sequence[int]) -> tuple[dict[str, Any], str]:
+    """A decode step's position and layer: window, ratio (0: window only, 4: CSA with the indexer's picks, 128: HCA)
+    and position drawn around the window's and the compression's boundaries."""
+    window, ratio = draw(st.sampled_from(tuple(windows))), draw(st.sampled_from((0, 4, 128)))
+    edge = draw(st.sampled_from((window - 2, window - 1, window, 4 * ratio - 1, 4 * ratio, 0)))
+    pos = max(0, edge + draw(st.integers(-1, 1))) if draw(st.booleans()) else draw(st.integers(0, 4096))
+    n_entries = max(1, (pos + 1) // ratio + draw(st.integers(0, 3))) if ratio else 0
+    picks = None
+    if ratio == 4:  # top-k picks: entries below and past the causal limit, and -1 (none)
+        g = _gen(draw)
+        k = draw(st.integers(1, 16))
+        picks = torch.randint(-1, n_entries + 2, (1, k), generator=g, dtype=torch.int64)
+    args = {"pos": torch.tensor([pos], dtype=torch.int64), "picks": picks, "window": window, "ratio": ratio,
+            "n_compressed": n_entries if ratio == 128 else 0}
+    return args, f"pos {pos}, window {window}, ratio {ratio}"
+
+
+def decode_slots_inputs(windows: Sequence[int] = (1, 4, 8, 128)) -> st.SearchStrategy[Case]:
+    """``decode_slots(pos int64 [1], picks int64 [1, k] | None, window, ratio, n_compressed)``: positions around the
+    window's fill and the compression blocks; CSA picks below and past the causal limit and -1."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        args, note = _decode_step(draw, windows)
+        return Case(args, note=note)
+
+    return build()
+
+
+def decode_idx_inputs(windows: Sequence[int] = (1, 4, 8, 128)) -> st.SearchStrategy[Case]:
+    """``decode_idx``: the inputs of :func:`decode_slots_inputs`."""
+    return decode_slots_inputs(windows)
+
+
+def mask_past_inputs(max_entries: int = 300) -> st.SearchStrategy[Case]:
+    """``mask_past(scores bf16 [1, n], pos int64 [1], ratio)``: n from 1, positions whose causal limit lies before,
+    inside and past the scores, ratio 4 or 128."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, ratio = draw(st.integers(1, max_entries)), draw(st.sampled_from((4, 128)))
+        g = _gen(draw)
+        pos = draw(st.integers(0, (n + 2) * ratio))
+        return Case({"scores": _randn(g, 1, n).to(BF16), "pos": torch.tensor([pos], dtype=torch.int64),
+                     "ratio": ratio})
+
+    return build()
+
+
+def radix_topk_inputs(max_rows: int = 4, max_entries: int = 600) -> st.SearchStrategy[Case]:
+    """``radix_topk(scores bf16 / fp32 [r, n], k)``, 0 <= k <= n: scores drawn from a few values (many ties), with
+    -0.0 beside +0.0, +-inf and NaN of either sign now and then."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        rows, n = draw(st.integers(1, max_rows)), draw(st.integers(1, max_entries))
+        g = _gen(draw)
+        levels = draw(st.sampled_from((3, 17, 1 << 20)))
+        scores = torch.randint(-levels, levels + 1, (rows, n), generator=g).float() / levels
+        specials = torch.tensor([-0.0, 0.0, float("inf"), float("-inf"), float("nan"), -float("nan")])
+        if draw(st.booleans()):
+            where = torch.rand(rows, n, generator=g) < 0.05
+            scores = torch.where(where, specials[torch.randint(0, 6, (rows, n), generator=g)], scores)
+        dtype = draw(st.sampled_from((BF16, FP32)))
+        return Case({"scores": scores.to(dtype), "k": draw(st.integers(0, n))}, note=f"{levels} levels")
+
+    return build()
+
+
+def moe_sum_inputs(dims: Sequence[int] = (1, 64, 1000, 2048), max_rows: int = 6) -> st.SearchStrategy[Case]:
+    """``moe_sum(out bf16 [n, k, dim], shared bf16 [n, dim])``: k in 1..8 slots, magnitudes spread over 2^-8..2^8
+    (the fp32 sum's order shows in its bits), a NaN planted now and then."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        n, k, dim = draw(st.integers(0, max_rows)), draw(st.integers(1, 8)), draw(st.sampled_from(tuple(dims)))
+        g = _gen(draw)
+        scale = torch.exp2(_uniform(g, -8, 8, n, k, 1))
+        args = {"out": (_randn(g, n, k, dim) * scale).to(BF16), "shared": _randn(g, n, dim).to(BF16)}
+        return Case(args, note=_plant_nan(draw, g, args, ("out", "shared")))
+
+    return build()
+
+
+def put_at_block_end_inputs(max_capacity: int = 40,
+                            widths: Sequence[int] = (1, 64, 584, 5000)) -> st.SearchStrategy[Case]:
+    """``put_at_block_end(store bf16 [capacity, w], pos int64 [1], ratio, offset, row bf16 [1, w], ring)``: ratio 1
+    (a window row, ring = capacity, positions past it wrap), 4 or 128 (compressed entries after an offset), positions
+    at a block's last token, one before and one after."""
+
+    @st.composite
+    def build(draw: Callable) -> Case:
+        cap, width = draw(st.integers(2, max_capacity)), draw(st.sampled_from(tuple(widths)))
+        ratio = draw(st.sampled_from((1, 4, 128)))
+        g = _gen(draw)
+        if ratio == 1:
+            offset, ring, pos = 0, cap, draw(st.integers(0, 4 * cap))
+        else:
+            offset, ring = draw(st.integers(0, cap - 1)), 0
+            block = draw(st.integers(0, cap - offset - 1))  # its entry's slot fits the store
+            pos = max(0, block * ratio + ratio - 1 + draw(st.integers(-1, 1)))
+        args = {"store": _randn(g, cap, width).to(BF16), "pos": torch.tensor([pos], dtype=torch.int64),
+                "ratio": ratio, "offset": offset, "row": _randn(g, 1, width).to(BF16), "ring": ring}
+        return Case(args, note=f"pos {pos}, ratio {ratio}")
+
+    return build()

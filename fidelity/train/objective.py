@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fidelity.model.sites import site_name
+from fidelity.model.sites import SITE
 from fidelity.train.trainable import TrainableWeights
 from oracles import attention as attn
 from oracles.compressor import CompressorState, compress, compressor_weights
@@ -61,7 +61,7 @@ def step_losses(model: OracleModel, weights: TrainableWeights, ids: torch.Tensor
             rows = 3 + torch.randperm(len(positions) - 3, generator=gen)[:kl_rows].sort().values  # >= 1 entry
             kls.append(indexer_kl(model, weights, cap.tensors, i, positions, rows.to(ids.device)))
     kl = torch.stack(kls).mean() if kls else lm.new_zeros(())
-    loads = {i: torch.bincount(cap.tensors[site_name("L{i}.moe.experts", i)].flatten(),
+    loads = {i: torch.bincount(cap.tensors[SITE.moe_experts.at(i)].flatten(),
                                minlength=cfg.n_routed_experts)
              for i in range(cfg.n_layers) if not cfg.is_hash_layer(i)}
     return StepLosses(lm, kl, loads)
@@ -72,9 +72,9 @@ def indexer_kl(model: OracleModel, weights: TrainableWeights, captured: dict[str
     """KL(main attention over entries || indexer) for layer i at query rows ``rows`` [R]."""
     cfg, w = model.cfg, model.w
     p = f"layers.{i}.attn."
-    h = captured[site_name("L{i}.attn.in", i)].detach()  # [n, dim] the attention's normed input
-    q = captured[site_name("L{i}.attn.q", i)].detach()[rows]  # [R, H, hd]
-    entries = captured[site_name("L{i}.attn.compressed_kv", i)].detach()  # [E, hd]
+    h = captured[SITE.attn_in.at(i)].detach()  # [n, dim] the attention's normed input
+    q = captured[SITE.attn_q.at(i)].detach()[rows]  # [R, H, hd]
+    entries = captured[SITE.attn_compressed_kv.at(i)].detach()  # [E, hd]
     qpos, freqs = positions[rows], model.freqs[4]
     visible = torch.arange(entries.shape[0], device=h.device)[None, :] < ((qpos + 1) // 4)[:, None]  # [R, E]
     logits = torch.einsum("rhd,ed->rhe", q, entries) * cfg.head_dim**-0.5

@@ -15,7 +15,7 @@ from fidelity.decoders.production import (  # noqa: E402
 )
 from fidelity.decoders.production.faults import inject  # noqa: E402
 from fidelity.decoders.production.graph_decode import GraphDecodeSession  # noqa: E402
-from fidelity.decoders.production.registry import deselect, implementations_used, reset_used, select  # noqa: E402
+from fidelity.decoders.production.registry import forcing, implementations_used, reset_used  # noqa: E402
 from fidelity.harness.runner import Runner, RunSpec  # noqa: E402
 from fidelity.model.config import ModelConfig  # noqa: E402
 from fidelity.model.default import default_prompt  # noqa: E402
@@ -81,9 +81,8 @@ def test_fp8_fmha_profile_runs_the_attention_kernel_on_cuda():
     ckpt = synthesize(cfg, seed=0)
     ids = default_prompt(4096, 300)
     runs = {}
-    try:
-        for impl in ("triton", "cpu"):
-            select("sparse_attention", impl)
+    for impl in ("triton", "cpu"):
+        with forcing({"sparse_attention": impl}):
             fallbacks.reset()
             reset_used()
             s = ProductionModel(ckpt, "fp8-fmha", max_context=320, device="cuda").session()
@@ -91,8 +90,6 @@ def test_fp8_fmha_profile_runs_the_attention_kernel_on_cuda():
             assert implementations_used()["sparse_attention"] == impl
             if impl == "triton":
                 assert "sparse_attention" not in fallbacks.counts(), fallbacks.counts()
-    finally:
-        deselect("sparse_attention")
     cos = torch.nn.functional.cosine_similarity(runs["triton"].double(), runs["cpu"].double(), dim=-1)
     assert cos.min() > 0.995, cos
 
@@ -226,13 +223,8 @@ def test_decode_steps_read_the_stored_weights_and_graph_replays_give_their_bits(
     gemvs = ("fp8_weight_linear", "fp4_picked_linear", "fp32_linear")
     assert all(set(used[op]) == {"triton"} for op in gemvs), used
     assert not set(gemvs) & set(fallbacks.counts()), fallbacks.counts()
-    try:
-        for op in gemvs:
-            select(op, "cpu")
+    with forcing(dict.fromkeys(gemvs, "cpu")):
         emulated = run(ProductionModel(tiny, max_context=64, device="cuda").session())
-    finally:
-        for op in gemvs:
-            deselect(op)
     cos = torch.nn.functional.cosine_similarity(kernels[1:].double(), emulated[1:].double(), dim=-1)
     assert cos.min() > 0.999, cos
     assert torch.equal(kernels[0], emulated[0])  # the prefill (40 rows) reads the dequantized weights either way

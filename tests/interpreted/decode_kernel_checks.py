@@ -10,7 +10,6 @@ import json
 import torch
 
 from fidelity.decoders.production import ops
-from fidelity.decoders.production.decode_slots import decode_idx_reference, decode_slots_reference
 from fidelity.decoders.production.kernels import weight_gemv
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
 from fidelity.decoders.production.kernels.decode_slots import decode_idx_cuda, decode_slots_cuda, mask_past_cuda
@@ -19,7 +18,6 @@ from fidelity.decoders.production.kernels.indexer_round import indexer_round_cud
 from fidelity.decoders.production.kernels.moe_sum import moe_sum
 from fidelity.decoders.production.kernels.rope import apply_rope_cuda
 from fidelity.decoders.production.kernels.take import put_at_block_end
-from fidelity.decoders.production.model import _moe_sum
 from fidelity.decoders.production.registry import dispatch
 from fidelity.model import formats
 from tests import fp4_scale_bytes
@@ -86,7 +84,7 @@ def main() -> dict[str, str]:
     out["mask_past_hides_the_entries_past_the_limit"] = _mask_past_differs(g)
     out["rms_norm_weightless_contract"] = _contract("rms_norm_weightless", dispatch("rms_norm_weightless"))
     slots, shared = (torch.randn(3, 6, 700, generator=g) * 100).to(BF16), torch.randn(3, 700, generator=g).to(BF16)
-    out["moe_sum_gives_the_loops_bits"] = "" if torch.equal(moe_sum(slots, shared), _moe_sum(slots, shared)) else \
+    out["moe_sum_gives_the_loops_bits"] = "" if torch.equal(moe_sum(slots, shared), ops.moe_sum(slots, shared)) else \
         "differs from the torch loop"
     gu = (torch.randn(2, 5, 300, generator=g) * 8).to(BF16)
     weight = torch.rand(5, 1, generator=g)
@@ -104,12 +102,12 @@ def _decode_slots_differ(g: torch.Generator) -> str:
         for t in (0, 1, 5, 126, 127, 128, 129, 130, 255, 256, 511, 640):
             pos = torch.tensor([t])
             picks = torch.randperm(n_comp + 20, generator=g)[:n_comp][None] if ratio == 4 else None
-            want = decode_slots_reference(pos, picks, 128, ratio, n_comp)
+            want = ops.decode_slots(pos, picks, 128, ratio, n_comp)
             got = decode_slots_cuda(pos, picks, 128, ratio, n_comp)
             if not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
                 bad.append(f"ratio {ratio} t {t}")
             idx = decode_idx_cuda(pos, picks, 128, ratio, n_comp)
-            if not torch.equal(idx, decode_idx_reference(pos, picks, 128, ratio, n_comp)):
+            if not torch.equal(idx, ops.decode_idx(pos, picks, 128, ratio, n_comp)):
                 bad.append(f"idx ratio {ratio} t {t}")
             rows, local = want  # the store rows the gathered buffer holds at the local indices
             if not torch.equal(idx.long(), torch.where(local >= 0, rows[None], -1)):

@@ -21,15 +21,15 @@ import torch
 from fidelity.atomic_write import OutputError, check_new_dir
 from fidelity.decoders.engine_dump.names import OWN_PREFIX
 from fidelity.decoders.trace_file import ENTRY_SITES
-from fidelity.model.sites import SITE_TABLE, Recorder, site_template
+from fidelity.model.sites import SITE, SITE_TABLE, Recorder, site_template
 
 SGLANG_NAMES = {
-    "embed": "non_intrusive__model.embed_tokens.output",
-    "L{i}.attn.in": "non_intrusive__model.layers.{i}.input_layernorm.output",
-    "L{i}.attn.out": "non_intrusive__model.layers.{i}.self_attn.output",
-    "L{i}.moe.in": "non_intrusive__model.layers.{i}.post_attention_layernorm.output",
-    "L{i}.moe.out": "non_intrusive__model.layers.{i}.mlp.output",
-    "final": "non_intrusive__model.norm.output",
+    SITE.embed: "non_intrusive__model.embed_tokens.output",
+    SITE.attn_in: "non_intrusive__model.layers.{i}.input_layernorm.output",
+    SITE.attn_out: "non_intrusive__model.layers.{i}.self_attn.output",
+    SITE.moe_in: "non_intrusive__model.layers.{i}.post_attention_layernorm.output",
+    SITE.moe_out: "non_intrusive__model.layers.{i}.mlp.output",
+    SITE.final: "non_intrusive__model.norm.output",
 }
 SIDES = ("oracle", "decoder")
 

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fidelity.decoders.production import kernels, kv_layout
+from fidelity.decoders.production import kv_layout
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.profiles import Profile
+from fidelity.decoders.production.registry import implementation
 from fidelity.decoders.production.topk import topk_width
 from fidelity.model.config import ModelConfig
 from fidelity.model.formats import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
@@ -88,14 +89,12 @@ class _RowStore:
         """``write(pos // ratio + offset, rows)`` where the token at ``pos`` (int64 [1], on the store's device)
         completes a block (``pos % ratio == ratio - 1``), else the rows are left as they are: a write decided on
         the device, with no host sync (graph decode's compressed entries); ``ring`` > 0: at that slot modulo
-        ``ring`` (ratio 1, offset 0: the window row of the token, slot ``pos % ring``). One row of a flat store on a
-        GPU is one launch per storage tensor (``kernels.take.put_at_block_end``); a paged store translates the slot
-        on the device and takes torch's path."""
+        ``ring`` (ratio 1, offset 0: the window row of the token, slot ``pos % ring``). One row of a flat store is op
+        ``put_at_block_end`` per storage tensor (one launch on a GPU); a paged store translates the slot on the
+        device and takes torch's path."""
         for store, new in self._parts(rows):
-            if store.is_cuda and kernels.available() and new.shape[0] == 1 and pos.numel() == 1 and not self.block:
-                from fidelity.decoders.production.kernels.take import put_at_block_end
-
-                put_at_block_end(store, pos.reshape(1), ratio, offset, new, ring=ring)
+            if new.shape[0] == 1 and pos.numel() == 1 and not self.block:
+                implementation("put_at_block_end", store.device)(store, pos.reshape(1), ratio, offset, new, ring)
                 continue
             slot = pos // ratio + offset
             cond, slots = pos % ratio == ratio - 1, self.physical(slot % ring if ring else slot)

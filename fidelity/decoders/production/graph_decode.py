@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from fidelity.decoders.production import faults, kernels, registry
+from fidelity.decoders.production import faults, registry
 from fidelity.decoders.production.call_counts import counting
 from fidelity.decoders.production.compressor import compress_decode_on_device
 from fidelity.decoders.production.decode_slots import decode_idx, decode_slots, mask_past
@@ -298,13 +298,8 @@ class GraphDecodeSession(ProductionSession):
 
 
 def _take(stack: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``stack[index[0]]`` (a copy) without reading the index on the host: a Triton copy on CUDA, else
-    ``index_select``."""
-    if stack.is_cuda and kernels.available():
-        from fidelity.decoders.production.kernels.take import take
-
-        return take(stack, index)
-    return stack.index_select(0, index)[0]
+    """``stack[index[0]]`` (a copy) without reading the index on the host: op ``take`` for the stack's device."""
+    return registry.implementation("take", stack.device)(stack, index)
 
 
 def window_idx_on_device(pos: torch.Tensor, win: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from fidelity.decoders.base import ContextError
 from fidelity.decoders.production import kernels, ops
 from fidelity.decoders.production.cache import KeyStore, LayerCache
 from fidelity.decoders.production.call_counts import Counts, counting
@@ -29,10 +30,6 @@ from fidelity.model.weights import fp32_nbytes
 BF16 = torch.bfloat16
 QUERY_CHUNK = 512  # prefill attention / indexer queries per pass (bounds temporaries, not results)
 KEEP_ALL_BYTES = 16 << 30  # models up to this size in fp32 keep every dequantized weight
-
-
-class ContextError(ValueError):
-    """A prompt or decode step beyond ``max_context``: raised before any state changes."""
 
 
 class ProductionModel:
@@ -793,16 +790,9 @@ def _e8m0_bytes(scale: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _moe_sum(out: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """Routed slot outputs bf16 [n, k, dim] added in fp32 in slot order, then the shared expert's [n, dim], rounded
-    to bf16: one launch on a GPU (``kernels.moe_sum``, the same bits), the loop here otherwise."""
-    if out.is_cuda and kernels.available():
-        from fidelity.decoders.production.kernels.moe_sum import moe_sum
-
-        return moe_sum(out, shared)
-    y = torch.zeros((out.shape[0], out.shape[-1]), dtype=torch.float32, device=out.device)
-    for j in range(out.shape[1]):
-        y += out[:, j].float()
-    return (y + shared.float()).to(BF16)
+    """Routed slot outputs bf16 [n, k, dim] and the shared expert's [n, dim] summed by op ``moe_sum`` (one launch
+    on a GPU, the same bits as the emulation's loop)."""
+    return implementation("moe_sum", out.device)(out, shared)
 
 
 def _by_expert(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from fidelity.decoders.production import kv_layout
 from fidelity.decoders.production.faults import on
-from fidelity.decoders.production.kernels._common import GEMV_ROWS as GEMV_ROWS  # noqa: F401 (re-exported)
-from fidelity.decoders.production.kernels._common import (
+from fidelity.decoders.production.op_spec import GEMV_ROWS as GEMV_ROWS  # noqa: F401 (re-exported)
+from fidelity.decoders.production.op_spec import (
     check_fp4_picked_linear,
     check_grouped_expert,
     expert_range_error,
@@ -432,3 +432,101 @@ def _fp4_dequantized(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     scale bytes uint8 [out, in/32] (``decode_e8m0``: 2^(b - 127), a 255 byte makes its block NaN)."""
     w = fp4_code_values(unpack_fp4_codes(packed))
     return (w.unflatten(-1, (-1, 32)) * decode_e8m0(scales)[..., None]).flatten(-2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# decode-step plumbing: copies, slots and selections addressed by device-side indices (graph decode)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def take(stack: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``stack[index[0]]`` as a new tensor, the index never read on the host: stack [E, ...], index int [1] on its
+    device (graph decode's expert weights)."""
+    return stack.index_select(0, index.reshape(1))[0]
+
+
+def put_at_block_end(store: torch.Tensor, pos: torch.Tensor, ratio: int, offset: int, row: torch.Tensor,
+                     ring: int = 0) -> torch.Tensor:
+    """``store[pos // ratio + offset] = row[0]`` where the token at ``pos`` (int [1], on the device) completes a
+    block of ``ratio`` (``pos % ratio == ratio - 1``), decided on the device; ``ring`` > 0: that slot modulo ``ring``
+    (ratio 1, offset 0: a window's ring slot ``pos % ring``). store [capacity, ...] is written in place and
+    returned; row [1, ...] of its row shape and dtype (graph decode's compressed entries and window rows)."""
+    slot = pos // ratio + offset
+    slot = slot % ring if ring else slot
+    target, new = store, row
+    if store.dtype.itemsize == 1 and store.dtype != torch.uint8:  # torch.where has no float8 kernels
+        target, new = store.view(torch.uint8), row.view(torch.uint8)
+    keep = (pos % ratio != ratio - 1).view(-1, *([1] * (new.dim() - 1)))
+    target[slot] = torch.where(keep, target[slot], new)
+    return store
+
+
+def _decode_slot_rows(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
+                      n_compressed: int) -> torch.Tensor:
+    """The store rows of the step's window slots, then its compressed entries, -1 where none: int64 [w + c]."""
+    j = torch.arange(window, device=pos.device)
+    ring = (j + pos % window + 1) % window
+    rows = [torch.where(pos >= window - 1, ring, torch.where(j <= pos, j, -1))]
+    if ratio:
+        limit = (pos + 1) // ratio
+        comp = picks.flatten().long() if ratio == 4 else torch.arange(n_compressed, device=pos.device)
+        rows.append(torch.where((comp >= limit) | (comp < 0), -1, comp + window))
+    return torch.cat(rows)
+
+
+def decode_slots(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
+                 n_compressed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows one decode step at ``pos`` (int64 [1], on the device) attends: the window ring's slots (oldest first,
+    -1 before the window fills), then the compressed entries it sees (CSA, ``ratio`` 4: the indexer's ``picks`` int
+    [1, k] below ``(pos + 1) // 4``; HCA: every entry ``j < (pos + 1) // ratio`` of ``n_compressed``; ``ratio`` 0:
+    none). -> (gather rows into the store [window | compressed] int64 [w + c], a -1 slot reading row 0; the
+    attention's local indices int64 [1, w + c], -1 where none)."""
+    slots = _decode_slot_rows(pos, picks, window, ratio, n_compressed)
+    local = torch.where(slots >= 0, torch.arange(len(slots), device=pos.device), -1)
+    return slots.clamp(min=0), local[None]
+
+
+def decode_idx(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
+               n_compressed: int) -> torch.Tensor:
+    """:func:`decode_slots`' slots as the attention's indices into the layer's store itself (spec §4 attention step
+    5: the decode cache [window | compressed], -1 where none): int32 [1, w + c], nothing gathered."""
+    return _decode_slot_rows(pos, picks, window, ratio, n_compressed).to(torch.int32)[None]
+
+
+def mask_past(scores: torch.Tensor, pos: torch.Tensor, ratio: int) -> torch.Tensor:
+    """scores [1, n] with the entries a query at ``pos`` (int64 [1], on the device) may not see, ``j >= (pos + 1) //
+    ratio``, set to -inf (a new tensor; the kernel writes them in place)."""
+    return scores.masked_fill(torch.arange(scores.shape[-1], device=scores.device)[None] >= (pos + 1) // ratio,
+                              float("-inf"))
+
+
+# bits and positive quiet NaN (above +inf in the integer order) of each supported score dtype
+_INT_VIEW = {torch.float32: (torch.int32, 31, 0x7FFFFFFF, 0x7FC00000),
+             torch.bfloat16: (torch.int16, 15, 0x7FFF, 0x7FC0)}
+
+
+def ordered_scores(scores: torch.Tensor) -> torch.Tensor:
+    """[..., n] fp32 / bf16 -> [..., n] int32 / int16 in the numbers' order (-0 == +0; NaNs equal, above +inf)."""
+    if scores.dtype not in _INT_VIEW:
+        raise TypeError(f"top-k: scores must be float32 or bfloat16, found {scores.dtype}")
+    int_dtype, sign_shift, magnitude, nan = _INT_VIEW[scores.dtype]
+    bits = (scores + 0.0).view(int_dtype)  # + 0.0 turns -0.0 into +0.0
+    bits = torch.where(torch.isnan(scores), nan, bits)
+    return bits ^ ((bits >> sign_shift) & magnitude)
+
+
+def radix_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids [..., k] int64 of the k highest ``scores`` [..., n] (bf16 or fp32), highest first, ties to the lower id:
+    the CPU's stable descending sort, -0 == +0 and NaN above +inf (``ordered_scores``), on any device (the GPU
+    kernel selects by radix passes instead of sorting)."""
+    return ordered_scores(scores).sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def moe_sum(out: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """Routed slot outputs bf16 [n, k, dim] (ascending expert id) added in fp32 in slot order, then the shared
+    expert's bf16 [n, dim], rounded once to bf16 [n, dim]."""
+    y = torch.zeros((out.shape[0], out.shape[-1]), dtype=torch.float32, device=out.device)
+    for j in range(out.shape[1]):
+        y += out[:, j].float()
+    return (y + shared.float()).to(BF16)
+

@@ -9,8 +9,11 @@ implementation ran."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -79,10 +82,18 @@ OPS: dict[str, Op] = {
     "expert": _op("expert", "expert", "expert_cuda"),
     "grouped_expert": _op("grouped_expert", "grouped_expert", "grouped_expert_cuda"),
     "sinkhorn_split": _op("sinkhorn_split", None),  # an emulation and a contract, no kernel of its own
+    # graph decode's plumbing: copies, slots and selections addressed by device-side indices
+    "take": _op("take", "take", "take"),
+    "put_at_block_end": _op("put_at_block_end", "take", "put_at_block_end"),
+    "decode_slots": _op("decode_slots", "decode_slots", "decode_slots_cuda"),
+    "decode_idx": _op("decode_idx", "decode_slots", "decode_idx_cuda"),
+    "mask_past": _op("mask_past", "decode_slots", "mask_past_cuda"),
+    "radix_topk": _op("radix_topk", "radix_topk", "radix_topk"),
+    "moe_sum": _op("moe_sum", "moe_sum", "moe_sum"),
 }
 
 REGISTRY: dict[str, dict[str, Callable]] = {}
-_selected: dict[str, str] = {}
+_SELECTED: ContextVar[Mapping[str, str]] = ContextVar("forced_implementations", default=MappingProxyType({}))
 _USED = CallCounts("implementations")  # op -> implementation -> calls (process-wide since reset_used; per session)
 
 
@@ -121,33 +132,37 @@ def register(name: str, impl: str, fn: Callable) -> None:
     REGISTRY.setdefault(name, {})[impl] = fn
 
 
-def select(name: str, impl: str) -> None:
-    """Force ``impl`` for op ``name`` (e.g. back to ``cpu`` emulation for one op)."""
-    if name not in REGISTRY:
-        raise KeyError(f"op {name!r}: expected one of {sorted(REGISTRY)}")
-    if impl not in REGISTRY[name]:
-        raise KeyError(f"op {name!r}: implementation {impl!r} not registered; have {sorted(REGISTRY[name])}")
-    _selected[name] = impl
-
-
-def deselect(name: str) -> None:
-    """Undo ``select`` for op ``name``: it resolves by device again."""
-    _selected.pop(name, None)
+@contextmanager
+def forcing(choices: Mapping[str, str]) -> Iterator[None]:
+    """Force implementation ``impl`` for each op ``name`` of ``choices`` (e.g. ``{"sparse_attention": "cpu"}``: back
+    to the emulation for one op) for the duration of the block, in this context only (a ``ContextVar``: another
+    thread's decoder keeps its own); a block inside adds to and overrides these. KeyError naming an unknown op or
+    implementation."""
+    for name, impl in choices.items():
+        if name not in REGISTRY:
+            raise KeyError(f"op {name!r}: expected one of {sorted(REGISTRY)}")
+        if impl not in REGISTRY[name]:
+            raise KeyError(f"op {name!r}: implementation {impl!r} not registered; have {sorted(REGISTRY[name])}")
+    token = _SELECTED.set(MappingProxyType({**_SELECTED.get(), **choices}))
+    try:
+        yield
+    finally:
+        _SELECTED.reset(token)
 
 
 def selections() -> dict[str, str]:
-    """The implementations forced with ``select``, by op."""
-    return dict(_selected)
+    """The implementations forced (``forcing``) in this context, by op."""
+    return dict(_SELECTED.get())
 
 
 def implementation(name: str, device: torch.device | str | None = None) -> Callable:
-    """The implementation of ``name`` for tensors on ``device``: an explicit ``select`` wins; on a GPU the
+    """The implementation of ``name`` for tensors on ``device``: one forced (``forcing``) wins; on a GPU the
     registered kernel (``cpu`` emulation if none); on the CPU (or ``device=None``) the ``cpu`` emulation. While a
     fault planted in the op's emulation is injected (``faults.IN_EMULATION``), the emulation, logged in
     ``kernel_fallbacks`` as "injected fault <name>"."""
     impls = REGISTRY[name]
     on_gpu = device is not None and torch.device(device).type != "cpu"
-    impl = _selected.get(name) or (next((k for k in impls if k != "cpu"), "cpu") if on_gpu else "cpu")
+    impl = _SELECTED.get().get(name) or (next((k for k in impls if k != "cpu"), "cpu") if on_gpu else "cpu")
     fault = in_emulation(name) if impl != "cpu" else None
     if fault:
         fallbacks.note(name, f"injected fault {fault}")
@@ -158,7 +173,7 @@ def implementation(name: str, device: torch.device | str | None = None) -> Calla
 
 def implementations_used(counts: dict[str, dict[str, int]] | None = None) -> dict[str, str]:
     """Which implementation each op resolved to: in ``counts`` (a session's ``counts["implementations"]``, what a
-    run's manifest records), or process-wide since ``reset_used``; several, comma-separated, when a ``select``
+    run's manifest records), or process-wide since ``reset_used``; several, comma-separated, when ``forcing``
     changed it in between."""
     used = _USED.counts() if counts is None else counts
     return {op: ", ".join(sorted(impls)) for op, impls in used.items()}

@@ -10,11 +10,12 @@ each score to an integer of the same order, ``ordered_scores`` (fp32 -> int32, b
 get their magnitude bits flipped; -0.0 is folded into +0.0 and every NaN into one NaN above +inf), and selects
 by one of three routes with the same result:
 
-* ``radix`` (CUDA, bf16 or fp32 scores, k <= 4096; the default there): a radix selection in Triton
-  (:mod:`fidelity.decoders.production.kernels.radix_topk`) that finds the k-th largest integer one byte at a time
-  and sorts only the k picks;
-* ``sort``: a stable descending sort of those integers (the CUDA default where ``radix`` does not apply, for bf16
-  scores at any row count, where it sorts 16-bit keys, and for fp32 scores up to 64 rows);
+* ``radix`` (CUDA, bf16 or fp32 scores, k <= 4096; the default there): op ``radix_topk``'s kernel in the op
+  table (``registry.OPS``, :mod:`fidelity.decoders.production.kernels.radix_topk`), a radix selection in Triton
+  that finds the k-th largest integer one byte at a time and sorts only the k picks;
+* ``sort``: a stable descending sort of those integers, op ``radix_topk``'s emulation (the CUDA default where
+  ``radix`` does not apply, for bf16 scores at any row count, where it sorts 16-bit keys, and for fp32 scores up
+  to 64 rows);
 * ``keys``: one distinct int64 key per entry, ``(ordered score) << 32 | (2^32 - 1 - id)``, and ``torch.topk``
   of the keys (fastest on the CPU, and on CUDA for fp32 scores from 128 rows: prefill chunks). The keys are
   distinct, so the picks and their order are fully determined.
@@ -29,12 +30,11 @@ import torch
 from fidelity.decoders.production import kernels, routes
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.kernels._common import INTERPRET
+from fidelity.decoders.production.ops import ordered_scores, radix_topk
+from fidelity.decoders.production.registry import kernel_functions
 
 ID_BITS = 32
 ID_MASK = (1 << ID_BITS) - 1
-# bits and positive quiet NaN (above +inf in the integer order) of each supported score dtype
-_INT_VIEW = {torch.float32: (torch.int32, 31, 0x7FFFFFFF, 0x7FC00000),
-             torch.bfloat16: (torch.int16, 15, 0x7FFF, 0x7FC0)}
 CUDA_KEYS_MIN_ROWS = 128  # H200, fp32 scores (BENCHMARKS.md, top-k): the sort is faster at 1-64 rows, the keys from 128
 TORCH_ROUTES = ("sort", "keys")
 ROUTES = (*TORCH_ROUTES, "radix")
@@ -47,17 +47,8 @@ def topk_width(index_topk: int) -> int:
 
 
 def _check_dtype(scores: torch.Tensor) -> None:
-    if scores.dtype not in _INT_VIEW:
+    if scores.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"top-k: scores must be float32 or bfloat16, found {scores.dtype}")
-
-
-def ordered_scores(scores: torch.Tensor) -> torch.Tensor:
-    """[..., n] fp32 / bf16 -> [..., n] int32 / int16 in the numbers' order (-0 == +0; NaNs equal, above +inf)."""
-    _check_dtype(scores)
-    int_dtype, sign_shift, magnitude, nan = _INT_VIEW[scores.dtype]
-    bits = (scores + 0.0).view(int_dtype)  # + 0.0 turns -0.0 into +0.0
-    bits = torch.where(torch.isnan(scores), nan, bits)
-    return bits ^ ((bits >> sign_shift) & magnitude)
 
 
 def order_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -79,9 +70,7 @@ def default_route(scores: torch.Tensor, k: int = 512) -> str:
     if not scores.is_cuda:
         return "keys"
     if _kernels_run_here(scores):
-        from fidelity.decoders.production.kernels.radix_topk import supports
-
-        if supports(scores, k):
+        if kernel_functions("radix_topk")[1](scores, k) is None:
             return "radix"
     return "sort" if scores.dtype == torch.bfloat16 or scores[..., 0].numel() < CUDA_KEYS_MIN_ROWS else "keys"
 
@@ -102,11 +91,9 @@ def stable_topk(scores: torch.Tensor, k: int, route: str | None = None) -> torch
                          f"{scores.device}{'' if kernels.HAVE_TRITON else ' and no triton'}")
     routes.note("topk", route)
     if route == "radix":
-        from fidelity.decoders.production.kernels.radix_topk import radix_topk
-
         if k == 0:
             return torch.empty((*scores.shape[:-1], 0), dtype=torch.int64, device=scores.device)
-        return radix_topk(scores, k)
+        return kernel_functions("radix_topk")[0](scores, k)  # the op table's kernel (also under the interpreter)
     if route == "sort":
-        return ordered_scores(scores).sort(dim=-1, descending=True, stable=True).indices[..., :k]
+        return radix_topk(scores, k)  # the emulation: a stable sort of the ordered scores
     return torch.topk(order_keys(scores), k, dim=-1, largest=True, sorted=True).indices

@@ -1,7 +1,7 @@
 """``decode_slots`` in one launch: the window ring's slots and the visible compressed entries of a graph decode
 step, written as gather rows and local attention indices, or as the attention's indices into the store
 (``decode_idx_cuda``); ``mask_past``: the indexer scores past the causal limit
-set to -inf in place (``fidelity/decoders/production/decode_slots.py``)."""
+set to -inf in place (ops ``decode_slots``, ``decode_idx``, ``mask_past`` of the op table)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production.kernels._common import PDL_LAUNCH, next_pow2, wait_for_previous_kernel
+from fidelity.decoders.production.kernels._common import PDL_LAUNCH, UNSUPPORTED, next_pow2, wait_for_previous_kernel
 
 BLOCK = 1024  # slots per program
 
@@ -43,15 +43,29 @@ def _decode_slots_kernel(pos_ptr, picks_ptr, rows_ptr, local_ptr, window, n_comp
         tl.store(local_ptr + s, tl.where(slot >= 0, s.to(tl.int64), -1), mask=ok)
 
 
+def takes_decode_slots(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
+                       n_compressed: int) -> str | None:
+    """None when :func:`decode_slots_cuda` takes these inputs (op ``decode_slots``): a one-element CUDA position,
+    and on CSA layers (ratio 4) the picks on its device."""
+    ok = pos.is_cuda and pos.numel() == 1 and window >= 1
+    return None if ok and (ratio != 4 or (picks is not None and picks.device == pos.device)) else UNSUPPORTED
+
+
+def takes_decode_idx(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
+                     n_compressed: int) -> str | None:
+    """As :func:`takes_decode_slots` (op ``decode_idx``)."""
+    return takes_decode_slots(pos, picks, window, ratio, n_compressed)
+
+
 def decode_slots_cuda(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
                       n_compressed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same signature and integers as ``decode_slots_reference`` (pos int64 [1] on the GPU)."""
+    """Same signature and integers as ``ops.decode_slots`` (pos int64 [1] on the GPU)."""
     return _launch(pos, picks, window, ratio, n_compressed, direct=False)
 
 
 def decode_idx_cuda(pos: torch.Tensor, picks: torch.Tensor | None, window: int, ratio: int,
                     n_compressed: int) -> torch.Tensor:
-    """Same signature and integers as ``decode_idx_reference`` (pos int64 [1] on the GPU): int32 [1, w + c]."""
+    """Same signature and integers as ``ops.decode_idx`` (pos int64 [1] on the GPU): int32 [1, w + c]."""
     return _launch(pos, picks, window, ratio, n_compressed, direct=True)[1]
 
 
@@ -79,8 +93,15 @@ def _mask_past_kernel(s_ptr, pos_ptr, n, ratio, BLOCK: tl.constexpr):
     tl.store(s_ptr + j, minus_inf, mask=(j < n) & (j >= limit))
 
 
+def takes_mask_past(scores: torch.Tensor, pos: torch.Tensor, ratio: int) -> str | None:
+    """None when :func:`mask_past_cuda` takes these inputs (op ``mask_past``): contiguous CUDA scores [1, n], a
+    one-element position on their device."""
+    ok = scores.is_cuda and scores.dim() == 2 and scores.shape[0] == 1 and scores.is_contiguous()
+    return None if ok and pos.numel() == 1 and pos.device == scores.device else UNSUPPORTED
+
+
 def mask_past_cuda(scores: torch.Tensor, pos: torch.Tensor, ratio: int) -> torch.Tensor:
-    """``decode_slots.mask_past`` in place on contiguous scores [1, n]; returns them."""
+    """``ops.mask_past`` in place on contiguous scores [1, n]; returns them."""
     n = scores.shape[-1]
     if n:
         _mask_past_kernel[(triton.cdiv(n, BLOCK),)](scores, pos, n, ratio, BLOCK=BLOCK, num_warps=4, **PDL_LAUNCH)

@@ -30,13 +30,12 @@ from fidelity.decoders.production.kernels._common import (
     INTERPRET,
     UNSUPPORTED,
     bf16_rne,
-    check_grouped_expert,
     e4m3_blocks,
     e8m0_scale,
-    expert_range_error,
     on_device,
 )
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
+from fidelity.decoders.production.op_spec import check_grouped_expert, expert_range_error
 
 BLOCK_N = 128  # one 1x128 activation-quantization block per N-tile of the w1 / w3 outputs
 BLOCK_K = 128

@@ -5,7 +5,7 @@ RoPE on the last 64 dims, and the in-place ``act_quant(kv[..., :448], 64, "ue8m0
 freqs), 64, fmt)``: the three ops the production model runs unfused) up to the fp32 summation order of the mean and
 FMA contraction in the rotation (a bf16 rounding flip on a small fraction of elements); given the normalized,
 rotated row, the FP8 round is bit-exact (:func:`fidelity.decoders.production.kernels._common.e4m3_blocks`).
-The rotation reads the same complex64 table as ``ops.apply_rope`` (``_common.rope_table``: fp32 angles, torch's cos /
+The rotation reads the same complex64 table as ``ops.apply_rope`` (``op_spec.rope_table``: fp32 angles, torch's cos /
 sin), so no trig library differs.
 """
 
@@ -21,9 +21,9 @@ from fidelity.decoders.production.kernels._common import (
     UNSUPPORTED,
     e4m3_blocks,
     on_device,
-    rope_table,
     wait_for_previous_kernel,
 )
+from fidelity.decoders.production.op_spec import rope_table
 
 
 @triton.jit(do_not_specialize=["n"])

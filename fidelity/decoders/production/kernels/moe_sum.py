@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production.kernels._common import PDL_LAUNCH, bf16_rne, wait_for_previous_kernel
+from fidelity.decoders.production.kernels._common import PDL_LAUNCH, UNSUPPORTED, bf16_rne, wait_for_previous_kernel
 
 
 @triton.jit(do_not_specialize=["dim"])
@@ -22,6 +22,13 @@ def _moe_sum_kernel(out_ptr, shared_ptr, y_ptr, dim, K: tl.constexpr, BLOCK: tl.
         y += tl.load(out_ptr + (row * K + j) * dim + cols, mask=ok, other=0.0).to(tl.float32)
     y += tl.load(shared_ptr + row * dim + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * dim + cols, bf16_rne(y).to(tl.bfloat16), mask=ok)
+
+
+def takes_moe_sum(out: torch.Tensor, shared: torch.Tensor) -> str | None:
+    """None when :func:`moe_sum` takes these inputs (op ``moe_sum``): CUDA out bf16 [n, k, dim], shared bf16
+    [n, dim] on its device."""
+    ok = out.is_cuda and out.dim() == 3 and out.dtype == shared.dtype == torch.bfloat16
+    return None if ok and shared.shape == (out.shape[0], out.shape[2]) and shared.device == out.device else UNSUPPORTED
 
 
 def moe_sum(out: torch.Tensor, shared: torch.Tensor, *, block: int = 1024) -> torch.Tensor:

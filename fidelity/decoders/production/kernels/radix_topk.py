@@ -2,7 +2,7 @@
 without sorting the row.
 
 Each score is mapped to an unsigned integer of the same order (bf16 -> 16 bits, fp32 -> 32 bits; -0.0 folded
-into +0.0, every NaN into one NaN above +inf: the order of :func:`fidelity.decoders.production.topk.ordered_scores`).
+into +0.0, every NaN into one NaN above +inf: the order of :func:`fidelity.decoders.production.ops.ordered_scores`).
 The k-th largest integer ``T`` is found one byte at a time: a 256-bin histogram of the top byte (pass 0), then of
 the next byte among the entries whose higher bytes equal the threshold found so far, and so on. The picks are
 every entry above ``T`` plus the lowest-id entries equal to ``T`` (each chunk's count of ``T``-entries comes from
@@ -18,7 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production.kernels._common import PDL_LAUNCH, next_pow2, wait_for_previous_kernel, with_overrides
+from fidelity.decoders.production.kernels._common import (
+    PDL_LAUNCH,
+    UNSUPPORTED,
+    next_pow2,
+    on_device,
+    wait_for_previous_kernel,
+    with_overrides,
+)
 
 MAX_K = 4096  # the final sort holds next_pow2(k) int64 keys in one program
 SCORE_DTYPES = (torch.bfloat16, torch.float32)  # taken as their raw bits: int16 / int32
@@ -147,6 +154,11 @@ def default_config(rows: int, n: int, k: int, block: int | None = None) -> dict:
 def supports(scores: torch.Tensor, k: int) -> bool:
     """True when :func:`radix_topk` takes these scores and k."""
     return scores.dtype in SCORE_DTYPES and 1 <= k <= min(MAX_K, scores.shape[-1]) and scores.shape[-1] < 2**31
+
+
+def takes_radix_topk(scores: torch.Tensor, k: int) -> str | None:
+    """None when :func:`radix_topk` takes these scores and k (op ``radix_topk``), on the GPU or the interpreter."""
+    return None if on_device(scores) and supports(scores, k) else UNSUPPORTED
 
 
 def radix_topk(scores: torch.Tensor, k: int, config: dict | None = None) -> torch.Tensor:

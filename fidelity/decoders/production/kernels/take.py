@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fidelity.decoders.production.kernels._common import PDL_LAUNCH, on_device, wait_for_previous_kernel
+from fidelity.decoders.production.kernels._common import PDL_LAUNCH, UNSUPPORTED, on_device, wait_for_previous_kernel
 
 BLOCK = 4096  # elements per program
 
@@ -22,6 +22,13 @@ def _take_kernel(src_ptr, idx_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(dst_ptr + offs, tl.load(src_ptr + i * n + offs, mask=mask), mask=mask)
+
+
+def takes_take(stack: torch.Tensor, index: torch.Tensor) -> str | None:
+    """None when :func:`take` takes these inputs (op ``take``): a contiguous CUDA stack, a one-element index on its
+    device."""
+    ok = stack.is_cuda and stack.is_contiguous() and index.numel() == 1 and index.device == stack.device
+    return None if ok else UNSUPPORTED
 
 
 def take(stack: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -51,15 +58,26 @@ def _put_at_block_end_kernel(store_ptr, pos_ptr, row_ptr, n, ratio, offset, ring
         tl.store(store_ptr + slot * n + offs, tl.load(row_ptr + offs, mask=mask), mask=mask)
 
 
+def takes_put_at_block_end(store: torch.Tensor, pos: torch.Tensor, ratio: int, offset: int, row: torch.Tensor,
+                           ring: int = 0) -> str | None:
+    """None when :func:`put_at_block_end` takes these inputs (op ``put_at_block_end``)."""
+    return None if _writable(store, pos, ratio, row, ring) else UNSUPPORTED
+
+
+def _writable(store: torch.Tensor, pos: torch.Tensor, ratio: int, row: torch.Tensor, ring: int) -> bool:
+    return (on_device(store) and store.is_contiguous() and row.shape == (1, *store.shape[1:])
+            and row.dtype == store.dtype and pos.numel() == 1 and pos.device == store.device and ratio >= 1
+            and ring >= 0)
+
+
 def put_at_block_end(store: torch.Tensor, pos: torch.Tensor, ratio: int, offset: int, row: torch.Tensor,
-                     ring: int = 0) -> None:
+                     ring: int = 0) -> torch.Tensor:
     """``store[pos // ratio + offset] = row[0]`` where ``pos % ratio == ratio - 1`` (the token at ``pos`` completes a
     block of ``ratio``); ``ring`` > 0: at ``(pos // ratio + offset) % ring`` (ratio 1, offset 0: a window's ring
     slot ``pos % ring``). store [capacity, ...] contiguous on CUDA, row [1, ...] of its row shape and dtype, pos int
-    [1] on its device (read there: the slot is not range-checked, as that would read it on the host)."""
-    if not (on_device(store) and store.is_contiguous() and row.shape == (1, *store.shape[1:])
-            and row.dtype == store.dtype and pos.numel() == 1 and pos.device == store.device and ratio >= 1
-            and ring >= 0):
+    [1] on its device (read there: the slot is not range-checked, as that would read it on the host). Returns
+    store."""
+    if not _writable(store, pos, ratio, row, ring):
         raise ValueError(f"put_at_block_end: expected a contiguous CUDA store, a row [1, ...] of its row shape and "
                          f"dtype, a one-element position on its device, ratio >= 1 and ring >= 0, found store "
                          f"{tuple(store.shape)} {store.dtype} on {store.device}, row {tuple(row.shape)} {row.dtype}, "
@@ -70,3 +88,4 @@ def put_at_block_end(store: torch.Tensor, pos: torch.Tensor, ratio: int, offset:
         _put_at_block_end_kernel[(triton.cdiv(n, BLOCK),)](flat, pos, row.contiguous().view(1, -1).view(torch.uint8),
                                                            n, ratio, offset, ring, BLOCK=BLOCK, num_warps=4,
                                                            **PDL_LAUNCH)
+    return store

@@ -25,12 +25,10 @@ import triton
 import triton.language as tl
 
 from fidelity.decoders.production.kernels._common import (
-    GEMV_ROWS,
     INTERPRET,
     PDL_LAUNCH,
     UNSUPPORTED,
     bf16_rne,
-    check_fp4_picked_linear,
     e4m3_blocks,
     e8m0_scale,
     next_pow2,
@@ -38,6 +36,7 @@ from fidelity.decoders.production.kernels._common import (
     wait_for_previous_kernel,
 )
 from fidelity.decoders.production.kernels.act_quant import fake_quant_fp8
+from fidelity.decoders.production.op_spec import GEMV_ROWS, check_fp4_picked_linear
 
 FP8_BLOCK = 128
 _FENCE = tl.constexpr(not INTERPRET)

@@ -20,7 +20,7 @@ LAYERS = (
     ("fidelity.harness",),
     ("fidelity.outputs",),
     ("fidelity.testing", "fidelity.train"),
-    ("fidelity.job", "fidelity.mutants", "fidelity.api", "fidelity.cli", "fidelity"),
+    ("fidelity.job", "fidelity.studies", "fidelity.api", "fidelity.cli", "fidelity"),
 )
 
 

@@ -1,5 +1,5 @@
-"""The indexer recall study (``fidelity.recall``): definitions on hand-checkable tensors, and a small real run on the
-trained default (1024 tokens, k 8 and 32) for self-recall, bounds, causality and the CLI."""
+"""The indexer recall study (``fidelity.studies.recall``): definitions on hand-checkable tensors, and a small real run
+on the trained default (1024 tokens, k 8 and 32) for self-recall, bounds, causality and the CLI."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 import torch
 
-from fidelity import recall
 from fidelity.cli import main
 from fidelity.model.default import default_checkpoint
 from fidelity.model.load import load_checkpoint
+from fidelity.studies import recall
 from oracles.model import OracleModel
 
 CONTEXT, TOPKS = 1024, (8, 32)

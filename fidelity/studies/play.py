@@ -24,7 +24,6 @@ def decoder_logits(decoder: Decoder, ids: torch.Tensor, r: Run) -> torch.Tensor:
     return torch.cat(rows)
 
 
-
 def play(decoder: Decoder, ids: torch.Tensor, script: Script,
          writer: TraceWriter | None = None) -> dict[int, dict[int, torch.Tensor]]:
     """``script`` on ``decoder`` from a reset: {seq: {position: fp32 logits [vocab]}} of every call but the
@@ -81,7 +80,6 @@ def _write_call(writer: TraceWriter, calls: list[Call], outs: list[torch.Tensor]
         for name in rec.records if rec is not None else ():
             writer(name, rec.get(name), seq=call.seq)
     writer.end_call([(c.seq, c.ids) for c in calls], [o.float() for o in outs])
-
 
 
 def missing(scenario: Scenario, decoder: Decoder) -> str:

@@ -62,10 +62,8 @@ def self_consistency(scenario: Scenario, ids: torch.Tensor, fresh: Callable[[int
     return out + [check_script_pair(scenario, c, rows, decoder) for c in scenario.checks]
 
 
-
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", text).strip("-")
-
 
 
 @dataclass

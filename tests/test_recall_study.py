@@ -123,8 +123,13 @@ def test_cli_writes_the_table_and_files_and_refuses_bad_inputs(tmp_path, capsys)
                "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and "| 512 | fp4 | 8 |" in text
-    for name in ("recall.json", "summary.csv", "summary_pooled.csv", "misses.csv", "queries.csv.gz", "recall.png"):
+    for name in ("recall.json", "summary.csv", "summary_pooled.csv", "misses.csv", "queries.csv.gz", "recall.png",
+                 "report.md", "report.html"):
         assert (out / name).stat().st_size > 0, name
+    md = (out / "report.md").read_text()
+    assert md.index("## Headline\n\nfp4 at k 8, context 512: recall ") < md.index("## Run") < md.index("## Plots")
+    page = (out / "report.html").read_text()
+    assert "<style>" in page and ">nan<" not in page and "data:image/png;base64," in page
     assert main(["recall", "--contexts", "512", "--topk", "-1", "--out", str(out)]) == 2
     assert "topk: expected positive integers, found -1" in capsys.readouterr().err
     assert main(["recall", "--contexts", "512", "--precisions", "int3", "--out", str(out)]) == 2

@@ -16,6 +16,10 @@ from matplotlib.figure import Figure
 
 from fidelity.outputs.report import Section, md_table, render_html, render_markdown
 
+CAPTIONS = {"recall.png": "Recall (solid) and attention mass kept (dotted) against top-k, per context and precision",
+            "misses.png": "Where the reference precision's misses fall: margin to the k-th exact score, distance "
+                          "from the query, phase in the compression block"}
+
 
 class RecallOutcome(Protocol):
     """What the report reads of the study's result (``fidelity.studies.recall.StudyResult``)."""
@@ -175,7 +179,7 @@ def report_sections(result: RecallOutcome, pooled: pd.DataFrame, missed: pd.Data
            f"{meta['device']}."]
     return [Section("Headline", headline(pooled, meta["index_topk"])),
             Section("Run", run),
-            Section("Plots", [] if images else ["No plot had data."], images=images),
+            Section("Plots", [] if images else ["No plot had data."], images=images, captions=CAPTIONS),
             Section("Recall per context, precision and k", ["Means over the selective queries (more visible entries "
                     "than k), CSA layers pooled; worst: the worst query."], pooled_table(pooled), na="-"),
             Section("Misses", [f"Per (context, precision, k): a miss within {meta['near_tie']} of the k-th exact "

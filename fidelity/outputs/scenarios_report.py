@@ -15,6 +15,11 @@ from fidelity.harness.thresholds import site_order_key
 from fidelity.outputs.plots import DPI, FLOOR
 from fidelity.outputs.report import Section, render_html, render_markdown
 
+CAPTIONS = {"worst_local_cos.png": "1 - worst local cos (layer / op mode) per run, over prompt length and over "
+                                   "chunk size",
+            "first_divergence.png": "Where each run first diverges from the oracle, over prompt length and over "
+                                    "chunk size"}
+
 
 class ScenarioOutcome(Protocol):
     """What the report reads of a scenarios job's result (``fidelity.studies.scenarios.ScenarioResult``)."""
@@ -151,7 +156,7 @@ def write_report(folder: Path, result: ScenarioOutcome, checkpoint: str, label: 
                 Section("Run", [f"Decoder {label} on {checkpoint}; {len(matrix)} runs, {len(pairs)} self-consistency "
                                 f"pairs, {len(result.skipped)} scenarios skipped, {result.seconds:.0f} s.",
                                 "Each run's own report: the report column links to it."]),
-                Section("Plots", images=pngs),
+                Section("Plots", images=pngs, captions=CAPTIONS),
                 Section("Scenario matrix", table=_matrix_table(matrix), na="-", links=("report",)),
                 Section("Self-consistency (the decoder against itself)",
                         ["Each pair's logits are judged by the rules in its bound column: equal values (unequal <= 0) "

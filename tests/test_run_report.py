@@ -160,7 +160,7 @@ def test_every_metric_a_run_writes_is_a_known_metric(run):
                                       "pick_flip_with_margin", "routing_agree", "routing_flips", "test_invisible",
                                       "first_row", "miss_gap", "rows_missing", "rows_extra", "shape_mismatch",
                                       "ambiguous_queries", "ambiguous_tokens", "rows_mismatch", "rule_mismatch",
-                                      "other_rule_rows", "rule_rows"} | cuda_only | written | SELF_CONSISTENCY
+                                      "other_rule_rows", "rule_rows"} | cuda_only | written | set(SELF_CONSISTENCY)
 
 
 def test_threshold_files_take_the_memory_probes_names_and_refuse_the_old_ones(tmp_path):

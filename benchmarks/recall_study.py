@@ -5,7 +5,7 @@
 
 One chunked FP32 oracle prefill per context gives each CSA layer's exact indexer and attention inputs at
 ``--queries`` positions spread over the context; every indexer precision then scores the same inputs through the
-production decoder's ops, and every top-k is taken from those scores (``fidelity.recall``: definitions). Writes
+production decoder's ops, and every top-k is taken from those scores (``fidelity.studies.recall``: definitions). Writes
 recall.json, summary.csv (per layer), summary_pooled.csv, misses.csv, queries.csv.gz, recall.png, misses.png and
 a README.md with the command, date, machine, wall times and the table to ``--out``.
 """
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from fidelity import recall
 from fidelity.model.default import default_checkpoint
 from fidelity.model.load import load_checkpoint
+from fidelity.outputs.recall_report import format_table, write_study
+from fidelity.studies import recall
 
 OUT = Path(__file__).parent / "results" / "2026-12-05-recall-study"
 
@@ -46,9 +47,8 @@ def machine(device: str) -> str:
     return text + f"; torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def readme(args, result: recall.StudyResult, wall: float, paths: dict[str, Path]) -> str:
-    pooled = recall.summarize(result.queries, by_layer=False)
-    missed = recall.miss_summary(result.misses, result.queries)
+def readme(args, result: recall.StudyResult, tables: dict, wall: float, paths: dict[str, Path]) -> str:
+    pooled, missed = tables["pooled"], tables["misses"]
     times = "\n".join(f"- {m['context']} tokens ({m['text']}): oracle prefill {m['prefill_s']:.1f} s, scoring "
                       f"{m['study_s']:.1f} s, {m['queries']} queries x layers {m['layers']}"
                       for m in result.meta["contexts"])
@@ -69,9 +69,9 @@ Wall time: {wall:.1f} s in all.
 {times}
 
 Recall is over the selective queries (more visible entries than k); `queries` counts them (per layer, pooled over
-the CSA layers). Definitions: `fidelity/recall.py` and `docs/recall.md`.
+the CSA layers). Definitions: `fidelity/studies/recall.py` and `docs/recall.md`.
 
-{recall.format_table(pooled)}
+{format_table(pooled)}
 
 Misses (over selective queries; margin in units of the query's largest exact score; `miss_mass` is the share of
 the exact selection's attention mass the misses carry, mean per query; near-tie: margin <= {recall.NEAR_TIE}):
@@ -101,9 +101,10 @@ def main() -> None:
                               progress=lambda s: print(f"[{time.perf_counter() - t0:7.1f} s] {s}", flush=True))
     wall = time.perf_counter() - t0
     out = Path(args.out)
-    paths = recall.write_outputs(result, out)
-    (out / "README.md").write_text(readme(args, result, wall, paths))
-    print(recall.format_table(recall.summarize(result.queries, by_layer=False)))
+    tables = recall.summaries(result)
+    paths = write_study(result, tables, recall.__doc__, out)
+    (out / "README.md").write_text(readme(args, result, tables, wall, paths))
+    print(format_table(tables["pooled"]))
     print(f"wrote {out} in {wall:.1f} s")
 
 

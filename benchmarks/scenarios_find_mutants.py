@@ -19,9 +19,9 @@ from pathlib import Path
 import pandas as pd
 
 from fidelity.api import plan_checkpoint
-from fidelity.mutants import BY_NAME, CATALOGUE
 from fidelity.outputs.report import md_table
-from fidelity.scenarios import run_scenarios
+from fidelity.studies.mutants import BY_NAME, CATALOGUE
+from fidelity.studies.scenarios import run_scenarios
 
 
 def find(plan, name: str, out: Path, modes: tuple[str, ...]) -> dict:

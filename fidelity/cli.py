@@ -305,10 +305,11 @@ def _known_cause(res) -> str | None:
 
 def cmd_scenarios(args) -> int:
     """``fidelity scenarios`` (and ``fidelity run --scenario NAME``): the catalogue against the oracle and against
-    the decoder itself, one combined report directory (fidelity/scenarios.py)."""
+    the decoder itself, one combined report directory (fidelity/studies/scenarios.py)."""
     from fidelity.decoders.production import get_profile
     from fidelity.outputs.rundir import check_output, new_run_id
-    from fidelity.scenarios import check_names, run_scenarios
+    from fidelity.studies.catalogue import check_names
+    from fidelity.studies.scenarios import run_scenarios
 
     _check_device(args.device)
     try:
@@ -508,16 +509,12 @@ def cmd_mutants(args) -> int:
     from fidelity.api import plural
     from fidelity.decoders.transformers import FAULTS as HF_FAULTS
     from fidelity.decoders.transformers import TransformersDecoder
-    from fidelity.mutants import (
-        MutantSettings,
-        check_names,
-        gate_failures,
-        matrix_table,
-        run_mutants,
-        write_matrix,
-    )
+    from fidelity.outputs.mutants_report import write_matrix
     from fidelity.outputs.report import md_table
     from fidelity.outputs.rundir import check_output, new_run_id
+    from fidelity.studies.detection import gate_failures, matrix_table
+    from fidelity.studies.mutant_runs import MutantSettings, run_mutants
+    from fidelity.studies.mutants import check_names
 
     _check_device(args.device)
     if args.decoder not in ("production", "transformers"):
@@ -545,11 +542,11 @@ def cmd_mutants(args) -> int:
         print(f"[{k + 1}/{n}] {name}", file=sys.stderr, flush=True)
 
     matrix = run_mutants(ckpt, args.only, settings, progress, factory, known)
-    out = write_matrix(matrix, args.out, run_id, args.overwrite)
+    table, failures = matrix_table(matrix), gate_failures(matrix)
+    out = write_matrix(matrix, table, failures, args.out, run_id, args.overwrite)
     decoder = "production" if factory is None else f"transformers ({args.decoder_dtype})"
     print(f"dsv4-fidelity {__version__}: mutants of the {decoder} decoder on {plan.what}, {plural(threads, 'thread')}")
-    print(md_table(matrix_table(matrix)))
-    failures = gate_failures(matrix)
+    print(md_table(table))
     print("gate: PASS" if not failures else "gate: FAIL\n" + "\n".join(f"  - {f}" for f in failures))
     print(f"matrix: {out / 'detection.md'} (and detection.html, detection.parquet)")
     return 1 if args.gate and failures else 0
@@ -578,9 +575,11 @@ def cmd_oracle(args) -> int:
 
 
 def cmd_recall(args) -> int:
-    """``fidelity recall``: the indexer recall study (``fidelity.recall``) on one checkpoint; a table and files."""
-    from fidelity import recall
+    """``fidelity recall``: the indexer recall study (``fidelity.studies.recall``) on one checkpoint; a table and
+    files."""
     from fidelity.api import open_checkpoint
+    from fidelity.outputs.recall_report import format_table, write_study
+    from fidelity.studies import recall
 
     _check_device(args.device)
     ckpt = open_checkpoint(args.checkpoint)
@@ -591,10 +590,11 @@ def cmd_recall(args) -> int:
                                   args.device, progress=lambda s: _notify("progress", s) if args.verbose else None)
     except recall.RecallError as err:
         raise UsageError(str(err)) from None
-    paths = recall.write_outputs(result, Path(args.out))
+    tables = recall.summaries(result)
+    paths = write_study(result, tables, recall.__doc__, Path(args.out))
     print(f"dsv4-fidelity {__version__}: indexer recall on {ckpt.path or 'the checkpoint'} (index_topk "
           f"{ckpt.config.index_topk}); recall over the queries with more visible entries than k")
-    print(recall.format_table(recall.summarize(result.queries, by_layer=False)))
+    print(format_table(tables["pooled"]))
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
 

@@ -18,6 +18,11 @@ METRICS: dict[str, str] = {
     "test_nonfinite": "similarity: non-finite coordinates in production",
     "ref_nonfinite": "similarity: non-finite coordinates in the oracle",
     "compared": "similarity: coordinates finite in both",
+    # self-consistency (a scenario's logits pair: one decoder fed the same tokens two ways; not a run's table)
+    "unequal": "self-consistency: logits coordinates whose values differ between the two sides (0: equal values)",
+    "cos_min": "self-consistency: smallest cos of the two sides' logits at one position",
+    "rel_l2_mean": "self-consistency: mean over positions of |b - a| / |a| (a: the reference side's logits)",
+    "rel_max": "self-consistency: max_abs over the largest |a|",
     # sinkhorn (mHC comb)
     "row_dev": "sinkhorn: max |row sum - 1|",
     "row_dev_excess": "sinkhorn: max over rows of |row sum - 1| beyond the oracle's own",
@@ -123,6 +128,7 @@ METRICS: dict[str, str] = {
     "reserved_growth": "memory: reserved_delta summed over the decode calls after the warm-up",
     "new_device_mallocs": "memory: device_mallocs of a decode call after the warm-up",
 }
+SELF_CONSISTENCY = ("unequal", "cos_min", "rel_l2_mean", "rel_max")  # written by ``fidelity scenarios`` only
 METRIC_PATTERNS: dict[str, str] = {
     r"rms_stream\d+": "residual: RMS of mHC stream k",
     r"ref_rms_stream\d+": "residual: the oracle's RMS of mHC stream k",

@@ -15,7 +15,8 @@ from fidelity.harness.runner import Runner, RunSpec
 from fidelity.harness.thresholds import MEMORY_GROWTH_BAND
 from fidelity.model.default import prompt_for
 from fidelity.model.load import load_checkpoint
-from fidelity.mutants import BY_NAME, MutantSettings, run_one
+from fidelity.studies.mutant_runs import MutantSettings, run_one
+from fidelity.studies.mutants import BY_NAME
 from probes.memory import (
     _MALLOC_IN_USE,
     WARMUP_DECODE_CALLS,

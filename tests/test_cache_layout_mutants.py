@@ -14,7 +14,9 @@ from fidelity.decoders.production.faults import inject
 from fidelity.decoders.profiles import get_profile
 from fidelity.model.config import ModelConfig
 from fidelity.model.synthesize import synthesize
-from fidelity.mutants import BY_NAME, MutantSettings, gate_failures, run_mutants, run_one
+from fidelity.studies.detection import gate_failures
+from fidelity.studies.mutant_runs import MutantSettings, run_mutants, run_one
+from fidelity.studies.mutants import BY_NAME
 
 CACHE_LAYOUT = ("paged-flat-addressing", "indexer-keys-planar")
 SEED = 0

@@ -11,7 +11,8 @@ import pytest
 from fidelity.api import plan_checkpoint
 from fidelity.cli import main
 from fidelity.outputs.compare import CompareError, compare_runs
-from fidelity.scenarios import Pair, Run, Scenario, run_scenarios
+from fidelity.studies.catalogue import Pair, Run, Scenario
+from fidelity.studies.scenarios import run_scenarios
 from tests.test_scenarios import LocalPositions
 
 WHOLE, CHUNKED, SHORT = Run("whole", 40, 1, param=("chunk", 40)), Run("chunks 7,33", 40, 1, (7, 33), ("chunk", 7)), \

@@ -20,8 +20,10 @@ from fidelity.decoders.trace_file import TraceError, TraceWriter
 from fidelity.decoders.transformers import FAULTS, hf_model
 from fidelity.model.config import ModelConfig
 from fidelity.model.save import save_checkpoint
-from fidelity.mutants import BY_NAME, MutantSettings, gate_failures, run_mutants
 from fidelity.outputs.rundir import read_run
+from fidelity.studies.detection import gate_failures
+from fidelity.studies.mutant_runs import MutantSettings, run_mutants
+from fidelity.studies.mutants import BY_NAME
 from tests.hf_reference import random_hf_model
 
 ALL_ENTRIES = ModelConfig.preset("tiny").replace(index_topk=1024)  # the indexer selects every visible entry

@@ -21,7 +21,7 @@ LAYERS = (
     ("fidelity.harness",),
     ("fidelity.outputs",),
     ("fidelity.testing", "fidelity.train"),
-    ("fidelity.job", "fidelity.mutants", "fidelity.api", "fidelity.cli", "fidelity"),
+    ("fidelity.job", "fidelity.studies", "fidelity.api", "fidelity.cli", "fidelity"),
 )
 
 
@@ -134,11 +134,11 @@ KERNEL_DOORS = {
 # decoder: they import nothing of the production decoder. Edges still to remove, (study, production module):
 STUDIES = ("fidelity.scenarios", "fidelity.recall", "fidelity.mutants", "fidelity.studies")
 STUDY_EDGES_TO_REMOVE = {
-    ("fidelity.mutants", f"{PRODUCTION}.faults"),
-    ("fidelity.recall", f"{PRODUCTION}.cache"),
-    ("fidelity.recall", f"{PRODUCTION}.ops"),
-    ("fidelity.recall", f"{PRODUCTION}.topk"),
-    ("fidelity.scenarios", f"{PRODUCTION}.decoder"),
+    ("fidelity.studies.mutants", f"{PRODUCTION}.faults"),
+    ("fidelity.studies.mutant_runs", f"{PRODUCTION}.faults"),
+    ("fidelity.studies.recall", f"{PRODUCTION}.cache"),
+    ("fidelity.studies.recall", f"{PRODUCTION}.ops"),
+    ("fidelity.studies.recall", f"{PRODUCTION}.topk"),
 }
 
 

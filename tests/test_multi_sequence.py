@@ -13,7 +13,10 @@ from fidelity.decoders.production.batch import forward_batch
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.model.config import ModelConfig
 from fidelity.model.synthesize import synthesize
-from fidelity.scenarios import CATALOGUE, Check, Feed, Run, Scenario, Script, missing, run_scenarios, self_consistency
+from fidelity.studies import catalogue
+from fidelity.studies.catalogue import CATALOGUE, Check, Feed, Run, Scenario, Script
+from fidelity.studies.play import missing
+from fidelity.studies.scenarios import run_scenarios, self_consistency
 
 
 @pytest.fixture(scope="module")
@@ -207,10 +210,9 @@ def test_a_capability_held_only_in_part_skips_that_self_consistency_with_the_rea
 def test_a_planted_fault_is_found_by_the_scenarios_command_and_named_in_the_report(tmp_path, monkeypatch, capsys):
     """``fidelity scenarios --inject``: the catalogue (here the two-sequence batch) with a batch fault planted fails
     at the played sequence, and the report says what was planted; an unknown fault is one line, exit 2."""
-    from fidelity import scenarios
     from fidelity.cli import main
 
-    monkeypatch.setitem(scenarios.CATALOGUE, "two", _two_in_a_batch())
+    monkeypatch.setitem(catalogue.CATALOGUE, "two", _two_in_a_batch())
     argv = ["scenarios", "--scenario", "two", "--mode", "op", "--out", str(tmp_path), "--gate"]
     assert main([*argv, "--run-id", "bug", "--inject", "batch-key-range"]) == 1
     out = capsys.readouterr().out

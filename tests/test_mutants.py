@@ -13,19 +13,10 @@ from fidelity.decoders.production.faults import FAULTS, inject, on
 from fidelity.model.config import ModelConfig
 from fidelity.model.default import prompt_for
 from fidelity.model.synthesize import synthesize
-from fidelity.mutants import (
-    BY_NAME,
-    CATALOGUE,
-    MutantSettings,
-    Played,
-    check_catalogue,
-    gate_failures,
-    matrix_table,
-    run_mutants,
-    run_spec,
-    scenario_run,
-    write_matrix,
-)
+from fidelity.outputs.mutants_report import write_matrix
+from fidelity.studies.detection import gate_failures, matrix_table
+from fidelity.studies.mutant_runs import MutantSettings, run_mutants, run_spec
+from fidelity.studies.mutants import BY_NAME, CATALOGUE, Played, check_catalogue, scenario_run
 
 EXPECTED_PROBE = {
     "indexer-key-width": "similarity", "causal-off-by-one": "visible", "window-127": "visible",
@@ -193,7 +184,7 @@ class GateOnOneSeed:
 
     def test_gate_passes_and_matrix_is_written(self, matrix, tmp_path):
         assert gate_failures(matrix) == []
-        out = write_matrix(matrix, tmp_path, "m")
+        out = write_matrix(matrix, matrix_table(matrix), gate_failures(matrix), tmp_path, "m")
         assert {p.name for p in out.iterdir()} == {"detection.parquet", "detection.md", "detection.html"}
         table = matrix_table(matrix)
         runs = _clean_runs(QUICK)
@@ -280,7 +271,7 @@ def test_a_decoder_that_raises_under_one_mutant_is_a_row_and_the_matrix_goes_on(
                                      "located it"]
     table = matrix_table(matrix).set_index("mutant")
     assert table.loc["window-127", "first detection"].startswith("the decoder raised: RuntimeError: CUDA error")
-    md = (write_matrix(matrix, tmp_path, "m") / "detection.md").read_text()
+    md = (write_matrix(matrix, matrix_table(matrix), gate_failures(matrix), tmp_path, "m") / "detection.md").read_text()
     assert "gate: FAIL: window-127: the decoder raised on lengths / prompt 128" in md
     later = run_mutants(ckpt, ["window-127"], MutantSettings(seed=0),
                         decoder=lambda: RaisesDecodingUnderWindow127(ckpt, "reference", 4096, "cpu"))

@@ -1,4 +1,4 @@
-"""Port-bug mutants from the public record (``fidelity.mutants.CATALOGUE``): what the matrix on the tiny preset
+"""Port-bug mutants from the public record (``fidelity.studies.mutants.CATALOGUE``): what the matrix on the tiny preset
 cannot show. ``tid2eid-bf16`` needs more than 257 routed experts (every smaller id is exact in bf16) and no id that
 rounds past the table (384: 383 -> 384), so a small model with 385 is synthesized here and the mutant is caught at
 its hash layer's routing, on the production decoder and on transformers'; the fault rules themselves are checked
@@ -19,7 +19,9 @@ from fidelity.decoders.transformers import TransformersDecoder
 from fidelity.model.config import ModelConfig
 from fidelity.model.formats import FP8_AMAX_FLOOR, FP8_MAX, ue8m0_scale
 from fidelity.model.synthesize import synthesize
-from fidelity.mutants import BY_NAME, MutantSettings, gate_failures, matrix_table, run_mutants
+from fidelity.studies.detection import gate_failures, matrix_table
+from fidelity.studies.mutant_runs import MutantSettings, run_mutants
+from fidelity.studies.mutants import BY_NAME
 
 # 385 experts: ids 257..383 odd move to an even bf16 neighbour and 384 is exact, so no id leaves the range
 WIDE = replace(ModelConfig.preset("tiny"), n_layers=2, n_hash_layers=1, compress_ratios=(0, 0),

@@ -1,5 +1,5 @@
-"""The indexer recall study (``fidelity.recall``): definitions on hand-checkable tensors, and a small real run on the
-trained default (1024 tokens, k 8 and 32) for self-recall, bounds, causality and the CLI."""
+"""The indexer recall study (``fidelity.studies.recall``): definitions on hand-checkable tensors, and a small real run
+on the trained default (1024 tokens, k 8 and 32) for self-recall, bounds, causality and the CLI."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 import torch
 
-from fidelity import recall
 from fidelity.cli import main
 from fidelity.model.default import default_checkpoint
 from fidelity.model.load import load_checkpoint
+from fidelity.studies import recall
 from oracles.model import OracleModel
 
 CONTEXT, TOPKS = 1024, (8, 32)
@@ -123,8 +123,13 @@ def test_cli_writes_the_table_and_files_and_refuses_bad_inputs(tmp_path, capsys)
                "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and "| 512 | fp4 | 8 |" in text
-    for name in ("recall.json", "summary.csv", "summary_pooled.csv", "misses.csv", "queries.csv.gz", "recall.png"):
+    for name in ("recall.json", "summary.csv", "summary_pooled.csv", "misses.csv", "queries.csv.gz", "recall.png",
+                 "report.md", "report.html"):
         assert (out / name).stat().st_size > 0, name
+    md = (out / "report.md").read_text()
+    assert md.index("## Headline\n\nfp4 at k 8, context 512: recall ") < md.index("## Run") < md.index("## Plots")
+    page = (out / "report.html").read_text()
+    assert "<style>" in page and ">nan<" not in page and "data:image/png;base64," in page
     assert main(["recall", "--contexts", "512", "--topk", "-1", "--out", str(out)]) == 2
     assert "topk: expected positive integers, found -1" in capsys.readouterr().err
     assert main(["recall", "--contexts", "512", "--precisions", "int3", "--out", str(out)]) == 2

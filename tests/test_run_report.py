@@ -35,7 +35,7 @@ from fidelity.model.sites import Recorder
 from fidelity.model.synthesize import synthesize
 from fidelity.outputs.report import write_report
 from fidelity.outputs.rundir import read_run
-from probes.metrics import METRICS, is_metric
+from probes.metrics import METRICS, SELF_CONSISTENCY, is_metric
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +153,14 @@ def test_every_metric_a_run_writes_is_a_known_metric(run):
     assert {m for m in written if not is_metric(m)} == set()
     assert {"allocated_bytes", "reserved_bytes", "test_nonfinite", "recall"} <= written
     # the list names nothing a run cannot write (derived token flips and indices excepted)
+    # kv_storage=fp8 only: rows_mismatch .. rule_rows; the scenarios' logits pairs only: SELF_CONSISTENCY
     cuda_only = {"alloc_calls", "free_calls", "device_mallocs", "new_device_mallocs", "retained_delta",
                  "retained_growth", "reserved_delta", "reserved_growth"}  # the CUDA allocator's counters
     assert set(METRICS) - written <= {"token_flip_with_margin", "max_abs_index", "nonfinite_first", "nonfinite",
                                       "pick_flip_with_margin", "routing_agree", "routing_flips", "test_invisible",
                                       "first_row", "miss_gap", "rows_missing", "rows_extra", "shape_mismatch",
                                       "ambiguous_queries", "ambiguous_tokens", "rows_mismatch", "rule_mismatch",
-                                      "other_rule_rows", "rule_rows"} | cuda_only | written  # kv_storage=fp8 only
+                                      "other_rule_rows", "rule_rows"} | cuda_only | written | set(SELF_CONSISTENCY)
 
 
 def test_threshold_files_take_the_memory_probes_names_and_refuse_the_old_ones(tmp_path):

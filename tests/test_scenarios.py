@@ -1,4 +1,4 @@
-"""Scenarios (fidelity/scenarios.py): the catalogue covers the residues and edges it claims, a scenario passes on
+"""Scenarios (fidelity/studies/): the catalogue covers the residues and edges it claims, a scenario passes on
 the clean production decoder against the oracle and against itself, planted chunk-boundary bugs are caught by
 self-consistency alone, and the CLI writes one combined report (a bad name: one line, exit 2)."""
 
@@ -6,12 +6,14 @@ import pandas as pd
 import pytest
 import torch
 
-from fidelity import scenarios
 from fidelity.api import open_decoder, plan_checkpoint
 from fidelity.cli import main
 from fidelity.decoders.production.decoder import ProductionDecoder
+from fidelity.outputs import scenarios_report
 from fidelity.outputs.report import md_escape
-from fidelity.scenarios import CATALOGUE, Pair, Run, Scenario, run_scenarios, self_consistency
+from fidelity.studies import catalogue
+from fidelity.studies.catalogue import CATALOGUE, Pair, Run, Scenario
+from fidelity.studies.scenarios import run_scenarios, self_consistency
 
 SMALL = Scenario("small", "a whole prompt, a chunked one (128-aligned and not), a prefix", (
     Run("whole", 136, 2, param=("chunk", 136)),
@@ -60,7 +62,7 @@ def test_catalogue_covers_every_residue_and_the_edges():
 
 def _proposals(script):
     """(position, Propose) of every proposal of a one-sequence script."""
-    from fidelity.scenarios import Feed, Propose
+    from fidelity.studies.catalogue import Feed, Propose
 
     pos, out = 0, []
     for op in script.ops:
@@ -162,7 +164,7 @@ def test_cli_writes_the_combined_report(plan, tmp_path, monkeypatch, capsys):
     tiny = Scenario("tiny", "a whole prompt and a chunked one", (
         Run("whole", 40, 1), Run("chunks 7,33", 40, 1, (7, 33), ("chunk", 7))),
         (Pair("chunked==whole", "whole", "chunks 7,33"),))
-    monkeypatch.setitem(scenarios.CATALOGUE, "tiny", tiny)
+    monkeypatch.setitem(catalogue.CATALOGUE, "tiny", tiny)
     rc = main(["run", "--scenario", "tiny", "--mode", "op", "--out", str(tmp_path), "--run-id", "t", "--gate"])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -184,10 +186,10 @@ def test_an_empty_plot_panel_says_why(plan, tmp_path):
     tiny = Scenario("tiny", "one whole prompt", (Run("whole", 40, 1),), ())
     res = run_scenarios(plan, [tiny], "production", out=tmp_path, run_id="f", modes=("free",))
     assert res.matrix["worst_local_cos"].isna().all()
-    texts = [[t.get_text() for t in ax.texts] for ax in scenarios.local_cos_figure(res.matrix).axes]
-    assert texts == [["no run judged in layer or op mode (free mode has no local cos)"], [scenarios.NO_CHUNKS]]
-    texts = [[t.get_text() for t in ax.texts] for ax in scenarios.divergence_figure(res.matrix).axes]
-    assert texts == [[], [scenarios.NO_CHUNKS]]
+    texts = [[t.get_text() for t in ax.texts] for ax in scenarios_report.local_cos_figure(res.matrix).axes]
+    assert texts == [["no run judged in layer or op mode (free mode has no local cos)"], [scenarios_report.NO_CHUNKS]]
+    texts = [[t.get_text() for t in ax.texts] for ax in scenarios_report.divergence_figure(res.matrix).axes]
+    assert texts == [[], [scenarios_report.NO_CHUNKS]]
     page = (tmp_path / "f" / "report.html").read_text()
     assert "<td class=\"num\">-</td>" in page and ">nan<" not in page  # worst_local_cos of a free-mode run
 
@@ -221,12 +223,12 @@ def test_the_matrix_and_plot_place_each_first_divergence(plan, tmp_path):
     where = ["first_step", "first_site", "first_layer"]
     on_disk = pd.read_csv(tmp_path / "d" / "matrix.csv", keep_default_na=False)
     assert on_disk[where].values.tolist() == res.matrix[where].values.tolist()
-    y, ticks = scenarios.divergence_rows(res.matrix)
+    y, ticks = scenarios_report.divergence_rows(res.matrix)
     none = min(ticks)
     assert ticks[none] == "none (passes)"
     assert list(y) == [none if v == "PASS" else float(layer)
                        for v, layer in zip(res.matrix["verdict"], res.matrix["first_layer"], strict=True)]
-    fig = scenarios.divergence_figure(res.matrix)
+    fig = scenarios_report.divergence_figure(res.matrix)
     chunk_panel = {tuple(p) for c in fig.axes[1].collections for p in c.get_offsets()}
     assert chunk_panel == {(40.0, none), (7.0, float(m.loc["chunks 7,33", "first_layer"])),
                            (20.0, float(m.loc["chunks 20,20", "first_layer"]))}
@@ -239,6 +241,6 @@ def test_the_matrix_and_plot_place_each_first_divergence(plan, tmp_path):
 def test_sites_outside_the_layers_get_rows_below_and_above_them():
     matrix = pd.DataFrame({"first_site": ["none", "L1.attn.q", "logits", "embed", "L3.ffn.out"],
                            "first_layer": [-1, 1, -1, -1, 3]})
-    y, ticks = scenarios.divergence_rows(matrix)
+    y, ticks = scenarios_report.divergence_rows(matrix)
     assert list(y) == [-2.5, 1.0, 4.0, -1.0, 3.0]
     assert ticks == {-2.5: "none (passes)", 1.0: "L1", 3.0: "L3", -1.0: "embed", 4.0: "logits"}

@@ -121,6 +121,13 @@ class Decoder(ABC):
             raise DecoderError(f"{self.label}: has consumed {self.pos} tokens and cannot start a new run: it does "
                                "not implement Decoder.reset; pass a new decoder to each run")
 
+    def same_bits(self, split: tuple[int, ...] = ()) -> str:
+        """Why this decoder returns bit-equal logits for the same tokens fed in calls that differ only by the call
+        boundaries ``split`` (positions where one side starts a call and the other does not; () for the same calls,
+        whatever forks, rollbacks or other sequences came between), '' where it promises no equal bits (the
+        self-consistency pairs are then judged by bounds). This default promises nothing."""
+        return ""
+
     def cache_bytes(self) -> int | None:
         """Bytes the decoder's caches hold (None when it cannot say): the memory probe's cache_growth."""
         return None

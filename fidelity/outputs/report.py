@@ -49,8 +49,6 @@ PLOT_CAPTIONS = {
     "residual_norms.png": "Residual stream RMS per layer: production's streams; oracle vs decoder over every stream",
     "sinkhorn.png": "Sinkhorn deviations as judged (row excess over the oracle's, columns) per layer, with limits",
     "recall.png": "Indexer recall@k over steps",
-    "worst_local_cos.png": "worst local cos",  # a scenario report's
-    "first_divergence.png": "first divergence",
 }
 
 
@@ -63,6 +61,7 @@ class Section:
     table: pd.DataFrame | None = None
     css: str = ""
     images: list[Path] = field(default_factory=list)
+    captions: dict[str, str] = field(default_factory=dict)  # image file name -> caption (else PLOT_CAPTIONS')
     details: str = ""  # preformatted text shown collapsed in HTML only
     details_title: str = "details"
     blocks: list[tuple[str, str]] = field(default_factory=list)  # (caption, preformatted text), side by side in HTML
@@ -850,8 +849,8 @@ pre{background:#f7f7f7;padding:.6em;overflow:auto;font-size:12px}
 """
 
 
-def _caption(path: Path) -> str:
-    return PLOT_CAPTIONS.get(path.name, path.stem)
+def _caption(path: Path, captions: dict[str, str] | None = None) -> str:
+    return (captions or {}).get(path.name) or PLOT_CAPTIONS.get(path.name, path.stem)
 
 
 def render_markdown(title: str, sections: Sequence[Section], base: Path) -> str:
@@ -869,13 +868,13 @@ def render_markdown(title: str, sections: Sequence[Section], base: Path) -> str:
             out += ["", f"{md_escape(caption)}:", "", fence, block, fence]
         for img in s.images:
             rel = img.relative_to(base).as_posix() if img.is_relative_to(base) else img.as_posix()
-            out += ["", f"![{md_escape(_caption(img))}]({rel.replace(' ', '%20')})"]
+            out += ["", f"![{md_escape(_caption(img, s.captions))}]({rel.replace(' ', '%20')})"]
     return "\n".join(out) + "\n"
 
 
-def _img_tag(path: Path) -> str:
+def _img_tag(path: Path, captions: dict[str, str] | None = None) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    cap = html.escape(_caption(path))
+    cap = html.escape(_caption(path, captions))
     return f'<figure><img alt="{cap}" src="data:image/png;base64,{data}"><figcaption>{cap}</figcaption></figure>'
 
 
@@ -895,7 +894,7 @@ def render_html(title: str, sections: Sequence[Section]) -> str:
         if s.blocks:
             body.append('<div class="blocks">' + "".join(
                 f"<div><p>{html.escape(c)}</p><pre>{html.escape(b)}</pre></div>" for c, b in s.blocks) + "</div>")
-        body += [_img_tag(img) for img in s.images]
+        body += [_img_tag(img, s.captions) for img in s.images]
         if s.details:
             body.append(f"<details><summary>{html.escape(s.details_title)}</summary>"
                         f"<pre>{html.escape(s.details)}</pre></details>")

@@ -15,7 +15,8 @@ from fidelity.decoders.production import ProductionModel  # noqa: E402
 from fidelity.decoders.production.decoder import ProductionDecoder  # noqa: E402
 from fidelity.model.default import prompt_for  # noqa: E402
 from fidelity.model.load import load_checkpoint  # noqa: E402
-from fidelity.mutants import BY_NAME, MutantSettings, run_one  # noqa: E402
+from fidelity.studies.mutant_runs import MutantSettings, run_one  # noqa: E402
+from fidelity.studies.mutants import BY_NAME  # noqa: E402
 from probes.memory import WARMUP_DECODE_CALLS, measured_call  # noqa: E402
 
 SETTINGS = MutantSettings(decode_steps=24, modes=("layer",), device="cuda")

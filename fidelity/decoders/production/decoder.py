@@ -27,6 +27,7 @@ GRAPHS_OFF_FORWARD = "forward, fork and rollback run eager sessions (sequence 0 
 MULTI = ("a forward with several sequences is one batched model call (varlen): the projections, norms, mHC, MoE "
          "and head over every sequence's rows at once, the attention core per sequence over its own caches; a "
          "sequence's logits equal its logits alone up to the rounding of GEMMs over other row counts")
+SPLIT_ALIGN = 128  # on the CPU a prefill split into calls on multiples of this gives the whole prefill's bits
 
 
 @dataclass
@@ -193,6 +194,13 @@ class ProductionDecoder(Decoder):
     # ---- several sequences -------------------------------------------------------------------
     def capabilities(self) -> dict[str, str | None]:
         return {BATCH: None, FORK: None, ROLLBACK: None}
+
+    def same_bits(self, split: tuple[int, ...] = ()) -> str:
+        """On the CPU: the same calls give the same bits (forks, rollbacks and other sequences' calls between them
+        included), and so do calls split on multiples of ``SPLIT_ALIGN``; no promise on another device."""
+        if self.model.device.type != "cpu" or any(p % SPLIT_ALIGN for p in split):
+            return ""
+        return "production on the CPU" + (f", call boundaries on multiples of {SPLIT_ALIGN}" if split else "")
 
     def forward(self, calls: list[Call]) -> list[torch.Tensor]:
         """Each call continues its sequence at ``start`` (its position; a new sequence's first call at 0): one

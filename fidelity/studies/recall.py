@@ -34,7 +34,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -420,7 +419,7 @@ def run_study(ckpt, contexts: Sequence[int], topks: Sequence[int] = DEFAULT_TOPK
     return StudyResult(pd.concat([p.queries for p in parts], ignore_index=True),
                        pd.concat([p.misses for p in parts], ignore_index=True),
                        {"contexts": metas, "topks": topks, "precisions": precisions, "device": device,
-                        "index_topk": ckpt.config.index_topk})
+                        "index_topk": ckpt.config.index_topk, "near_tie": NEAR_TIE, "ratio": RATIO})
 
 
 def summarize(queries: pd.DataFrame, by_layer: bool = True) -> pd.DataFrame:
@@ -466,113 +465,9 @@ def miss_summary(misses: pd.DataFrame, queries: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def plot_recall(summary: pd.DataFrame):
-    """Figure: recall (solid) and mass recall (dotted) against k, one panel per context, a colour per precision
-    (all layers pooled: ``summarize(by_layer=False)``; recall against bf16 is in the tables)."""
-    from matplotlib.figure import Figure
-
-    contexts = sorted(summary["context"].unique())
-    fig = Figure(figsize=(4.6 * len(contexts) + 1.8, 4.2), layout="constrained")
-    axes = fig.subplots(1, len(contexts), squeeze=False, sharey=True)[0]
-    precisions = sorted(summary["precision"].unique())
-    same = {"fp4", "fp4-packed"} <= set(precisions) and np.array_equal(
-        summary[summary["precision"] == "fp4"]["recall"].to_numpy(),
-        summary[summary["precision"] == "fp4-packed"]["recall"].to_numpy(), equal_nan=True)
-    if same:  # bit-equal scores: one line, named for both
-        precisions.remove("fp4-packed")
-    for ax, c in zip(axes, contexts, strict=True):
-        d = summary[summary["context"] == c]
-        for i, p in enumerate(precisions):
-            g = d[d["precision"] == p].sort_values("k")
-            name = "fp4 = fp4-packed" if same and p == "fp4" else p
-            ax.plot(g["k"], g["recall"], "-o", color=f"C{i}", ms=4, label=f"{name} recall")
-            ax.plot(g["k"], g["mass_recall"], ":^", color=f"C{i}", ms=4, label=f"{name} mass kept")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("top-k")
-        ax.set_title(f"context {c // 1024}K" if c % 1024 == 0 else f"context {c}")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("mean over selective queries, CSA layers pooled")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center", fontsize=7)
-    return fig
-
-
-def plot_misses(misses: pd.DataFrame, precision: str = "fp4"):
-    """Figure: where ``precision``'s misses fall, per k (contexts and layers pooled; each histogram sums to 1):
-    margin to the k-th exact score, distance from the query, and the query's phase in its compression block."""
-    from matplotlib.figure import Figure
-
-    d = misses[misses["precision"] == precision]
-    fig = Figure(figsize=(15, 4.2), layout="constrained")
-    ax = fig.subplots(1, 3)
-    for i, k in enumerate(sorted(d["k"].unique())):
-        g = d[d["k"] == k]
-        share = np.full(len(g), 1 / max(1, len(g)))
-        style = {"histtype": "step", "color": f"C{i}", "label": f"k={k} ({len(g)} misses)", "weights": share}
-        ax[0].hist(g["margin"].clip(lower=1e-6, upper=1), bins=np.logspace(-6, 0, 25), **style)
-        ax[1].hist(g["distance"].clip(lower=1), bins=np.logspace(0, 6, 25), **style)
-        ax[2].hist(g["phase"], bins=np.arange(RATIO + 1) - 0.5, **style)
-    ax[0].axvline(NEAR_TIE, color="k", lw=0.8, ls="--")
-    ax[0].set_xlabel("(s_miss - s_k) / max|s|, exact fp32 scores (first bin: <= 1e-6)")
-    ax[1].axvline(128, color="k", lw=0.8, ls="--")
-    ax[1].set_xlabel("tokens from the query to the missed block's last token (dashed: the window)")
-    ax[2].set_xlabel("query position in its compression block (t % 4)")
-    for a in ax[:2]:
-        a.set_xscale("log")
-    for a in ax:
-        a.set_ylabel("share of misses")
-        a.grid(alpha=0.3)
-    ax[0].legend(fontsize=7)
-    fig.suptitle(f"{precision} indexer: the entries of the exact fp32 top-k it misses")
-    return fig
-
-
-def save_figure(fig, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=110)
-
-
-TABLE_COLUMNS = {"context": "context", "precision": "precision", "k": "k", "selective": "queries",
-                 "recall": "recall", "recall_min": "worst", "recall_tie": "tie-aware", "recall_bf16": "vs bf16",
-                 "mass_recall": "mass kept", "mass_recall_min": "worst mass", "dense_share": "top-k mass share"}
-
-
-def format_table(pooled: pd.DataFrame) -> str:
-    """Markdown table of ``summarize(by_layer=False)``: one row per (context, precision, k)."""
-    from fidelity.outputs.report import md_table
-
-    d = pooled[list(TABLE_COLUMNS)].rename(columns=TABLE_COLUMNS)
-    d["context"] = [f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in d["context"]]
-    for c in ("recall", "worst", "tie-aware", "vs bf16", "mass kept", "worst mass", "top-k mass share"):
-        d[c] = [("n/a" if math.isnan(v) else f"{v:.4f}") for v in d[c]]
-    return md_table(d)
-
-
-def write_outputs(result: StudyResult, out: Path) -> dict[str, Path]:
-    """Write the study to ``out``: recall.json (meta and every summary), summary.csv (per layer),
-    summary_pooled.csv, misses.csv (miss summary), queries.csv.gz (one row per query), recall.png and misses.png
-    (the misses of fp4, the reference precision, where it ran, else of the first precision with misses)."""
-    import json
-
-    out.mkdir(parents=True, exist_ok=True)
-    per_layer = summarize(result.queries, by_layer=True)
-    pooled = summarize(result.queries, by_layer=False)
-    missed = miss_summary(result.misses, result.queries)
-    paths = {"json": out / "recall.json", "summary": out / "summary.csv", "pooled": out / "summary_pooled.csv",
-             "misses": out / "misses.csv", "queries": out / "queries.csv.gz", "recall_plot": out / "recall.png"}
-    per_layer.to_csv(paths["summary"], index=False, float_format="%.6g")
-    pooled.to_csv(paths["pooled"], index=False, float_format="%.6g")
-    missed.to_csv(paths["misses"], index=False, float_format="%.6g")
-    result.queries.to_csv(paths["queries"], index=False, float_format="%.6g")
-    doc = {"meta": result.meta, "definitions": __doc__, "summary_pooled": pooled.to_dict("records"),
-           "summary_per_layer": per_layer.to_dict("records"), "misses": missed.to_dict("records")}
-    paths["json"].write_text(json.dumps(doc, indent=1, default=float, allow_nan=True) + "\n")
-    save_figure(plot_recall(pooled), paths["recall_plot"])
-    precision = "fp4" if "fp4" in set(result.misses["precision"]) else None
-    if precision is None and len(result.misses):
-        precision = str(result.misses["precision"].iloc[0])
-    if precision is not None:
-        paths["misses_plot"] = out / "misses.png"
-        save_figure(plot_misses(result.misses, precision), paths["misses_plot"])
-    return paths
+def summaries(result: StudyResult) -> dict[str, pd.DataFrame]:
+    """The study's tables: ``per_layer`` and ``pooled`` (``summarize`` by layer and over the layers) and ``misses``
+    (``miss_summary``)."""
+    return {"per_layer": summarize(result.queries, by_layer=True),
+            "pooled": summarize(result.queries, by_layer=False),
+            "misses": miss_summary(result.misses, result.queries)}

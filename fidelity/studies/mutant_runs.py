@@ -1,0 +1,176 @@
+"""Running the mutant gate (``fidelity mutants``): the clean decoder on every scenario run the chosen mutants use,
+then each mutant injected on its own run and on the runs where it cannot show; a played sequence is the script
+played with the fault injected, recorded as a trace and replayed against the oracle. ``fidelity.studies.detection``
+turns each run's judged rows into the detection matrix."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from fidelity.decoders import default_decoder
+from fidelity.decoders.base import Decoder, raised
+from fidelity.decoders.production.faults import inject
+from fidelity.decoders.trace import TraceDecoder
+from fidelity.decoders.trace_file import TraceWriter
+from fidelity.harness.judgement import rules_for
+from fidelity.harness.runner import Runner, RunSpec
+from fidelity.harness.thresholds import apply_thresholds
+from fidelity.job import tidy
+from fidelity.model.default import default_prompt, prompt_for
+from fidelity.outputs.report import raised_in_call
+from fidelity.studies.catalogue import Run, tokens
+from fidelity.studies.detection import crash_row, detection_rows
+from fidelity.studies.mutants import BY_NAME, CATALOGUE, Mutant, Played, check_names, scenario_run, where_label
+from fidelity.studies.play import play
+from fidelity.studies.scenarios import USER_ERRORS
+
+CLEAN_RUN = ("chunks", "whole")  # the clean decoder's run when none is named: 300 tokens prefilled whole, 4 steps
+
+
+@dataclass
+class MutantSettings:
+    modes: tuple[str, ...] = ("layer", "op")
+    seed: int = 0  # the random checkpoint's default prompt (and the end-of-turn stream's) seed
+    device: str = "cpu"  # the production decoder's and the oracle's device
+    decode_steps: int | None = None  # every run's decode steps instead of its scenario run's own (None: the run's)
+
+
+def run_spec(checkpoint, s: MutantSettings, run: Run, options: dict) -> RunSpec:
+    """``run`` as a RunSpec: its prompt of the default prompt's ids (``prompt_for``, seed ``s.seed``), its prefill
+    chunks and decode steps (``s.decode_steps`` when set), then ``options`` on top."""
+    cfg = checkpoint.config
+    opts = dict(options)
+    eot_at = opts.pop("eot_at", None)
+    text_stream = opts.pop("text_stream", False)
+    decode = run.decode_steps if s.decode_steps is None else s.decode_steps
+    ids = prompt_for(checkpoint, run.prompt_len + decode + 1 + sum(o for o, _ in run.stream), s.seed)
+    seq = tokens(ids, run.stream) if run.stream else ids  # the run's token stream: its prompt, then its text
+    spec = RunSpec(prompt=run.prompt(ids), decode_steps=decode, modes=s.modes, device=s.device,
+                   prefill_chunk=list(run.chunks) if run.chunks else None, **opts)
+    if text_stream:  # decode through the prompt's own continuation (the default text), one token per step
+        spec.stream, spec.continuation = "given", seq[run.prompt_len : run.prompt_len + decode + 1]
+    if eot_at is not None:
+        if not cfg.stop_token_ids:
+            raise ValueError("stop-missing-eot: the config names no end-of-turn id (stop_token_ids)")
+        cont = default_prompt(cfg.vocab_size, max(decode, eot_at) + 1, s.seed + 1)
+        cont[eot_at] = cfg.stop_token_ids[0]
+        spec.continuation = cont
+    return spec
+
+
+DecoderFactory = Callable[[], Decoder]
+
+
+def run_one(checkpoint, mutant: Mutant | None, s: MutantSettings, decoder: DecoderFactory | None = None,
+            where: tuple[str, str] | None = None, options: dict | None = None) -> pd.DataFrame:
+    """Judged metric rows of one run (the clean decoder when ``mutant`` is None, with ``options``: a mutant's
+    decoder options) on a fresh decoder from ``decoder()`` (default: the production decoder), on the scenario run
+    ``where`` (scenario, run label; default: the mutant's, CLEAN_RUN for the clean decoder). A played sequence
+    (``<script> / seq <k>``) is the script played on the decoder with the fault injected, recorded as a trace and
+    replayed against the oracle."""
+    where = where or (mutant.where if mutant else CLEAN_RUN)
+    target = scenario_run(*where)
+    opts = mutant.options if mutant else dict(options or {})
+    names = (mutant.name,) if mutant else ()
+    if isinstance(target, Played):
+        try:
+            spec, dec = _played(checkpoint, target, s, opts, names, decoder)
+        except USER_ERRORS:  # what is asked cannot be done with this decoder or model: the user's to fix
+            raise
+        except Exception as err:
+            raise PlayRaised(raised(err)) from err
+    else:
+        spec = run_spec(checkpoint, s, target, opts)
+        dec = decoder() if decoder else None
+        with inject(*names):  # the default decoder is made with the fault injected, as it runs
+            dec = dec or default_decoder(checkpoint, spec.profile, spec.context(), spec.device)
+    with inject(*names):
+        df, manifest = Runner(checkpoint, spec, decoder=dec).run()
+    df = tidy(df, mutant.name if mutant else "clean", str(manifest["profile"]["name"]))
+    context = manifest["prompt_len"] + manifest["decode_steps"]
+    judged = apply_thresholds(df, rules_for(manifest["profile"], checkpoint.config, dec.sites(), context=context))
+    judged.attrs["decoder_raised"] = manifest.get("decoder_raised")  # what ended the run, if the decoder raised
+    return judged
+
+
+def _played(checkpoint, target: Played, s: MutantSettings, opts: dict, names: tuple[str, ...],
+            decoder: DecoderFactory | None) -> tuple[RunSpec, TraceDecoder]:
+    """The script of ``target`` played on a fresh decoder with ``names`` injected and recorded as a trace in a
+    temporary folder, then sequence ``target.seq``'s view of it and the spec that replays it (the trace's
+    steps are read into memory first, so the folder can go)."""
+    script = target.script
+    ids = prompt_for(checkpoint, max(o + n for _, segs in script.streams for o, n in segs), s.seed)
+    profile = opts.get("profile", "reference")
+    with tempfile.TemporaryDirectory() as tmp, inject(*names):
+        dec = decoder() if decoder else default_decoder(checkpoint, profile, script.positions, s.device)
+        writer = TraceWriter(Path(tmp) / "trace", checkpoint.config, decoder=dec.label, profile=dec.profile)
+        try:
+            play(dec, ids, script, writer)
+        except BaseException:
+            writer.abort()
+            raise
+        view = TraceDecoder(writer.finish(), target.seq).in_memory()
+    spec = RunSpec(prompt=view.prompt, decode_steps=len(view.generated), modes=s.modes, device=s.device,
+                   stream="given", continuation=torch.tensor(view.generated, dtype=torch.long),
+                   prefill_chunk=view.chunks, profile=profile)
+    return spec, view
+
+
+def _decode_steps(where: tuple[str, str], s: MutantSettings) -> int:
+    """The decode steps a scenario run is run with: its own, or ``s.decode_steps`` (not for a played sequence)."""
+    target = scenario_run(*where)
+    return target.decode_steps if s.decode_steps is None or isinstance(target, Played) else s.decode_steps
+
+
+def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSettings | None = None,
+                progress: Callable[[int, int, str], None] | None = None, decoder: DecoderFactory | None = None,
+                known: tuple[str, ...] | None = None) -> pd.DataFrame:
+    """The detection matrix: the clean decoder on every scenario run the chosen mutants use (with their decoder
+    options), then each mutant on its own run (``expect`` caught) and on the runs where it cannot show (silent);
+    a mutant the model cannot show is listed (cannot show) and not run. ``names`` = all of ``known`` by default
+    (the faults the decoder can carry; the whole catalogue for the production decoder); ``decoder()`` makes a
+    fresh decoder under test for each run. A row per (mutant, scenario run) and probe, plus its "first" row."""
+    s = settings or MutantSettings()
+    check_names(names, known)
+    chosen = [BY_NAME[n] for n in names] if names else [m for m in CATALOGUE if known is None or m.name in known]
+    cfg = checkpoint.config
+    able = [m for m in chosen if m.cannot_show(cfg) is None]
+    clean = {(w, tuple(sorted(m.decoder_options().items()))): None for m in able for w in (m.where, *m.silent_in)}
+    jobs = [(None, where, dict(opts), "clean") for where, opts in clean]
+    jobs += [(m, w, None, expect) for m in able for w, expect in ((m.where, "caught"),
+                                                                  *((x, "silent") for x in m.silent_in))]
+    rows = [{"scenario": m.scenario, "run": m.run, "decode_steps": _decode_steps(m.where, s),
+             "profile": m.options.get("profile", "reference"),
+             "mutant": m.name, "probe": "first", "detected": False, "expect": "cannot show", "note": m.cannot_show(cfg),
+             "seconds": 0.0}
+            for m in chosen if m not in able]
+    for k, (mutant, where, opts, expect) in enumerate(jobs):
+        name = mutant.name if mutant else "clean"
+        if progress:
+            progress(k, len(jobs), f"{name} on {where_label(*where)}")
+        t0 = time.perf_counter()
+        try:
+            judged = run_one(checkpoint, mutant, s, decoder, where, opts)
+        except PlayRaised as err:  # the decoder raised while a script played: recorded, and the matrix goes on
+            found = [crash_row(name, err.__cause__, mutant if expect == "caught" else None, cfg)]
+        else:
+            found = detection_rows(name, judged, mutant if expect == "caught" else None, cfg)
+            if ended := judged.attrs.get("decoder_raised"):  # the run ended where the decoder raised
+                found[0]["crash"] = raised_in_call(ended)
+        decode = _decode_steps(where, s)
+        profile = (mutant.options if mutant else opts).get("profile", "reference")
+        for r in found:
+            rows.append({"scenario": where[0], "run": where[1], "decode_steps": decode, "profile": profile, **r,
+                         "expect": expect, "seconds": round(time.perf_counter() - t0, 2)})
+    return pd.DataFrame(rows)
+
+
+class PlayRaised(Exception):
+    """The decoder raised while a multi-sequence script played (outside a judged call); the cause is its error."""

@@ -1,0 +1,249 @@
+"""Scenarios (``fidelity scenarios``, docs/scenarios.md): the catalogue's scenarios played on a decoder under test,
+judged against the oracle and against the decoder itself, in one report directory.
+
+Each scenario (``fidelity.studies.catalogue``) is judged twice:
+
+- against the oracle: every run through ``fidelity.run`` (the usual verdict and first divergence), and every
+  sequence of a played script through its trace;
+- against the decoder itself (no oracle): every run again on a fresh decoder (``fidelity.studies.play``), its
+  pairs and checks judged by the logits-pair probe and rules (``fidelity.studies.judge``): equal bits where the
+  decoder promises them (``Decoder.same_bits``), bounds on the logits' difference elsewhere.
+
+A scenario whose capabilities (batch, fork, rollback) the decoder lacks is skipped with its reason (listed as
+skipped, not passed). The report is written by ``fidelity.outputs.scenarios_report``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from fidelity.api import CheckpointPlan, InputError, open_decoder, run, warn
+from fidelity.atomic_write import write_dir_atomic
+from fidelity.decoders.base import ContextError, Decoder, DecoderError, raised
+from fidelity.decoders.faults import active, inject
+from fidelity.decoders.trace import TraceDecoder
+from fidelity.decoders.trace_file import TraceWriter, read_trace
+from fidelity.harness.runner import RunError
+from fidelity.model.checkpoint import CheckpointError
+from fidelity.outputs.report import raised_in_call
+from fidelity.outputs.rundir import RunDirError, check_output, new_run_id
+from fidelity.outputs.scenarios_report import write_report
+from fidelity.studies.catalogue import Scenario, Script, check_names
+from fidelity.studies.judge import PAIR_COLUMNS, check_pair, check_script_pair, divergence_columns, worst_local_cos
+from fidelity.studies.play import decoder_logits, missing, play
+
+
+def self_consistency(scenario: Scenario, ids: torch.Tensor, fresh: Callable[[int], Decoder],
+                     writers: Callable[[Script, Decoder], TraceWriter | None] | None = None) -> list[dict]:
+    """Every pair of ``scenario`` on decoders from ``fresh(max_context)`` (one per run or script); a script for
+    which ``writers(script, decoder)`` gives a writer is recorded into it as it plays (finished by the caller)."""
+    needed = {label for p in scenario.pairs for label in (p.a, p.b)}
+    context = max([r.positions for r in scenario.runs] + [s.positions for s in scenario.scripts])
+    logits, decoder = {}, None
+    for r in scenario.runs:
+        if r.label in needed:
+            decoder = fresh(context)
+            logits[r.label] = decoder_logits(decoder, ids, r)
+    out = [check_pair(scenario, p, logits, decoder) for p in scenario.pairs]
+    rows = {}
+    for s in scenario.scripts:
+        decoder = fresh(context)
+        rows[s.label] = play(decoder, ids, s, writers(s, decoder) if writers else None)
+    return out + [check_script_pair(scenario, c, rows, decoder) for c in scenario.checks]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", text).strip("-")
+
+
+@dataclass
+class ScenarioResult:
+    """``matrix`` (a row per run), ``pairs`` (a row per self-consistency pair), the report directory; ``skipped``:
+    {scenario: why} for the scenarios the decoder lacks a capability for (not judged, so not passed)."""
+
+    out_dir: Path
+    matrix: pd.DataFrame
+    pairs: pd.DataFrame
+    seconds: float
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """No judged run or pair fails (skipped scenarios are listed apart)."""
+        runs = self.matrix["verdict"] if len(self.matrix) else pd.Series([], dtype=str)
+        pairs = self.pairs["passed"] if len(self.pairs) else pd.Series([], dtype=bool)
+        return bool((runs == "PASS").all() and pairs.all())
+
+    def failures(self) -> list[str]:
+        bad = [f"{r.scenario}/{r.run}: {r.first_divergence}" for r in self.matrix.itertuples()
+               if r.verdict != "PASS"]
+        return bad + [f"{r.scenario}/{r.pair} {r.b}" + (f" vs {r.a}" if r.a else "") for r in self.pairs.itertuples()
+                      if not r.passed]
+
+    def verdict(self) -> str:
+        """PASS / FAIL: the failures, then the skipped scenarios (SKIPPED when nothing was judged)."""
+        skipped = "; ".join(f"{name} skipped ({why})" for name, why in self.skipped.items())
+        if not len(self.matrix) and not len(self.pairs) and skipped:
+            return f"SKIPPED: {skipped}"
+        head = "PASS" if self.passed else "FAIL: " + "; ".join(self.failures())
+        return f"{head}; not judged: {skipped}" if skipped else head
+
+
+def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None = None,
+                  decoder: Decoder | str = "production", out: str | Path = "runs", run_id: str | None = None, *,
+                  modes: Sequence[str] = ("free", "layer", "op"),
+                  profile: str = "reference", decoder_dtype: str = "bf16", device: str = "cpu",
+                  overwrite: bool = False, progress: Callable[[str], None] | None = None,
+                  notify: Callable[[str, str], None] = warn, faults: Sequence[str] = ()) -> ScenarioResult:
+    """Run ``names`` (default: the whole catalogue) on ``decoder`` against the oracle and against itself, and
+    write one report directory ``out/<run_id>/`` (default id ``scenarios-<UTC time>-<random>``) atomically:
+    report.md/.html, matrix.csv, pairs.csv, plots/, runs/<scenario>-<run>/ (each run's own directory)."""
+    scenarios = check_names(names)
+    target = check_output(out, run_id or f"scenarios-{new_run_id()}", overwrite)
+    ckpt = plan.open()
+    longest = max([r.positions + sum(o for o, _ in r.stream) for s in scenarios for r in s.runs] +
+                  [o + n for s in scenarios for sc in s.scripts for _, segs in sc.streams for o, n in segs])
+    ids = plan.prompt(longest)
+    tell = progress or (lambda line: None)
+    t0 = time.perf_counter()
+
+    def fresh(context: int) -> Decoder:
+        return open_decoder(decoder, ckpt, profile, context, device, decoder_dtype)
+
+    def fill(tmp: Path) -> ScenarioResult:
+        rows, pairs, skipped = [], [], {}
+        for s in scenarios:
+            if s.needs and (why := missing(s, fresh(_context(s)))):
+                skipped[s.name] = why
+                tell(f"{s.name}: skipped: {why}")
+                continue
+            for r in s.runs:
+                t = time.perf_counter()
+                res = run(decoder, plan, r.prompt(ids), r.decode_steps, modes, tmp / "runs",
+                          run_id=_slug(f"{s.name}-{r.label}"), profile=profile, decoder_dtype=decoder_dtype,
+                          device=device, notify=notify, prefill_chunk=list(r.chunks) if r.chunks else None)
+                rows.append(_row(s, r.label, r.param, (r.prompt_len, len(r.chunks or (1,)), r.decode_steps), res,
+                                 time.perf_counter() - t, tmp))
+                tell(f"{s.name} / {r.label}: {res.verdict} ({rows[-1]['seconds']:.1f} s)")
+            writers: dict[str, TraceWriter] = {}
+            try:
+                got = self_consistency(s, ids, fresh, partial(_writer, writers, tmp, s))
+            except DecoderError as err:  # a capability the decoder has only in part (e.g. forks at call ends)
+                for w in writers.values():
+                    w.abort()
+                skipped[f"{s.name} self-consistency"] = str(err)
+                tell(f"{s.name}: self-consistency skipped: {err}")
+                continue
+            except USER_ERRORS:
+                raise
+            except Exception as err:  # the decoder raised while the scenario played against itself (a run's
+                # own raise ends that run, judged up to the call: ``Runner.run``)
+                for w in writers.values():
+                    w.abort()
+                pairs.append(_crash_pair(s, err))
+                for row in (r for r in rows if r["scenario"] == s.name):
+                    row["self_consistency"] = "FAIL"
+                tell(f"{s.name}: self-consistency: the decoder raised {raised(err)}")
+                continue
+            for label, w in writers.items():  # the scripts as played, each sequence against the oracle
+                rows += judge_trace(s, label, w.finish(), plan, modes, tmp, device, notify, tell)
+            shutil.rmtree(tmp / "traces", ignore_errors=True)  # judged: the run directories hold the metrics
+            pairs += got
+            played = {f"{label} / seq {seq}" for label in writers for _, seq in s.checks_of(label)}
+            for row in (r for r in rows if r["scenario"] == s.name):  # a run's own pairs; a played sequence's checks
+                mine = [p["passed"] for p in got if p["b"] == row["run"] or (s.checks and row["run"] not in played)]
+                if mine:
+                    row["self_consistency"] = "PASS" if all(mine) else "FAIL"
+            tell(f"{s.name}: self-consistency {sum(p['passed'] for p in got)}/{len(got)} pairs pass")
+        result = ScenarioResult(target, pd.DataFrame(rows, columns=list(ROW_COLUMNS)),
+                                pd.DataFrame(pairs, columns=list(PAIR_COLUMNS)),
+                                time.perf_counter() - t0, skipped)
+        write_report(tmp, result, plan.what, _label(decoder))
+        return result
+
+    box: list[ScenarioResult] = []
+    with inject(*faults):  # planted in the decoder for every run and play (the oracle never reads them)
+        write_dir_atomic(target, lambda tmp: box.append(fill(tmp)), overwrite)
+    return box[0]
+
+
+def _context(s: Scenario) -> int:
+    return max([r.positions for r in s.runs] + [sc.positions for sc in s.scripts])
+
+
+def _row(s: Scenario, label: str, param: tuple[str, int], shape: tuple[int, int, int], res, seconds: float,
+         tmp: Path) -> dict:
+    """One matrix row: a run of ``s`` (``shape``: prompt length, prefill calls, decode steps) and its result."""
+    first = str(res.first_divergence or "none")
+    ended = res.manifest.get("decoder_raised")
+    if ended and res.first_divergence is not None and res.first_divergence.site == "decoder":
+        first = f"the decoder raised {raised_in_call(ended)}"
+    return {**_run_columns(s, label, param, shape, seconds), "verdict": res.verdict, "first_divergence": first,
+            "worst_local_cos": worst_local_cos(res.run_dir), "run_dir": str(res.run_dir.relative_to(tmp)),
+            **divergence_columns(res.first_divergence)}
+
+
+def _run_columns(s: Scenario, label: str, param: tuple[str, int], shape: tuple[int, int, int],
+                 seconds: float) -> dict:
+    prompt_len, chunks, decode_steps = shape
+    return {"scenario": s.name, "run": label, "parameter": f"{param[0]}={param[1] or 'mixed'}",
+            "prompt_len": prompt_len, "chunks": chunks, "decode_steps": decode_steps, "self_consistency": "-",
+            "seconds": seconds, "param_name": param[0], "param_value": param[1]}
+
+
+def _crash_pair(s: Scenario, err: Exception) -> dict:
+    """The self-consistency row of a scenario whose decoder raised while playing it against itself: failed."""
+    return {**dict.fromkeys(PAIR_COLUMNS, "-"), "scenario": s.name, "pair": "the decoder raised", "b": raised(err),
+            "a": "", "passed": False}
+
+
+def _writer(writers: dict[str, TraceWriter], tmp: Path, s: Scenario, script: Script,
+            decoder: Decoder) -> TraceWriter | None:
+    """A trace writer for ``script`` played on ``decoder`` when ``s`` judges it against the oracle (a script its
+    checks exercise)."""
+    if script.label not in s.judged:
+        return None
+    writers[script.label] = TraceWriter(tmp / "traces" / _slug(f"{s.name}-{script.label}"), decoder.config,
+                                        decoder=decoder.label, profile=decoder.profile)
+    return writers[script.label]
+
+
+def judge_trace(s: Scenario, label: str, trace: Path, plan: CheckpointPlan, modes: Sequence[str], tmp: Path,
+                device: str, notify: Callable[[str, str], None], tell: Callable[[str], None]) -> list[dict]:
+    """Each sequence of the trace of script ``label`` as played against the oracle: a matrix row per sequence
+    (``<label> / seq <k>``), its run directory under ``runs/``."""
+    rows = []
+    for seq in read_trace(trace).sequences:
+        t = time.perf_counter()
+        view = TraceDecoder(trace, seq)
+        res = run(view, plan, modes=modes, out=tmp / "runs", run_id=_slug(f"{s.name}-{label}-seq{seq}"),
+                  device=device, notify=notify)
+        rows.append(_row(s, f"{label} / seq {seq}", ("prompt_len", len(view.prompt)),
+                         (len(view.prompt), len(view.chunks), len(view.generated)), res, time.perf_counter() - t,
+                         tmp))
+        tell(f"{s.name} / {label} / seq {seq}: {res.verdict} ({rows[-1]['seconds']:.1f} s)")
+    return rows
+
+
+# raised as they are: what is asked cannot be done with this model, decoder or folder (the user's to fix); anything
+# else a decoder raises while a script plays fails that scenario's self-consistency (or that mutant's run), and the
+# others go on
+USER_ERRORS = (RunError, DecoderError, ContextError, InputError, CheckpointError, RunDirError, OSError)
+ROW_COLUMNS = ("scenario", "run", "parameter", "prompt_len", "chunks", "decode_steps", "verdict", "first_divergence",
+               "worst_local_cos", "self_consistency", "run_dir", "seconds", "param_name", "param_value", "first_step",
+               "first_site", "first_layer")
+
+
+def _label(decoder: Decoder | str) -> str:
+    """The decoder as the report names it, with the faults planted in it."""
+    label = decoder.label if isinstance(decoder, Decoder) else decoder
+    return label + (f" with {', '.join(planted)} planted" if (planted := sorted(active())) else "")

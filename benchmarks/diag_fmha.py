@@ -135,7 +135,7 @@ def _c(bh, w, s):
     return {"block_h": bh, "num_warps": w, "num_stages": s}
 
 
-CONFIGS = {  # the configurations of the H200 tuning sweep (git history of BENCHMARKS.md), kept so the diagnosis can be rerun
+CONFIGS = {  # the H200 tuning sweep's configurations (git history of BENCHMARKS.md), for reruns
     "full": [_c(16, 4, 2), _c(32, 4, 2), _c(32, 8, 2), _c(64, 8, 2), _c(64, 8, 1), _c(32, 8, 3)],
     "full_pf": [_c(32, 8, 2), _c(32, 8, 3), _c(64, 8, 2)],
     "qk": [_c(32, 8, 2), _c(64, 8, 2)],

@@ -421,7 +421,7 @@ def _launch_fp8mma(q, packed, scales, weights, positions, ratio, cfg):
     return out, used
 
 
-FP8_MMA_MIN_KEYS = 32768  # H200 sweep (in git history of BENCHMARKS.md): at 32K keys FP8 measured 8.7 us vs 9.6 us for bf16 MMA
+FP8_MMA_MIN_KEYS = 32768  # H200 sweep (BENCHMARKS.md history): at 32K keys FP8 8.7 us vs 9.6 us for bf16 MMA
 WS_MIN_KEYS = 32768  # H200, one query: ws 7.3 vs fp8 8.4 us at 32K keys (128K context), 18.4 vs 24.3 at 256K
 # H200, 2-4 queries (folded-scale ws kernel): 2 queries 13.2 vs 18.8 us at 64K keys, 26.7 vs 44.3 at 256K; 4 queries
 # 34.5 vs 51.1 at 128K keys, 48.9 vs 83.5 at 256K (not measured below 64K keys)

@@ -143,10 +143,10 @@ def _launch(x, weight, eps, write_y, write_q, num_warps=None, rows=None, stream=
     if n:
         nb = next_pow2(triton.cdiv(d, 128))
         if per_sm is None and write_q and n >= 1024 and nb in (32, 64) and rows is None and num_warps is None:
-            # H200 sweep (git history of BENCHMARKS.md): prefill of d = 4096 / 7168 is fastest persistent, one row per loop step,
+            # H200 sweep (BENCHMARKS.md history): d = 4096 / 7168 is fastest persistent, one row per loop step,
             # 4 programs of 4 warps / 2 programs of 8 warps per SM, streaming hints
             per_sm, rows, num_warps, stream = (4, 1, 4, True) if nb == 32 else (2, 1, 8, True)
-        rows = rows or (2 if n >= 1024 else 1)  # H200 sweep (git history of BENCHMARKS.md): two rows per program for prefill
+        rows = rows or (2 if n >= 1024 else 1)  # H200 sweep (BENCHMARKS.md history): two rows per program for prefill
         # H200 sweep: 2 rows of d = 4096 (nb 32) fastest with 4 warps, 2 rows of d = 7168 (nb 64) with 8
         warps = num_warps or (4 if nb <= 16 or (rows == 2 and nb <= 32) else (8 if nb <= 64 else 16))
         if rows & (rows - 1):

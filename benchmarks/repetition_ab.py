@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fidelity.api import plan_checkpoint  # noqa: E402
 from fidelity.decoders.production import ProductionModel  # noqa: E402
-from fidelity.model.default import prompt_for  # noqa: E402
+from fidelity.model.default import is_default, prompt_for  # noqa: E402
 from fidelity.model.sampling import Sampler, SamplerConfig, StopSet, generate  # noqa: E402
 from oracles.model import OracleModel  # noqa: E402
 from probes.repetition import repetition  # noqa: E402
@@ -88,8 +88,8 @@ def main() -> int:
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"checkpoint": str(ckpt.path), "prompt_tokens": len(prompt), "steps": a.steps, "seed": 0,
-            "torch": torch.__version__, "threads": 1}
+    meta = {"checkpoint": "trained default" if is_default(ckpt.path) else str(ckpt.path),
+            "prompt_tokens": len(prompt), "steps": a.steps, "seed": 0, "torch": torch.__version__, "threads": 1}
     (out / "repetition_ab.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (out / "repetition_ab.md").write_text(markdown(rows))
     print(f"wrote {out / 'repetition_ab.md'}")

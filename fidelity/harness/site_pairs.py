@@ -286,9 +286,9 @@ def gate_rows(test: Recorder, cfg: ModelConfig) -> list[dict]:
     bounds = {"pre": (0.0, 1.0 + cfg.hc_eps), "post": (0.0, 2.0)}
     out = []
     for site in test.records:
-        template = site_template(site)
-        if template.startswith("L{i}.mhc_") and template.rsplit(".", 1)[1] in bounds:
-            out += to_rows(site, _layer(site), gate_range(test.get(site), *bounds[template.rsplit(".", 1)[1]]))
+        family, _, weights = site_template(site).rpartition(".")
+        if family.startswith("L{i}.mhc_") and weights in bounds:
+            out += to_rows(site, _layer(site), gate_range(test.get(site), *bounds[weights]))
     return out
 
 

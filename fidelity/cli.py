@@ -47,7 +47,7 @@ EXAMPLES = """examples:
 OPTION_NAMES = {"checkpoint": "--checkpoint", "preset": "--preset", "max_context": "--max-context",
                 "graphs": "--graphs"}
 SAMPLER_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "repetition_penalty": "--repetition-penalty",
-                 "seed": "--sample-seed"}
+                 "seed": "--sample-seed", "repetition_window": "--repetition-window"}
 DEFAULT_PROMPT_LEN = 1024  # fidelity.model.default.RANDOM_PROMPT_LEN, written out to keep torch out of --help
 SMALL_MODEL_DIM = 1024  # --threads auto: one intra-op thread on the CPU up to this hidden size
 
@@ -204,7 +204,7 @@ def cmd_run(args) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     given = {"temperature": args.temperature, "top_p": args.top_p, "repetition_penalty": args.repetition_penalty,
-             "seed": args.sample_seed}
+             "seed": args.sample_seed, "repetition_window": args.repetition_window}
     if problems := sampler_problems(**given):
         raise UsageError("; ".join(f"{SAMPLER_FLAGS[field]}: {what}" for field, what in problems.items()))
     sampler = SamplerConfig(**given)
@@ -794,6 +794,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--repetition-penalty", type=float, default=1.0)
+    r.add_argument("--repetition-window", type=int, default=0, metavar="N",
+                   help="the penalty covers the last N ids of prompt + generated (default 0: all of them)")
     r.add_argument("--sample-seed", type=int, default=0)
     r.add_argument("--stop-id", type=int, action="append", help="extra stop token id (repeatable)")
     r.add_argument("--tokenizer", help="tokenizer.json / tokenizer_config.json / generation_config.json for stops; a "

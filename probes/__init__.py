@@ -8,7 +8,7 @@ reading values back, and returns ``dict[str, torch.Tensor]`` of 0-d (or [n] per 
 from probes.indexer import indexer_recall
 from probes.kv_cache import kv_storage
 from probes.memory import PeakMemory, memory_stats
-from probes.mhc import sinkhorn, sinkhorn_batch
+from probes.mhc import gate_range, sinkhorn, sinkhorn_batch
 from probes.residual import residual_norms
 from probes.routing import routing_agreement
 from probes.rows import collect, to_rows
@@ -20,6 +20,7 @@ __all__ = [
     "PeakMemory",
     "collect",
     "expected_visible",
+    "gate_range",
     "indexer_recall",
     "kv_storage",
     "memory_stats",

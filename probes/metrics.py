@@ -33,6 +33,7 @@ METRICS: dict[str, str] = {
     "orientation_err": "sinkhorn: max |C - C_oracle|",
     "transposed_err": "sinkhorn: max |C - C_oracle^T|",
     "orientation_flip": "sinkhorn: 1 when C is closer to the oracle's transpose",
+    "range_excess": "sinkhorn: how far the decoder's mHC pre / post weights reach outside [0, 1 + hc_eps] / [0, 2]",
     # residual
     "rms_max": "residual: largest RMS over the mHC streams",
     "rms": "residual: RMS over every mHC stream (the whole [n, hc, dim] record)",

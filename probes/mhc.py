@@ -1,6 +1,7 @@
-"""mHC probe ``sinkhorn``: is the production comb doubly stochastic, non-negative, and oriented like the
+"""mHC probes. ``sinkhorn``: is the production comb doubly stochastic, non-negative, and oriented like the
 oracle's? (Same name as ``oracles.mhc.sinkhorn``.) A transposed doubly-stochastic matrix is still doubly
 stochastic, so row/column sums cannot catch an orientation bug; only the comparison with the oracle can.
+``gate_range``: do the ``pre`` / ``post`` weights stay in the ranges their sigmoids allow?
 """
 
 from __future__ import annotations
@@ -48,3 +49,15 @@ def sinkhorn_batch(test_comb: torch.Tensor, ref_comb: torch.Tensor | None = None
         out["orientation_flip"] = (out["transposed_err"] < out["orientation_err"]).to(torch.int64)
         out["row_dev_excess"] = most(row_dev - (r.sum(dim=-1) - 1).abs())
     return out
+
+
+def gate_range(test: torch.Tensor, low: float, high: float) -> dict[str, torch.Tensor]:
+    """test [n, hc] mHC ``pre`` or ``post`` weights (any float dtype) -> {"range_excess": 0-d float64}: how far the
+    values reach outside [low, high] (0 when inside; +inf for a non-finite value). ``pre`` is sigmoid + hc_eps,
+    in [0, 1 + hc_eps]; ``post`` is 2 sigmoid, in [0, 2]."""
+    x = test.to(torch.float64)
+    if x.numel() == 0:
+        return {"range_excess": torch.zeros((), dtype=torch.float64, device=x.device)}
+    excess = torch.maximum(low - x.amin(), x.amax() - high).clamp(min=0)
+    return {"range_excess": torch.where(x.isfinite().all(), excess, torch.inf)}
+

@@ -174,6 +174,8 @@ def test_sampler_errors_name_the_flag(tmp_path, capsys, no_synthesis):
     line = _error(capsys, ["run", "--temperature", "-1", "--top-p", "0", "--out", str(tmp_path)])
     assert line == ("fidelity: error: --temperature: expected a finite number >= 0, found -1.0; --top-p: expected a "
                     "number in (0, 1], found 0.0")
+    line = _error(capsys, ["run", "--repetition-window", "-3", "--out", str(tmp_path)])
+    assert line == "fidelity: error: --repetition-window: expected an integer >= 0 (0: the whole history), found -3"
 
 
 def test_run_help_names_the_trained_default_as_the_default(capsys):

@@ -19,12 +19,14 @@ from fidelity.studies.mutant_runs import MutantSettings, run_mutants, run_spec
 from fidelity.studies.mutants import BY_NAME, CATALOGUE, Played, check_catalogue, scenario_run
 
 EXPECTED_PROBE = {
-    "indexer-key-width": "similarity", "causal-off-by-one": "visible", "window-127": "visible",
-    "window-no-self": "visible", "no-inverse-rope": "similarity", "sink-value-row": "similarity",
-    "sink-dropped": "similarity", "sinkhorn-3-iters": "sinkhorn", "comb-transposed": "sinkhorn",
+    "indexer-key-width": "similarity", "indexer-key-stride": "similarity", "causal-off-by-one": "visible",
+    "window-127": "visible", "window-no-self": "visible", "no-inverse-rope": "similarity",
+    "sink-value-row": "similarity", "sink-dropped": "similarity", "sinkhorn-3-iters": "sinkhorn",
+    "comb-transposed": "sinkhorn",
     "hadamard-q-only": "similarity", "fp4-scale-floor": "similarity", "compressed-rope-last": "similarity",
     "yarn-on-swa": "similarity", "shared-clamp-missing": "similarity", "routing-bias-in-weights": "routing",
-    "rep-penalty-no-prompt": "sampler", "stop-missing-eot": "stops", "cache-concat-growth": "memory",
+    "rep-penalty-no-prompt": "sampler", "rep-window-no-prompt": "sampler", "stop-missing-eot": "stops",
+    "cache-concat-growth": "memory",
     "decode-buffer-kept": "memory",
     "topk-cap-half": "indexer",
     "paged-flat-addressing": "similarity", "indexer-keys-planar": "similarity",

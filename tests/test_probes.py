@@ -9,6 +9,7 @@ from oracles.attention import hca_entries, window_positions
 from probes import (
     collect,
     expected_visible,
+    gate_range,
     indexer_recall,
     memory_stats,
     residual_norms,
@@ -139,6 +140,18 @@ def test_sinkhorn_reports_sum_deviation_and_negatives():
     comb[0, 2, 2] = -0.5
     m = vals(sinkhorn(comb))
     assert m["negative_count"] == 1 and m["min_value"] == -0.5
+
+
+def test_gate_range_measures_how_far_pre_and_post_leave_their_ranges():
+    post = torch.tensor([[0.0, 2.0, 1.0, 0.5]], dtype=F32)
+    assert vals(gate_range(post, 0.0, 2.0))["range_excess"] == 0
+    post[0, 1] = 2.25
+    assert vals(gate_range(post, 0.0, 2.0))["range_excess"] == 0.25
+    pre = torch.tensor([[0.5, -0.125, 1.0, 0.25]], dtype=torch.bfloat16)
+    assert vals(gate_range(pre, 0.0, 1.0 + 1e-6))["range_excess"] == 0.125
+    pre[0, 0] = float("nan")
+    assert vals(gate_range(pre, 0.0, 1.0 + 1e-6))["range_excess"] == INF
+    assert vals(gate_range(torch.zeros(0, 4), 0.0, 2.0))["range_excess"] == 0
 
 
 # ---- residual norms ---------------------------------------------------------------------------------------

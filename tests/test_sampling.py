@@ -182,6 +182,38 @@ def test_repetition_penalty_covers_prompt_tokens_and_the_mutant_does_not():
     assert not demotes_prompt_only_token(ignores_prompt)
 
 
+def test_repetition_window_penalises_only_the_last_n_ids_of_prompt_and_generated():
+    logits = torch.tensor([2.0, 2.0, 2.0, 2.0, -1.0])
+    history = torch.tensor([0, 1, 2, 3, 4])  # the prompt 0, 1, 2, then the generated 3, 4
+    out = sample_scores(logits, history, SamplerConfig(repetition_penalty=2.0, repetition_window=3), None)
+    assert torch.equal(out, torch.tensor([2.0, 2.0, 1.0, 1.0, -2.0]))  # ids 2, 3, 4: the prompt's last id included
+    whole = sample_scores(logits, history, SamplerConfig(repetition_penalty=2.0), None)
+    assert torch.equal(whole, torch.tensor([1.0, 1.0, 1.0, 1.0, -2.0]))  # window 0: every id
+    wide = sample_scores(logits, history, SamplerConfig(repetition_penalty=2.0, repetition_window=99), None)
+    assert torch.equal(wide, whole)
+
+
+def test_repetition_window_reaches_into_the_prompt_and_the_mutant_does_not():
+    """A window of 4 after two generated ids holds the prompt's last two ids (5, 3): the pick moves to 6. The port
+    bug keeps its window over the generated ids only, so 5 stays unpenalised."""
+    cfg = SamplerConfig(repetition_penalty=2.0, repetition_window=4)
+
+    def ours(logits: torch.Tensor, history: torch.Tensor, prompt_len: int) -> int:
+        return Sampler(cfg).pick(logits, history)
+
+    def window_of_generated(logits: torch.Tensor, history: torch.Tensor, prompt_len: int) -> int:
+        return Sampler(cfg).pick(logits, history[prompt_len:])
+
+    assert demotes_prompt_only_token(ours)
+    assert not demotes_prompt_only_token(window_of_generated)
+
+
+def test_repetition_window_must_be_a_count():
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="repetition_window: expected an integer >= 0"):
+            SamplerConfig(repetition_window=bad)
+
+
 # ---- top-p ----------------------------------------------------------------------------------------------------
 
 

@@ -9,7 +9,8 @@ was given, and its output before the inverse RoPE. Every site of ``fidelity/mode
 The injected faults of the production catalogue (``fidelity.decoders.production.faults``) that this decoder knows
 (``FAULTS``) are planted in the model at call time while ``fidelity.decoders.faults.inject`` holds them: through
 the attention function (sink dropped, window of 127 or without self, no inverse RoPE), hooks (comb transposed,
-routing bias in the weights, top-k capped at half, compressed-entry causality off by one on HCA layers) and module
+routing bias in the weights, top-k capped at half, compressed-entry causality off by one on HCA layers, the indexer
+keys a call writes cut to the nope width or laid out at the KV row stride, in the model's own key cache) and module
 attributes (3 Sinkhorn iterations, shared-expert clamp missing, YaRN on SWA layers, the indexer's top-k hard-coded
 to twice index_topk, the hash-routing table cast through bf16).
 """
@@ -38,7 +39,8 @@ ATTENTION = "dsv4-fidelity"  # the name the reporting attention function is regi
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 FAULTS = ("sink-dropped", "window-127", "window-no-self", "no-inverse-rope", "comb-transposed",
           "routing-bias-in-weights", "topk-cap-half", "causal-off-by-one", "sinkhorn-3-iters",
-          "shared-clamp-missing", "yarn-on-swa", "index-topk-hardcoded", "tid2eid-bf16")
+          "shared-clamp-missing", "yarn-on-swa", "index-topk-hardcoded", "tid2eid-bf16", "indexer-key-width",
+          "indexer-key-stride")
 NOT_REPORTED = (SITE.mhc_attn_pre, SITE.mhc_ffn_pre)
 REQUIREMENT = "transformers>=5.23"
 INSTALL = "pip install 'dsv4-fidelity[transformers]' (in a checkout: pip install -e '.[transformers]')"
@@ -177,6 +179,7 @@ class TransformersDecoder(Decoder):
         self._entries: dict[str, int] = self._seqs[0].entries  # compressed entries / indexer keys emitted so far
         self._layer_entries: dict[int, int] = {}  # compressed entries the attention of a layer sees this call
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._written_keys: dict[int, torch.Tensor] = {}  # a layer's keys as written, where a fault moved them
 
     @property
     def pos(self) -> int:
@@ -364,6 +367,7 @@ class TransformersDecoder(Decoder):
             indexer = getattr(comp, "indexer", None)
             if indexer is not None:
                 handles.append(indexer.register_forward_hook(self._topk_hook(i)))
+                handles.append(indexer.scorer.register_forward_pre_hook(self._key_fault_hook(i)))
                 handles.append(indexer.scorer.register_forward_hook(self._scorer_hook(i)))
 
     def _rope_hook(self, i: int):
@@ -428,12 +432,30 @@ class TransformersDecoder(Decoder):
 
         return fn
 
+    def _key_fault_hook(self, i: int):
+        """The indexer key faults, planted in the key cache the scorer is handed (the model's own running tensor,
+        changed in place, so later calls read what this call stored): ``indexer-key-width`` zeroes the rope dims
+        of the keys this call wrote; ``indexer-key-stride`` (a call of several tokens) moves them to the KV row
+        stride. The keys as written are kept for ``L{i}.indexer.keys``."""
+
+        def pre(module, args):
+            keys, old = args[1], self._entries.get(f"{i}.keys", 0)
+            self._written_keys.pop(i, None)
+            if on("indexer-key-width"):
+                keys[:, old:, -self.config.rope_head_dim:] = 0
+            if on("indexer-key-stride") and len(self._positions) > 1 and keys.shape[1] > old:
+                self._written_keys[i] = keys[0, old:].clone()
+                keys[:, old:] = _at_kv_stride(keys[:, old:], self.config.head_dim // self.config.index_head_dim)
+
+        return pre
+
     def _scorer_hook(self, i: int):
         def fn(module, args, out):
             q, keys, hidden = args
             ratio = self.config.compress_ratios[i]
             self.emit(SITE.indexer_q, i, q[0])
-            self.emit(SITE.indexer_keys, i, self._new_rows(f"{i}.keys", keys[0]))
+            written = self._new_rows(f"{i}.keys", keys[0])
+            self.emit(SITE.indexer_keys, i, self._written_keys.pop(i, written))
             weights = module.weights_proj(hidden)[0].float() * module.weights_scaling * module.softmax_scale
             self.emit(SITE.indexer_weights, i, weights)
             future = torch.arange(out.shape[-1], device=out.device)[None] >= \
@@ -596,3 +618,12 @@ def _sinks(module, value: float):
         yield
     finally:
         module.sinks.data.copy_(saved)
+
+
+def _at_kv_stride(keys: torch.Tensor, r: int) -> torch.Tensor:
+    """Fault ``indexer-key-stride``: keys [b, n, d] a call wrote, as slots read one key row apart hold them when the
+    writer stepped one KV row (r key rows) per key: key s at slot s * r, keys past slot n - 1 lost, the rest zero."""
+    out = torch.zeros_like(keys)
+    kept = keys[:, : -(-keys.shape[1] // r)]
+    out[:, ::r] = kept
+    return out

@@ -27,6 +27,7 @@ from fidelity.model.sites import (
 )
 from probes import (
     expected_visible,
+    gate_range,
     indexer_recall,
     kv_storage,
     residual_norms,
@@ -244,7 +245,7 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
     selection is unambiguous at ``margins`` (``_decided_rows``); the others are counted as ``ambiguous_queries``
     at ``indexer.topk`` (``ambiguous_tokens`` at ``moe.experts``). The decoder's stored KV rows are judged on their
     own (``stored_kv_rows``, with the profile's ``kv_scale_floor``)."""
-    pending: list[dict] = stored_kv_rows(test, cfg, kv_scale_floor)
+    pending: list[dict] = stored_kv_rows(test, cfg, kv_scale_floor) + gate_rows(test, cfg)
     device = next((recs[0][1].device for recs in test.records.values() if recs), positions.device)
     positions, rows = positions.to(device), rows.to(device) if rows is not None else None  # the decoder's device
     sel = positions if rows is None else positions[rows]
@@ -279,6 +280,18 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
         if site in test.parts and r.is_floating_point() and site_of(site).probe != "sinkhorn":
             ranked += rank_rows(site, r, test.parts[site], rows, n_common, keep)
     return pending + batches.rows() + ranked
+
+
+def gate_rows(test: Recorder, cfg: ModelConfig) -> list[dict]:
+    """``range_excess`` of every mHC ``pre`` / ``post`` record of the decoder, judged on its own (no oracle): the
+    weights of each layer's streams at every call that reports them must stay in their sigmoids' ranges."""
+    pre, post = (0.0, 1.0 + cfg.hc_eps), (0.0, 2.0)
+    bounds = {SITE.mhc_attn_pre: pre, SITE.mhc_ffn_pre: pre, SITE.mhc_attn_post: post, SITE.mhc_ffn_post: post}
+    out = []
+    for site in test.records:
+        if (bound := bounds.get(site_template(site))) is not None:
+            out += to_rows(site, _layer(site), gate_range(test.get(site), *bound))
+    return out
 
 
 def _at_rows(site: str, ref: torch.Tensor, test: Recorder, n_call: int) -> torch.Tensor:

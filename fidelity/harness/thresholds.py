@@ -293,6 +293,8 @@ def default_thresholds(profile: object, csa_layers: Sequence[int] | None = None,
         Threshold(COMB_SITES, "col_dev", "<=", SINKHORN_DEV),
         Threshold(COMB_SITES, "min_value", ">=", 0),
         Threshold(COMB_SITES, "negative_count", "<=", 0),
+        # the decoder's pre / post weights in their sigmoids' ranges, [0, 1 + hc_eps] / [0, 2] (every mode: no oracle)
+        Threshold(r"L\d+\.mhc_(attn|ffn)\.(pre|post)", "range_excess", "<=", 0),
         # op mode only: there both combs come from the same streams; in layer and free mode a near-permutation comb
         # mixed from slightly different streams can land nearer the oracle's transpose (clean 512-step runs on the
         # trained default: a few such steps)

@@ -2,7 +2,8 @@
 
 The draw is the reference's (spec §5): ``softmax(logits / max(T, 1e-5))`` then ``argmax(p / E)`` with
 E ~ Exp(1); temperature 0 is a plain argmax. Before it come the CTRL-style repetition penalty over every
-distinct id in the prompt *and* the generated tokens, then nucleus (top-p) filtering. The noise E is drawn
+distinct id in the prompt *and* the generated tokens (with ``repetition_window`` N > 0: in the last N ids of that
+history, prompt ids included while fewer than N were generated), then nucleus (top-p) filtering. The noise E is drawn
 on CPU from a generator seeded by (seed, step) alone, so the pick at step k is the same on every device and
 does not depend on how many draws came before. The ordering is done in log space
 (``log p - log E``), which ranks tokens exactly as ``p / E`` does.
@@ -39,20 +40,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    """Sampling knobs; defaults are greedy. ``seed`` fixes the Exp(1) noise of every step."""
+    """Sampling knobs; defaults are greedy. ``seed`` fixes the Exp(1) noise of every step. ``repetition_window``:
+    the penalty covers the last N ids of prompt + generated (0: all of them)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int = 0
+    repetition_window: int = 0
 
     def __post_init__(self) -> None:
-        p = sampler_problems(self.temperature, self.top_p, self.repetition_penalty, self.seed)
+        p = sampler_problems(self.temperature, self.top_p, self.repetition_penalty, self.seed,
+                             self.repetition_window)
         if p:
             raise ValueError("SamplerConfig: " + "; ".join(f"{field}: {what}" for field, what in p.items()))
 
 
-def sampler_problems(temperature: Any, top_p: Any, repetition_penalty: Any, seed: Any) -> dict[str, str]:
+def sampler_problems(temperature: Any, top_p: Any, repetition_penalty: Any, seed: Any,
+                     repetition_window: Any = 0) -> dict[str, str]:
     """{field: 'expected ..., found ...'} for each ``SamplerConfig`` field whose value is out of range."""
     p: dict[str, str] = {}
     t, tp, rp, s = temperature, top_p, repetition_penalty, seed
@@ -64,6 +69,9 @@ def sampler_problems(temperature: Any, top_p: Any, repetition_penalty: Any, seed
         p["repetition_penalty"] = f"expected a finite number > 0, found {rp!r}"
     if not isinstance(s, int) or isinstance(s, bool) or s < 0:
         p["seed"] = f"expected an integer >= 0, found {s!r}"
+    w = repetition_window
+    if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+        p["repetition_window"] = f"expected an integer >= 0 (0: the whole history), found {w!r}"
     return p
 
 
@@ -95,6 +103,13 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor | None,
     return logits.scatter(0, idx, torch.where(picked > 0, picked / penalty, picked * penalty))
 
 
+def penalty_window(history: torch.Tensor | None, window: int) -> torch.Tensor | None:
+    """The ids the repetition penalty covers: the last ``window`` of ``history`` [n] (all of it when 0)."""
+    if history is None or window == 0:
+        return history
+    return history.reshape(-1)[-window:]
+
+
 def top_p_mask(logp: torch.Tensor, top_p: float) -> torch.Tensor:
     """Bool [V]: the smallest set of most probable tokens with mass >= top_p (always >= 1 token)."""
     if top_p >= 1.0:
@@ -116,7 +131,8 @@ def sample_scores(
     """
     if logits.ndim != 1:
         raise ValueError(f"sample_scores: expected logits [V], found shape {tuple(logits.shape)}")
-    x = apply_repetition_penalty(logits.to(torch.float32), history, config.repetition_penalty)
+    recent = penalty_window(history, config.repetition_window)
+    x = apply_repetition_penalty(logits.to(torch.float32), recent, config.repetition_penalty)
     if config.temperature == 0:
         return x
     if noise is None or noise.shape != x.shape:

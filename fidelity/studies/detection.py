@@ -16,6 +16,7 @@ PROBE_OF_METRIC = {
     "cos": "similarity", "calc_diff": "similarity", "nonfinite_mismatch": "similarity",
     "row_dev": "sinkhorn", "row_dev_excess": "sinkhorn", "col_dev": "sinkhorn", "min_value": "sinkhorn",
     "negative_count": "sinkhorn", "orientation_flip": "sinkhorn", "orientation_err": "sinkhorn",
+    "range_excess": "sinkhorn",
     "recall": "indexer", "true_miss": "indexer", "miss_gap": "indexer", "size_mismatch": "indexer",
     "missing": "visible", "extra": "visible",
     "weight_max_err": "routing", "routing_gap": "routing",

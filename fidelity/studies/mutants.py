@@ -84,6 +84,10 @@ LONG_TEXT = ("long-decode", "prompt 128, 512 steps")
 
 CATALOGUE: tuple[Mutant, ...] = (
     Mutant("indexer-key-width", r"indexer\.keys", _kind("csa"), *EVERYWHERE),
+    # the key cache's row stride taken from head_dim: the scores read empty slots between the keys (head_dim /
+    # index_head_dim - 1 of every head_dim / index_head_dim); the keys as computed stay right
+    Mutant("indexer-key-stride", r"indexer\.(scores|topk)", _kind("csa"), *EVERYWHERE,
+           requires=lambda cfg: _same_row_width(cfg)),
     # compressed entries visible one position early: in the prefill, and where decode steps complete an entry
     Mutant("causal-off-by-one", r"indexer\.(scores|topk)|attn\.visible", _kind("csa", "hca"), *BLOCK_ENDS),
     Mutant("window-127", r"attn\.visible", _every_layer, *WINDOW_EDGE),
@@ -108,6 +112,10 @@ CATALOGUE: tuple[Mutant, ...] = (
     # shows only where the top id is a prompt id: the trained default at its second pick, random weights by chance)
     Mutant("rep-penalty-no-prompt", r"sampler", _run_level, *BLOCK_ENDS,
            {"sampler": SamplerConfig(repetition_penalty=0.5)}),
+    # a recent-N-ids window kept as a ring of the generated ids only: until N ids are generated the window
+    # lacks the prompt's last ids, whose doubled logits (penalty 0.5) the reference's first pick weighs
+    Mutant("rep-window-no-prompt", r"sampler", _run_level, *BLOCK_ENDS,
+           {"sampler": SamplerConfig(repetition_penalty=0.5, repetition_window=64)}),
     Mutant("stop-missing-eot", r"stops", _run_level, *BLOCK_ENDS, {"stream": "given", "eot_at": 3}),
     Mutant("cache-concat-growth", r"memory", _run_level, *BLOCK_ENDS),
     # a capacity-sized buffer kept per decode step (8.4 MiB at max_context 65536) passes the 50 MiB band at step 8
@@ -173,6 +181,13 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("tid2eid-bf16", r"moe\.experts", _hash_layers, *EVERYWHERE, requires=lambda cfg: _bf16_ids(cfg)),
 )
 BY_NAME = {m.name: m for m in CATALOGUE}
+
+
+def _same_row_width(cfg: ModelConfig) -> str | None:
+    """Why ``indexer-key-stride`` cannot show on ``cfg`` (None: it can): KV rows as wide as the indexer keys."""
+    if cfg.head_dim == cfg.index_head_dim:
+        return f"head_dim = index_head_dim = {cfg.head_dim}: the KV row stride is the key row stride"
+    return None
 
 
 def _bf16_ids(cfg: ModelConfig) -> str | None:

@@ -365,8 +365,9 @@ class ProductionDecoder(Decoder):
         return reference
 
     def pick(self, sampler: Sampler, logits: torch.Tensor, history: torch.Tensor, step: int) -> int:
-        """The run's sampler (fault ``rep-penalty-no-prompt``: the repetition penalty sees the generated ids only)."""
-        if on("rep-penalty-no-prompt"):
+        """The run's sampler (fault ``rep-penalty-no-prompt``: the repetition penalty sees the generated ids only;
+        ``rep-window-no-prompt``: so does a windowed penalty, whose window then never reaches back into the prompt)."""
+        if on("rep-penalty-no-prompt") or (on("rep-window-no-prompt") and sampler.config.repetition_window):
             history = history[self.prompt_len :]
         return sampler.pick(logits, history, step)
 

@@ -11,6 +11,8 @@ __all__ = ["FAULTS", "IN_EMULATION", "active", "in_emulation", "inject", "on"]
 
 FAULTS: dict[str, str] = {
     "indexer-key-width": "indexer keys truncated to the nope width (rope dims lost: wrong key cache stride)",
+    "indexer-key-stride": "a prefill's indexer keys written at the KV row stride (slot first + s * head_dim / "
+                          "index_head_dim) in a key cache read one index_head_dim row per slot",
     "causal-off-by-one": "compressed entry j visible when j <= (t+1)//ratio instead of j < (t+1)//ratio",
     "window-127": "sliding window of 127 tokens instead of 128",
     "window-no-self": "sliding window excludes the current token",
@@ -26,6 +28,7 @@ FAULTS: dict[str, str] = {
     "shared-clamp-missing": "shared expert SwiGLU clamp missing",
     "routing-bias-in-weights": "routing bias added to the expert weights, not only to the selection",
     "rep-penalty-no-prompt": "repetition penalty ignores prompt tokens",
+    "rep-window-no-prompt": "repetition window over the generated ids only (the prompt's ids never in the window)",
     "stop-missing-eot": "stop set missing the end-of-turn token",
     "cache-concat-growth": "KV cache grows by concatenation every decode step",
     "decode-buffer-kept": "each decode step gathers into a fresh full-capacity buffer that stays referenced",

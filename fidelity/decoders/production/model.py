@@ -494,7 +494,10 @@ class ProductionSession:
             return None
         entries = self.round_entries(entries, index)
         if index:
-            cache.keys.write(slice(first, first + len(entries)), entries)
+            stored = entries
+            if self.in_prefill and on("indexer-key-stride"):
+                stored = _at_kv_stride(entries, self.cfg.head_dim // self.cfg.index_head_dim)
+            cache.keys.write(slice(first, first + len(entries)), stored)
         else:
             cache.kv.write(slice(cache.window + first, cache.window + first + len(entries)), entries)
         return entries
@@ -908,3 +911,12 @@ def _visible(window_idx: torch.Tensor, comp: torch.Tensor | None, positions: tor
     if comp is None:
         return window_pos
     return torch.cat((window_pos, comp), dim=1)
+
+
+def _at_kv_stride(entries: torch.Tensor, r: int) -> torch.Tensor:
+    """Fault ``indexer-key-stride``: a prefill call's new keys [n, d] as its key slots hold them when the writer
+    steps one KV row (head_dim) per key and the reader one key row (index_head_dim): key s in slot s * r (r =
+    head_dim / index_head_dim), the keys whose slot falls past the call's n lost, the other slots zero."""
+    out = torch.zeros_like(entries)
+    out[::r] = entries[: -(-len(entries) // r)]
+    return out

@@ -187,7 +187,7 @@ def main() -> int:
     for name in model.ckpt.names():  # every weight generated and dequantized before the profile, not in it
         model.w(name)
     eager = filled_session(model, a.context, seed=0, graph=True)
-    eager.graphs = False  # the graph step's kernels, launched one by one so that each has its Python stack
+    eager.decode.graphs = False  # the graph step's kernels, launched one by one so that each has its Python stack
     for tok in range(WARMUP):
         eager.step(tok)
     sites = _profiled(eager, a.steps, True, out / "trace_eager.json")

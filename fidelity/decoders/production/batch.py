@@ -18,6 +18,7 @@ emits them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from fidelity.decoders.production.call_counts import counting
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.model import ProductionSession
 from fidelity.model.sites import record
+
+if TYPE_CHECKING:
+    from fidelity.decoders.production.attention import Attention
 
 
 class Batched:
@@ -35,7 +39,7 @@ class Batched:
         self.sessions, self.spans = list(sessions), list(spans)
         self.recording = any(s.rec is not None for s in sessions)
 
-    def emit(self, s, template: str, layer: int | None, tensor) -> None:
+    def emit(self, s: ProductionSession, template: str, layer: int | None, tensor) -> None:
         """A site of the shared part (rows of every sequence, in call order): each sequence's rows to its recorder."""
         if not self.recording:
             return
@@ -43,7 +47,7 @@ class Batched:
         for seq, sl in zip(self.sessions, self.spans, strict=True):
             record(seq.rec, template, layer, t[sl])
 
-    def core(self, attn, s, x, qr, q, kv, positions) -> torch.Tensor:
+    def core(self, attn: Attention, s: ProductionSession, x, qr, q, kv, positions) -> torch.Tensor:
         """Every sequence's attention core on its rows over its own caches -> o [n_all, heads, hd]."""
         if on("batch-key-range"):  # every sequence's indexer key range ends where the first sequence's does
             first = self.sessions[0]

@@ -34,6 +34,7 @@ completes, else an empty [0, d] record. No site needs an eager replay of a step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,6 +48,12 @@ from fidelity.decoders.production.policies import EagerDecode
 from fidelity.decoders.production.shapes import pad, topk_cap, unrotated, visible, window_idx_on_device
 from fidelity.decoders.production.topk import stable_topk
 from fidelity.model.sites import Recorder, record, site_name
+
+if TYPE_CHECKING:
+    from fidelity.decoders.production.attention import Attention
+    from fidelity.decoders.production.compressor import Compressor
+    from fidelity.decoders.production.indexer import Indexer
+    from fidelity.decoders.production.moe import MoE
 
 SLOT_FAULTS = ("window-127", "window-no-self", "causal-off-by-one")  # faults that move the rows a decode step reads
 GRAPH_FAULTS = ("cache-concat-growth", "decode-buffer-kept")  # faults whose decode step a graph step cannot run
@@ -127,7 +134,7 @@ class GraphDecode(EagerDecode):
         self._pos = 0  # the host position of the step running (finishers read it)
 
     # ---- the step ------------------------------------------------------------------------------------------------
-    def step(self, s, ids: torch.Tensor) -> torch.Tensor:
+    def step(self, s: ProductionSession, ids: torch.Tensor) -> torch.Tensor:
         if blocked := graph_blockers():
             raise ValueError(f"fault {blocked[0]}: a step that allocates what it keeps cannot run in a graph decode "
                              "step; use ProductionSession")
@@ -142,7 +149,7 @@ class GraphDecode(EagerDecode):
         s.calls += 1
         return logits.clone()
 
-    def _graph_step(self, s) -> torch.Tensor:
+    def _graph_step(self, s: ProductionSession) -> torch.Tensor:
         key = (faults.active(), tuple(sorted(registry.selections().items())), _wants_key(s.rec))
         if self._graph is not None and key == self._graph_key:
             self._graph.replay()
@@ -171,7 +178,7 @@ class GraphDecode(EagerDecode):
         self._graph, self._graph_outputs, self._graph_logits = None, [], None
 
     # ---- sites -------------------------------------------------------------------------------------------------
-    def emit(self, s, template: str, layer: int | None, tensor) -> None:
+    def emit(self, s: ProductionSession, template: str, layer: int | None, tensor) -> None:
         """A decode step's site: a callable evaluated now (inside the step, so inside a capture), finished on the
         host (:meth:`finisher`) and recorded now, or under capture cloned as a graph output, recorded after each
         replay. A prefill records as the eager session does."""
@@ -187,7 +194,7 @@ class GraphDecode(EagerDecode):
         else:
             s.rec(site, finish(t) if finish else t)
 
-    def finisher(self, s, template: str, layer: int | None) -> Finisher | None:
+    def finisher(self, s: ProductionSession, template: str, layer: int | None) -> Finisher | None:
         """How the decode step's fixed-shape record of ``template`` becomes the eager step's at the step's host
         position (read when the finisher runs; None: recorded as it is)."""
         cfg = s.cfg
@@ -213,19 +220,20 @@ class GraphDecode(EagerDecode):
         return (self._pos + 1) // ratio + (1 if on("causal-off-by-one") and (self._pos + 1) % ratio else 0)
 
     # ---- the decode pieces that the eager step sizes or branches on the host position --------------------------
-    def window_slot(self, s, win: int) -> torch.Tensor:
+    def window_slot(self, s: ProductionSession, win: int) -> torch.Tensor:
         return self.pos_dev % win
 
-    def window_idx(self, s, win: int, device: torch.device) -> torch.Tensor:
+    def window_idx(self, s: ProductionSession, win: int, device: torch.device) -> torch.Tensor:
         return window_idx_on_device(self.pos_dev, win)
 
-    def compressed(self, attn, s, x: torch.Tensor, qr, positions: torch.Tensor) -> torch.Tensor:
+    def compressed(self, attn: Attention, s: ProductionSession, x: torch.Tensor, qr,
+                   positions: torch.Tensor) -> torch.Tensor:
         attn.compressor(s, x, positions)
         if attn.ratio == 4:
             return self.below_limit(self.index_picks(attn.indexer, s, x, qr, positions))
         return self.hca_entries(s, attn)
 
-    def hca_entries(self, s, attn) -> torch.Tensor:
+    def hca_entries(self, s: ProductionSession, attn) -> torch.Tensor:
         """An HCA layer's compressed entries the token sees: every id ``j < (t+1)//ratio``, -1 past it
         [1, capacity]."""
         limit = (self.pos_dev + 1) // attn.ratio
@@ -234,7 +242,7 @@ class GraphDecode(EagerDecode):
         j = torch.arange(s.layers[attn.i].n_compressed, device=self.pos_dev.device)
         return torch.where(j < limit, j, -1)[None]
 
-    def compress(self, compressor, s, x: torch.Tensor, positions: torch.Tensor) -> None:
+    def compress(self, compressor: Compressor, s: ProductionSession, x: torch.Tensor, positions: torch.Tensor) -> None:
         """The token through the compressor every step; its entry written only where the block completes
         (``write_at_block_end``), recorded through :meth:`finisher`."""
         cache, i = s.layers[compressor.i], compressor.i
@@ -253,7 +261,8 @@ class GraphDecode(EagerDecode):
         """The indexer's picks [1, k] with those at or past the causal limit ``(t+1)//4`` set to -1."""
         return torch.where(picks >= (self.pos_dev + 1) // 4, -1, picks)
 
-    def index_picks(self, indexer, s, x: torch.Tensor, qr, positions: torch.Tensor) -> torch.Tensor:
+    def index_picks(self, indexer: Indexer, s: ProductionSession, x: torch.Tensor, qr,
+                    positions: torch.Tensor) -> torch.Tensor:
         """The indexer's top-k over every key slot with ``j >= (t+1)//4`` scored -inf [1, k]; picks of masked slots
         (fewer visible entries than k) are still in it, at or past the limit."""
         cache, i = s.layers[indexer.i], indexer.i
@@ -266,7 +275,7 @@ class GraphDecode(EagerDecode):
         s.emit("L{i}.indexer.topk", i, lambda: pad(self.below_limit(picks), s.cfg.index_topk))
         return picks
 
-    def attend(self, attn, s, x, qr, q, kv, positions) -> torch.Tensor:
+    def attend(self, attn: Attention, s: ProductionSession, x, qr, q, kv, positions) -> torch.Tensor:
         """``Attention.decode`` with the attended rows from :func:`decode_idx` (a flat bf16 store: the attention
         reads the store's rows where they are, nothing gathered) or :func:`decode_slots` (one launch on a GPU
         each); ``Attention.decode`` under this policy while a fault that moves those rows is injected."""
@@ -291,14 +300,14 @@ class GraphDecode(EagerDecode):
         cache.kv.read_into(rows, buf)
         return attn.op("sparse_attention")(q, buf, local, attn.sink, attn.scale, s.profile.fmha)
 
-    def visible(self, s, attn, picks: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    def visible(self, s: ProductionSession, attn, picks: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         """Site ``L{i}.attn.visible`` of the step, fixed width [1, W + capacity]: the window's token positions, then
         the entries below the causal limit (the picks on CSA layers, every id on HCA), -1 elsewhere."""
         ratio, win = attn.ratio, s.layers[attn.i].window
         comp = None if not ratio else self.below_limit(picks) if ratio == 4 else self.hca_entries(s, attn)
         return visible(self.window_idx(s, win, positions.device), comp, positions, win, prefill=False)
 
-    def moe(self, moe, s, h, ids: torch.Tensor) -> torch.Tensor:
+    def moe(self, moe: MoE, s: ProductionSession, h, ids: torch.Tensor) -> torch.Tensor:
         """One token's MoE with its expert ids kept on the device (``MoE.picked_on_device``); more rows, or experts
         read as stored (sync-free already), as the eager session runs them."""
         if h.shape[0] != 1 or s.model.stored_experts(moe.i) is not None:

@@ -53,10 +53,10 @@ class PipelineStage:
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
 
-    def layers(self, s) -> range:
+    def layers(self, s: ProductionSession) -> range:
         return s.own
 
-    def enter(self, s, ids: torch.Tensor) -> torch.Tensor:
+    def enter(self, s: ProductionSession, ids: torch.Tensor) -> torch.Tensor:
         if self.rank == 0:
             return s.embed(ids)
         x = torch.empty((len(ids), s.cfg.hc_mult, s.cfg.dim), dtype=s.res_dtypes[s.own[0] - 1],
@@ -64,7 +64,7 @@ class PipelineStage:
         dist.recv(x, self.rank - 1)
         return x
 
-    def leave(self, s, x: torch.Tensor) -> torch.Tensor:
+    def leave(self, s: ProductionSession, x: torch.Tensor) -> torch.Tensor:
         if self.rank < self.world - 1:
             dist.send(x.contiguous(), self.rank + 1)
             logits = torch.empty((x.shape[0], s.cfg.vocab_size), dtype=torch.float32, device=s.model.device)

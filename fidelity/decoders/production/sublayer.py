@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fidelity.decoders.production import ops
 from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.registry import implementation
+
+if TYPE_CHECKING:
+    from fidelity.decoders.production.model import ProductionModel, ProductionSession
 
 BF16 = torch.bfloat16
 
@@ -15,7 +20,7 @@ BF16 = torch.bfloat16
 class SubLayer:
     """Layer ``i`` of ``model`` (a ``ProductionModel``): its config, profile, op lookup and GEMM helpers."""
 
-    def __init__(self, model, i: int):
+    def __init__(self, model: ProductionModel, i: int):
         self.model, self.cfg, self.profile, self.i = model, model.cfg, model.profile, i
         self.fused = self.profile.norm_fusion == "fused"
 
@@ -61,7 +66,8 @@ class SubLayer:
         y = self.op("fp8_weight_linear")(x.xq if isinstance(x, Fp8Input) else x, *stacked, act)
         return tuple(y.split(self.model.rows(names), dim=-1))
 
-    def input_projection(self, s, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, ...] | None:
+    def input_projection(self, s: ProductionSession, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor,
+                         ...] | None:
         """x [n, dim], the layer's attention input, times the bf16 weights ``names`` (of ``input_weights``) -> fp32
         [n, out] each. For a few rows on the GEMV path every such weight of the layer goes through one
         ``fp32_linear`` over their stacked rows (one launch on a GPU) at the first ask of the call, the others'

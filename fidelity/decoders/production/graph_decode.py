@@ -131,7 +131,6 @@ class GraphDecode(EagerDecode):
         self._graph_logits: torch.Tensor | None = None
         self._graph_outputs: list[Output] = []  # the captured step's site clones (graph outputs)
         self._capturing: list[Output] | None = None  # set while a step is being captured
-        self._pos = 0  # the host position of the step running (finishers read it)
 
     # ---- the step ------------------------------------------------------------------------------------------------
     def step(self, s: ProductionSession, ids: torch.Tensor) -> torch.Tensor:
@@ -140,7 +139,6 @@ class GraphDecode(EagerDecode):
                              "step; use ProductionSession")
         self.ids_dev.copy_(ids)
         self.pos_dev.fill_(s.pos)
-        self._pos = s.pos
         if s.rec is not None:
             s.rec.step = s.calls
         with counting(s.counts):
@@ -195,29 +193,30 @@ class GraphDecode(EagerDecode):
             s.rec(site, finish(t) if finish else t)
 
     def finisher(self, s: ProductionSession, template: str, layer: int | None) -> Finisher | None:
-        """How the decode step's fixed-shape record of ``template`` becomes the eager step's at the step's host
-        position (read when the finisher runs; None: recorded as it is)."""
-        cfg = s.cfg
-        ratio = cfg.ratio(layer) if layer is not None else 0
+        """How the decode step's fixed-shape record of ``template`` becomes the eager step's at ``s.pos`` (the
+        step's position, on the host, read when the finisher runs; None: recorded as it is)."""
+        ratio = s.cfg.ratio(layer) if layer is not None else 0
         if template == "L{i}.attn.compressed_kv":  # [1, hd] bf16 -> itself at block end, else [0, hd]
-            return lambda t: t if self._completes(ratio) else t[:0]
+            return lambda t: t if self._completes(s, ratio) else t[:0]
         if template == "L{i}.indexer.keys":  # [1, d] -> itself at block end, else fp32 [0, d] (emit_keys' empty)
-            return lambda t: t if self._completes(4) else t.new_zeros((0, t.shape[-1]), dtype=torch.float32)
+            return lambda t: t if self._completes(s, 4) else t.new_zeros((0, t.shape[-1]), dtype=torch.float32)
         if template == "L{i}.indexer.scores":  # [1, key capacity] -> [1, (t+1)//4], the keys the eager step scores
-            return lambda t: t[:, : (self._pos + 1) // 4]
+            return lambda t: t[:, : (s.pos + 1) // 4]
         if template == "L{i}.attn.visible" and ratio:  # [1, W + capacity] -> [1, W + entries attended]
             window = s.layers[layer].window
-            return lambda t: t[:, : window + self._entries_attended(cfg, ratio)]
+            return lambda t: t[:, : window + self._entries_attended(s, ratio)]
         return None
 
-    def _completes(self, ratio: int) -> bool:
-        return (self._pos + 1) % ratio == 0
+    @staticmethod
+    def _completes(s: ProductionSession, ratio: int) -> bool:
+        return (s.pos + 1) % ratio == 0
 
-    def _entries_attended(self, cfg, ratio: int) -> int:
-        """The compressed entries the eager decode step at the step's position attends (the width of its picks)."""
+    @staticmethod
+    def _entries_attended(s: ProductionSession, ratio: int) -> int:
+        """The compressed entries the eager decode step at ``s.pos`` attends (the width of its picks)."""
         if ratio == 4:
-            return min(topk_cap(cfg.index_topk), (self._pos + 1) // 4)
-        return (self._pos + 1) // ratio + (1 if on("causal-off-by-one") and (self._pos + 1) % ratio else 0)
+            return min(topk_cap(s.cfg.index_topk), (s.pos + 1) // 4)
+        return (s.pos + 1) // ratio + (1 if on("causal-off-by-one") and (s.pos + 1) % ratio else 0)
 
     # ---- the decode pieces that the eager step sizes or branches on the host position --------------------------
     def window_slot(self, s: ProductionSession, win: int) -> torch.Tensor:

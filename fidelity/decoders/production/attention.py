@@ -4,8 +4,6 @@ and the grouped output projection."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from fidelity.decoders.production import ops
@@ -15,10 +13,7 @@ from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.indexer import QUERY_CHUNK, Indexer
 from fidelity.decoders.production.rope_freqs import rope_inv_freq
 from fidelity.decoders.production.shapes import hca_prefill_idx, plain, visible, window_prefill_idx
-from fidelity.decoders.production.sublayer import BF16, SubLayer
-
-if TYPE_CHECKING:
-    from fidelity.decoders.production.model import ProductionModel, ProductionSession
+from fidelity.decoders.production.sublayer import BF16, Model, Session, SubLayer
 
 
 class Attention(SubLayer):
@@ -26,7 +21,7 @@ class Attention(SubLayer):
     them as stored on the GEMV path); its compressor (compressed layers) and indexer (CSA layers) as attributes.
     Its methods take the sequence's session ``s`` (caches, position, recorder, policies)."""
 
-    def __init__(self, model: ProductionModel, i: int):
+    def __init__(self, model: Model, i: int):
         super().__init__(model, i)
         pre, w = f"layers.{i}.attn.", model.w
         self.ratio = self.cfg.ratio(i)
@@ -39,7 +34,7 @@ class Attention(SubLayer):
         self.compressor = Compressor(model, i, index=False) if self.ratio else None
         self.indexer = Indexer(model, i) if self.ratio == 4 else None
 
-    def __call__(self, s: ProductionSession, h: torch.Tensor | Fp8Input, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, s: Session, h: torch.Tensor | Fp8Input, positions: torch.Tensor) -> torch.Tensor:
         """h: the attention norm's output [n, dim] (an :class:`Fp8Input` under a fused profile) -> bf16 [n, dim]:
         the projections, the sequence's caches (the core, per sequence as the session's ``rows`` policy hands the
         rows out), the output projection."""
@@ -53,7 +48,7 @@ class Attention(SubLayer):
             return rope_inv_freq(self.cfg, 4).to(device)
         return self.freqs
 
-    def project(self, s: ProductionSession, h: torch.Tensor | Fp8Input, positions: torch.Tensor):
+    def project(self, s: Session, h: torch.Tensor | Fp8Input, positions: torch.Tensor):
         """Rows [n] at their positions -> (qr [n, q_lora] (an :class:`Fp8Input` under a fused profile), q [n,
         heads, hd] after RoPE, window kv [n, hd] bf16); no cache is read or written."""
         cfg = self.cfg
@@ -83,7 +78,7 @@ class Attention(SubLayer):
         kv = self.op("apply_rope")(self.op("rms_norm")(x, self.kv_norm, cfg.norm_eps), positions, freqs)
         return self.op("kv_round")(kv, cfg.rope_head_dim, fmt, self.profile.kv_scale_floor)
 
-    def core(self, s: ProductionSession, x: torch.Tensor, qr, q: torch.Tensor, kv: torch.Tensor,
+    def core(self, s: Session, x: torch.Tensor, qr, q: torch.Tensor, kv: torch.Tensor,
              positions: torch.Tensor) -> torch.Tensor:
         """The sequence's attention at ``s.pos``: caches written (window ring, compressed entries, indexer keys)
         and read -> o [n, heads, hd] bf16 (before the inverse RoPE); a decode token as ``s.decode`` attends it."""
@@ -108,7 +103,7 @@ class Attention(SubLayer):
             o = ops.grouped_out(o, self.wo_a_bf16, self.cfg.o_groups)
         return self.linear(o, self.wo_b)
 
-    def emit_kv_cache(self, s: ProductionSession, kv: torch.Tensor, slots: torch.Tensor | slice) -> None:
+    def emit_kv_cache(self, s: Session, kv: torch.Tensor, slots: torch.Tensor | slice) -> None:
         """Site ``L{i}.attn.kv_cache`` where the window KV is stored packed (``kv_storage = "fp8"``): the call's
         rows kv [n, hd] as the cache holds them, read back from the window ``slots`` just written
         (``KVStore.stored_bytes``)."""
@@ -116,11 +111,11 @@ class Attention(SubLayer):
         if store.fmt == "fp8":
             s.emit("L{i}.attn.kv_cache", self.i, lambda: store.stored_bytes(slots, kv))
 
-    def emit_compressed(self, s: ProductionSession, new: torch.Tensor | None, like: torch.Tensor) -> None:
+    def emit_compressed(self, s: Session, new: torch.Tensor | None, like: torch.Tensor) -> None:
         """Site ``L{i}.attn.compressed_kv``: the call's new entries (an empty [0, hd] record where none)."""
         s.emit("L{i}.attn.compressed_kv", self.i, new if new is not None else like.new_zeros((0, self.cfg.head_dim)))
 
-    def prefill(self, s: ProductionSession, x, qr, q, kv, positions) -> torch.Tensor:
+    def prefill(self, s: Session, x, qr, q, kv, positions) -> torch.Tensor:
         """A prefill chunk at positions start..start+t-1 (start = s.pos; 0 for the official prefill). The
         attention table holds the earlier window rows still needed (from the ring buffer), the chunk's rows, then
         every compressed entry so far; window indices point into it in position order."""
@@ -152,7 +147,7 @@ class Attention(SubLayer):
         return torch.cat([attend(q[j : j + QUERY_CHUNK], table, idx[j : j + QUERY_CHUNK], self.sink, self.scale, fmha)
                           for j in range(0, t, QUERY_CHUNK)])
 
-    def decode(self, s: ProductionSession, x, qr, q, kv, positions) -> torch.Tensor:
+    def decode(self, s: Session, x, qr, q, kv, positions) -> torch.Tensor:
         """One decode token at ``t = s.pos``, its window slot, window indices and compressed entries as the
         session's decode policy provides them. Every slot is gathered in place, a -1 slot as row 0, which the
         attention never reads, so no host sync sizes the gather; rows stored packed FP8 are attended in place
@@ -184,7 +179,7 @@ class Attention(SubLayer):
         local = torch.where(slots >= 0, torch.arange(k, device=x.device), -1)
         return self.op("sparse_attention")(q, buf, local, self.sink, self.scale, self.profile.fmha)
 
-    def compressed(self, s: ProductionSession, x: torch.Tensor, qr, positions: torch.Tensor) -> torch.Tensor:
+    def compressed(self, s: Session, x: torch.Tensor, qr, positions: torch.Tensor) -> torch.Tensor:
         """Compress the decode token (host position), then the compressed entries it sees [1, k]: the indexer's
         picks (CSA) or every entry j < (t+1)//ratio (HCA)."""
         ratio, t = self.ratio, s.pos
@@ -194,7 +189,7 @@ class Attention(SubLayer):
         n_vis = (t + 1) // ratio + (1 if on("causal-off-by-one") and (t + 1) % ratio else 0)
         return torch.arange(n_vis, device=x.device)[None]
 
-    def packed(self, s: ProductionSession, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def packed(self, s: Session, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Decode attention on the packed FP8 KV rows (op ``sparse_attention_fp8kv``; on an H100 / H200 the 584 B
         layout's kernel reads the rows in place, with no gather or dequantization pass): slots [1, k], the cache
         slots the token sees, -1 masked (a paged cache's slots go to the op as storage rows, -1 kept). Same bits as

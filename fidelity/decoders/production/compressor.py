@@ -3,17 +3,14 @@ decode, then ``norm(kv.to(bf16))`` and RoPE at the block's first position, in bf
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from fidelity.decoders.production.cache import CompressorCarry
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.registry import implementation
-from fidelity.decoders.production.sublayer import SubLayer
-
-if TYPE_CHECKING:
-    from fidelity.decoders.production.model import ProductionModel, ProductionSession
+from fidelity.decoders.production.sublayer import Model, Session, SubLayer
 
 BF16 = torch.bfloat16
 
@@ -130,7 +127,7 @@ class Compressor(SubLayer):
     (``index=True``: keys of 4 tokens), its weights resolved when built. Called with a sequence's session ``s``:
     a prefill chunk pools here, a decode token as the session's decode policy says (``s.decode.compress``)."""
 
-    def __init__(self, model: ProductionModel, i: int, index: bool):
+    def __init__(self, model: Model, i: int, index: bool):
         super().__init__(model, i)
         pre = f"layers.{i}.attn.indexer.compressor." if index else f"layers.{i}.attn.compressor."
         self.index, self.names = index, (pre + "wkv.weight", pre + "wgate.weight")
@@ -139,7 +136,7 @@ class Compressor(SubLayer):
         self.ratio = 4 if index else self.cfg.ratio(i)
         self.freqs = model.freqs[self.cfg.ratio(i)]
 
-    def __call__(self, s: ProductionSession, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, s: Session, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """New entries of the call's tokens x [n, dim] (main: FP8-rounded nope dims; indexer: Hadamard + FP4),
         written to the caches; None where no block completes (a decode policy may always return None)."""
         if s.in_prefill:
@@ -148,18 +145,18 @@ class Compressor(SubLayer):
             return self.store(s, entries, first)
         return s.decode.compress(self, s, x, positions)
 
-    def decode(self, s: ProductionSession, x: torch.Tensor) -> torch.Tensor | None:
+    def decode(self, s: Session, x: torch.Tensor) -> torch.Tensor | None:
         """One decode token at ``s.pos`` (host position): the entry it completes [1, d], written, else None."""
         entries, first = compress_decode(x, s.pos, self.weights(s, x), self.carry(s), self.ratio, self.freqs,
                                          self.cfg.norm_eps)
         return self.store(s, entries, first)
 
-    def weights(self, s: ProductionSession, x: torch.Tensor) -> CompressorWeights:
+    def weights(self, s: Session, x: torch.Tensor) -> CompressorWeights:
         """The weights with this call's projections of x where the layer made them in one launch."""
         projected = self.input_projection(s, x, self.names)
         return CompressorWeights(self.wkv, self.wgate, self.ape, self.norm_weight, projected)
 
-    def carry(self, s: ProductionSession) -> CompressorCarry:
+    def carry(self, s: Session) -> CompressorCarry:
         """The sequence's fp32 carry of this compressor (fault ``compressor-no-used-length``: emptied at pos > 0)."""
         cache = s.layers[self.i]
         carry = cache.index_carry if self.index else cache.carry
@@ -181,7 +178,7 @@ class Compressor(SubLayer):
             entries[:, -self.cfg.rope_head_dim :] = 0
         return entries
 
-    def store(self, s: ProductionSession, entries: torch.Tensor | None, first: int) -> torch.Tensor | None:
+    def store(self, s: Session, entries: torch.Tensor | None, first: int) -> torch.Tensor | None:
         """Entries ids first.. [k, d] rounded and written to the sequence's key store or compressed KV rows."""
         if entries is None:
             return None

@@ -4,7 +4,6 @@ compressor (Hadamard + FP4), scores against the sequence's key store, and a stab
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,11 +12,8 @@ from fidelity.decoders.production.compressor import Compressor
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.shapes import pad, topk_cap, unrotated
-from fidelity.decoders.production.sublayer import BF16, SubLayer
+from fidelity.decoders.production.sublayer import BF16, Model, Session, SubLayer
 from fidelity.decoders.production.topk import stable_topk
-
-if TYPE_CHECKING:
-    from fidelity.decoders.production.model import ProductionModel, ProductionSession
 
 QUERY_CHUNK = 512  # prefill indexer queries per pass (bounds temporaries, not results)
 
@@ -25,7 +21,7 @@ QUERY_CHUNK = 512  # prefill indexer queries per pass (bounds temporaries, not r
 class Indexer(SubLayer):
     """Layer i's indexer, its weights resolved when built; its methods take the sequence's session ``s``."""
 
-    def __init__(self, model: ProductionModel, i: int):
+    def __init__(self, model: Model, i: int):
         super().__init__(model, i)
         pre = f"layers.{i}.attn.indexer."
         self.wq_b, self.proj_name = pre + "wq_b.weight", pre + "weights_proj.weight"
@@ -33,7 +29,7 @@ class Indexer(SubLayer):
         self.compressor = Compressor(model, i, index=True)
         self.freqs = model.freqs[4]
 
-    def query(self, s: ProductionSession, x: torch.Tensor, qr: torch.Tensor | Fp8Input,
+    def query(self, s: Session, x: torch.Tensor, qr: torch.Tensor | Fp8Input,
               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [n, heads, d] rounded as the keys are, head weights [n, heads] bf16) of the call's rows."""
         cfg, prof = self.cfg, self.profile
@@ -59,14 +55,14 @@ class Indexer(SubLayer):
         keys, op = store.read(slice(0, n)), self.op("index_scores")
         return lambda q, weights: op(q, keys, weights, dtype)
 
-    def emit_keys(self, s: ProductionSession, new: torch.Tensor | None) -> None:
+    def emit_keys(self, s: Session, new: torch.Tensor | None) -> None:
         """Site ``L{i}.indexer.keys``: the call's new keys unrotated (an empty [0, d] record where none)."""
         if new is None:
             new = torch.zeros(0, self.cfg.index_head_dim, device=self.model.device)
         s.emit("L{i}.indexer.keys", self.i, lambda: unrotated(new, self.profile))
 
     @staticmethod
-    def keys_visible(s: ProductionSession, end: int) -> int:
+    def keys_visible(s: Session, end: int) -> int:
         """The indexer keys a call whose tokens end at position ``end`` (exclusive) scores: those of the blocks
         completed before ``end``. Fault ``batch-key-range``: the end another sequence of a batched call gives
         (``s.key_range_end``, set by ``batch.Batched``)."""
@@ -74,7 +70,7 @@ class Indexer(SubLayer):
             end = s.key_range_end
         return end // 4
 
-    def prefill(self, s: ProductionSession, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def prefill(self, s: Session, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A prefill chunk's picks [t, k] (-1 past the causal limit ``j < (p+1)//4``)."""
         cfg, cache = self.cfg, s.layers[self.i]
         q, weights = self.query(s, x, qr, positions)
@@ -98,7 +94,7 @@ class Indexer(SubLayer):
         s.emit("L{i}.indexer.topk", self.i, pad(picks, cfg.index_topk))
         return picks
 
-    def decode(self, s: ProductionSession, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode(self, s: Session, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The decode token's picks [1, k] among the keys of the blocks completed so far (host position)."""
         cfg, cache = self.cfg, s.layers[self.i]
         q, weights = self.query(s, x, qr, positions)

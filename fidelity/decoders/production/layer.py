@@ -3,18 +3,13 @@ its RMSNorm. ``Layer.__call__`` reads as the layer computes, top to bottom."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from fidelity.decoders.production.attention import Attention
 from fidelity.decoders.production.mhc import Mhc
 from fidelity.decoders.production.moe import MoE
 from fidelity.decoders.production.shapes import plain
-from fidelity.decoders.production.sublayer import SubLayer
-
-if TYPE_CHECKING:
-    from fidelity.decoders.production.model import ProductionModel, ProductionSession
+from fidelity.decoders.production.sublayer import Model, Session, SubLayer
 
 
 class Layer(SubLayer):
@@ -22,7 +17,7 @@ class Layer(SubLayer):
     ``ffn_norm``, ``moe``; weights resolved when built. The sequence's state (caches, position, recorder, the
     decode / rows / stage policies) comes with each call as its session ``s``."""
 
-    def __init__(self, model: ProductionModel, i: int):
+    def __init__(self, model: Model, i: int):
         super().__init__(model, i)
         w = model.w
         self.mhc_attn, self.attn_norm = Mhc(model, i, "attn"), w(f"layers.{i}.attn_norm.weight")
@@ -30,7 +25,7 @@ class Layer(SubLayer):
         self.mhc_ffn, self.ffn_norm = Mhc(model, i, "ffn"), w(f"layers.{i}.ffn_norm.weight")
         self.moe = MoE(model, i)
 
-    def __call__(self, s: ProductionSession, x: torch.Tensor, positions: torch.Tensor,
+    def __call__(self, s: Session, x: torch.Tensor, positions: torch.Tensor,
                  ids: torch.Tensor) -> torch.Tensor:
         """Streams x [n, hc, dim] of ids [n] at positions [n] -> the streams leaving the layer."""
         i = self.i

@@ -3,28 +3,23 @@ into the sub-layer's input (Sinkhorn-balanced comb), ``hc_post`` writes its outp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from fidelity.decoders.production.sublayer import SubLayer
+from fidelity.decoders.production.sublayer import Model, Session, SubLayer
 from fidelity.model.sites import MHC_SITES
-
-if TYPE_CHECKING:
-    from fidelity.decoders.production.model import ProductionModel, ProductionSession
 
 
 class Mhc(SubLayer):
     """Layer i's mHC around ``which`` (``attn`` or ``ffn``), its weights resolved when built; the residual streams
     kept in the profile's residual dtype for this layer."""
 
-    def __init__(self, model: ProductionModel, i: int, which: str):
+    def __init__(self, model: Model, i: int, which: str):
         super().__init__(model, i)
         p, w = f"layers.{i}.hc_{which}_", model.w
         self.which, self.fn, self.scale, self.base = which, w(p + "fn"), w(p + "scale"), w(p + "base")
         self.res_dtype = torch.float32 if self.profile.residual_fp32(i) else torch.bfloat16
 
-    def pre(self, s: ProductionSession, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pre(self, s: Session, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Streams x [n, hc, dim] -> (the sub-layer's input [n, dim], post [n, hc], comb [n, hc, hc]); the
         pre / post / comb mixes recorded at their sites."""
         cfg = self.cfg

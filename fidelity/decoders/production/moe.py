@@ -3,18 +3,13 @@ routing), the routed experts in ascending expert id, the shared expert, their fp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from fidelity.decoders.production import kernels, ops
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.shapes import plain
-from fidelity.decoders.production.sublayer import BF16, SubLayer
-
-if TYPE_CHECKING:
-    from fidelity.decoders.production.model import ProductionModel, ProductionSession
+from fidelity.decoders.production.sublayer import BF16, Model, Session, SubLayer
 
 
 class MoE(SubLayer):
@@ -22,7 +17,7 @@ class MoE(SubLayer):
     stored on the GEMV path), the routed experts read per use through the model (a release-sized model's would
     not fit dequantized). Its methods take the sequence's session ``s`` (recorder, decode policy)."""
 
-    def __init__(self, model: ProductionModel, i: int):
+    def __init__(self, model: Model, i: int):
         super().__init__(model, i)
         p, w = f"layers.{i}.ffn.", model.w
         self.hashed = self.cfg.is_hash_layer(i)
@@ -37,12 +32,12 @@ class MoE(SubLayer):
         w, q = self.model.w, f"{self.prefix}{e}."
         return w(q + "w1.weight"), w(q + "w2.weight"), w(q + "w3.weight")
 
-    def __call__(self, s: ProductionSession, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, s: Session, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
         """h: the ffn norm's output [n, dim] -> bf16 [n, dim], as the session's decode policy picks the experts
         (``s.decode.moe``: :meth:`forward`, or graph decode's device-side picks)."""
         return s.decode.moe(self, s, h, ids)
 
-    def route(self, s: ProductionSession, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, s: Session, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gate: (routing weights [n, k] fp32, expert ids [n, k])."""
         cfg, hashed = self.cfg, self.hashed
         weights, experts = self.op("gate")(x.float(), self.gate_fp32, self.bias,
@@ -70,7 +65,7 @@ class MoE(SubLayer):
                 x.xq if isinstance(x, Fp8Input) else x, *pair, act).split(pair[0].shape[0] // 2, dim=-1)
         return self.op("expert")(h, w1, w2, w3, self.cfg.swiglu_limit, None, self.profile.gemm_act, linear)
 
-    def forward(self, s: ProductionSession, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, s: Session, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
         """Routed experts in ascending expert id, then the shared expert; fp32 sum -> bf16 [n, dim]. h: the ffn
         norm's output (an :class:`Fp8Input` under a fused profile, which the experts' first GEMMs read). A few
         tokens on a GPU read the FP4 experts as stored (:meth:`routed_on_stored`), more tokens too, in one grouped
@@ -90,7 +85,7 @@ class MoE(SubLayer):
         y += self.shared_expert(h).float()
         return y.to(BF16)
 
-    def picked_on_device(self, s: ProductionSession, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
+    def picked_on_device(self, s: Session, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` for one token with no host read of its expert ids (graph decode): each routed expert's
         weights taken on the device from the model's per-layer stack (``ProductionModel.expert_stack``), in
         ascending expert id as the eager loop adds them."""

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -12,15 +13,56 @@ from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.registry import implementation
 
 if TYPE_CHECKING:
-    from fidelity.decoders.production.model import ProductionModel, ProductionSession
+    from fidelity.decoders.production.cache import LayerCache
+    from fidelity.decoders.production.profiles import Profile
+    from fidelity.model.config import ModelConfig
 
 BF16 = torch.bfloat16
+
+
+class Model(Protocol):
+    """What a sub-layer reads of its model (``model.ProductionModel``): config, profile, device, RoPE frequencies
+    and the weights in the forms its paths read."""
+
+    cfg: ModelConfig
+    profile: Profile
+    device: torch.device
+    freqs: dict[int, torch.Tensor]
+
+    def w(self, name: str) -> torch.Tensor: ...
+    def w_as(self, name: str, dtype: torch.dtype) -> torch.Tensor: ...
+    def gemv_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def stacked_gemv_weight(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def rows(self, names: tuple[str, ...]) -> list[int]: ...
+    def input_stack(self, i: int) -> tuple[torch.Tensor, tuple[str, ...], list[int]] | None: ...
+    def stored_experts(self, i: int) -> tuple | None: ...
+    def expert_stack(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class Session(Protocol):
+    """What a sub-layer reads and writes of the sequence's session (``model.ProductionSession``): its caches,
+    position, this call's state, its policies and its recorder."""
+
+    model: Model
+    cfg: ModelConfig
+    profile: Profile
+    rec: Any
+    layers: list[LayerCache | None]
+    pos: int
+    in_prefill: bool
+    made: dict[str, torch.Tensor]
+    kept: list[torch.Tensor]
+    key_range_end: int | None
+    decode: Any
+    rows: Any
+
+    def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None: ...
 
 
 class SubLayer:
     """Layer ``i`` of ``model`` (a ``ProductionModel``): its config, profile, op lookup and GEMM helpers."""
 
-    def __init__(self, model: ProductionModel, i: int):
+    def __init__(self, model: Model, i: int):
         self.model, self.cfg, self.profile, self.i = model, model.cfg, model.profile, i
         self.fused = self.profile.norm_fusion == "fused"
 
@@ -66,7 +108,7 @@ class SubLayer:
         y = self.op("fp8_weight_linear")(x.xq if isinstance(x, Fp8Input) else x, *stacked, act)
         return tuple(y.split(self.model.rows(names), dim=-1))
 
-    def input_projection(self, s: ProductionSession, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor,
+    def input_projection(self, s: Session, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor,
                          ...] | None:
         """x [n, dim], the layer's attention input, times the bf16 weights ``names`` (of ``input_weights``) -> fp32
         [n, out] each. For a few rows on the GEMV path every such weight of the layer goes through one

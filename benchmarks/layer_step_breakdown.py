@@ -37,14 +37,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_sites  # noqa: E402
 from bench_layer_decode import WARMUP, filled_session, layer_config  # noqa: E402
 
-from fidelity.decoders.production import ProductionModel, registry  # noqa: E402
+from fidelity.decoders.production import ProductionModel, registry, sublayer  # noqa: E402
 from fidelity.decoders.production import model as production_model  # noqa: E402
+from fidelity.decoders.production.attention import Attention  # noqa: E402
+from fidelity.decoders.production.compressor import Compressor  # noqa: E402
+from fidelity.decoders.production.graph_decode import GraphDecode  # noqa: E402
+from fidelity.decoders.production.indexer import Indexer  # noqa: E402
+from fidelity.decoders.production.layer import Layer  # noqa: E402
+from fidelity.decoders.production.mhc import Mhc  # noqa: E402
 from fidelity.decoders.production.model import ProductionSession  # noqa: E402
+from fidelity.decoders.production.moe import MoE  # noqa: E402
 from fidelity.model.synthesize import synthesize  # noqa: E402
 from fidelity.model.weights import expected_tensors, stored_nbytes  # noqa: E402
 
 PARTS = ("block", "mhc_pre", "norm", "attention", "kv_path", "index_decode", "index_query", "compress",
          "attend_decode", "moe", "route", "shared_expert")
+# part -> the methods of the layer objects (and of the graph decode policy) that run it
+METHODS = {"block": ((Layer, "__call__"),), "mhc_pre": ((Mhc, "pre"),), "norm": ((sublayer.SubLayer, "norm"),),
+           "attention": ((Attention, "__call__"),), "kv_path": ((Attention, "kv_path"),),
+           "index_decode": ((Indexer, "decode"), (GraphDecode, "index_picks")), "index_query": ((Indexer, "query"),),
+           "compress": ((Compressor, "__call__"),), "attend_decode": ((Attention, "decode"), (GraphDecode, "attend")),
+           "moe": ((MoE, "__call__"),), "route": ((MoE, "route"),), "shared_expert": ((MoE, "shared_expert"),),
+           "index_prefill": ((Indexer, "prefill"),), "attend_prefill": ((Attention, "prefill"),),
+           "head": ((ProductionSession, "head"),)}
 FP8_KV_ROW = 584  # bytes per KV row in the FP8 cache layout
 # weight groups of a layer: name fragment -> part that reads it
 WEIGHT_PARTS = (("attn.indexer.", "index_decode"), ("attn.compressor.", "compress"), ("attn.", "attention"),
@@ -61,15 +76,18 @@ def _ranged(name: str, fn):
 
 
 def instrument(parts: tuple[str, ...] = PARTS) -> None:
-    """Profiler ranges around the session's ``parts`` (``part:<method>``) and every registered op (``op:<name>``)."""
+    """Profiler ranges around the layer objects' methods of ``parts`` (``part:<part>``, ``METHODS``) and every
+    registered op (``op:<name>``)."""
     for part in parts:
-        setattr(ProductionSession, part, _ranged(f"part:{part}", getattr(ProductionSession, part)))
+        for owner, method in METHODS[part]:
+            setattr(owner, method, _ranged(f"part:{part}", getattr(owner, method)))
     implementation = registry.implementation
 
     def ranged_implementation(name, device=None):
         return _ranged(f"op:{name}", implementation(name, device))
 
-    production_model.implementation = ranged_implementation  # the name the session's ``op`` looks up
+    sublayer.implementation = ranged_implementation  # the name the layer objects' ``op`` looks up
+    production_model.implementation = ranged_implementation  # the session's (the head)
 
 
 def _kernel_us(event) -> float:
@@ -172,7 +190,7 @@ def _breakdown(a: argparse.Namespace) -> int:
     for name in model.ckpt.names():  # every weight generated and dequantized before the profile, not in it
         model.w(name)
     eager = filled_session(model, a.context, seed=0, graph=True)
-    eager.graphs = False  # the graph step's kernels, launched one by one so that each has its Python stack
+    eager.decode.graphs = False  # the graph step's kernels, launched one by one so that each has its Python stack
     for tok in range(WARMUP):
         eager.step(tok)
     sites = _profiled(eager, a.steps, True, out / "trace_eager.json")

@@ -6,9 +6,9 @@ session part and registered op, and the top kernels and host ops.
 
 The model is the preset's slice generated on the GPU (as ``fidelity run --preset flash --layers 4 --device cuda``
 builds it). The decoder prefills ``--context`` tokens in ``--chunk``-token chunks unprofiled (which also generates
-every weight it reads), then one more chunk under ``torch.profiler`` with ranges around the session's parts and
-ops (``layer_step_breakdown.instrument``). No recorder: this is the decoder's own time, without the probes. Writes
-DIR/prefill_breakdown.json and prints markdown tables.
+every weight it reads), then one more chunk under ``torch.profiler`` with ranges around the layer objects' parts
+and the ops (``layer_step_breakdown.instrument``). No recorder: this is the decoder's own time, without the probes.
+Writes DIR/prefill_breakdown.json and prints markdown tables.
 """
 
 from __future__ import annotations

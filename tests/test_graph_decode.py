@@ -15,8 +15,8 @@ from fidelity.decoders.base import ContextError
 from fidelity.decoders.production import ProductionModel
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.production.faults import inject
-from fidelity.decoders.production.graph_decode import GraphDecodeSession, window_idx_on_device
-from fidelity.decoders.production.model import _window_decode_idx
+from fidelity.decoders.production.graph_decode import GraphDecodeSession
+from fidelity.decoders.production.shapes import window_decode_idx, window_idx_on_device
 from fidelity.model.config import ModelConfig
 from fidelity.model.sites import Recorder
 from fidelity.model.synthesize import synthesize
@@ -209,9 +209,10 @@ def _no_host_reads() -> Iterator[None]:
 
 def _step_body(session, token: int) -> None:
     """What ``step`` runs between its host-side checks and its bookkeeping, for a token at ``session.pos``."""
-    session.ids_dev.fill_(token)
-    session.pos_dev.fill_(session.pos)
-    session._forward(session.ids_dev, session.pos_dev)
+    policy = session.decode
+    policy.ids_dev.fill_(token)
+    policy.pos_dev.fill_(session.pos)
+    session._forward(policy.ids_dev, policy.pos_dev)
 
 
 def test_graph_decode_step_reads_no_tensor_value_on_the_host(tiny):
@@ -235,7 +236,7 @@ def test_graph_decode_step_reads_no_tensor_value_on_the_host(tiny):
 def test_window_indices_on_device_match_the_host_rule(fault):
     with inject(*([fault] if fault else [])):
         for t in (0, 1, 5, 126, 127, 128, 129, 255, 256, 1000):
-            assert torch.equal(window_idx_on_device(torch.tensor([t]), 128), _window_decode_idx(t, 128)), t
+            assert torch.equal(window_idx_on_device(torch.tensor([t]), 128), window_decode_idx(t, 128)), t
 
 
 def test_graph_decode_refuses_what_it_cannot_run(tiny):

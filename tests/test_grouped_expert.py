@@ -12,7 +12,7 @@ import torch
 
 from fidelity.decoders.production import ProductionModel, ops
 from fidelity.decoders.production.fp8_input import Fp8Input
-from fidelity.decoders.production.model import _by_expert
+from fidelity.decoders.production.moe import by_expert
 from fidelity.model.config import ModelConfig
 from fidelity.model.formats import decode_e8m0
 from fidelity.model.synthesize import synthesize
@@ -38,10 +38,10 @@ def stored_stacks(ckpt, i: int) -> tuple[torch.Tensor, ...]:
 
 
 def per_expert_loop(h, weights, experts, w13, s13, w2, s2, limit, act):
-    """The model's per-expert loop (``ProductionSession.moe`` off the GPU) on these weights: [n, k, dim] bf16."""
+    """The model's per-expert loop (``MoE.forward`` off the GPU) on these weights: [n, k, dim] bf16."""
     f, k = w13.shape[1] // 2, experts.shape[1]
     out = torch.zeros((*experts.shape, w2.shape[1]), dtype=BF16)
-    for e, rows, slot in _by_expert(experts):
+    for e, rows, slot in by_expert(experts):
         w = ops._fp4_dequantized(w13[e], s13[e])
 
         def linear(x, weight, a):
@@ -62,16 +62,17 @@ def test_emulation_gives_the_models_per_expert_loop_bits_on_the_tiny_checkpoint(
     for i in (0, cfg.n_hash_layers):  # a hash layer and a score layer
         assert cfg.is_hash_layer(i) == (i == 0)
         y = (torch.randn(40, cfg.dim, generator=g) * 2).to(BF16)
-        h = session.norm(y, session.model.w(f"layers.{i}.ffn_norm.weight"))
+        layer = session.model.layer(i)
+        h = layer.norm(y, layer.ffn_norm)
         x = h.y if isinstance(h, Fp8Input) else h
-        weights, experts = session.route(i, x, ids)
+        weights, experts = layer.moe.route(session, x, ids)
         picked, order = experts.sort(dim=1)
         got = ops.grouped_expert(h.xq if isinstance(h, Fp8Input) else h, weights.gather(1, order), picked,
                                  *stored_stacks(tiny, i), cfg.swiglu_limit, session.profile.gemm_act,
                                  isinstance(h, Fp8Input))
         assert got.shape == (40, cfg.n_activated_experts, cfg.dim)
-        moe = session.moe(i, h, ids)  # the per-expert loop (no stored experts off the GPU)
-        assert torch.equal(ops.moe_sum(got, session.shared_expert(i, h)).view(torch.int16), moe.view(torch.int16)), i
+        moe = layer.moe.forward(session, h, ids)  # the per-expert loop (no stored experts off the GPU)
+        assert torch.equal(ops.moe_sum(got, layer.moe.shared_expert(h)).view(torch.int16), moe.view(torch.int16)), i
 
 
 @pytest.mark.parametrize("act", ["fp8", "bf16"])
@@ -199,7 +200,7 @@ def test_the_routed_experts_of_a_decode_step_leave_no_reference_cycle(tiny):
     import gc
 
     cfg = tiny.config
-    session = ProductionModel(tiny, "reference", max_context=64).session()
+    moe = ProductionModel(tiny, "reference", max_context=64).layer(cfg.n_hash_layers).moe
     w13, s13, w2, s2 = stored_stacks(tiny, cfg.n_hash_layers)
     f = w13.shape[1] // 2
     stacks = ((w13[:, :f], s13[:, :f]), (w2, s2), (w13[:, f:], s13[:, f:]), (w13, s13))
@@ -210,7 +211,7 @@ def test_the_routed_experts_of_a_decode_step_leave_no_reference_cycle(tiny):
     gc.collect()
     gc.disable()
     try:
-        out = session.routed_on_stored(h, weights, experts, stacks)
+        out = moe.routed_on_stored(h, weights, experts, stacks)
         assert gc.collect() == 0
     finally:
         gc.enable()

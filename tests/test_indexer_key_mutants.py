@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fidelity.mutants import BY_NAME, MutantSettings, gate_failures, run_mutants
 
 from fidelity.decoders.production import ProductionModel
 from fidelity.decoders.production.faults import inject
@@ -15,6 +14,9 @@ from fidelity.decoders.transformers import FAULTS as HF_FAULTS
 from fidelity.model.config import ModelConfig
 from fidelity.model.sites import Recorder
 from fidelity.model.synthesize import synthesize
+from fidelity.studies.detection import gate_failures
+from fidelity.studies.mutant_runs import MutantSettings, run_mutants
+from fidelity.studies.mutants import BY_NAME
 
 TINY = ModelConfig.preset("tiny")
 # V4-Flash's attention and indexer head widths and top-k at a tiny hidden size (layers as tiny: CSA at 2 and 4)

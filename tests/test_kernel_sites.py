@@ -32,7 +32,7 @@ def test_every_op_of_a_decode_step_is_attributed_to_the_decoder_frames_that_ran_
     assert all(op["frames"] and op["frames"][0].startswith(("decoder.py:", "model.py:")) for op in ops)
     heads = [op for op in ops if op["frames"][-1] == "model.py:head"]
     assert any(op["name"] == "aten::matmul" for op in heads)  # the LM head's GEMM, launched in ``head`` itself
-    assert any(f.startswith("model.py:attend_decode") for op in ops for f in op["frames"])
+    assert any(f.startswith("attention.py:decode") for op in ops for f in op["frames"])
 
 
 def test_sites_sum_to_the_attributed_time_and_name_their_frames(tmp_path):

@@ -17,9 +17,9 @@ from fidelity.decoders.production import PROFILES, ProductionModel, ProductionSe
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.production.faults import inject
 from fidelity.decoders.production.graph_decode import GraphDecodeSession
-from fidelity.decoders.production.model import _hca_prefill_idx, _window_prefill_idx
 from fidelity.decoders.production.profiles import load_profile
 from fidelity.decoders.production.registry import implementations_used
+from fidelity.decoders.production.shapes import hca_prefill_idx, window_prefill_idx
 from fidelity.model.config import ModelConfig
 from fidelity.model.formats import dequantize_fp8, quantize_fp8
 from fidelity.model.sites import Recorder, site_template
@@ -421,7 +421,7 @@ def test_session_moe_uses_before_w2_experts(tiny):
     layer, n = 3, 6  # a non-hash layer
     x = torch.randn(n, TINY.dim, generator=torch.Generator().manual_seed(1)).to(BF16)
     ids = torch.arange(2, 2 + n)
-    got = ProductionModel(tiny).session().moe(layer, x, ids)
+    got = ProductionModel(tiny).layer(layer).moe.forward(ProductionModel(tiny).session(), x, ids)
     p = f"layers.{layer}.ffn."
     weights, experts = oracle_gate(x.float(), tiny[p + "gate.weight"].float(), tiny[p + "gate.bias"].float(), None,
                                    ids, TINY)
@@ -667,12 +667,12 @@ def test_prefill_index_tables_are_built_on_the_given_device_with_the_causal_rule
     chunk's HCA table at 1M context is 1 GB of int64; made on the host it was copied over every chunk), with the
     causal rule's values: window positions max(0, p - win + 1) .. p then -1; HCA entries j < (p + 1) // ratio."""
     t, win, ratio = 40, 16, 8
-    assert _window_prefill_idx(t, win, start, device="meta").device.type == "meta"
-    assert _hca_prefill_idx(t, ratio, start, device="meta").device.type == "meta"
+    assert window_prefill_idx(t, win, start, device="meta").device.type == "meta"
+    assert hca_prefill_idx(t, ratio, start, device="meta").device.type == "meta"
     p = torch.arange(start, start + t)[:, None]
     j = torch.arange((start + t) // ratio)[None]
-    assert torch.equal(_hca_prefill_idx(t, ratio, start), torch.where(j < (p + 1) // ratio, j, -1))
-    window = _window_prefill_idx(t, win, start)
+    assert torch.equal(hca_prefill_idx(t, ratio, start), torch.where(j < (p + 1) // ratio, j, -1))
+    window = window_prefill_idx(t, win, start)
     for row, pos in zip(window.tolist(), range(start, start + t), strict=True):
         seen = list(range(max(0, pos - win + 1), pos + 1))
         assert row == seen + [-1] * (window.shape[1] - len(seen))

@@ -4,8 +4,9 @@ Each sequence brings its own session (caches, position) and its tokens for this 
 decode token after its first call; a call may mix both. The rows of every sequence are concatenated in call
 order and everything that does not read a cache runs once over all of them: the embedding, mHC, the norms, the
 q / kv / output projections, RoPE (each row at its own position), the MoE and the head. The attention core runs
-per sequence on its slice of rows over its own caches (``ProductionSession.attn_core``: window ring, compressor
-carries, compressed entries, indexer keys), prefill or decode as that sequence's call is.
+per sequence on its slice of rows over its own caches (``Attention.core``: window ring, compressor carries,
+compressed entries, indexer keys), prefill or decode as that sequence's call is: the shared part is a session
+without caches under the :class:`Batched` rows policy.
 
 Rounding: a GEMM over all the batch's rows may round a sequence's rows differently from the same GEMM over its
 rows alone (the CPU BLAS blocks by row count), so a batched sequence's logits equal its logits alone up to that
@@ -17,46 +18,46 @@ emits them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from fidelity.decoders.production.call_counts import counting
 from fidelity.decoders.production.faults import on
-from fidelity.decoders.production.fp8_input import Fp8Input
-from fidelity.decoders.production.model import ProductionSession, _plain
+from fidelity.decoders.production.model import ProductionSession
 from fidelity.model.sites import record
 
+if TYPE_CHECKING:
+    from fidelity.decoders.production.attention import Attention
 
-class BatchedCall(ProductionSession):
-    """The shared part of a batched call: a session without caches (``own`` empty) whose attention hands each
-    sequence's rows to that sequence's session."""
+
+class Batched:
+    """The rows policy of a batched call's shared part: each sequence's rows (``spans``, in call order) go to that
+    sequence's session, for its attention core and its recorder."""
 
     def __init__(self, sessions: Sequence[ProductionSession], spans: Sequence[slice]):
-        super().__init__(sessions[0].model, None, own=range(0))
         self.sessions, self.spans = list(sessions), list(spans)
         self.recording = any(s.rec is not None for s in sessions)
 
-    def emit(self, template: str, layer: int | None, tensor) -> None:
+    def emit(self, s: ProductionSession, template: str, layer: int | None, tensor) -> None:
         """A site of the shared part (rows of every sequence, in call order): each sequence's rows to its recorder."""
         if not self.recording:
             return
         t = tensor() if callable(tensor) else tensor
-        for s, sl in zip(self.sessions, self.spans, strict=True):
-            record(s.rec, template, layer, t[sl])
+        for seq, sl in zip(self.sessions, self.spans, strict=True):
+            record(seq.rec, template, layer, t[sl])
 
-    def attention(self, i: int, h: torch.Tensor | Fp8Input, positions: torch.Tensor) -> torch.Tensor:
-        """h [n_all, dim] (every sequence's rows) -> bf16 [n_all, dim]; the core per sequence."""
-        qr, q, kv = self.attn_project(i, h, positions)
-        x = _plain(h)
+    def core(self, attn: Attention, s: ProductionSession, x, qr, q, kv, positions) -> torch.Tensor:
+        """Every sequence's attention core on its rows over its own caches -> o [n_all, heads, hd]."""
         if on("batch-key-range"):  # every sequence's indexer key range ends where the first sequence's does
             first = self.sessions[0]
-            for s in self.sessions[1:]:
-                s.key_range_end = first.pos + self.spans[0].stop - self.spans[0].start
-        o = torch.cat([s.attn_core(i, x[sl], qr[sl], q[sl], kv[sl], positions[sl])
-                       for s, sl in zip(self.sessions, self.spans, strict=True)])
-        for s in self.sessions:
-            s.key_range_end = None
-        return self.attn_out(i, o, positions)
+            for seq in self.sessions[1:]:
+                seq.key_range_end = first.pos + self.spans[0].stop - self.spans[0].start
+        o = torch.cat([attn.core(seq, x[sl], qr[sl], q[sl], kv[sl], positions[sl])
+                       for seq, sl in zip(self.sessions, self.spans, strict=True)])
+        for seq in self.sessions:
+            seq.key_range_end = None
+        return o
 
 
 @torch.no_grad()
@@ -77,7 +78,7 @@ def forward_batch(sessions: Sequence[ProductionSession], ids: Sequence[torch.Ten
     device = sessions[0].model.device
     positions = torch.cat([torch.arange(s.pos, s.pos + n, device=device) for s, n in zip(sessions, sizes,
                                                                                         strict=True)])
-    call = BatchedCall(sessions, spans)
+    call = ProductionSession(sessions[0].model, None, own=range(0), rows=Batched(sessions, spans))  # no caches
     try:
         for s, p in zip(sessions, prefill, strict=True):
             s.in_prefill = p

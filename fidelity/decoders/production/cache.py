@@ -307,7 +307,7 @@ class LayerCache:
 
 def decode_gathers(profile: Profile) -> bool:
     """Does decode gather the visible KV rows into a bf16 workspace? Yes for bf16 rows and for an FMHA profile
-    that rounds its inputs; packed FP8 rows with the bf16 FMHA are attended in place (``attend_packed``)."""
+    that rounds its inputs; packed FP8 rows with the bf16 FMHA are attended in place (``Attention.packed``)."""
     return not (profile.kv_storage == "fp8" and profile.fmha == "bf16")
 
 

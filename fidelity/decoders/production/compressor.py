@@ -10,6 +10,7 @@ import torch
 from fidelity.decoders.production.cache import CompressorCarry
 from fidelity.decoders.production.faults import on
 from fidelity.decoders.production.registry import implementation
+from fidelity.decoders.production.sublayer import Model, Session, SubLayer
 
 BF16 = torch.bfloat16
 
@@ -17,8 +18,8 @@ BF16 = torch.bfloat16
 class CompressorWeights(NamedTuple):
     """A compressor's weights: wkv, wgate [coff * d, dim] held in fp32 (their exact bf16 values), ape fp32
     [ratio, coff * d], the RMSNorm weight [d]; ``projected``: this call's (kv, score) fp32 [n, coff * d] where the
-    session computed them with the layer's other projections of the same input (``ProductionSession.
-    input_projection``: one GEMV over the stacked bf16 weights), else None."""
+    layer computed them with its other projections of the same input (``SubLayer.input_projection``: one GEMV
+    over the stacked bf16 weights), else None."""
 
     wkv: torch.Tensor
     wgate: torch.Tensor
@@ -119,3 +120,84 @@ def compress_decode_on_device(x: torch.Tensor, pos: torch.Tensor, weights: Compr
     step = implementation("compressor_decode", x.device)
     entry, _, _ = step(kv, score, weights.ape, carry.kv, carry.score, pos, weights.norm, freqs, eps)
     return entry
+
+
+class Compressor(SubLayer):
+    """Layer i's main compressor (``index=False``: entries of ``ratio`` tokens for the attention) or its indexer's
+    (``index=True``: keys of 4 tokens), its weights resolved when built. Called with a sequence's session ``s``:
+    a prefill chunk pools here, a decode token as the session's decode policy says (``s.decode.compress``)."""
+
+    def __init__(self, model: Model, i: int, index: bool):
+        super().__init__(model, i)
+        pre = f"layers.{i}.attn.indexer.compressor." if index else f"layers.{i}.attn.compressor."
+        self.index, self.names = index, (pre + "wkv.weight", pre + "wgate.weight")
+        self.wkv, self.wgate = (model.w_as(n, torch.float32) for n in self.names)  # fp32 GEMMs: converted once
+        self.ape, self.norm_weight = model.w(pre + "ape"), model.w(pre + "norm.weight")
+        self.ratio = 4 if index else self.cfg.ratio(i)
+        self.freqs = model.freqs[self.cfg.ratio(i)]
+
+    def __call__(self, s: Session, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """New entries of the call's tokens x [n, dim] (main: FP8-rounded nope dims; indexer: Hadamard + FP4),
+        written to the caches; None where no block completes (a decode policy may always return None)."""
+        if s.in_prefill:
+            entries, first = compress_prefill(x, self.weights(s, x), self.carry(s), self.ratio, self.freqs,
+                                              self.cfg.norm_eps, s.pos)
+            return self.store(s, entries, first)
+        return s.decode.compress(self, s, x, positions)
+
+    def decode(self, s: Session, x: torch.Tensor) -> torch.Tensor | None:
+        """One decode token at ``s.pos`` (host position): the entry it completes [1, d], written, else None."""
+        entries, first = compress_decode(x, s.pos, self.weights(s, x), self.carry(s), self.ratio, self.freqs,
+                                         self.cfg.norm_eps)
+        return self.store(s, entries, first)
+
+    def weights(self, s: Session, x: torch.Tensor) -> CompressorWeights:
+        """The weights with this call's projections of x where the layer made them in one launch."""
+        projected = self.input_projection(s, x, self.names)
+        return CompressorWeights(self.wkv, self.wgate, self.ape, self.norm_weight, projected)
+
+    def carry(self, s: Session) -> CompressorCarry:
+        """The sequence's fp32 carry of this compressor (fault ``compressor-no-used-length``: emptied at pos > 0)."""
+        cache = s.layers[self.i]
+        carry = cache.index_carry if self.index else cache.carry
+        if on("compressor-no-used-length") and s.pos > 0:  # fault: no used length, so nothing carried over
+            carry.kv.zero_()
+            carry.score.fill_(float("-inf"))
+        return carry
+
+    def round(self, entries: torch.Tensor) -> torch.Tensor:
+        """New entries as their cache stores them: indexer keys Hadamard-rotated and rounded to the profile's
+        format, main entries with FP8-rounded nope dims."""
+        if not self.index:
+            return self.op("kv_round")(entries, self.cfg.rope_head_dim, self.profile.kv_nope,
+                                       self.profile.kv_scale_floor)
+        rotate = self.profile.hadamard == "on" and not on("hadamard-q-only")
+        entries = self.op("indexer_round")(entries, self.profile.indexer_qk, rotate)
+        if on("indexer-key-width"):
+            entries = entries.clone()
+            entries[:, -self.cfg.rope_head_dim :] = 0
+        return entries
+
+    def store(self, s: Session, entries: torch.Tensor | None, first: int) -> torch.Tensor | None:
+        """Entries ids first.. [k, d] rounded and written to the sequence's key store or compressed KV rows."""
+        if entries is None:
+            return None
+        entries = self.round(entries)
+        cache = s.layers[self.i]
+        if self.index:
+            stored = entries
+            if s.in_prefill and on("indexer-key-stride"):
+                stored = at_kv_stride(entries, self.cfg.head_dim // self.cfg.index_head_dim)
+            cache.keys.write(slice(first, first + len(entries)), stored)
+        else:
+            cache.kv.write(slice(cache.window + first, cache.window + first + len(entries)), entries)
+        return entries
+
+
+def at_kv_stride(entries: torch.Tensor, r: int) -> torch.Tensor:
+    """Fault ``indexer-key-stride``: a prefill call's new keys [n, d] as its key slots hold them when the writer
+    steps one KV row (head_dim) per key and the reader one key row (index_head_dim): key s in slot s * r (r =
+    head_dim / index_head_dim), the keys whose slot falls past the call's n lost, the other slots zero."""
+    out = torch.zeros_like(entries)
+    out[::r] = entries[: -(-len(entries) // r)]
+    return out

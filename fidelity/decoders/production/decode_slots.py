@@ -4,7 +4,7 @@ the causal limit ``(t+1)//4`` on CSA layers, every entry ``j < (t+1)//ratio`` on
 indices into the layer's KV store (a -1 slot reads row 0, which the attention never uses) and the attention's
 local indices (the row in the gathered buffer, -1 where none).
 
-:func:`decode_slots` gives what ``ProductionSession.attend_decode`` builds from ``window_idx_on_device`` and the
+:func:`decode_slots` gives what ``Attention.decode`` builds from ``shapes.window_idx_on_device`` and the
 masked picks in about twenty small torch kernels; :func:`decode_idx` gives the same slots as indices into the store
 itself, for an attention that reads the store's rows where they are; :func:`mask_past` hides the compressed entries
 past the causal limit from the indexer's scores. Each is an op of the op table (``registry.OPS``): the emulation in

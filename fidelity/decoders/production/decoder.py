@@ -409,7 +409,7 @@ INDEXER_SITES = frozenset(t for t in SITES if t.startswith("L{i}.indexer."))  # 
 
 def recorded_sites(profile: Profile, cfg: ModelConfig) -> frozenset[str]:
     """The site templates a production session records under ``profile`` on ``cfg``: every site, less the stored
-    KV rows (``attn.kv_cache``) unless the profile stores them packed FP8 (``ProductionSession.emit_kv_cache``), the
+    KV rows (``attn.kv_cache``) unless the profile stores them packed FP8 (``Attention.emit_kv_cache``), the
     indexer's without a CSA layer, the compressed entries without a compressed layer, and the gate's selection
     scores where every layer is hash-routed."""
     ratios = set(cfg.compress_ratios[: cfg.n_layers])

@@ -1,7 +1,8 @@
 """Graph decode: the production decode step with every shape fixed by ``max_context`` and the position held in
 a device tensor, so that the step has no host sync and, on CUDA, is captured once in a CUDA graph and replayed.
 
-Same numerics as :class:`~fidelity.decoders.production.model.ProductionSession` (tested bit for bit on the CPU):
+Same numerics as the eager session (``policies.EagerDecode``; tested bit for bit on the CPU). The step is a decode
+policy, :class:`GraphDecode`, over the same layer objects:
 
 * the compressors run every step and the entry of the block ending at the token is written only where the
   block completes (``write_at_block_end``: a device-side condition), so the caches hold exactly the eager
@@ -24,7 +25,7 @@ Sites: a decode step emits every site the eager session's does, with the same na
 bit for bit on the CPU). A step that runs (``graphs=False``, and the eager warm-up before a capture) records at
 once; a captured step clones each site its recorder wants inside the capture, so the clone is a graph output that
 every replay refreshes, and after each replay the clones go to the recorder. Where the step's tensor has a fixed
-capacity shape, a host-side finisher (:meth:`GraphDecodeSession.finisher`, which knows the position) turns it into
+capacity shape, a host-side finisher (:meth:`GraphDecode.finisher`, which knows the position) turns it into
 the eager record: the index scores cut to the ``(t+1)//4`` visible keys, the visible set cut to the window and
 the entries attended, the compressed entry and indexer key (computed every step) kept only where the block
 completes, else an empty [0, d] record. No site needs an eager replay of a step.
@@ -33,6 +34,7 @@ completes, else an empty [0, d] record. No site needs an eager replay of a step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,18 +43,17 @@ from fidelity.decoders.production.call_counts import counting
 from fidelity.decoders.production.compressor import compress_decode_on_device
 from fidelity.decoders.production.decode_slots import decode_idx, decode_slots, mask_past
 from fidelity.decoders.production.faults import on
-from fidelity.decoders.production.fp8_input import Fp8Input
-from fidelity.decoders.production.model import (
-    ProductionModel,
-    ProductionSession,
-    _pad,
-    _plain,
-    _topk_cap,
-    _unrotated,
-    _visible,
-)
+from fidelity.decoders.production.model import ProductionModel, ProductionSession
+from fidelity.decoders.production.policies import EagerDecode
+from fidelity.decoders.production.shapes import pad, topk_cap, unrotated, visible, window_idx_on_device
 from fidelity.decoders.production.topk import stable_topk
 from fidelity.model.sites import Recorder, record, site_name
+
+if TYPE_CHECKING:
+    from fidelity.decoders.production.attention import Attention
+    from fidelity.decoders.production.compressor import Compressor
+    from fidelity.decoders.production.indexer import Indexer
+    from fidelity.decoders.production.moe import MoE
 
 SLOT_FAULTS = ("window-127", "window-no-self", "causal-off-by-one")  # faults that move the rows a decode step reads
 GRAPH_FAULTS = ("cache-concat-growth", "decode-buffer-kept")  # faults whose decode step a graph step cannot run
@@ -75,7 +76,8 @@ def _wants_key(rec) -> object:
 
 
 class GraphDecodeSession(ProductionSession):
-    """A session whose decode steps are sync-free and, with ``graphs`` (default: on CUDA), CUDA-graph replays.
+    """A session whose decode steps are sync-free and, with ``graphs`` (default: on CUDA), CUDA-graph replays:
+    a ``ProductionSession`` under the :class:`GraphDecode` policy.
 
     The first step (and the first after the injected faults or an op's selected implementation change) runs
     eagerly, which compiles the kernels and loads the weights, then the step is captured; later steps copy the
@@ -85,7 +87,37 @@ class GraphDecodeSession(ProductionSession):
     capture). ``recorder``: the sites of every call, as ``ProductionSession`` records them (module docstring)."""
 
     def __init__(self, model: ProductionModel, graphs: bool | None = None, recorder: Recorder | None = None):
-        super().__init__(model, recorder)
+        super().__init__(model, recorder, decode=GraphDecode(model, graphs))
+
+    @property
+    def graphs(self) -> bool:
+        return self.decode.graphs
+
+    @property
+    def replays(self) -> int:
+        return self.decode.replays
+
+    @property
+    def captures(self) -> int:
+        return self.decode.captures
+
+    def eager_session(self) -> ProductionSession:
+        """A ``ProductionSession`` that continues this sequence eagerly: the same caches (not copied), position,
+        call count, recorder and counts; this session's graph is dropped."""
+        twin = ProductionSession(self.model, self.rec, own=range(0))  # allocates no cache: it takes these
+        twin.own, twin.layers, twin.pos, twin.calls = self.own, self.layers, self.pos, self.calls
+        twin.counts, twin.kept = self.counts, self.kept
+        self.decode.drop_graph()
+        return twin
+
+
+class GraphDecode(EagerDecode):
+    """The decode policy of graph decode: the position in a device tensor (``pos_dev``), every shape fixed by
+    ``max_context``, the step run, captured or replayed (``graphs``: CUDA graphs, default on CUDA). A prefill
+    stays eager (the policy's pieces are asked only for a decode token, except :meth:`moe` and :meth:`emit`, which
+    run a prefill's rows as the eager session does)."""
+
+    def __init__(self, model: ProductionModel, graphs: bool | None = None):
         dev = model.device
         self.graphs = dev.type == "cuda" if graphs is None else graphs
         if self.graphs and dev.type != "cuda":
@@ -100,217 +132,183 @@ class GraphDecodeSession(ProductionSession):
         self._graph_outputs: list[Output] = []  # the captured step's site clones (graph outputs)
         self._capturing: list[Output] | None = None  # set while a step is being captured
 
-    @torch.no_grad()
-    def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
-        ids = self._check(torch.as_tensor([int(token_id)]), prefill=False, to_device=False)  # copied in place
+    # ---- the step ------------------------------------------------------------------------------------------------
+    def step(self, s: ProductionSession, ids: torch.Tensor) -> torch.Tensor:
         if blocked := graph_blockers():
             raise ValueError(f"fault {blocked[0]}: a step that allocates what it keeps cannot run in a graph decode "
                              "step; use ProductionSession")
         self.ids_dev.copy_(ids)
-        self.pos_dev.fill_(self.pos)
-        if self.rec is not None:
-            self.rec.step = self.calls
-        with counting(self.counts):
-            logits = self._graph_step() if self.graphs else self._forward(self.ids_dev, self.pos_dev)
-        self.pos += 1
-        self.calls += 1
-        return logits[0].clone()
+        self.pos_dev.fill_(s.pos)
+        if s.rec is not None:
+            s.rec.step = s.calls
+        with counting(s.counts):
+            logits = self._graph_step(s) if self.graphs else s._forward(self.ids_dev, self.pos_dev)
+        s.pos += 1
+        s.calls += 1
+        return logits.clone()
 
-    def _graph_step(self) -> torch.Tensor:
-        key = (faults.active(), tuple(sorted(registry.selections().items())), _wants_key(self.rec))
+    def _graph_step(self, s: ProductionSession) -> torch.Tensor:
+        key = (faults.active(), tuple(sorted(registry.selections().items())), _wants_key(s.rec))
         if self._graph is not None and key == self._graph_key:
             self._graph.replay()
             self.replays += 1
             for template, layer, t, finish in self._graph_outputs:  # the replay's sites, from the graph's outputs
-                record(self.rec, template, layer, finish(t) if finish else t)
+                record(s.rec, template, layer, finish(t) if finish else t)
             return self._graph_logits
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # eager step: compiles, loads weights, warms cuBLAS on a side stream
-            logits = self._forward(self.ids_dev, self.pos_dev)
+            logits = s._forward(self.ids_dev, self.pos_dev)
         torch.cuda.current_stream().wait_stream(side)
         self._graph, self._graph_outputs = None, []  # the old graph's memory goes before the new one is captured
         graph, self._capturing = torch.cuda.CUDAGraph(), []
         try:
             with torch.cuda.graph(graph):  # records the next steps; runs nothing now
-                self._graph_logits = self._forward(self.ids_dev, self.pos_dev)
+                self._graph_logits = s._forward(self.ids_dev, self.pos_dev)
         finally:
             self._graph_outputs, self._capturing = self._capturing, None
         self._graph, self._graph_key = graph, key
         self.captures += 1
         return logits
 
-    def eager_session(self) -> ProductionSession:
-        """A ``ProductionSession`` that continues this sequence eagerly: the same caches (not copied), position,
-        call count, recorder and counts; this session's graph is dropped."""
-        twin = ProductionSession(self.model, self.rec, own=range(0))  # allocates no cache: it takes these
-        twin.own, twin.layers, twin.pos, twin.calls = self.own, self.layers, self.pos, self.calls
-        twin.counts, twin.kept = self.counts, self.kept
+    def drop_graph(self) -> None:
+        """Let the captured graph and its outputs go (the sequence continues eagerly)."""
         self._graph, self._graph_outputs, self._graph_logits = None, [], None
-        return twin
 
     # ---- sites -------------------------------------------------------------------------------------------------
-    def emit(self, template: str, layer: int | None, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
+    def emit(self, s: ProductionSession, template: str, layer: int | None, tensor) -> None:
         """A decode step's site: a callable evaluated now (inside the step, so inside a capture), finished on the
         host (:meth:`finisher`) and recorded now, or under capture cloned as a graph output, recorded after each
-        replay. A prefill records as ``ProductionSession`` does."""
-        if self.in_prefill or self.rec is None:
-            return super().emit(template, layer, tensor)
+        replay. A prefill records as the eager session does."""
+        if s.in_prefill or s.rec is None:
+            return super().emit(s, template, layer, tensor)
         site = site_name(template, layer)
-        if not self.rec.wants(site):
+        if not s.rec.wants(site):
             return
         t = tensor() if callable(tensor) else tensor
-        finish = self.finisher(template, layer)
+        finish = self.finisher(s, template, layer)
         if self._capturing is not None:
             self._capturing.append((template, layer, t.clone(), finish))
         else:
-            self.rec(site, finish(t) if finish else t)
+            s.rec(site, finish(t) if finish else t)
 
-    def finisher(self, template: str, layer: int | None) -> Finisher | None:
-        """How the decode step's fixed-shape record of ``template`` becomes the eager step's at ``self.pos`` (the
-        step's position, on the host; None: recorded as it is)."""
-        ratio = self.cfg.ratio(layer) if layer is not None else 0
+    def finisher(self, s: ProductionSession, template: str, layer: int | None) -> Finisher | None:
+        """How the decode step's fixed-shape record of ``template`` becomes the eager step's at ``s.pos`` (the
+        step's position, on the host, read when the finisher runs; None: recorded as it is)."""
+        ratio = s.cfg.ratio(layer) if layer is not None else 0
         if template == "L{i}.attn.compressed_kv":  # [1, hd] bf16 -> itself at block end, else [0, hd]
-            return lambda t: t if self._completes(ratio) else t[:0]
+            return lambda t: t if self._completes(s, ratio) else t[:0]
         if template == "L{i}.indexer.keys":  # [1, d] -> itself at block end, else fp32 [0, d] (emit_keys' empty)
-            return lambda t: t if self._completes(4) else t.new_zeros((0, t.shape[-1]), dtype=torch.float32)
+            return lambda t: t if self._completes(s, 4) else t.new_zeros((0, t.shape[-1]), dtype=torch.float32)
         if template == "L{i}.indexer.scores":  # [1, key capacity] -> [1, (t+1)//4], the keys the eager step scores
-            return lambda t: t[:, : (self.pos + 1) // 4]
+            return lambda t: t[:, : (s.pos + 1) // 4]
         if template == "L{i}.attn.visible" and ratio:  # [1, W + capacity] -> [1, W + entries attended]
-            return lambda t: t[:, : self.layers[layer].window + self._entries_attended(ratio)]
+            window = s.layers[layer].window
+            return lambda t: t[:, : window + self._entries_attended(s, ratio)]
         return None
 
-    def _completes(self, ratio: int) -> bool:
-        return (self.pos + 1) % ratio == 0
+    @staticmethod
+    def _completes(s: ProductionSession, ratio: int) -> bool:
+        return (s.pos + 1) % ratio == 0
 
-    def _entries_attended(self, ratio: int) -> int:
-        """The compressed entries the eager decode step at ``self.pos`` attends (the width of its picks)."""
+    @staticmethod
+    def _entries_attended(s: ProductionSession, ratio: int) -> int:
+        """The compressed entries the eager decode step at ``s.pos`` attends (the width of its picks)."""
         if ratio == 4:
-            return min(_topk_cap(self.cfg.index_topk), (self.pos + 1) // 4)
-        return (self.pos + 1) // ratio + (1 if on("causal-off-by-one") and (self.pos + 1) % ratio else 0)
+            return min(topk_cap(s.cfg.index_topk), (s.pos + 1) // 4)
+        return (s.pos + 1) // ratio + (1 if on("causal-off-by-one") and (s.pos + 1) % ratio else 0)
 
-    # ---- the decode pieces that the eager session sizes or branches on the host position ------------------
-    def window_slot(self, win: int) -> torch.Tensor:
+    # ---- the decode pieces that the eager step sizes or branches on the host position --------------------------
+    def window_slot(self, s: ProductionSession, win: int) -> torch.Tensor:
         return self.pos_dev % win
 
-    def decode_window_idx(self, win: int, device: torch.device) -> torch.Tensor:
+    def window_idx(self, s: ProductionSession, win: int, device: torch.device) -> torch.Tensor:
         return window_idx_on_device(self.pos_dev, win)
 
-    def decode_compressed(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.compress(i, x, positions, index=False)
-        if self.cfg.ratio(i) == 4:
-            return self.index_decode(i, x, qr, positions)
-        return self.hca_entries(i)
+    def compressed(self, attn: Attention, s: ProductionSession, x: torch.Tensor, qr,
+                   positions: torch.Tensor) -> torch.Tensor:
+        attn.compressor(s, x, positions)
+        if attn.ratio == 4:
+            return self.below_limit(self.index_picks(attn.indexer, s, x, qr, positions))
+        return self.hca_entries(s, attn)
 
-    def hca_entries(self, i: int) -> torch.Tensor:
-        """HCA layer i's compressed entries the token sees: every id ``j < (t+1)//ratio``, -1 past it [1, capacity]."""
-        ratio = self.cfg.ratio(i)
-        limit = (self.pos_dev + 1) // ratio
+    def hca_entries(self, s: ProductionSession, attn) -> torch.Tensor:
+        """An HCA layer's compressed entries the token sees: every id ``j < (t+1)//ratio``, -1 past it
+        [1, capacity]."""
+        limit = (self.pos_dev + 1) // attn.ratio
         if on("causal-off-by-one"):
-            limit = limit + ((self.pos_dev + 1) % ratio != 0).long()
-        j = torch.arange(self.layers[i].n_compressed, device=self.pos_dev.device)
+            limit = limit + ((self.pos_dev + 1) % attn.ratio != 0).long()
+        j = torch.arange(s.layers[attn.i].n_compressed, device=self.pos_dev.device)
         return torch.where(j < limit, j, -1)[None]
 
-    def compress(self, i: int, x: torch.Tensor, positions: torch.Tensor, index: bool) -> torch.Tensor | None:
-        if self.in_prefill:
-            return super().compress(i, x, positions, index)
-        cache = self.layers[i]
-        weights, carry, ratio, freqs = self.compressor(i, index, x)
-        entry = compress_decode_on_device(x, self.pos_dev, weights, carry, ratio, freqs, self.cfg.norm_eps)
-        entry = self.round_entries(entry, index)
-        if index:
-            cache.keys.write_at_block_end(self.pos_dev, ratio, 0, entry)
-            self.emit("L{i}.indexer.keys", i, lambda: _unrotated(entry, self.profile))
+    def compress(self, compressor: Compressor, s: ProductionSession, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """The token through the compressor every step; its entry written only where the block completes
+        (``write_at_block_end``), recorded through :meth:`finisher`."""
+        cache, i = s.layers[compressor.i], compressor.i
+        entry = compress_decode_on_device(x, self.pos_dev, compressor.weights(s, x), compressor.carry(s),
+                                          compressor.ratio, compressor.freqs, s.cfg.norm_eps)
+        entry = compressor.round(entry)
+        if compressor.index:
+            cache.keys.write_at_block_end(self.pos_dev, compressor.ratio, 0, entry)
+            s.emit("L{i}.indexer.keys", i, lambda: unrotated(entry, s.profile))
         else:
-            cache.kv.write_at_block_end(self.pos_dev, ratio, cache.window, entry)
-            self.emit("L{i}.attn.compressed_kv", i, entry)
+            cache.kv.write_at_block_end(self.pos_dev, compressor.ratio, cache.window, entry)
+            s.emit("L{i}.attn.compressed_kv", i, entry)
         return None
-
-    def index_decode(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.below_limit(self.index_picks(i, x, qr, positions))
 
     def below_limit(self, picks: torch.Tensor) -> torch.Tensor:
         """The indexer's picks [1, k] with those at or past the causal limit ``(t+1)//4`` set to -1."""
         return torch.where(picks >= (self.pos_dev + 1) // 4, -1, picks)
 
-    def index_picks(self, i: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def index_picks(self, indexer: Indexer, s: ProductionSession, x: torch.Tensor, qr,
+                    positions: torch.Tensor) -> torch.Tensor:
         """The indexer's top-k over every key slot with ``j >= (t+1)//4`` scored -inf [1, k]; picks of masked slots
         (fewer visible entries than k) are still in it, at or past the limit."""
-        cache = self.layers[i]
-        q, weights = self.index_query(i, x, qr, positions)
-        self.compress(i, x, positions, index=True)
+        cache, i = s.layers[indexer.i], indexer.i
+        q, weights = indexer.query(s, x, qr, positions)
+        indexer.compressor(s, x, positions)
         n = cache.keys.capacity
-        scores = mask_past(self._scorer(cache.keys, n)(q, weights), self.pos_dev, 4)
-        self.emit("L{i}.indexer.scores", i, scores.float)
-        picks = stable_topk(scores, min(_topk_cap(self.cfg.index_topk), n))
-        self.emit("L{i}.indexer.topk", i, lambda: _pad(self.below_limit(picks), self.cfg.index_topk))
+        scores = mask_past(indexer.scorer(cache.keys, n)(q, weights), self.pos_dev, 4)
+        s.emit("L{i}.indexer.scores", i, scores.float)
+        picks = stable_topk(scores, min(topk_cap(s.cfg.index_topk), n))
+        s.emit("L{i}.indexer.topk", i, lambda: pad(self.below_limit(picks), s.cfg.index_topk))
         return picks
 
-    def attend_decode(self, i, x, qr, q, kv, positions) -> torch.Tensor:
-        """``ProductionSession.attend_decode`` with the attended rows from :func:`decode_idx` (a flat bf16 store:
-        the attention reads the store's rows where they are, nothing gathered) or :func:`decode_slots` (one launch
-        on a GPU each); the torch path while a fault that moves those rows is injected."""
+    def attend(self, attn: Attention, s: ProductionSession, x, qr, q, kv, positions) -> torch.Tensor:
+        """``Attention.decode`` with the attended rows from :func:`decode_idx` (a flat bf16 store: the attention
+        reads the store's rows where they are, nothing gathered) or :func:`decode_slots` (one launch on a GPU
+        each); ``Attention.decode`` under this policy while a fault that moves those rows is injected."""
         if any(on(f) for f in SLOT_FAULTS):
-            return super().attend_decode(i, x, qr, q, kv, positions)
-        cfg, cache, ratio = self.cfg, self.layers[i], self.cfg.ratio(i)
+            return attn.decode(s, x, qr, q, kv, positions)
+        cache, ratio, i = s.layers[attn.i], attn.ratio, attn.i
         cache.kv.write_at_block_end(self.pos_dev, 1, 0, kv, ring=cache.window)  # slot pos % window, on the device
         if cache.kv.fmt == "fp8":
-            self.emit_kv_cache(i, kv, self.window_slot(cache.window))
+            attn.emit_kv_cache(s, kv, self.window_slot(s, cache.window))
         picks = None
         if ratio:
-            self.compress(i, x, positions, index=False)
-            picks = self.index_picks(i, x, qr, positions) if ratio == 4 else None
-        self.emit("L{i}.attn.visible", i, lambda: self.visible(i, picks, positions))
-        sink, scale = self.model.w(f"layers.{i}.attn.attn_sink"), cfg.head_dim**-0.5
+            attn.compressor(s, x, positions)
+            picks = self.index_picks(attn.indexer, s, x, qr, positions) if ratio == 4 else None
+        s.emit("L{i}.attn.visible", i, lambda: self.visible(s, attn, picks, positions))
         if cache.kv.fmt != "fp8" and not cache.kv.block:  # the attention reads the store's rows where they are
             idx = decode_idx(self.pos_dev, picks, cache.window, ratio, cache.n_compressed)
-            return self.op("sparse_attention")(q, cache.kv.rows, idx, sink, scale, self.profile.fmha)
+            return attn.op("sparse_attention")(q, cache.kv.rows, idx, attn.sink, attn.scale, s.profile.fmha)
         rows, local = decode_slots(self.pos_dev, picks, cache.window, ratio, cache.n_compressed)
-        if cache.kv.fmt == "fp8" and self.profile.fmha == "bf16":
-            return self.attend_packed(i, q, torch.where(local >= 0, rows, -1))
+        if cache.kv.fmt == "fp8" and s.profile.fmha == "bf16":
+            return attn.packed(s, q, torch.where(local >= 0, rows, -1))
         _, buf = cache.decode_buffers(rows.shape[0])
         cache.kv.read_into(rows, buf)
-        return self.op("sparse_attention")(q, buf, local, sink, scale, self.profile.fmha)
+        return attn.op("sparse_attention")(q, buf, local, attn.sink, attn.scale, s.profile.fmha)
 
-    def visible(self, i: int, picks: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    def visible(self, s: ProductionSession, attn, picks: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         """Site ``L{i}.attn.visible`` of the step, fixed width [1, W + capacity]: the window's token positions, then
         the entries below the causal limit (the picks on CSA layers, every id on HCA), -1 elsewhere."""
-        ratio, win = self.cfg.ratio(i), self.layers[i].window
-        comp = None if not ratio else self.below_limit(picks) if ratio == 4 else self.hca_entries(i)
-        return _visible(self.decode_window_idx(win, positions.device), comp, positions, win, prefill=False)
+        ratio, win = attn.ratio, s.layers[attn.i].window
+        comp = None if not ratio else self.below_limit(picks) if ratio == 4 else self.hca_entries(s, attn)
+        return visible(self.window_idx(s, win, positions.device), comp, positions, win, prefill=False)
 
-    def moe(self, i: int, h: torch.Tensor | Fp8Input, ids: torch.Tensor) -> torch.Tensor:
-        if h.shape[0] != 1 or self.model.stored_experts(i) is not None:  # the stored-FP4 path is sync-free already
-            return super().moe(i, h, ids)
-        cfg, act, x = self.cfg, self.profile.gemm_act, _plain(h)
-        weights, experts = self.route(i, x, ids)
-        w1, w2, w3 = self.model.expert_stack(i)
-        expert = self.op("expert")
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        order = experts[0].argsort()  # the eager session's ascending expert ids (a token's experts are distinct)
-        for k in range(experts.shape[1]):
-            slot = order[k : k + 1]
-            e = experts[0].index_select(0, slot)
-            y += expert(h, _take(w1, e), _take(w2, e), _take(w3, e), cfg.swiglu_limit,
-                        weights.index_select(1, slot), act, self.linear).float()
-        y += self.shared_expert(i, h).float()
-        return y.to(torch.bfloat16)
-
-
-def _take(stack: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``stack[index[0]]`` (a copy) without reading the index on the host: op ``take`` for the stack's device."""
-    return registry.implementation("take", stack.device)(stack, index)
-
-
-def window_idx_on_device(pos: torch.Tensor, win: int) -> torch.Tensor:
-    """``model._window_decode_idx`` for a position in a device tensor (int64 [1]) -> [1, win] ring slots,
-    oldest first, -1 where the window is not full yet."""
-    j = torch.arange(win, device=pos.device)
-    s = pos % win
-    ring = (j + s + 1) % win
-    if on("window-127"):
-        ring = torch.where(j == 0, -1, ring)
-    idx = torch.where(pos >= win - 1, ring, torch.where(j <= pos, j, -1))[None]
-    if on("window-no-self"):
-        idx = torch.where(idx == s, -1, idx)
-    return idx
+    def moe(self, moe: MoE, s: ProductionSession, h, ids: torch.Tensor) -> torch.Tensor:
+        """One token's MoE with its expert ids kept on the device (``MoE.picked_on_device``); more rows, or experts
+        read as stored (sync-free already), as the eager session runs them."""
+        if h.shape[0] != 1 or s.model.stored_experts(moe.i) is not None:
+            return moe.forward(s, h, ids)
+        return moe.picked_on_device(s, h, ids)

@@ -44,31 +44,44 @@ def place_layers(cfg: ModelConfig, stages: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-class PipelineSession(ProductionSession):
-    """One stage of a pipelined session: ``rank`` of ``world`` processes of the default process group, layers
-    ``place_layers(cfg, world)[rank]``; ``prefill`` / ``step`` are called on every stage with the same ids."""
+class PipelineStage:
+    """The stage policy of rank ``rank`` of ``world``: the session's own layers, the streams received from the
+    previous stage (stage 0: the embedding) and sent to the next, the last stage's logits broadcast to all."""
 
     head_rows_free = False  # every stage receives the whole logits of the call
 
-    def __init__(self, model: ProductionModel, recorder: Recorder | None = None, rank: int | None = None,
-                 world: int | None = None):
-        self.rank = dist.get_rank() if rank is None else rank
-        self.world = dist.get_world_size() if world is None else world
-        super().__init__(model, recorder, own=place_layers(model.cfg, self.world)[self.rank])
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cfg, dev, first = self.cfg, self.model.device, self.own[0]
+    def layers(self, s: ProductionSession) -> range:
+        return s.own
+
+    def enter(self, s: ProductionSession, ids: torch.Tensor) -> torch.Tensor:
         if self.rank == 0:
-            x = self.embed(ids)
-        else:
-            x = torch.empty((len(ids), cfg.hc_mult, cfg.dim), dtype=self.res_dtypes[first - 1], device=dev)
-            dist.recv(x, self.rank - 1)
-        for i in self.own:
-            x = self.block(i, x, positions, ids)
+            return s.embed(ids)
+        x = torch.empty((len(ids), s.cfg.hc_mult, s.cfg.dim), dtype=s.res_dtypes[s.own[0] - 1],
+                        device=s.model.device)
+        dist.recv(x, self.rank - 1)
+        return x
+
+    def leave(self, s: ProductionSession, x: torch.Tensor) -> torch.Tensor:
         if self.rank < self.world - 1:
             dist.send(x.contiguous(), self.rank + 1)
-            logits = torch.empty((len(ids), cfg.vocab_size), dtype=torch.float32, device=dev)
+            logits = torch.empty((x.shape[0], s.cfg.vocab_size), dtype=torch.float32, device=s.model.device)
         else:
-            logits = self.head(x)
+            logits = s.head(x)
         dist.broadcast(logits, self.world - 1)
         return logits
+
+
+class PipelineSession(ProductionSession):
+    """One stage of a pipelined session: ``rank`` of ``world`` processes of the default process group, layers
+    ``place_layers(cfg, world)[rank]``, under the :class:`PipelineStage` policy; ``prefill`` / ``step`` are called
+    on every stage with the same ids."""
+
+    def __init__(self, model: ProductionModel, recorder: Recorder | None = None, rank: int | None = None,
+                 world: int | None = None):
+        rank = dist.get_rank() if rank is None else rank
+        world = dist.get_world_size() if world is None else world
+        self.rank, self.world = rank, world
+        super().__init__(model, recorder, own=place_layers(model.cfg, world)[rank], stage=PipelineStage(rank, world))

@@ -1,5 +1,5 @@
 """The MoE output of a few tokens in one launch: each token's routed expert outputs added in fp32 in slot order
-(ascending expert id), then the shared expert's, rounded once to bf16, the order ``ProductionSession.moe`` adds them
+(ascending expert id), then the shared expert's, rounded once to bf16, the order ``MoE.forward`` adds them
 in (so the bits are the torch loop's). Replaces that loop's eleven small kernels per decode step."""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Subpackages, in the order data flows: ``model`` (config, formats, weights, checkpoints, sites, sampler), the
 decoders under test (``decoders``: the built-in ``decoders.production`` and foreign ones), the ``harness`` (runs,
 modes, comparison, judgement), ``outputs`` (run directory, report, plots, comparisons), and the ``testing`` kit for
-your own kernels; ``job``, ``studies`` (scenarios, mutants, recall), ``api`` and ``cli`` sit on top. Each imports only
-from those before it."""
+your own kernels; ``job``, ``studies`` (scenarios, mutants, recall), ``api`` and ``cli`` sit on top, one layer whose
+modules import one another. Each imports only from its own layer and those before it (``tests/test_layout.py``)."""
 
 from importlib import import_module
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from fidelity.decoders import faults
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.decoders.production.faults import FAULTS, inject, on
 from fidelity.model.config import ModelConfig
@@ -98,6 +99,16 @@ def _matrix_of(request, where: tuple[str, str]):
 def test_catalogue_covers_every_fault_once():
     assert sorted(m.name for m in CATALOGUE) == sorted(FAULTS)
     assert len(CATALOGUE) >= 17
+
+
+def test_the_switchboard_describes_every_mutant_as_the_production_catalogue_does():
+    """The studies read what a fault breaks from the switchboard, where the production decoder registered its
+    catalogue; a name no decoder registered cannot be injected."""
+    assert {m.name: m.description for m in CATALOGUE} == FAULTS
+    assert FAULTS.items() <= faults.catalogue().items()
+    with pytest.raises(KeyError, match=r"fault\(s\) \['window-129'\]: expected names from \["):
+        with faults.inject("window-129"):
+            pass
 
 
 def test_every_mutant_names_a_run_of_its_scenario():

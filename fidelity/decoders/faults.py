@@ -20,6 +20,11 @@ def register(catalogue: Mapping[str, str]) -> None:
     _known.update(catalogue)
 
 
+def catalogue() -> dict[str, str]:
+    """Every registered fault: name -> what it breaks (the union of the decoders' catalogues)."""
+    return dict(_known)
+
+
 def on(name: str) -> bool:
     """Is fault ``name`` injected right now?"""
     return name in _ACTIVE.get()

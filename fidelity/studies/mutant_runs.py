@@ -16,7 +16,7 @@ import torch
 
 from fidelity.decoders import default_decoder
 from fidelity.decoders.base import Decoder, raised
-from fidelity.decoders.production.faults import inject
+from fidelity.decoders.faults import inject
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.trace_file import TraceWriter
 from fidelity.harness.judgement import rules_for

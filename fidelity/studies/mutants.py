@@ -1,13 +1,13 @@
 """The mutant catalogue (``fidelity mutants``, docs/mutants.md): known DSv4 port bugs, each planted as a named fault
 and caught where it was planted.
 
-A mutant is a named fault patch point of the production path (``fidelity.decoders.production.faults``) plus where it
-must be caught: the expected first site (regex) and layer (a function of the config: the first layer of the
-kind the fault lives in), the scenario run it is caught in (a run of ``fidelity.studies.catalogue.CATALOGUE``: its
-prompt of the default prompt's ids, prefill chunks and decode steps, or a sequence of a played script) and the run
-options it needs on top to show (a sampler penalty, an end-of-turn token in the stream, the default text as the
-stream, a large max_context). ``fidelity.studies.mutant_runs`` runs them, ``fidelity.studies.detection`` judges
-where each was caught.
+A mutant is a named fault patch point of a decoder (a fault of the switchboard ``fidelity.decoders.faults``, whose
+catalogue the decoders register) plus where it must be caught: the expected first site (regex) and layer (a function
+of the config: the first layer of the kind the fault lives in), the scenario run it is caught in (a run of
+``fidelity.studies.catalogue.CATALOGUE``: its prompt of the default prompt's ids, prefill chunks and decode steps,
+or a sequence of a played script) and the run options it needs on top to show (a sampler penalty, an end-of-turn
+token in the stream, the default text as the stream, a large max_context). ``fidelity.studies.mutant_runs`` runs
+them, ``fidelity.studies.detection`` judges where each was caught.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fidelity.decoders.production.faults import FAULTS
+from fidelity.decoders import faults
 from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import SamplerConfig
 from fidelity.studies.catalogue import CATALOGUE as SCENARIOS
@@ -62,7 +62,7 @@ class Mutant:
 
     @property
     def description(self) -> str:
-        return FAULTS[self.name]
+        return faults.catalogue()[self.name]
 
     @property
     def where(self) -> tuple[str, str]:

@@ -2,15 +2,15 @@
 
 One FP32 oracle prefill over a long context gives each CSA layer's indexer inputs (queries, head weights,
 compressed keys) and attention inputs (queries, window KV, compressed KV) at sampled query positions. Each
-precision then scores the SAME inputs through the production decoder's indexer ops (``ops.indexer_round``,
-``ops.index_scores``, the packed FP4 ``KeyStore``), so only the indexer's number format differs; top-k is a
-run-time choice, so every k reuses the same scores.
+precision then scores the SAME inputs through the production decoder's indexer under that precision's profile
+(``fidelity.decoders.indexer_scores``: its rounding, Hadamard, packed key store and score dtype), so only the
+indexer's number format differs; top-k is a run-time choice, so every k reuses the same scores.
 
 Definitions, per query at position t (causality: compressed entry j is visible iff j < (t+1) // 4):
   k_eff        = min(k, visible entries); recall is over k_eff entries (a query with visible <= k selects every
                  visible entry, recall 1 trivially: ``selective`` is False for it and the summary excludes it).
   E, A         = the exact fp32 top-k_eff (``oracles.indexer.select_topk``) and a precision's top-k_eff
-                 (``production.topk.stable_topk``), both ties to the lower entry id.
+                 (``fidelity.decoders.indexer_topk``), both ties to the lower entry id.
   recall       = |A ∩ E| / k_eff.
   tie recall   = |{a in A : s(a) >= s_k}| / k_eff, s the exact fp32 score and s_k the k_eff-th largest: a pick
                  whose exact score equals the k-th score (in fp32) counts as a hit, since swapping tied entries
@@ -39,9 +39,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fidelity.decoders.production import ops
-from fidelity.decoders.production.cache import KeyStore
-from fidelity.decoders.production.topk import stable_topk
+from fidelity.decoders import indexer_scores, indexer_topk
 from fidelity.decoders.profiles import get_profile
 from fidelity.model.sites import site_name
 from oracles.indexer import index_scores, select_topk
@@ -216,42 +214,27 @@ def exact_scores(inp: LayerInputs, rows: slice = slice(None)) -> torch.Tensor:
 
 
 def precision_scores(inp: LayerInputs, precision: str, rows: slice = slice(None)) -> torch.Tensor:
-    """The index scores [n, e] of ``precision`` on the same inputs, as the production decoder computes them: q, keys
-    and weights in bf16 (the decoder's activations), q and keys Hadamard-rotated and rounded to the profile's
-    format (``ops.indexer_round``), keys read back from a packed ``KeyStore`` where the profile packs them, scores
-    in the profile's dtype (bf16: einsum, ReLU, product and head sum each rounded). -inf where j >= (t+1) // 4."""
+    """The index scores [n, e] of ``precision`` on the same inputs, as the production decoder computes them under
+    the precision's profile (``fidelity.decoders.indexer_scores``: bf16 inputs, Hadamard and the profile's format,
+    packed keys where it packs them, scores in its dtype). -inf where j >= (t+1) // 4."""
     name = PRECISIONS.get(precision, "?")
     if name == "?":
         raise RecallError(f"precision: expected one of {list(PRECISIONS)}, found {precision!r}")
     if name is None:
         return exact_scores(inp, rows)
-    prof = get_profile(name)
-    rotate = prof.hadamard == "on"
-    bf16 = torch.bfloat16
-    q = ops.indexer_round(inp.index_q[rows].to(bf16), prof.indexer_qk, rotate)
-    keys = ops.indexer_round(inp.keys.to(bf16), prof.indexer_qk, rotate)
-    w = inp.index_w[rows].to(bf16)
-    dtype = torch.float32 if prof.index_scores == "fp32" else bf16
-    e = keys.shape[0]
-    if prof.indexer_storage == "packed":
-        store = KeyStore(e, keys.shape[1], prof.indexer_qk, packed=True, device=keys.device)
-        store.write(slice(0, e), keys)
-        packed = store.fp4_slices(e)
-        scores = ops.index_scores_fp4(q, *packed, w, dtype) if packed is not None else \
-            ops.index_scores(q, store.read(slice(0, e)), w, dtype)
-    else:
-        scores = ops.index_scores(q, keys, w, dtype)
-    j = torch.arange(e, device=scores.device)[None]
+    scores = indexer_scores(get_profile(name), inp.index_q[rows], inp.keys, inp.index_w[rows])
+    j = torch.arange(scores.shape[1], device=scores.device)[None]
     return scores.masked_fill(j >= _limit(inp.positions[rows]), float("-inf"))
 
 
 def select(scores: torch.Tensor, positions: torch.Tensor, k: int, exact: bool) -> torch.Tensor:
     """Top-k picks [n, k] int64 of ``scores`` [n, e], -1 past each query's visible entries: the oracle's rule for
-    the exact scores, the production decoder's ``stable_topk`` for a precision's (the same tie order)."""
+    the exact scores, the production decoder's (``fidelity.decoders.indexer_topk``) for a precision's (the same tie
+    order)."""
     if exact:
         return select_topk(scores, positions, RATIO, k)
     kk = min(k, scores.shape[1])
-    picks = stable_topk(scores, kk)
+    picks = indexer_topk(scores, kk)
     picks = torch.where(picks >= _limit(positions), -1, picks)
     return torch.nn.functional.pad(picks, (0, k - kk), value=-1)
 

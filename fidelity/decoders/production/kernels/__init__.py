@@ -2,8 +2,9 @@
 
 Each op's kernel (``fidelity.decoders.production.registry.OPS``) is a ``run`` with the signature of the op's CPU
 emulation and a ``takes`` with the same signature returning why the kernel cannot take those inputs (None: it
-can); the registry dispatches between them and the emulation. Kernel modules import only torch, triton and
-``_common``. Importing this package never fails: without triton the submodules are not imported
+can); the registry dispatches between them and the emulation. Kernel modules import torch, triton, ``_common``,
+the op specs they share with the emulation (``op_spec``) and the kernel modules their allow-list in
+``tests/test_layout.py`` names. Importing this package never fails: without triton the submodules are not imported
 (``HAVE_TRITON`` is False). Every plain Triton kernel here is launched with programmatic dependent launch on
 sm_90 (``_common.py``)."""
 

@@ -234,7 +234,7 @@ def test_the_matrix_and_plot_place_each_first_divergence(plan, tmp_path):
                            (20.0, float(m.loc["chunks 20,20", "first_layer"]))}
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == list(ticks.values())
     md = (tmp_path / "d" / "report.md").read_text()
-    assert "![first divergence](plots/first_divergence.png)" in md
+    assert "](plots/first_divergence.png)" in md  # the plot linked, its caption as the alt text
     assert (tmp_path / "d" / "plots" / "first_divergence.png").read_bytes().startswith(b"\x89PNG")
 
 

@@ -273,6 +273,7 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
         site_ctx, n_common = ctx, len(t)
         keep = _comparable_rows(site, r, t, ref, test, rows, selections, routings)
         if keep is not None:
+            keep = keep.to(t.device)  # masks made from the oracle's records sit on the oracle's device
             r, t, site_ctx = r[keep], t[keep], {**ctx, "positions": ctx["positions"][keep], "keep": keep}
         if counts.get("shape_mismatch") is not None or (site.endswith(".scores") and r.shape != t.shape):
             continue  # scores are compared through indexer recall (widths differ when the oracle pads)

@@ -41,7 +41,7 @@ import torch
 
 from fidelity.decoders import indexer_scores, indexer_topk
 from fidelity.decoders.profiles import get_profile
-from fidelity.model.sites import site_name
+from fidelity.model.sites import SITE, site_name
 from oracles.indexer import index_scores, select_topk
 from oracles.model import OracleModel
 from probes.sets import gather_or
@@ -196,9 +196,9 @@ def collect_inputs(oracle: OracleModel, ids: torch.Tensor, positions: torch.Tens
         if progress is not None:
             progress(f"oracle prefill {s + len(part)}/{len(ids)} tokens")
     dev = oracle.device
-    return {i: LayerInputs(i, positions.to(dev), rec.get("L{i}.indexer.q", i), rec.get("L{i}.indexer.weights", i),
-                           rec.get("L{i}.indexer.keys", i), rec.get("L{i}.attn.q", i), rec.get("L{i}.attn.kv", i),
-                           rec.get("L{i}.attn.compressed_kv", i), oracle.w(f"layers.{i}.attn.attn_sink"),
+    return {i: LayerInputs(i, positions.to(dev), rec.get(SITE.indexer_q, i), rec.get(SITE.indexer_weights, i),
+                           rec.get(SITE.indexer_keys, i), rec.get(SITE.attn_q, i), rec.get(SITE.attn_kv, i),
+                           rec.get(SITE.attn_compressed_kv, i), oracle.w(f"layers.{i}.attn.attn_sink"),
                            cfg.window_size)
             for i in layers}
 

@@ -14,6 +14,7 @@ from fidelity.decoders.production.indexer import QUERY_CHUNK, Indexer
 from fidelity.decoders.production.rope_freqs import rope_inv_freq
 from fidelity.decoders.production.shapes import hca_prefill_idx, plain, visible, window_prefill_idx
 from fidelity.decoders.production.sublayer import BF16, Model, Session, SubLayer
+from fidelity.model.sites import SITE
 
 
 class Attention(SubLayer):
@@ -64,8 +65,8 @@ class Attention(SubLayer):
         q = q.unflatten(-1, (cfg.n_heads, cfg.head_dim))
         q = self.op("apply_rope")(self.op("rms_norm_weightless")(q, cfg.norm_eps), positions, freqs)
         kv = self.kv_path(kv_in, positions, freqs)
-        s.emit("L{i}.attn.q", self.i, q)
-        s.emit("L{i}.attn.kv", self.i, kv)
+        s.emit(SITE.attn_q, self.i, q)
+        s.emit(SITE.attn_kv, self.i, kv)
         return qr, q, kv
 
     def kv_path(self, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -89,7 +90,7 @@ class Attention(SubLayer):
                 o = s.decode.attend(self, s, x, qr, q, kv, positions)
         finally:
             s.made = {}
-        s.emit("L{i}.attn.core", self.i, o)
+        s.emit(SITE.attn_core, self.i, o)
         return o
 
     def out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -109,11 +110,11 @@ class Attention(SubLayer):
         (``KVStore.stored_bytes``)."""
         store = s.layers[self.i].kv
         if store.fmt == "fp8":
-            s.emit("L{i}.attn.kv_cache", self.i, lambda: store.stored_bytes(slots, kv))
+            s.emit(SITE.attn_kv_cache, self.i, lambda: store.stored_bytes(slots, kv))
 
     def emit_compressed(self, s: Session, new: torch.Tensor | None, like: torch.Tensor) -> None:
         """Site ``L{i}.attn.compressed_kv``: the call's new entries (an empty [0, hd] record where none)."""
-        s.emit("L{i}.attn.compressed_kv", self.i, new if new is not None else like.new_zeros((0, self.cfg.head_dim)))
+        s.emit(SITE.attn_compressed_kv, self.i, new if new is not None else like.new_zeros((0, self.cfg.head_dim)))
 
     def prefill(self, s: Session, x, qr, q, kv, positions) -> torch.Tensor:
         """A prefill chunk at positions start..start+t-1 (start = s.pos; 0 for the official prefill). The
@@ -138,7 +139,7 @@ class Attention(SubLayer):
             comp = self.indexer.prefill(s, x, qr, positions) if ratio == 4 else \
                 hca_prefill_idx(t, ratio, start, x.device)
         idx = window_prefill_idx(t, win, start, x.device)
-        s.emit("L{i}.attn.visible", self.i, lambda: visible(idx, comp, positions, win, prefill=True))
+        s.emit(SITE.attn_visible, self.i, lambda: visible(idx, comp, positions, win, prefill=True))
         rows = idx - (start - before)  # token positions -> table rows (a position before the table: none)
         idx = torch.where((idx >= 0) & (rows >= 0), rows, -1)
         if comp is not None:
@@ -163,7 +164,7 @@ class Attention(SubLayer):
             cache.spill.append(kv.clone())
         comp = policy.compressed(self, s, x, qr, positions) if self.ratio else None
         idx = policy.window_idx(s, cache.window, x.device)
-        s.emit("L{i}.attn.visible", self.i, lambda: visible(idx, comp, positions, cache.window, prefill=False))
+        s.emit(SITE.attn_visible, self.i, lambda: visible(idx, comp, positions, cache.window, prefill=False))
         win, k = idx.shape[1], idx.shape[1] + (0 if comp is None else comp.shape[1])
         slots, buf = cache.decode_buffers(k)
         slots[:, :win] = idx

@@ -19,7 +19,7 @@ from fidelity.decoders.production.profiles import Profile, profile_dict
 from fidelity.decoders.production.registry import implementations_used
 from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, StopSet
-from fidelity.model.sites import SITES
+from fidelity.model.sites import SITE, SITES
 
 GRAPHS_OFF_CPU = ("off by default on the CPU: CUDA graphs need a CUDA device (graphs=True runs the same fixed-shape "
                   "decode step uncaptured)")
@@ -413,13 +413,13 @@ def recorded_sites(profile: Profile, cfg: ModelConfig) -> frozenset[str]:
     indexer's without a CSA layer, the compressed entries without a compressed layer, and the gate's selection
     scores where every layer is hash-routed."""
     ratios = set(cfg.compress_ratios[: cfg.n_layers])
-    left_out = set() if profile.kv_storage == "fp8" else {"L{i}.attn.kv_cache"}
+    left_out = set() if profile.kv_storage == "fp8" else {SITE.attn_kv_cache}
     if 4 not in ratios:
         left_out |= INDEXER_SITES
     if not ratios - {0}:
-        left_out.add("L{i}.attn.compressed_kv")
+        left_out.add(SITE.attn_compressed_kv)
     if all(cfg.is_hash_layer(i) for i in range(cfg.n_layers)):
-        left_out.add("L{i}.moe.scores")
+        left_out.add(SITE.moe_scores)
     return frozenset(SITES) - left_out
 
 

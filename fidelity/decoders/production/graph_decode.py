@@ -47,7 +47,7 @@ from fidelity.decoders.production.model import ProductionModel, ProductionSessio
 from fidelity.decoders.production.policies import EagerDecode
 from fidelity.decoders.production.shapes import pad, topk_cap, unrotated, visible, window_idx_on_device
 from fidelity.decoders.production.topk import stable_topk
-from fidelity.model.sites import Recorder, record, site_name
+from fidelity.model.sites import SITE, Recorder, record, site_name
 
 if TYPE_CHECKING:
     from fidelity.decoders.production.attention import Attention
@@ -196,13 +196,13 @@ class GraphDecode(EagerDecode):
         """How the decode step's fixed-shape record of ``template`` becomes the eager step's at ``s.pos`` (the
         step's position, on the host, read when the finisher runs; None: recorded as it is)."""
         ratio = s.cfg.ratio(layer) if layer is not None else 0
-        if template == "L{i}.attn.compressed_kv":  # [1, hd] bf16 -> itself at block end, else [0, hd]
+        if template == SITE.attn_compressed_kv:  # [1, hd] bf16 -> itself at block end, else [0, hd]
             return lambda t: t if self._completes(s, ratio) else t[:0]
-        if template == "L{i}.indexer.keys":  # [1, d] -> itself at block end, else fp32 [0, d] (emit_keys' empty)
+        if template == SITE.indexer_keys:  # [1, d] -> itself at block end, else fp32 [0, d] (emit_keys' empty)
             return lambda t: t if self._completes(s, 4) else t.new_zeros((0, t.shape[-1]), dtype=torch.float32)
-        if template == "L{i}.indexer.scores":  # [1, key capacity] -> [1, (t+1)//4], the keys the eager step scores
+        if template == SITE.indexer_scores:  # [1, key capacity] -> [1, (t+1)//4], the keys the eager step scores
             return lambda t: t[:, : (s.pos + 1) // 4]
-        if template == "L{i}.attn.visible" and ratio:  # [1, W + capacity] -> [1, W + entries attended]
+        if template == SITE.attn_visible and ratio:  # [1, W + capacity] -> [1, W + entries attended]
             window = s.layers[layer].window
             return lambda t: t[:, : window + self._entries_attended(s, ratio)]
         return None
@@ -250,10 +250,10 @@ class GraphDecode(EagerDecode):
         entry = compressor.round(entry)
         if compressor.index:
             cache.keys.write_at_block_end(self.pos_dev, compressor.ratio, 0, entry)
-            s.emit("L{i}.indexer.keys", i, lambda: unrotated(entry, s.profile))
+            s.emit(SITE.indexer_keys, i, lambda: unrotated(entry, s.profile))
         else:
             cache.kv.write_at_block_end(self.pos_dev, compressor.ratio, cache.window, entry)
-            s.emit("L{i}.attn.compressed_kv", i, entry)
+            s.emit(SITE.attn_compressed_kv, i, entry)
         return None
 
     def below_limit(self, picks: torch.Tensor) -> torch.Tensor:
@@ -269,9 +269,9 @@ class GraphDecode(EagerDecode):
         indexer.compressor(s, x, positions)
         n = cache.keys.capacity
         scores = mask_past(indexer.scorer(cache.keys, n)(q, weights), self.pos_dev, 4)
-        s.emit("L{i}.indexer.scores", i, scores.float)
+        s.emit(SITE.indexer_scores, i, scores.float)
         picks = stable_topk(scores, min(topk_cap(s.cfg.index_topk), n))
-        s.emit("L{i}.indexer.topk", i, lambda: pad(self.below_limit(picks), s.cfg.index_topk))
+        s.emit(SITE.indexer_topk, i, lambda: pad(self.below_limit(picks), s.cfg.index_topk))
         return picks
 
     def attend(self, attn: Attention, s: ProductionSession, x, qr, q, kv, positions) -> torch.Tensor:
@@ -288,7 +288,7 @@ class GraphDecode(EagerDecode):
         if ratio:
             attn.compressor(s, x, positions)
             picks = self.index_picks(attn.indexer, s, x, qr, positions) if ratio == 4 else None
-        s.emit("L{i}.attn.visible", i, lambda: self.visible(s, attn, picks, positions))
+        s.emit(SITE.attn_visible, i, lambda: self.visible(s, attn, picks, positions))
         if cache.kv.fmt != "fp8" and not cache.kv.block:  # the attention reads the store's rows where they are
             idx = decode_idx(self.pos_dev, picks, cache.window, ratio, cache.n_compressed)
             return attn.op("sparse_attention")(q, cache.kv.rows, idx, attn.sink, attn.scale, s.profile.fmha)

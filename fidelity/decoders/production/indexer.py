@@ -14,6 +14,7 @@ from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.shapes import pad, topk_cap, unrotated
 from fidelity.decoders.production.sublayer import BF16, Model, Session, SubLayer
 from fidelity.decoders.production.topk import stable_topk
+from fidelity.model.sites import SITE
 
 QUERY_CHUNK = 512  # prefill indexer queries per pass (bounds temporaries, not results)
 
@@ -37,11 +38,11 @@ class Indexer(SubLayer):
         q = self.linear(qr, self.wq_b) if q is None else q
         q = self.op("apply_rope")(q.unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim)), positions, self.freqs)
         q = self.op("indexer_round")(q, prof.indexer_qk, prof.hadamard == "on")
-        s.emit("L{i}.indexer.q", self.i, lambda: unrotated(q, prof))
+        s.emit(SITE.indexer_q, self.i, lambda: unrotated(q, prof))
         projected = self.input_projection(s, x, (self.proj_name,))
         logits = projected[0].to(BF16) if projected else x @ self.weights_proj.to(BF16).T  # bf16 GEMM
         weights = logits * (cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
-        s.emit("L{i}.indexer.weights", self.i, weights)
+        s.emit(SITE.indexer_weights, self.i, weights)
         return q, weights
 
     def scorer(self, store: KeyStore, n: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -59,7 +60,7 @@ class Indexer(SubLayer):
         """Site ``L{i}.indexer.keys``: the call's new keys unrotated (an empty [0, d] record where none)."""
         if new is None:
             new = torch.zeros(0, self.cfg.index_head_dim, device=self.model.device)
-        s.emit("L{i}.indexer.keys", self.i, lambda: unrotated(new, self.profile))
+        s.emit(SITE.indexer_keys, self.i, lambda: unrotated(new, self.profile))
 
     @staticmethod
     def keys_visible(s: Session, end: int) -> int:
@@ -87,11 +88,11 @@ class Indexer(SubLayer):
             limit = ((positions[sl] + 1) // 4 + (1 if on("causal-off-by-one") else 0))[:, None]
             j = torch.arange(n, device=x.device)[None]
             scores = scores.masked_fill((j >= limit) | (j < first), float("-inf"))
-            s.emit("L{i}.indexer.scores", self.i, scores.float)
+            s.emit(SITE.indexer_scores, self.i, scores.float)
             picks = stable_topk(scores, k)
             out.append(torch.where((picks >= limit) | (picks < first), -1, picks))
         picks = torch.cat(out)
-        s.emit("L{i}.indexer.topk", self.i, pad(picks, cfg.index_topk))
+        s.emit(SITE.indexer_topk, self.i, pad(picks, cfg.index_topk))
         return picks
 
     def decode(self, s: Session, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,7 @@ class Indexer(SubLayer):
         self.emit_keys(s, self.compressor(s, x, positions))
         n = self.keys_visible(s, s.pos + 1)
         scores = self.scorer(cache.keys, n)(q, weights)
-        s.emit("L{i}.indexer.scores", self.i, scores.float)
+        s.emit(SITE.indexer_scores, self.i, scores.float)
         picks = stable_topk(scores, min(topk_cap(cfg.index_topk), n))
-        s.emit("L{i}.indexer.topk", self.i, lambda: pad(picks, cfg.index_topk))
+        s.emit(SITE.indexer_topk, self.i, lambda: pad(picks, cfg.index_topk))
         return picks

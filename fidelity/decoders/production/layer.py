@@ -10,6 +10,7 @@ from fidelity.decoders.production.mhc import Mhc
 from fidelity.decoders.production.moe import MoE
 from fidelity.decoders.production.shapes import plain
 from fidelity.decoders.production.sublayer import Model, Session, SubLayer
+from fidelity.model.sites import SITE
 
 
 class Layer(SubLayer):
@@ -31,15 +32,15 @@ class Layer(SubLayer):
         i = self.i
         y, post, comb = self.mhc_attn.pre(s, x)
         h = self.norm(y, self.attn_norm)
-        s.emit("L{i}.attn.in", i, plain(h))
+        s.emit(SITE.attn_in, i, plain(h))
         f = self.attn(s, h, positions)
-        s.emit("L{i}.attn.out", i, f)
+        s.emit(SITE.attn_out, i, f)
         x = self.mhc_attn.post(f, x, post, comb)
         y, post, comb = self.mhc_ffn.pre(s, x)
         h = self.norm(y, self.ffn_norm)
-        s.emit("L{i}.moe.in", i, plain(h))
+        s.emit(SITE.moe_in, i, plain(h))
         f = self.moe(s, h, ids)
-        s.emit("L{i}.moe.out", i, f)
+        s.emit(SITE.moe_out, i, f)
         x = self.mhc_ffn.post(f, x, post, comb)
-        s.emit("L{i}.residual", i, x)
+        s.emit(SITE.residual, i, x)
         return x

@@ -11,6 +11,7 @@ from fidelity.decoders.production.fp8_input import Fp8Input
 from fidelity.decoders.production.registry import implementation
 from fidelity.decoders.production.shapes import plain
 from fidelity.decoders.production.sublayer import BF16, Model, Session, SubLayer
+from fidelity.model.sites import SITE
 
 
 class MoE(SubLayer):
@@ -46,9 +47,9 @@ class MoE(SubLayer):
         if on("routing-bias-in-weights") and not hashed:
             weights = _biased_weights(x, self.gate_weight, self.bias, experts, cfg.route_scale)
         if not hashed:
-            s.emit("L{i}.moe.scores", self.i, lambda: _selection_scores(x, self.gate_weight, self.bias))
-        s.emit("L{i}.moe.experts", self.i, experts)
-        s.emit("L{i}.moe.weights", self.i, weights)
+            s.emit(SITE.moe_scores, self.i, lambda: _selection_scores(x, self.gate_weight, self.bias))
+        s.emit(SITE.moe_experts, self.i, experts)
+        s.emit(SITE.moe_weights, self.i, weights)
         return weights, experts
 
     def shared_expert(self, h: torch.Tensor | Fp8Input) -> torch.Tensor:

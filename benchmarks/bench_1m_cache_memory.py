@@ -57,17 +57,23 @@ def analytic(cfg: ModelConfig, context: int) -> int:
     return cache_bytes(cfg, context, *profile_formats(prof), decode_gathers(prof)).total()
 
 
-def full_depth(preset: str, context: int) -> dict:
-    """Part 1: the whole model's session allocated at ``context`` tokens, no weight read."""
-    cfg = ModelConfig.preset(preset)
+def session_on_gpu(cfg: ModelConfig, context: int) -> tuple[ProductionModel, object, int, int, int]:
+    """(model, session, bytes allocated before the model, the model's tables, the session) for ``cfg`` at
+    ``context`` tokens on the GPU, weights lazy."""
     base = allocated()
     model = ProductionModel(synthesize(cfg, seed=0, lazy=True, device="cuda"), PROFILE, max_context=context,
                             device="cuda")
     after_model = allocated()
     session = model.session()
-    after_session = allocated()
+    return model, session, base, after_model - base, allocated() - after_model
+
+
+def full_depth(preset: str, context: int) -> dict:
+    """Part 1: the whole model's session allocated at ``context`` tokens, no weight read."""
+    cfg = ModelConfig.preset(preset)
+    model, session, _, tables, held = session_on_gpu(cfg, context)
     row = {"part": "allocation", "preset": preset, "layers": cfg.n_layers, "context": context,
-           "model_tables": after_model - base, "session": after_session - after_model,
+           "model_tables": tables, "session": held,
            "session_reported": session.cache_bytes(), "analytic": analytic(cfg, context)}
     del session, model
     free_all()
@@ -78,12 +84,7 @@ def prefill_slice(layers: int, context: int, chunk: int) -> dict:
     """Part 2: the Flash slice prefilled to ``context`` tokens in ``chunk``-token calls."""
     cfg = ModelConfig.preset("flash").first_layers(layers)
     torch.cuda.reset_peak_memory_stats()
-    base = allocated()
-    model = ProductionModel(synthesize(cfg, seed=0, lazy=True, device="cuda"), PROFILE, max_context=context,
-                            device="cuda")
-    after_model = allocated()
-    session = model.session()
-    after_session = allocated()
+    model, session, base, tables, held = session_on_gpu(cfg, context)
     ids = torch.randint(3, cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
     t0 = time.perf_counter()
     for s in range(0, context, chunk):
@@ -99,7 +100,7 @@ def prefill_slice(layers: int, context: int, chunk: int) -> dict:
     del model
     free_all()
     return {"part": "prefill", "preset": "flash", "layers": layers, "context": context, "chunk": chunk,
-            "prefill_s": round(seconds, 1), "model_tables": after_model - base, "session": after_session - after_model,
+            "prefill_s": round(seconds, 1), "model_tables": tables, "session": held,
             "analytic": cache, "after_prefill": after_prefill - base, "peak": peak - base,
             "model_after_prefill": model_only - base, "session_after_prefill": after_prefill - model_only,
             "beyond_cache": after_prefill - model_only - cache}

@@ -11,20 +11,13 @@ import torch
 from fidelity.decoders.production import ProductionModel
 from fidelity.decoders.production.faults import inject
 from fidelity.decoders.transformers import FAULTS as HF_FAULTS
-from fidelity.model.config import ModelConfig
 from fidelity.model.sites import Recorder
 from fidelity.model.synthesize import synthesize
 from fidelity.studies.detection import gate_failures
 from fidelity.studies.mutant_runs import MutantSettings, run_mutants
 from fidelity.studies.mutants import BY_NAME
+from tests.flash_heads import FLASH_HEADS, TINY
 
-TINY = ModelConfig.preset("tiny")
-# V4-Flash's attention and indexer head widths and top-k at a tiny hidden size (layers as tiny: CSA at 2 and 4)
-FLASH_HEADS = TINY.replace(
-    vocab_size=256, dim=128, head_dim=512, n_heads=2, o_groups=1, q_lora_rank=128, o_lora_rank=128,
-    moe_inter_dim=128, n_routed_experts=2, n_activated_experts=1, index_n_heads=2, index_head_dim=128,
-    index_topk=512,
-)  # fmt: skip
 KEY_FAULTS = ["indexer-key-width", "indexer-key-stride"]
 FIRST_SITE = {"indexer-key-width": "L2.indexer.keys", "indexer-key-stride": "L2.indexer.scores"}
 PAST_TOPK = 4 * 544  # a prompt with 544 CSA entries: more than top-512, so the selection must choose

@@ -10,14 +10,8 @@ from fidelity.decoders.production.cache import decode_gathers
 from fidelity.decoders.production.cache_sizes import cache_bytes, format_memory, memory_main, profile_formats
 from fidelity.model.config import ModelConfig
 from fidelity.model.synthesize import synthesize
+from tests.flash_heads import FLASH_HEADS, TINY
 
-TINY = ModelConfig.preset("tiny")
-# Flash-shaped heads (512-d KV rows, 128-d indexer keys, top-512) at a tiny width: 584 B FP8 rows, 68 B FP4 keys
-FLASH_HEADS = TINY.replace(
-    vocab_size=256, dim=128, head_dim=512, n_heads=2, o_groups=1, q_lora_rank=128, o_lora_rank=128,
-    moe_inter_dim=128, n_routed_experts=2, n_activated_experts=1, index_n_heads=2, index_head_dim=128,
-    index_topk=512,
-)  # fmt: skip
 PROFILES = ("reference", "fp8-kv-storage", "fp4-indexer-packed", "fp8-indexer:indexer_storage=packed",
             "fp8-fmha:kv_storage=fp8")  # the last gathers its packed FP8 rows (its FMHA rounds the inputs)
 CONTEXTS = (1, 3, 4, 127, 128, 129, 130, 1000, 4097)

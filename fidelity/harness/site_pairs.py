@@ -84,9 +84,9 @@ def _same_routing(site: str, r: torch.Tensor, t: torch.Tensor, ref: Recorder, te
     ``moe.experts``, not a numeric error of the experts."""
     experts = same_layer(SITE.moe_experts, site)
     if experts not in ref.records or experts not in test.records:
-        return torch.ones(len(r), dtype=torch.bool)
-    re_ = ref.get(experts)
-    te = _align(re_, test.get(experts), rows).to(re_.device)
+        return torch.ones(len(r), dtype=torch.bool, device=r.device)
+    re_ = ref.get(experts).to(r.device)  # the oracle's recorder may sit on another device than the pair's rows
+    te = _align(re_, test.get(experts), rows).to(r.device)
     n, width = min(len(re_), len(te)), max(re_.shape[-1], te.shape[-1])
     same = (_pad_ids(re_[:n], width).sort(-1).values == _pad_ids(te[:n], width).sort(-1).values).all(-1)
     return torch.cat((same, same.new_zeros(len(r) - n))) if n < len(r) else same[: len(r)]
@@ -273,7 +273,6 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
         site_ctx, n_common = ctx, len(t)
         keep = _comparable_rows(site, r, t, ref, test, rows, selections, routings)
         if keep is not None:
-            keep = keep.to(t.device)  # masks made from the oracle's records sit on the oracle's device
             r, t, site_ctx = r[keep], t[keep], {**ctx, "positions": ctx["positions"][keep], "keep": keep}
         if counts.get("shape_mismatch") is not None or (site.endswith(".scores") and r.shape != t.shape):
             continue  # scores are compared through indexer recall (widths differ when the oracle pads)

@@ -217,6 +217,8 @@ def cmd_run(args) -> int:
     write_dump = _write_dump(args)
     if args.decode is not None and args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
+    if args.oracle_block is not None and args.oracle_block < 1:
+        raise UsageError(f"--oracle-block: expected >= 1 decode call, found {args.oracle_block}")
     if args.sample_queries is not None and args.sample_queries < 1:
         raise UsageError(f"--sample-queries: expected >= 1 prefill queries, found {args.sample_queries}")
     check_graphs(args.graphs, args.decoder, OPTION_NAMES["graphs"])
@@ -255,6 +257,7 @@ def cmd_run(args) -> int:
                       progress=progress, notify=_notify, names=OPTION_NAMES, sampler=sampler,
                       stop_ids=_stops(args, plan.config), max_context=args.max_context,
                       sample_queries=args.sample_queries, oracle_device=args.oracle_device,
+                      oracle_block=args.oracle_block,
                       tokenizer=str(tok) if tok else None, graphs=args.graphs, **extra)
         finally:
             progress.close()  # ends a bar (a run that stopped on a stop token, or one interrupted) on its own line
@@ -803,6 +806,10 @@ def build_parser() -> argparse.ArgumentParser:
     _oracle_dtype_arg(r)
     r.add_argument("--max-context", type=int, help="production cache size (default: prompt + decode)")
     r.add_argument("--sample-queries", type=int, help="layer/op modes: oracle on this many prefill queries")
+    r.add_argument("--oracle-block", type=int, metavar="N",
+                   help="decode calls judged together (default 64, oracles.blocks.BLOCK_TOKENS): the oracle modes "
+                        "that do not pick the tokens run them as one causal pass, their probes in one batch; 1: each "
+                        "call as it is made")
     r.add_argument("--prefill-chunk", type=int,
                    help="prompt tokens per prefill call (default: the whole prompt up to 8192 tokens, else 8192 at a "
                         "time)")

@@ -12,9 +12,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from fidelity.model.sites import SITE, Recorder, site_name
+from oracles.blocks import BLOCK_TOKENS, StreamCall, blocks, cat_picks, split_block
 from oracles.model import OracleModel
 from oracles.op_mode import OpReplay
 
@@ -33,6 +36,22 @@ def reported_topk(feed: Recorder, i: int) -> torch.Tensor | None:
     """The decoder's top-k [n, index_topk] of CSA layer i in this call, None when it reports none."""
     site = SITE.indexer_topk.at(i)
     return feed.get(site) if site in feed.records else None
+
+
+def uneven_feed(n_layers: int, hc: int) -> Callable[[StreamCall], bool]:
+    """Whether a call's decoder records lack one row per token at some layer input (layer mode's inputs, its
+    reported top-k): such a call runs alone, as it would call by call, since a block's inputs are cut by rows."""
+
+    def uneven(call: StreamCall) -> bool:
+        n = len(call.ids)
+        try:
+            inputs = [layer_input(call.feed, i, hc) for i in range(n_layers)]
+        except KeyError:
+            return True
+        picks = [reported_topk(call.feed, i) for i in range(n_layers)]
+        return any(len(x) != n for x in inputs) or any(p is not None and len(p) != n for p in picks)
+
+    return uneven
 
 
 class Reference:
@@ -60,4 +79,36 @@ class Reference:
                                         lambda i: reported_topk(feed, i))
         else:
             self.ops.run(ids, feed, rec, rows)
+        return rec
+
+    def run_calls(self, calls: Sequence[StreamCall], limit: int = BLOCK_TOKENS) -> list[Recorder]:
+        """The oracle's records of consecutive calls, as ``run`` of each in turn would give them (up to the rounding
+        of GEMMs over more rows): free and layer modes run each block of ``blocks`` as one causal pass and split its
+        records (``oracles.blocks``); op mode runs call by call (its inputs are each call's own)."""
+        if self.mode == "op":
+            return [self.run(c.ids, c.feed, c.rows) for c in calls]
+        cfg = self.model.cfg
+        alone = uneven_feed(cfg.n_layers, cfg.hc_mult) if self.mode == "layer" else (lambda c: False)
+        out: list[Recorder] = []
+        for group in blocks(calls, limit, alone):
+            block = [calls[k] for k in group]
+            if len(block) == 1:
+                out.append(self.run(block[0].ids, block[0].feed, block[0].rows))
+                continue
+            start, sizes = self.session.pos, [len(c.ids) for c in block]
+            ids = torch.cat([c.ids.long().flatten() for c in block])
+            rec = self._block_records(ids, block)
+            out += split_block(rec, [start + sum(sizes[:k]) for k in range(len(sizes))], sizes, cfg)
+        return out
+
+    def _block_records(self, ids: torch.Tensor, block: Sequence[StreamCall]) -> Recorder:
+        """One causal pass of free or layer mode over the calls of ``block`` (every row), recorded whole."""
+        rec = Recorder(device=None)
+        self.session.rec = rec
+        if self.mode == "free":
+            self.session.forward(ids)
+            return rec
+        hc = self.model.cfg.hc_mult
+        self.session.forward_layers(ids, lambda i: torch.cat([layer_input(c.feed, i, hc) for c in block]), None,
+                                    lambda i: cat_picks([reported_topk(c.feed, i) for c in block]))
         return rec

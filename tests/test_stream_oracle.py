@@ -20,7 +20,8 @@ def test_stream_oracle_metrics_equal_the_call_by_call_oracle_bit_for_bit(tmp_pat
     tables = {}
     for stream in (False, True):
         [decoder] = open_dump(f"sglang-dump:{dump / 'decoder'}", plan.config)
-        res = fidelity.run(decoder, plan, out=tmp_path / "runs", run_id=f"stream-{stream}", oracle_stream=stream)
+        res = fidelity.run(decoder, plan, out=tmp_path / "runs", run_id=f"stream-{stream}", oracle_stream=stream,
+                           oracle_block=1)
         assert res.manifest["oracle_order"] == ("layer by layer over the decoder's known calls" if stream
                                                 else "call by call")
         df = pd.read_parquet(res.run_dir / "metrics.parquet")

@@ -30,14 +30,14 @@ from fidelity.decoders.base import ContextError, Decoder, DecoderError, mode_sup
 from fidelity.decoders.profiles import Profile
 from fidelity.decoders.trace_file import TraceError, TraceWriter
 from fidelity.harness.oracle_run import dtype_name
-from fidelity.harness.site_pairs import SAMPLED_LOGITS, SAMPLED_ROWS_ONLY, Margins, compare_recordings
+from fidelity.harness.site_pairs import SAMPLED_LOGITS, SAMPLED_ROWS_ONLY, Margins, PairBatches, compare_recordings
 from fidelity.harness.thresholds import ROUTING_GAP, ROUTING_GAP_LAYER, SELECTION_MARGIN, kv_scale_floor, profile_class
 from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, SamplerConfig, StopSet
 from fidelity.model.sites import Recorder
 from fidelity.model.weights import expected_tensors
 from oracles import MODES, OracleModel, Reference
-from oracles.stream import StreamCall, StreamReference
+from oracles.stream import BLOCK_TOKENS, StreamCall, StreamReference
 from probes import PeakMemory, collect, memory_stats
 from probes.memory import WARMUP_DECODE_CALLS, allocator_counts, allocator_delta, handed_bytes, held_bytes
 from probes.repetition import repetition
@@ -73,6 +73,9 @@ class RunSpec:
     oracle_stream: bool | None = None
     # the oracle keeps one layer's weights at a time; None: where its fp32 weights exceed 16 GiB (KEEP_ALL_BYTES)
     oracle_one_layer: bool | None = None
+    # decode calls judged together: the oracle's modes that do not pick the tokens run them as one causal pass
+    # (``oracles.blocks``), their probes in one batch; 1: each call judged as it is made; None: BLOCK_TOKENS
+    oracle_block: int | None = None
 
     def chunk_sizes(self) -> list[int]:
         """The prompt's prefill calls: the whole prompt, chunks of ``prefill_chunk`` (the last one shorter), or the
@@ -102,6 +105,8 @@ class RunSpec:
         elif int(self.prompt.min()) < 0 or int(self.prompt.max()) >= vocab:
             p.append(f"prompt: expected token ids in [0, {vocab}), found [{int(self.prompt.min())}, "
                      f"{int(self.prompt.max())}]")
+        if self.oracle_block is not None and self.oracle_block < 1:
+            p.append(f"oracle_block: expected >= 1 call, found {self.oracle_block}")
         if self.sample_queries is not None and "free" in self.modes:
             p.append("sample_queries: applies to layer and op modes only (free mode needs every position)")
         chunk = self.prefill_chunk
@@ -193,7 +198,8 @@ class Runner:
         if self.oracle_stream:  # each layer's weights read once per mode, whatever the number of calls
             for m in ("free", "layer"):
                 if m in self.references:
-                    self.references[m] = StreamReference(self.oracle, m, lambda m=m: self.stream_calls(m))
+                    self.references[m] = StreamReference(self.oracle, m, lambda m=m: self.stream_calls(m),
+                                                         spec.oracle_block or BLOCK_TOKENS)
         self.sampler = Sampler(spec.sampler)  # the oracle side's sampler
         self.prod_sampler = Sampler(spec.sampler)  # the state of the decoder's picks (``Decoder.pick`` uses it)
         self.stops = StopSet.of(spec.stop_ids) if spec.stop_ids is not None else StopSet.from_config(cfg)
@@ -209,6 +215,13 @@ class Runner:
         self.held0: int | None = None  # bytes the decoder held after its last warm-up call
         self.seconds: dict[str, float] = {}
         self.devices = run_devices(spec.device, self.oracle.device)  # synchronized around each timed part
+        # decode calls wait in ``queue`` and are judged ``block`` at a time (``flush``), but for the modes in ``now``:
+        # free mode when the oracle's picks are the stream. A dump writes the oracle's calls in turn with the
+        # decoder's, so it judges each call as it is made.
+        self.now = {"free"} & set(self.references) if spec.stream == "oracle" else set()
+        self.block = 1 if dump is not None else spec.oracle_block or BLOCK_TOKENS
+        self.queue: list[QueuedCall] = []
+        self.deferred_picks: dict[int, tuple[int, torch.Tensor, torch.Tensor, int]] = {}
 
     def run(self) -> tuple[pd.DataFrame, dict]:
         """Every model call in every mode -> (metric rows, manifest). A decoder that raises while it runs a call
@@ -239,7 +252,9 @@ class Runner:
                 logits = self.step(call + 1, torch.tensor([nxt]))
         except DecoderRaised as err:
             stop_reason, ended = "decoder raised", err
+            self.flush()
             self._run_rows("decoder", {"raised": torch.tensor(1.0)}, err.step)
+        self.flush()
         memory["decode"] = peaks.read()
         self.record_repetition()
         df = pd.concat(self.frames, ignore_index=True)
@@ -324,6 +339,8 @@ class Runner:
         if self.dump is not None:
             self.dump.add_call("decoder", step, ids, positions, test_logits, prod_rec)
         out = {"production": test_logits[-1]}
+        if not prefill:
+            return self.queue_call(QueuedCall(step, ids, positions, prod_rec), out)
         pending: dict[str, list[dict]] = {}
         for mode, reference in self.references.items():
             tell(len(pending) + 1, f"oracle, {mode} mode")
@@ -332,8 +349,7 @@ class Runner:
                 rec = reference.run(ids, prod_rec, sampled)
             if mode == "free":
                 out["oracle"] = rec.get("logits")[-1]
-                if self.dump is not None:
-                    self.dump.add_call("oracle", step, ids, positions, rec.get("logits"), rec)
+                self._dump_oracle(step, ids, positions, rec)
             with self._timed(phase, "probes"):
                 pending[mode] = compare_recordings(rec, prod_rec, positions, self.cfg, sampled, prefill,
                                                    self.margins[mode], self.kv_scale_floor)
@@ -343,6 +359,51 @@ class Runner:
                 self.frames.append(pd.DataFrame(collect(rows_, step=step, phase=phase, mode=mode)))
         self.record_memory(step, phase)
         return out
+
+    def queue_call(self, call: QueuedCall, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A decode call made: its decoder memory recorded, the modes in ``now`` run (free mode's logits pick the
+        next token), the rest queued; a full queue is judged."""
+        self.record_memory(call.step, "decode")
+        for mode in self.now:
+            with self._timed("decode", f"oracle {mode}"):
+                call.recs[mode] = self.references[mode].run(call.ids, call.feed)
+            self._dump_oracle(call.step, call.ids, call.positions, call.recs[mode])
+        self.queue.append(call)
+        if len(self.queue) >= self.block:
+            self.flush()
+        if "free" in call.recs:  # judged already: the oracle's logits join the decoder's for the next pick
+            out["oracle"] = call.recs["free"].get("logits")[-1]
+        return out
+
+    def flush(self) -> None:
+        """Judges the queued decode calls: each mode not run yet runs them in blocks (``Reference.run_calls``), then
+        every call's pairs of every mode are compared in one set of batches and moved to the host at once."""
+        queue, self.queue = self.queue, []
+        if not queue:
+            return
+        for mode, reference in self.references.items():
+            if mode in self.now:
+                continue
+            with self._timed("decode", f"oracle {mode}"):
+                recs = reference.run_calls([StreamCall(c.ids, c.feed) for c in queue], self.block)
+            for c, rec in zip(queue, recs, strict=True):
+                c.recs[mode] = rec
+                if mode == "free":
+                    self._dump_oracle(c.step, c.ids, c.positions, rec)
+        with self._timed("decode", "probes"):
+            batches, pending = PairBatches(), []
+            for c in queue:
+                for mode, rec in c.recs.items():
+                    tags = {"step": c.step, "phase": "decode", "mode": mode}
+                    pending += compare_recordings(rec, c.feed, c.positions, self.cfg, None, False, self.margins[mode],
+                                                  self.kv_scale_floor, batches, tags)
+                if c.step in self.deferred_picks:
+                    self._oracle_pick(c.step, c.recs["free"].get("logits")[-1], *self.deferred_picks.pop(c.step))
+            self.frames.append(pd.DataFrame(collect(pending + batches.rows())))
+
+    def _dump_oracle(self, step: int, ids: torch.Tensor, positions: torch.Tensor, rec: Recorder) -> None:
+        if self.dump is not None:
+            self.dump.add_call("oracle", step, ids, positions, rec.get("logits"), rec)
 
     def _run_rows(self, site: str, metrics: dict, step: int) -> None:
         pending = [{"site": site, "layer": -1, "position": None, "metric": k, "value": v} for k, v in metrics.items()]
@@ -432,18 +493,24 @@ class Runner:
             nxt = ref_pick if self.spec.stream == "oracle" and ref_pick is not None else prod_pick
         # the reference sampler on the decoder's own logits: any difference is the decoder's sampler
         impl = torch.tensor(float(self.sampler.pick(logits["production"].float(), hist, k) != prod_pick))
-        metrics = {"sampler_impl_mismatch": impl}
-        if ref_pick is not None:
-            margin = sampler_agreement(logits["oracle"].float(), logits["production"].float(), hist,
-                                       self.spec.sampler, k)["pick_margin"]
-            differ = torch.tensor(float(ref_pick != prod_pick))
-            metrics.update(same_pick=1 - differ, pick_margin=margin,
-                           pick_flip_with_margin=differ * (margin > PICK_FLIP_MARGIN))
-        self._run_rows("sampler", metrics, step)
+        self._run_rows("sampler", {"sampler_impl_mismatch": impl}, step)
         self.picks["decoder"].append(int(prod_pick))
         if ref_pick is not None:
-            self.picks["oracle"].append(int(ref_pick))
+            self._oracle_pick(step, logits["oracle"], k, hist, logits["production"], prod_pick, ref_pick)
+        elif "free" in self.references:  # free mode's logits of this call come when the queue is judged
+            self.deferred_picks[step] = (k, hist, logits["production"], prod_pick)
         return nxt
+
+    def _oracle_pick(self, step: int, oracle: torch.Tensor, k: int, hist: torch.Tensor, production: torch.Tensor,
+                     prod_pick: int, ref_pick: int | None = None) -> None:
+        """The oracle's pick of decode token k (``ref_pick``, else drawn here) from its logits of call ``step``, and
+        how it agrees with the decoder's."""
+        ref_pick = self.sampler.pick(oracle.float(), hist, k) if ref_pick is None else ref_pick
+        margin = sampler_agreement(oracle.float(), production.float(), hist, self.spec.sampler, k)["pick_margin"]
+        differ = torch.tensor(float(ref_pick != prod_pick))
+        self._run_rows("sampler", {"same_pick": 1 - differ, "pick_margin": margin,
+                                   "pick_flip_with_margin": differ * (margin > PICK_FLIP_MARGIN)}, step)
+        self.picks["oracle"].append(int(ref_pick))
 
     def manifest(self, seconds: float, stop_reason: str) -> dict:
         s = self.spec
@@ -465,6 +532,7 @@ class Runner:
             "oracle_device": str(self.oracle.device),
             "oracle_weights": self.oracle.weight_policy,
             "oracle_order": "layer by layer over the decoder's known calls" if self.oracle_stream else "call by call",
+            "oracle_block": self.block,
             "oracle_numerics": self.oracle_numerics,
             "sample_queries": s.sample_queries,
             "cache_bytes": self.dec.cache_bytes(),
@@ -477,6 +545,18 @@ class Runner:
             "seconds_by_part": {k: round(v, 3) for k, v in self.seconds.items()},
             "threads": torch.get_num_threads(),
         }
+
+
+@dataclass
+class QueuedCall:
+    """A decode call made and not judged yet: its tokens, positions, the decoder's records, and the oracle's records
+    of each mode run so far."""
+
+    step: int
+    ids: torch.Tensor
+    positions: torch.Tensor
+    feed: Recorder
+    recs: dict[str, Recorder] = field(default_factory=dict)
 
 
 def run_devices(*devices: str | torch.device) -> tuple[torch.device, ...]:

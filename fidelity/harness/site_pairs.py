@@ -207,12 +207,14 @@ class PairBatches:
     the host: a probe per layer made the comparison of a deep model's step host-bound)."""
 
     def __init__(self) -> None:
-        self.groups: dict[tuple, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        self.groups: dict[tuple, list[tuple[str, torch.Tensor, torch.Tensor, dict | None]]] = {}
 
-    def add(self, probe: str, site: str, ref: torch.Tensor, test: torch.Tensor) -> None:
+    def add(self, probe: str, site: str, ref: torch.Tensor, test: torch.Tensor, tags: dict | None = None) -> None:
+        """``tags``: fields the pair's rows carry (``extra``: a run's step, phase and mode when the pairs of several
+        calls share the batches)."""
         key = (probe, site_template(site), tuple(ref.shape), tuple(test.shape), ref.dtype, test.dtype, ref.device,
                test.device)
-        self.groups.setdefault(key, []).append((site, ref, test))
+        self.groups.setdefault(key, []).append((site, ref, test, tags))
 
     def rows(self) -> list[dict]:
         """Pending rows of every pair added, in the order added within a template."""
@@ -221,11 +223,16 @@ class PairBatches:
             per_batch = max(1, BATCH_ELEMENTS // max(1, pairs[0][1].numel()))
             for s in range(0, len(pairs), per_batch):
                 batch = pairs[s : s + per_batch]
-                metrics = BATCHED_PROBES[probe](torch.stack([r for _, r, _ in batch]),
-                                                torch.stack([t for _, _, t in batch]))
-                for b, (site, _, _) in enumerate(batch):
-                    out += to_rows(site, _layer(site), {k: v[b] for k, v in metrics.items()})
+                metrics = BATCHED_PROBES[probe](torch.stack([p[1] for p in batch]), torch.stack([p[2] for p in batch]))
+                for b, (site, _, _, tags) in enumerate(batch):
+                    rows = to_rows(site, _layer(site), {k: v[b] for k, v in metrics.items()})
+                    out += rows if tags is None else tagged(rows, tags)
         return out
+
+
+def tagged(rows: list[dict], tags: dict) -> list[dict]:
+    """Pending rows carrying ``tags`` as ``extra`` fields (after any they carry)."""
+    return [{**r, "extra": {**r.get("extra", {}), **tags}} for r in rows]
 
 
 @dataclass(frozen=True)
@@ -239,19 +246,24 @@ class Margins:
 
 def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, cfg: ModelConfig,
                        rows: torch.Tensor | None = None, per_position: bool = False,
-                       margins: Margins = Margins(), kv_scale_floor: str = "amax") -> list[dict]:
+                       margins: Margins = Margins(), kv_scale_floor: str = "amax",
+                       batches: PairBatches | None = None, tags: dict | None = None) -> list[dict]:
     """Every site recorded by both: pending probe rows (no host transfer yet). Where the decoder does not report
     a layer's top-k (or its experts), the sites after that selection are compared on the rows whose oracle
     selection is unambiguous at ``margins`` (``_decided_rows``); the others are counted as ``ambiguous_queries``
     at ``indexer.topk`` (``ambiguous_tokens`` at ``moe.experts``). The decoder's stored KV rows are judged on their
-    own (``stored_kv_rows``, with the profile's ``kv_scale_floor``)."""
+    own (``stored_kv_rows``, with the profile's ``kv_scale_floor``). ``batches``: where the ``BATCHED_PROBES`` pairs
+    go, to be computed by the caller with other calls' (``PairBatches.rows``), their rows carrying ``tags``, as the
+    rows returned do; None: computed here."""
     pending: list[dict] = stored_kv_rows(test, cfg, kv_scale_floor) + gate_rows(test, cfg)
     device = next((recs[0][1].device for recs in test.records.values() if recs), positions.device)
     positions, rows = positions.to(device), rows.to(device) if rows is not None else None  # the decoder's device
     sel = positions if rows is None else positions[rows]
     ctx = {"positions": sel, "window": cfg.window_size, "ref": ref, "test": test, "rows": rows,
            "ratios": cfg.compress_ratios}
-    selections, routings, batches, ranked = {}, {}, PairBatches(), []
+    own_batches = batches is None
+    selections, routings, ranked = {}, {}, []
+    batches = PairBatches() if own_batches else _TaggedBatches(batches, tags)
     for i in range(cfg.n_layers):
         agree = _decided_rows(i, SITE.indexer_topk, ref, test, margins.selection, len(sel), device)
         if agree is not None:
@@ -279,7 +291,20 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
         pending += compare_site(site, r, t, site_ctx, per_position, batches)
         if site in test.parts and r.is_floating_point() and site_of(site).probe != "sinkhorn":
             ranked += rank_rows(site, r, test.parts[site], rows, n_common, keep)
-    return pending + batches.rows() + ranked
+    pending += ranked
+    if own_batches:
+        return pending + batches.rows()
+    return pending if tags is None else tagged(pending, tags)
+
+
+class _TaggedBatches:
+    """A ``PairBatches`` seen through one call's ``tags``: what ``compare_site`` adds is tagged."""
+
+    def __init__(self, batches: PairBatches, tags: dict | None):
+        self.batches, self.tags = batches, tags
+
+    def add(self, probe: str, site: str, ref: torch.Tensor, test: torch.Tensor) -> None:
+        self.batches.add(probe, site, ref, test, self.tags)
 
 
 def gate_rows(test: Recorder, cfg: ModelConfig) -> list[dict]:

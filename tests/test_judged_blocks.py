@@ -1,0 +1,43 @@
+"""Decode calls judged in blocks (``RunSpec.oracle_block``: the oracle's free and layer modes over a block as one
+causal pass, every call's probes in one batch) give the metric table of calls judged one at a time: the same rows,
+values equal up to the oracle's GEMM rounding over more rows, the same verdict."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+import fidelity
+from fidelity import cli
+from fidelity.api import plan_checkpoint
+
+KEYS = ["site", "layer", "metric", "step", "phase", "mode", "position"]
+
+
+def _table(res) -> pd.DataFrame:
+    df = pd.read_parquet(res.run_dir / "metrics.parquet")
+    return df[df["site"] != "memory"].drop(columns="run_id")  # allocator bytes differ run to run
+
+
+@pytest.mark.parametrize("stream", ["oracle", "production"])
+def test_calls_judged_in_blocks_give_the_call_by_call_metrics_and_verdict(tmp_path, stream):
+    plan = plan_checkpoint(None)
+    runs = {block: fidelity.run("production", plan, prompt=140, decode_steps=12, out=tmp_path, stream=stream,
+                                run_id=f"block-{block}", oracle_block=block) for block in (1, 5)}
+    assert runs[5].manifest["oracle_block"] == 5 and runs[1].manifest["oracle_block"] == 1
+    assert runs[5].manifest["generated"] == runs[1].manifest["generated"]
+    assert runs[5].verdict == runs[1].verdict
+    both = _table(runs[1]).merge(_table(runs[5]), on=KEYS, how="outer", suffixes=("_alone", "_block"),
+                                 indicator=True)
+    assert (both["_merge"] == "both").all(), both[both["_merge"] != "both"][KEYS].head().to_string()
+    assert len(both) > 20000 and set(both["mode"]) == {"free", "layer", "op"}
+    a, b = both["value_alone"], both["value_block"]
+    same = (a == b) | (a.isna() & b.isna())  # inf sqnr where both are exact; NaN where a metric has no value
+    off = ~same & ~((a - b).abs() <= 1e-3 * a.abs().clip(lower=1.0))
+    assert not off.any(), both[off][[*KEYS, "value_alone", "value_block"]].head().to_string()
+    assert (~same).any()  # the blocks did run as one pass: their rounding shows somewhere
+
+
+def test_an_oracle_block_below_one_is_refused(capsys, tmp_path):
+    assert cli.main(["run", "--oracle-block", "0", "--out", str(tmp_path)]) == 2
+    assert "--oracle-block: expected >= 1 decode call, found 0" in capsys.readouterr().err

@@ -53,6 +53,33 @@ def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
     return out
 
 
+def collect_columns(pending: Iterable[dict[str, Any]], **fields: Any) -> dict[str, list[Any]]:
+    """``collect``'s rows as columns, in the order ``pandas.DataFrame`` gives the rows' keys (a DataFrame's input,
+    built without a dict per row): every key any row has, None where a row lacks it."""
+    pending = list(pending)
+    tensors = [p["value"] for p in pending]
+    tensors += [p["position"] for p in pending if isinstance(p["position"], torch.Tensor)]
+    host = _to_host(tensors)
+    host_pos = iter(host[len(pending) :])
+    cols: dict[str, list[Any]] = {}
+    n = 0
+    for p, vals in zip(pending, host[: len(pending)], strict=True):
+        pos = p["position"]
+        if pos is None:
+            pos, vals = [AGGREGATE], vals[:1]
+        elif isinstance(pos, torch.Tensor):
+            pos = next(host_pos)
+        row = {"site": p["site"], "layer": p["layer"], "metric": p["metric"], **p.get("extra", {}), **fields}
+        for k, v in row.items():
+            cols.setdefault(k, [None] * n).extend([v] * len(vals))
+        cols.setdefault("position", [None] * n).extend(int(t) for t in pos)
+        cols.setdefault("value", [None] * n).extend(vals)
+        n += len(vals)
+        for col in cols.values():
+            col.extend([None] * (n - len(col)))
+    return cols
+
+
 def collect(pending: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:
     """Pending rows (from ``to_rows``) -> tidy rows; ``fields`` (e.g. step=3, phase="decode") are added to each."""
     pending = list(pending)

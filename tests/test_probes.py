@@ -8,6 +8,7 @@ import torch
 from oracles.attention import hca_entries, window_positions
 from probes import (
     collect,
+    collect_columns,
     expected_visible,
     gate_range,
     indexer_recall,
@@ -395,6 +396,20 @@ def test_collect_does_one_transfer_and_builds_tidy_rows(monkeypatch):
     assert [r["position"] for r in per_pos] == list(range(100, 108))
     agg = next(r for r in rows if r["metric"] == "first_true_miss_query")
     assert agg["position"] == -1 and agg["layer"] == 3 and isinstance(agg["value"], float)
+
+
+def test_collect_columns_hold_collects_rows_with_each_rows_own_extra_fields():
+    import pandas as pd
+
+    pending = []
+    for name, metrics in _all_probe_calls("cpu"):
+        pending += to_rows(name, 3, metrics, positions=torch.arange(100, 108))
+    pending[5]["extra"] = {"rank": 1, "ranks": 2}  # a rank's row, as site_pairs.rank_rows makes them
+    pending[9]["extra"] = {"step": 7}  # a row tagged with its own call
+    want = pd.DataFrame(collect(pending, mode="free"))
+    got = pd.DataFrame(collect_columns(pending, mode="free"))
+    assert list(got.columns) == list(want.columns) and len(got) == len(want) > 50
+    pd.testing.assert_frame_equal(got, want)
 
 
 def test_routing_gap_is_the_oracle_score_gap_a_flip_inverts_and_infinite_without_scores():

@@ -30,7 +30,14 @@ from fidelity.decoders.base import ContextError, Decoder, DecoderError, mode_sup
 from fidelity.decoders.profiles import Profile
 from fidelity.decoders.trace_file import TraceError, TraceWriter
 from fidelity.harness.oracle_run import dtype_name
-from fidelity.harness.site_pairs import SAMPLED_LOGITS, SAMPLED_ROWS_ONLY, Margins, PairBatches, compare_recordings
+from fidelity.harness.site_pairs import (
+    SAMPLED_LOGITS,
+    SAMPLED_ROWS_ONLY,
+    Margins,
+    PairBatches,
+    compare_recordings,
+    decoder_rows,
+)
 from fidelity.harness.thresholds import ROUTING_GAP, ROUTING_GAP_LAYER, SELECTION_MARGIN, kv_scale_floor, profile_class
 from fidelity.model.config import ModelConfig
 from fidelity.model.sampling import Sampler, SamplerConfig, StopSet
@@ -38,7 +45,7 @@ from fidelity.model.sites import Recorder
 from fidelity.model.weights import expected_tensors
 from oracles import MODES, OracleModel, Reference
 from oracles.stream import BLOCK_TOKENS, StreamCall, StreamReference
-from probes import PeakMemory, collect, memory_stats
+from probes import PeakMemory, collect_columns, memory_stats
 from probes.memory import WARMUP_DECODE_CALLS, allocator_counts, allocator_delta, handed_bytes, held_bytes
 from probes.repetition import repetition
 from probes.rows import AGGREGATE
@@ -206,6 +213,7 @@ class Runner:
         self.prod_stops = self.dec.stop_set(self.stops)  # an engine's own stop ids, else the run's
         self.run_mode = "free" if "free" in self.modes else self.modes[0]  # label of whole-run rows
         self.frames: list[pd.DataFrame] = []  # one small table per call: compact, unlike a list of row dicts
+        self.run_rows: list[dict] = []  # pending rows of the run's own (``_run_rows``): a few per call
         self.n_prefill = 1  # prefill calls (chunks), set by run()
         self.tokens: list[int] = []
         self.picks: dict[str, list[int]] = {"oracle": [], "decoder": []}  # each model's pick at each step
@@ -257,6 +265,7 @@ class Runner:
         self.flush()
         memory["decode"] = peaks.read()
         self.record_repetition()
+        self.frames.append(pd.DataFrame(collect_columns(self.run_rows)))
         df = pd.concat(self.frames, ignore_index=True)
         manifest = self.manifest(time.perf_counter() - t0, stop_reason)
         if ended is not None:
@@ -356,7 +365,7 @@ class Runner:
         tell(passes, "compared")
         with self._timed(phase, "probes"):
             for mode, rows_ in pending.items():
-                self.frames.append(pd.DataFrame(collect(rows_, step=step, phase=phase, mode=mode)))
+                self.frames.append(pd.DataFrame(collect_columns(rows_, step=step, phase=phase, mode=mode)))
         self.record_memory(step, phase)
         return out
 
@@ -393,21 +402,24 @@ class Runner:
         with self._timed("decode", "probes"):
             batches, pending = PairBatches(), []
             for c in queue:
+                own = decoder_rows(c.feed, self.cfg, self.kv_scale_floor)  # the same in every mode
                 for mode, rec in c.recs.items():
                     tags = {"step": c.step, "phase": "decode", "mode": mode}
                     pending += compare_recordings(rec, c.feed, c.positions, self.cfg, None, False, self.margins[mode],
-                                                  self.kv_scale_floor, batches, tags)
+                                                  self.kv_scale_floor, batches, tags, own)
                 if c.step in self.deferred_picks:
                     self._oracle_pick(c.step, c.recs["free"].get("logits")[-1], *self.deferred_picks.pop(c.step))
-            self.frames.append(pd.DataFrame(collect(pending + batches.rows())))
+            self.frames.append(pd.DataFrame(collect_columns(pending + batches.rows())))
 
     def _dump_oracle(self, step: int, ids: torch.Tensor, positions: torch.Tensor, rec: Recorder) -> None:
         if self.dump is not None:
             self.dump.add_call("oracle", step, ids, positions, rec.get("logits"), rec)
 
     def _run_rows(self, site: str, metrics: dict, step: int) -> None:
-        pending = [{"site": site, "layer": -1, "position": None, "metric": k, "value": v} for k, v in metrics.items()]
-        self.frames.append(pd.DataFrame(collect(pending, step=step, phase=self._phase(step), mode=self.run_mode)))
+        """The run's own rows of call ``step`` (sampler, stops, memory, ...): collected once, when the run ends."""
+        tags = {"step": step, "phase": self._phase(step), "mode": self.run_mode}
+        self.run_rows += [{"site": site, "layer": -1, "position": None, "metric": k, "value": v, "extra": tags}
+                          for k, v in metrics.items()]
 
     def _phase(self, step: int) -> str:
         return "prefill" if step < self.n_prefill else "decode"

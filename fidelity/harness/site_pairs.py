@@ -247,15 +247,17 @@ class Margins:
 def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, cfg: ModelConfig,
                        rows: torch.Tensor | None = None, per_position: bool = False,
                        margins: Margins = Margins(), kv_scale_floor: str = "amax",
-                       batches: PairBatches | None = None, tags: dict | None = None) -> list[dict]:
+                       batches: PairBatches | None = None, tags: dict | None = None,
+                       own: list[dict] | None = None) -> list[dict]:
     """Every site recorded by both: pending probe rows (no host transfer yet). Where the decoder does not report
     a layer's top-k (or its experts), the sites after that selection are compared on the rows whose oracle
     selection is unambiguous at ``margins`` (``_decided_rows``); the others are counted as ``ambiguous_queries``
     at ``indexer.topk`` (``ambiguous_tokens`` at ``moe.experts``). The decoder's stored KV rows are judged on their
     own (``stored_kv_rows``, with the profile's ``kv_scale_floor``). ``batches``: where the ``BATCHED_PROBES`` pairs
     go, to be computed by the caller with other calls' (``PairBatches.rows``), their rows carrying ``tags``, as the
-    rows returned do; None: computed here."""
-    pending: list[dict] = stored_kv_rows(test, cfg, kv_scale_floor) + gate_rows(test, cfg)
+    rows returned do; None: computed here. ``own``: the decoder's rows judged on its own (``decoder_rows``), where the
+    caller computed them once for every mode."""
+    pending: list[dict] = decoder_rows(test, cfg, kv_scale_floor) if own is None else list(own)
     device = next((recs[0][1].device for recs in test.records.values() if recs), positions.device)
     positions, rows = positions.to(device), rows.to(device) if rows is not None else None  # the decoder's device
     sel = positions if rows is None else positions[rows]
@@ -305,6 +307,12 @@ class _TaggedBatches:
 
     def add(self, probe: str, site: str, ref: torch.Tensor, test: torch.Tensor) -> None:
         self.batches.add(probe, site, ref, test, self.tags)
+
+
+def decoder_rows(test: Recorder, cfg: ModelConfig, kv_scale_floor: str) -> list[dict]:
+    """Pending rows of what the decoder's records are judged on alone, whatever the mode: its stored KV rows
+    (``stored_kv_rows``) and its mHC weights' ranges (``gate_rows``)."""
+    return stored_kv_rows(test, cfg, kv_scale_floor) + gate_rows(test, cfg)
 
 
 def gate_rows(test: Recorder, cfg: ModelConfig) -> list[dict]:

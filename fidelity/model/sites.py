@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cache
 from types import SimpleNamespace
 
 import torch
@@ -104,6 +105,7 @@ SITE_TABLE: dict[str, Site] = {
 SITES: dict[str, str] = {template: site.what for template, site in SITE_TABLE.items()}  # in data-flow order
 
 
+@cache  # the names of a model's sites: a few hundred, looked up for every pair compared
 def site_template(name: str) -> str:
     """``L3.attn.q`` -> ``L{i}.attn.q`` (names outside the layers are their own template)."""
     return re.sub(r"^L\d+\.", "L{i}.", name)

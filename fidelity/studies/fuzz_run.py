@@ -99,6 +99,7 @@ def search(space: Space, seed: int, budget_s: float, judge_one: Callable[[Script
         ops, tokens = size(script)
         rows.append({"script": len(rows) + 1, "sequences": len(script.streams), "ops": ops, "tokens": tokens,
                      "oracle": bool(v.oracle), "check": v.check or ("refused" if v.refused else "pass"),
+                     "note": v.note,
                      "seconds": time.perf_counter() - t})
         left = max(0.0, budget_s - (time.perf_counter() - t0))
         tell(f"script {len(rows)}: {len(script.streams)} seq, {ops} ops, {tokens} tokens: "

@@ -186,7 +186,7 @@ def _threads(args, cfg: ModelConfig, device: str = "cpu") -> int:
 def cmd_run(args) -> int:
     _check_device(args.device)
     _check_device(args.oracle_device, "--oracle-device")
-    if args.scenario:
+    if args.scenario or args.scenario_file:
         if args.graphs is not None:
             raise UsageError(f"{'--graphs' if args.graphs else '--no-graphs'}: applies to a run's decoder, not to "
                              "--scenario (drop it; scenario runs take the default: graphs on CUDA)")
@@ -311,12 +311,14 @@ def cmd_scenarios(args) -> int:
     the decoder itself, one combined report directory (fidelity/studies/scenarios.py)."""
     from fidelity.decoders.production import get_profile
     from fidelity.outputs.rundir import check_output, new_run_id
+    from fidelity.studies import scenario_file
     from fidelity.studies.catalogue import check_names
     from fidelity.studies.scenarios import run_scenarios
 
     _check_device(args.device)
+    files = [scenario_file.read(f) for f in (getattr(args, "scenario_file", None) or ())]
     try:
-        scenarios = check_names(args.scenario)
+        scenarios = check_names(args.scenario) if args.scenario or not files else []
         get_profile(args.profile)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -335,8 +337,11 @@ def cmd_scenarios(args) -> int:
     run_id = f"scenarios-{new_run_id()}" if args.run_id is None else args.run_id
     check_output(args.out, run_id, args.overwrite)
     plan = _plan(args)
+    if files:
+        _check_scenario_files(args, plan, files)
+    scenarios += [s for s, _ in files]
     threads = _threads(args, plan.config, args.device)
-    res = run_scenarios(plan, [s.name for s in scenarios], args.decoder, args.out, run_id,
+    res = run_scenarios(plan, scenarios, args.decoder, args.out, run_id,
                         modes=tuple(args.mode or ("free", "layer", "op")), profile=args.profile,
                         decoder_dtype=args.decoder_dtype, device=args.device, overwrite=args.overwrite,
                         progress=lambda line: print(line, file=sys.stderr, flush=True), notify=_notify,
@@ -353,6 +358,72 @@ def cmd_scenarios(args) -> int:
         print(f"SKIPPED {name}: {why}")
     print(f"report: {res.out_dir / 'report.md'} (and report.html, matrix.csv, pairs.csv, plots/, runs/)")
     return 1 if args.gate and not res.passed else 0
+
+
+def _check_scenario_files(args, plan, files) -> None:
+    """Each ``--scenario-file``'s calls against what the decoder can do and the model's context (one line naming
+    the field)."""
+    from fidelity.api import open_decoder
+    from fidelity.studies.scenario_file import check_decoder
+
+    decoder = open_decoder(args.decoder, plan.open(), args.profile, 64, args.device, args.decoder_dtype)
+    for path, (_, script) in zip(args.scenario_file, files, strict=True):
+        check_decoder(script, decoder, plan.config.max_seq_len, path)
+
+
+def cmd_fuzz(args) -> int:
+    """``fidelity fuzz``: call scripts drawn at random, judged against the decoder itself and the oracle, a failing
+    one shrunk and written as a scenario file (fidelity/studies/fuzz_run.py)."""
+    from fidelity.decoders.production import get_profile
+    from fidelity.outputs.rundir import check_output, new_run_id
+    from fidelity.studies.fuzz_run import parse_budget, parse_seed, run_fuzz
+
+    _check_device(args.device)
+    budget = parse_budget(args.budget)
+    shrink_s = parse_budget(args.shrink_budget, "--shrink-budget") if args.shrink_budget else None
+    seed = parse_seed(args.seed)
+    if args.max_context < 2:
+        raise UsageError(f"--max-context: expected >= 2, found {args.max_context}")
+    if not 0 <= args.oracle_rate <= 1:
+        raise UsageError(f"--oracle-rate: expected a share in 0..1, found {args.oracle_rate}")
+    try:
+        get_profile(args.profile)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.decoder not in ("production", "transformers"):
+        raise UsageError(f"--decoder: expected production or transformers for fuzz, found {args.decoder!r}")
+    _require_transformers(args)
+    faults = tuple(args.inject or ())
+    if faults:
+        from fidelity.decoders.production.faults import FAULTS
+
+        if unknown := sorted(set(faults) - set(FAULTS)):
+            raise UsageError(f"--inject: expected faults of the production decoder ({', '.join(sorted(FAULTS))}), "
+                             f"found {', '.join(unknown)}")
+    run_id = f"fuzz-{new_run_id()}" if args.run_id is None else args.run_id
+    check_output(args.out, run_id, args.overwrite)
+    args.seed = 0  # the preset's weights and default prompt; --seed is the search's
+    plan = _plan(args)
+    if args.max_context > plan.config.max_seq_len:
+        raise UsageError(f"--max-context: expected <= the model's context {plan.config.max_seq_len}, found "
+                         f"{args.max_context}")
+    threads = _threads(args, plan.config, args.device)
+    res = run_fuzz(plan, args.decoder, args.out, run_id, seed=seed, budget_s=budget, context=args.max_context,
+                   oracle_rate=args.oracle_rate, modes=tuple(args.mode or ("free", "layer")), shrink_s=shrink_s,
+                   profile=args.profile, decoder_dtype=args.decoder_dtype, device=args.device,
+                   overwrite=args.overwrite, progress=lambda line: print(line, file=sys.stderr, flush=True),
+                   faults=faults)
+    f = res.found
+    print(f"dsv4-fidelity {__version__}: fuzz {args.decoder} ({plan.what}), seed {seed}, {len(res.tried)} scripts in "
+          f"{res.seconds:.0f} s, {threads} thread(s)")
+    if f is None:
+        print("no script failed")
+    else:
+        print(f"FAIL {f.verdict.check} after {f.seconds_to_failure:.0f} s (script {len(res.tried)}); shrunk to "
+              f"{len(f.shrunk.ops)} ops: {f.shrunk_verdict.detail}")
+        print(f"replay: fidelity scenarios --scenario-file {res.out_dir / 'scenario.json'}")
+    print(f"report: {res.out_dir / 'report.md'}")
+    return 1 if args.gate and f is not None else 0
 
 
 def _require_transformers(args) -> None:
@@ -826,6 +897,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--overwrite", action="store_true")
     r.add_argument("--scenario", action="append", metavar="NAME",
                    help="run these scenarios instead (repeatable): the same as fidelity scenarios --scenario NAME")
+    r.add_argument("--scenario-file", action="append", metavar="F",
+                   help="replay this scenario file's call script as a scenario (repeatable; docs/fuzz.md): the same "
+                        "as fidelity scenarios --scenario-file F")
     r.set_defaults(func=cmd_run)
 
     sc = sub.add_parser("scenarios", help="the scenario catalogue (lengths, chunks, decode-boundaries, long-decode, "
@@ -844,6 +918,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--inject", action="append", metavar="FAULT",
                     help="plant this fault of the mutant catalogue in the decoder (repeatable; docs/mutants.md): "
                          "the catalogue must find it")
+    sc.add_argument("--scenario-file", action="append", metavar="F",
+                    help="a scenario file's call script (repeatable; docs/fuzz.md), e.g. the one fidelity fuzz wrote; "
+                         "with no --scenario only the files run")
     sc.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="repeatable (default: all)")
     sc.add_argument("--device", default="cpu", help="the decoder's device (default cpu)")
     sc.add_argument("--out", default="runs", help="parent folder of the report directory (default runs/)")
@@ -852,6 +929,33 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--overwrite", action="store_true")
     _threads_arg(sc)
     sc.set_defaults(func=cmd_scenarios)
+
+    fz = sub.add_parser("fuzz", help="call scripts drawn at random (Hypothesis) judged against the decoder itself "
+                        "and the oracle; a failing one shrunk and written as a scenario file")
+    src = fz.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="checkpoint directory (default: the trained default checkpoint)")
+    src.add_argument("--preset", help="synthesize this preset's random weights instead (seed 0)")
+    fz.add_argument("--layers", type=int, help="keep the preset's first N layers")
+    fz.add_argument("--seed", default="0", help="the search's seed (an integer; the same seed draws the same "
+                    "scripts)")
+    fz.add_argument("--budget", default="10m", help="how long to search: seconds or 90s, 10m, 1h (default 10m; "
+                    "checked before each script)")
+    fz.add_argument("--shrink-budget", help="how long to shrink a failing script (default half --budget)")
+    fz.add_argument("--max-context", type=int, default=1024, help="positions per sequence (default 1024)")
+    fz.add_argument("--oracle-rate", type=float, default=0.1,
+                    help="share of passing scripts also judged against the oracle (default 0.1; failing ones always)")
+    _decoder_args(fz, "production (default) or transformers (DeepseekV4ForCausalLM)", "bf16")
+    fz.add_argument("--profile", default="reference", help="the production decoder's profile")
+    fz.add_argument("--inject", action="append", metavar="FAULT", help="plant this fault of the mutant catalogue")
+    fz.add_argument("--mode", action="append", choices=("free", "layer", "op"),
+                    help="modes of the oracle judgement (repeatable; default free and layer)")
+    fz.add_argument("--device", default="cpu", help="the decoder's device (default cpu)")
+    fz.add_argument("--out", default="runs", help="parent folder of the report directory (default runs/)")
+    fz.add_argument("--run-id", help="the directory's name (default fuzz-<UTC time>-<random>)")
+    fz.add_argument("--gate", action="store_true", help="exit 1 when a script fails")
+    fz.add_argument("--overwrite", action="store_true")
+    _threads_arg(fz)
+    fz.set_defaults(func=cmd_fuzz)
 
     mu = sub.add_parser("mutants", help="inject known DSv4 port bugs, each in its scenario run; which probe "
                         "catches each, and where")

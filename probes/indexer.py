@@ -79,7 +79,8 @@ def indexer_recall(test_topk: torch.Tensor, ref_topk: torch.Tensor, ref_scores: 
     miss_s = gather_or(ref_scores, torch.where(miss, ref_s, -1), float("nan")).to(torch.float64)
     extra_s = gather_or(ref_scores, torch.where(extra & (test_s < e), test_s, -1), float("nan")).to(torch.float64)
     finite = ref_scores.isfinite()
-    scale = torch.where(finite, ref_scores.abs(), 0).amax(dim=-1, keepdim=True).to(torch.float64)
+    scale = (torch.where(finite, ref_scores.abs(), 0).amax(dim=-1, keepdim=True) if e  # no entries yet: none
+             else ref_scores.new_zeros(ref_scores.shape[0], 1)).to(torch.float64)
     near_miss = miss & _near_tie(miss_s, kth, margin, scale)
     true_miss = miss & ~near_miss
     gaps = inversion_gap(miss, miss_s, extra, extra_s, torch.maximum(kth.abs(), scale).squeeze(-1))

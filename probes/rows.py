@@ -71,13 +71,21 @@ def collect_columns(pending: Iterable[dict[str, Any]], **fields: Any) -> dict[st
             pos = next(host_pos)
         row = {"site": p["site"], "layer": p["layer"], "metric": p["metric"], **p.get("extra", {}), **fields}
         for k, v in row.items():
-            cols.setdefault(k, [None] * n).extend([v] * len(vals))
-        cols.setdefault("position", [None] * n).extend(int(t) for t in pos)
-        cols.setdefault("value", [None] * n).extend(vals)
+            _column(cols, k, n).extend([v] * len(vals))
+        _column(cols, "position", n).extend(int(t) for t in pos)
+        _column(cols, "value", n).extend(vals)
         n += len(vals)
         for col in cols.values():
-            col.extend([None] * (n - len(col)))
+            if len(col) < n:
+                col.extend([None] * (n - len(col)))
     return cols
+
+
+def _column(cols: dict[str, list[Any]], key: str, n: int) -> list[Any]:
+    """The column ``key``, new ones holding None for the ``n`` rows before."""
+    if key not in cols:
+        cols[key] = [None] * n
+    return cols[key]
 
 
 def collect(pending: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:

@@ -107,3 +107,27 @@ def _swap_in(tmp: Path, target: Path, overwrite: bool) -> None:
         old.rename(target)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_into_atomic(folder: str | Path, fill: Callable[[Path], None]) -> Path:
+    """Call ``fill(tmp)`` on a temporary folder inside the existing ``folder``, then move each file and folder it
+    wrote into ``folder`` (replacing what is there), each by a rename: none half-written. Any failure removes the
+    temporary folder (an OSError becomes an OutputError naming ``folder``)."""
+    folder = Path(folder)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".report.partial-", dir=folder))
+    except OSError as err:
+        raise OutputError(f"{folder}: cannot write: {err.strerror}") from None
+    try:
+        fill(tmp)
+        for entry in sorted(tmp.iterdir()):
+            dest = folder / entry.name
+            if dest.is_dir() and entry.is_dir():
+                shutil.rmtree(dest)
+            os.replace(entry, dest)
+    except OSError as err:
+        where = f" {Path(str(err.filename)).name}" if err.filename else ""
+        raise OutputError(f"{folder}: cannot write{where}: {err.strerror or err}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

@@ -310,7 +310,6 @@ def cmd_scenarios(args) -> int:
     """``fidelity scenarios`` (and ``fidelity run --scenario NAME``): the catalogue against the oracle and against
     the decoder itself, one combined report directory (fidelity/studies/scenarios.py)."""
     from fidelity.decoders.production import get_profile
-    from fidelity.outputs.rundir import check_output, new_run_id
     from fidelity.studies import scenario_file
     from fidelity.studies.catalogue import check_names
     from fidelity.studies.scenarios import run_scenarios
@@ -334,18 +333,17 @@ def cmd_scenarios(args) -> int:
         if unknown := sorted(set(faults) - set(known)):
             raise UsageError(f"--inject: expected faults of the {args.decoder} decoder ({', '.join(known)}), found "
                              f"{', '.join(unknown)}")
-    run_id = f"scenarios-{new_run_id()}" if args.run_id is None else args.run_id
-    check_output(args.out, run_id, args.overwrite)
+    resume = _job_dir(args, "scenarios")
     plan = _plan(args)
     if files:
         _check_scenario_files(args, plan, files)
     scenarios += [s for s, _ in files]
     threads = _threads(args, plan.config, args.device)
-    res = run_scenarios(plan, scenarios, args.decoder, args.out, run_id,
+    res = run_scenarios(plan, scenarios, args.decoder, args.out or "runs", args.run_id,
                         modes=tuple(args.mode or ("free", "layer", "op")), profile=args.profile,
                         decoder_dtype=args.decoder_dtype, device=args.device, overwrite=args.overwrite,
                         progress=lambda line: print(line, file=sys.stderr, flush=True), notify=_notify,
-                        faults=faults)
+                        faults=faults, resume=resume)
     m, p = res.matrix, res.pairs
     planted = f" with {', '.join(faults)} planted" if faults else ""
     print(f"dsv4-fidelity {__version__}: scenarios {', '.join(s.name for s in scenarios)} on {args.decoder}{planted} "
@@ -356,6 +354,8 @@ def cmd_scenarios(args) -> int:
         print(f"FAIL {line}")
     for name, why in res.skipped.items():
         print(f"SKIPPED {name}: {why}")
+    if res.resumed:
+        print(res.resumed)
     print(f"report: {res.out_dir / 'report.md'} (and report.html, matrix.csv, pairs.csv, plots/, runs/)")
     return 1 if args.gate and not res.passed else 0
 
@@ -424,6 +424,24 @@ def cmd_fuzz(args) -> int:
         print(f"replay: fidelity scenarios --scenario-file {res.out_dir / 'scenario.json'}")
     print(f"report: {res.out_dir / 'report.md'}")
     return 1 if args.gate and f is not None else 0
+
+
+def _job_dir(args, command: str) -> Path | None:
+    """The job directory of ``--resume DIR`` (checked: a job directory of ``command``), or None for a new job whose
+    ``--out`` / ``--run-id`` place is checked here; both before any work. Sets ``args.job_dir`` (where an
+    interrupted job is kept)."""
+    from fidelity.outputs.rundir import check_output, new_run_id
+    from fidelity.studies.jobdir import open_job
+
+    if getattr(args, "resume", None) is not None:
+        given = [f for f, v in (("--out", args.out), ("--run-id", args.run_id), ("--overwrite", args.overwrite)) if v]
+        if given:
+            raise UsageError(f"--resume: continues the job in its own directory; expected no {', '.join(given)}")
+        args.job_dir = open_job(args.resume, command)
+        return args.job_dir
+    args.run_id = f"{command}-{new_run_id()}" if args.run_id is None else args.run_id
+    args.job_dir = check_output(args.out or "runs", args.run_id, args.overwrite)
+    return None
 
 
 def _require_transformers(args) -> None:
@@ -583,11 +601,8 @@ def cmd_mutants(args) -> int:
     from fidelity.api import plural
     from fidelity.decoders.transformers import FAULTS as HF_FAULTS
     from fidelity.decoders.transformers import TransformersDecoder
-    from fidelity.outputs.mutants_report import write_matrix
     from fidelity.outputs.report import md_table
-    from fidelity.outputs.rundir import check_output, new_run_id
-    from fidelity.studies.detection import gate_failures, matrix_table
-    from fidelity.studies.mutant_runs import MutantSettings, run_mutants
+    from fidelity.studies.mutant_runs import MutantSettings, run_mutants_job
     from fidelity.studies.mutants import check_names
 
     _check_device(args.device)
@@ -601,8 +616,7 @@ def cmd_mutants(args) -> int:
         raise UsageError(str(err)) from None
     if args.decode is not None and args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
-    run_id = f"mutants-{new_run_id()}" if args.run_id is None else args.run_id
-    check_output(args.out, run_id, args.overwrite)
+    resume = _job_dir(args, "mutants")
     plan = _plan(args)
     threads = _threads(args, plan.config)
     ckpt = plan.open()
@@ -615,15 +629,16 @@ def cmd_mutants(args) -> int:
     def progress(k: int, n: int, name: str) -> None:
         print(f"[{k + 1}/{n}] {name}", file=sys.stderr, flush=True)
 
-    matrix = run_mutants(ckpt, args.only, settings, progress, factory, known)
-    table, failures = matrix_table(matrix), gate_failures(matrix)
-    out = write_matrix(matrix, table, failures, args.out, run_id, args.overwrite)
     decoder = "production" if factory is None else f"transformers ({args.decoder_dtype})"
+    res = run_mutants_job(ckpt, args.job_dir, args.only, settings, progress, factory, known, decoder_label=decoder,
+                          resume=resume is not None, overwrite=args.overwrite)
     print(f"dsv4-fidelity {__version__}: mutants of the {decoder} decoder on {plan.what}, {plural(threads, 'thread')}")
-    print(md_table(table))
-    print("gate: PASS" if not failures else "gate: FAIL\n" + "\n".join(f"  - {f}" for f in failures))
-    print(f"matrix: {out / 'detection.md'} (and detection.html, detection.parquet)")
-    return 1 if args.gate and failures else 0
+    print(md_table(res.table))
+    print("gate: PASS" if not res.failures else "gate: FAIL\n" + "\n".join(f"  - {f}" for f in res.failures))
+    if res.resumed:
+        print(res.resumed)
+    print(f"matrix: {res.out_dir / 'detection.md'} (and detection.html, detection.parquet)")
+    return 1 if args.gate and res.failures else 0
 
 
 def cmd_oracle(args) -> int:
@@ -923,7 +938,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "with no --scenario only the files run")
     sc.add_argument("--mode", action="append", choices=("free", "layer", "op"), help="repeatable (default: all)")
     sc.add_argument("--device", default="cpu", help="the decoder's device (default cpu)")
-    sc.add_argument("--out", default="runs", help="parent folder of the report directory (default runs/)")
+    sc.add_argument("--out", help="parent folder of the report directory (default runs/)")
+    sc.add_argument("--resume", metavar="DIR", help="continue the stopped job in DIR (a fidelity scenarios "
+                    "directory): runs it finished with the same inputs are reused, the others run")
     sc.add_argument("--run-id", help="the directory's name (default scenarios-<UTC time>-<random>)")
     sc.add_argument("--gate", action="store_true", help="exit 1 when a run fails or a self-consistency pair fails")
     sc.add_argument("--overwrite", action="store_true")
@@ -970,7 +987,9 @@ def build_parser() -> argparse.ArgumentParser:
     _decoder_args(mu, "production (default: the whole catalogue) or transformers (DeepseekV4ForCausalLM with the "
                       "faults it can carry planted at run time)", "fp32")
     mu.add_argument("--device", default="cpu", help="the decoder's and the oracle's device (default cpu)")
-    mu.add_argument("--out", default="runs", help="parent folder of the matrix's directory (default runs/)")
+    mu.add_argument("--out", help="parent folder of the matrix's directory (default runs/)")
+    mu.add_argument("--resume", metavar="DIR", help="continue the stopped job in DIR (a fidelity mutants "
+                    "directory): runs it finished with the same inputs are reused, the others run")
     mu.add_argument("--run-id", help="the directory's name (default mutants-<UTC time>-<random>)")
     mu.add_argument("--overwrite", action="store_true")
     _threads_arg(mu)
@@ -1094,8 +1113,9 @@ def _new_folders(args) -> list[tuple[Path, Path]]:
     """(output folder, its first missing ancestor) for each output option (``--out``, ``--write-trace``) whose
     folder does not exist yet."""
     found = []
+    new_job = hasattr(args, "resume") and args.resume is None  # --out left out: runs/ (a resumed job writes none)
     for option in ("out", "write_trace"):
-        path = getattr(args, option, None)
+        path = getattr(args, option, None) or ("runs" if option == "out" and new_job else None)
         if not path or Path(path).exists():
             continue
         top = Path(path).absolute()
@@ -1116,6 +1136,18 @@ def _remove_if_empty(folders: list[tuple[Path, Path]]) -> None:
                 break
 
 
+def _kept_note(args) -> str:
+    """What an interrupted scenarios or mutants job kept, and how to continue it ('' when it kept nothing)."""
+    from fidelity.studies.jobdir import KEPT
+
+    folder = getattr(args, "job_dir", None)
+    kept = len(list((folder / KEPT).glob("*.json"))) if folder is not None and (folder / KEPT).is_dir() else 0
+    if not kept:
+        return ""
+    runs = "1 finished run" if kept == 1 else f"{kept} finished runs"
+    return f"; {runs} kept in {folder}: continue with the same options and --resume {folder}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1133,7 +1165,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{err.filename}: " if err.filename else ""
         print(f"fidelity: error: {where}{err.strerror or err}", file=sys.stderr)
     except KeyboardInterrupt:  # the temporary folders of what was being written are gone already
-        print("fidelity: interrupted", file=sys.stderr)
+        print(f"fidelity: interrupted{_kept_note(args)}", file=sys.stderr)
         return 130
     _remove_if_empty(new_folders)  # a refused command leaves no empty output folder behind
     return 2

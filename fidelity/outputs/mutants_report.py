@@ -19,19 +19,21 @@ def write_matrix(matrix: pd.DataFrame, table: pd.DataFrame, failures: list[str],
     ``mutants-<UTC time>-<random>``), written atomically; an existing directory is replaced only with
     ``overwrite``."""
     target = check_output(out_dir, run_id or f"mutants-{new_run_id()}", overwrite)
-    verdict = "PASS" if not failures else "FAIL: " + "; ".join(failures)
+    return write_dir_atomic(target, lambda tmp: fill_matrix(tmp, matrix, table, failures, target.name), overwrite)
 
+
+def fill_matrix(folder: Path, matrix: pd.DataFrame, table: pd.DataFrame, failures: list[str], name: str,
+                resumed: str = "") -> None:
+    """The matrix's files (``write_matrix``) into ``folder``, titled after the job directory ``name``;
+    ``resumed``: what a resumed job reused and redid, a line under the verdict ('' for none)."""
+    verdict = "PASS" if not failures else "FAIL: " + "; ".join(failures)
     mutants = table.loc[table["mutant"] != "clean", "mutant"].nunique()
     head = f"gate: {verdict}" if failures else \
         f"gate: PASS: the clean decoder stays silent and each of the {mutants} mutants is caught where it was planted"
-    sections = [Section("Verdict", [head], css="fail" if failures else "pass"),
+    sections = [Section("Verdict", [head, *([resumed] if resumed else [])], css="fail" if failures else "pass"),
                 Section("Detection matrix", ["First detection step and site per probe; '-': the probe stayed "
                                              "silent."], table, na="-")]
-    title = f"dsv4-fidelity mutant detection matrix: {target.name}"
-
-    def fill(tmp: Path) -> None:
-        matrix.to_parquet(tmp / "detection.parquet", index=False)
-        (tmp / "detection.md").write_text(render_markdown(title, sections, tmp), encoding="utf-8")
-        (tmp / "detection.html").write_text(render_html(title, sections), encoding="utf-8")
-
-    return write_dir_atomic(target, fill, overwrite)
+    title = f"dsv4-fidelity mutant detection matrix: {name}"
+    matrix.to_parquet(folder / "detection.parquet", index=False)
+    (folder / "detection.md").write_text(render_markdown(title, sections, folder), encoding="utf-8")
+    (folder / "detection.html").write_text(render_html(title, sections), encoding="utf-8")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from fidelity.model.sites import ROW, SITE
 DPI = 100
 FLOOR = 1e-16  # 1 - cos of exactly equal tensors, drawn at the bottom of log axes
 LEGEND_MAX = 10  # more lines than this get a colour bar instead of a legend
+STEP_BINS_AT = 256  # a drift plot over more steps than this bins them (a marker per step is unreadable)
+STEP_BINS = 128  # at most this many bins
 
 
 def _finite(df: pd.DataFrame) -> pd.DataFrame:
@@ -54,19 +57,51 @@ def _figure(ncols: int = 1) -> tuple[Figure, list]:
     return fig, axes
 
 
-def _layer_lines(fig: Figure, axes: list, frames: list[pd.DataFrame], x: str) -> None:
-    """One line per layer on each axes (frames[i] on axes[i]); legend or colour bar keyed by layer."""
+def step_bin_width(steps: int) -> int:
+    """The width of the step bins of a drift plot over ``steps`` steps: 1 (a point per step) up to
+    STEP_BINS_AT steps, else the width that gives at most STEP_BINS bins."""
+    return 1 if steps <= STEP_BINS_AT else math.ceil(steps / STEP_BINS)
+
+
+def step_label(width: int) -> str:
+    """The step axis's label: the bin width when the steps are binned."""
+    if width == 1:
+        return "step (0 = prefill)"
+    return f"step (0 = prefill), bins of {width} steps: median (line), worst (band)"
+
+
+def _binned(g: pd.DataFrame, x: str, width: int, worst: str) -> pd.DataFrame:
+    """Per bin of ``width`` steps of ``g`` (from step 0): its centre ``x``, the median and the worst value
+    (``worst``: 'max' or 'min')."""
+    start = g[x] // width * width
+    out = g.groupby(start)["value"].agg(["median", worst]).rename(columns={worst: "worst"})
+    return out.assign(x=out.index + (width - 1) / 2)
+
+
+def _layer_lines(fig: Figure, axes: list, frames: list[pd.DataFrame], x: str, worst: str = "max") -> int:
+    """One line per layer on each axes (frames[i] on axes[i]); legend or colour bar keyed by layer. More steps
+    than STEP_BINS_AT are binned (``step_bin_width``): a line of each bin's median, a band out to its worst
+    value (``worst``: 'max' or 'min'). Returns the bin width (1: a point per step)."""
     layers = sorted({int(v) for f in frames for v in f["layer"].unique()})
+    steps = [v for f in frames for v in (f[x].min(), f[x].max()) if len(f)]
+    width = step_bin_width(int(max(steps) - min(steps) + 1)) if steps else 1
     norm = Normalize(min(layers), max(max(layers), min(layers) + 1))
     cmap = colormaps["viridis"]
     for ax, frame in zip(axes, frames, strict=True):
         for layer, g in frame.groupby("layer"):
-            g = g.sort_values(x)
-            ax.plot(g[x], g["value"], marker="o", ms=3, lw=1, color=cmap(norm(layer)), label=f"L{layer}")
+            colour = cmap(norm(layer))
+            if width == 1:
+                g = g.sort_values(x)
+                ax.plot(g[x], g["value"], marker="o", ms=3, lw=1, color=colour, label=f"L{layer}")
+                continue
+            b = _binned(g, x, width, worst)
+            ax.fill_between(b["x"], b["median"], b["worst"], color=colour, alpha=0.25, lw=0)
+            ax.plot(b["x"], b["median"], lw=1, color=colour, label=f"L{layer}")
     if len(layers) <= LEGEND_MAX:
         _legend(fig, axes[-1], "layer")
     else:
         fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=axes, label="layer")
+    return width
 
 
 def _legend(fig: Figure, ax, title: str) -> None:
@@ -95,9 +130,9 @@ def plot_cos_over_steps(df: pd.DataFrame) -> Figure | None:
     onset = loop_onset_step(df)
     for ax in axes if onset is not None else []:  # drawn first, so that the legend lists it
         ax.axvline(onset, color="0.4", ls="--", lw=1, label="loop starts")
-    _layer_lines(fig, axes, [data[data["mode"] == m] for m in modes], "step")
+    width = _layer_lines(fig, axes, [data[data["mode"] == m] for m in modes], "step", "max")
     for ax, mode in zip(axes, modes, strict=True):
-        ax.set(yscale="log", xlabel="step (0 = prefill)", title=f"{mode} mode")
+        ax.set(yscale="log", xlabel=step_label(width), title=f"{mode} mode")
     axes[0].set_ylabel("1 - cos (worst site in layer)")
     return fig
 
@@ -247,9 +282,9 @@ def plot_recall(df: pd.DataFrame) -> Figure | None:
     data = data.groupby(["mode", "layer", "step"], as_index=False)["value"].min()
     modes = _modes(data)
     fig, axes = _figure(len(modes))
-    _layer_lines(fig, axes, [data[data["mode"] == m] for m in modes], "step")
+    width = _layer_lines(fig, axes, [data[data["mode"] == m] for m in modes], "step", "min")
     for ax, mode in zip(axes, modes, strict=True):
-        ax.set(xlabel="step (0 = prefill)", title=f"{mode} mode", ylim=(min(0.9, data["value"].min()) - 0.02, 1.01))
+        ax.set(xlabel=step_label(width), title=f"{mode} mode", ylim=(min(0.9, data["value"].min()) - 0.02, 1.01))
     axes[0].set_ylabel("recall@k (worst position)")
     return fig
 

@@ -29,6 +29,7 @@ class ScenarioOutcome(Protocol):
     pairs: pd.DataFrame  # a row per self-consistency pair
     seconds: float
     skipped: dict[str, str]
+    resumed: str  # what a resumed job reused and redid ('' for a job that was not resumed)
 
     @property
     def passed(self) -> bool: ...
@@ -155,7 +156,8 @@ def write_report(folder: Path, result: ScenarioOutcome, checkpoint: str, label: 
     sections = [_verdict_section(result),
                 Section("Run", [f"Decoder {label} on {checkpoint}; {len(matrix)} runs, {len(pairs)} self-consistency "
                                 f"pairs, {len(result.skipped)} scenarios skipped, {result.seconds:.0f} s.",
-                                "Each run's own report: the report column links to it."]),
+                                "Each run's own report: the report column links to it.",
+                                *([result.resumed] if result.resumed else [])]),
                 Section("Plots", images=pngs, captions=CAPTIONS),
                 Section("Scenario matrix", table=_matrix_table(matrix), na="-", links=("report",)),
                 Section("Self-consistency (the decoder against itself)",

@@ -4,5 +4,6 @@ Scenarios (``fidelity scenarios``): ``catalogue`` (the scenarios as data), ``pla
 ``judge`` (self-consistency pairs through the logits-pair probe and threshold rules), ``scenarios`` (the job:
 against the oracle and against the decoder itself). Mutants (``fidelity mutants``): ``mutants`` (the catalogue of
 planted port bugs), ``mutant_runs`` (the clean decoder and each mutant on their scenario runs), ``detection`` (which
-probe caught each, where, and the gate). ``recall`` (``fidelity recall``): the indexer's top-k recall per precision.
+probe caught each, where, and the gate). ``jobdir``: the scenarios' and mutants' job directory, each finished run
+kept in it for ``--resume``. ``recall`` (``fidelity recall``): the indexer's top-k recall per precision.
 Each study's report is written by its writer in ``fidelity.outputs``."""

@@ -5,6 +5,7 @@ turns each run's judged rows into the detection matrix."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -14,19 +15,23 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from fidelity._version import __version__
+from fidelity.atomic_write import write_into_atomic
 from fidelity.decoders import default_decoder
 from fidelity.decoders.base import Decoder, raised
 from fidelity.decoders.faults import inject
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.trace_file import TraceWriter
 from fidelity.harness.judgement import rules_for
-from fidelity.harness.runner import Runner, RunSpec
+from fidelity.harness.runner import Runner, RunSpec, checkpoint_info
 from fidelity.harness.thresholds import apply_thresholds
 from fidelity.job import tidy
 from fidelity.model.default import default_prompt, prompt_for
+from fidelity.outputs.mutants_report import fill_matrix
 from fidelity.outputs.report import raised_in_call
 from fidelity.studies.catalogue import Run, tokens
-from fidelity.studies.detection import crash_row, detection_rows
+from fidelity.studies.detection import crash_row, detection_rows, gate_failures, matrix_table
+from fidelity.studies.jobdir import MISSING, Job, kept_job
 from fidelity.studies.mutants import BY_NAME, CATALOGUE, Mutant, Played, check_names, scenario_run, where_label
 from fidelity.studies.play import play
 from fidelity.studies.scenarios import USER_ERRORS
@@ -131,12 +136,13 @@ def _decode_steps(where: tuple[str, str], s: MutantSettings) -> int:
 
 def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSettings | None = None,
                 progress: Callable[[int, int, str], None] | None = None, decoder: DecoderFactory | None = None,
-                known: tuple[str, ...] | None = None) -> pd.DataFrame:
+                known: tuple[str, ...] | None = None, job: Job | None = None) -> pd.DataFrame:
     """The detection matrix: the clean decoder on every scenario run the chosen mutants use (with their decoder
     options), then each mutant on its own run (``expect`` caught) and on the runs where it cannot show (silent);
     a mutant the model cannot show is listed (cannot show) and not run. ``names`` = all of ``known`` by default
     (the faults the decoder can carry; the whole catalogue for the production decoder); ``decoder()`` makes a
-    fresh decoder under test for each run. A row per (mutant, scenario run) and probe, plus its "first" row."""
+    fresh decoder under test for each run. A row per (mutant, scenario run) and probe, plus its "first" row. With
+    ``job`` each run is kept there as it finishes, and one kept with the same inputs is reused."""
     s = settings or MutantSettings()
     check_names(names, known)
     chosen = [BY_NAME[n] for n in names] if names else [m for m in CATALOGUE if known is None or m.name in known]
@@ -153,23 +159,77 @@ def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSett
             for m in chosen if m not in able]
     for k, (mutant, where, opts, expect) in enumerate(jobs):
         name = mutant.name if mutant else "clean"
+        key, inputs = _unit_key(name, where, opts, expect), _unit_inputs(mutant, where, opts, expect, s)
+        found = job.lookup(key, inputs) if job is not None else MISSING
         if progress:
-            progress(k, len(jobs), f"{name} on {where_label(*where)}")
-        t0 = time.perf_counter()
-        try:
-            judged = run_one(checkpoint, mutant, s, decoder, where, opts)
-        except PlayRaised as err:  # the decoder raised while a script played: recorded, and the matrix goes on
-            found = [crash_row(name, err.__cause__, mutant if expect == "caught" else None, cfg)]
-        else:
-            found = detection_rows(name, judged, mutant if expect == "caught" else None, cfg)
-            if ended := judged.attrs.get("decoder_raised"):  # the run ended where the decoder raised
-                found[0]["crash"] = raised_in_call(ended)
-        decode = _decode_steps(where, s)
-        profile = (mutant.options if mutant else opts).get("profile", "reference")
-        for r in found:
-            rows.append({"scenario": where[0], "run": where[1], "decode_steps": decode, "profile": profile, **r,
-                         "expect": expect, "seconds": round(time.perf_counter() - t0, 2)})
+            progress(k, len(jobs), f"{name} on {where_label(*where)}" + (" (kept)" if found is not MISSING else ""))
+        if found is MISSING:
+            found = _judge_one(checkpoint, mutant, s, decoder, where, opts, expect)
+            found = job.keep(key, inputs, found) if job is not None else found
+        rows += found
     return pd.DataFrame(rows)
+
+
+def _judge_one(checkpoint, mutant: Mutant | None, s: MutantSettings, decoder: DecoderFactory | None,
+               where: tuple[str, str], opts: dict | None, expect: str) -> list[dict]:
+    """The matrix rows of one run: the clean decoder (``mutant`` None, with ``opts``) or a mutant on ``where``."""
+    name, cfg = (mutant.name if mutant else "clean"), checkpoint.config
+    t0 = time.perf_counter()
+    try:
+        judged = run_one(checkpoint, mutant, s, decoder, where, opts)
+    except PlayRaised as err:  # the decoder raised while a script played: recorded, and the matrix goes on
+        found = [crash_row(name, err.__cause__, mutant if expect == "caught" else None, cfg)]
+    else:
+        found = detection_rows(name, judged, mutant if expect == "caught" else None, cfg)
+        if ended := judged.attrs.get("decoder_raised"):  # the run ended where the decoder raised
+            found[0]["crash"] = raised_in_call(ended)
+    decode = _decode_steps(where, s)
+    profile = (mutant.options if mutant else opts).get("profile", "reference")
+    return [{"scenario": where[0], "run": where[1], "decode_steps": decode, "profile": profile, **r,
+             "expect": expect, "seconds": round(time.perf_counter() - t0, 2)} for r in found]
+
+
+def _unit_key(name: str, where: tuple[str, str], opts: dict | None, expect: str) -> str:
+    """The name a run of the gate is kept under: who, where, its decoder options, and what is expected there."""
+    extra = f" {json.dumps(opts, sort_keys=True)}" if opts else ""
+    return f"{name} on {where_label(*where)}{extra} ({expect})"
+
+
+def _unit_inputs(mutant: Mutant | None, where: tuple[str, str], opts: dict | None, expect: str,
+                 s: MutantSettings) -> dict:
+    """What a run of the gate depends on besides the job's checkpoint and decoder: the mutant as planted and
+    judged, its run, the settings."""
+    planted = {"site": mutant.site, "options": mutant.options} if mutant else {"options": opts or {}}
+    return {"mutant": mutant.name if mutant else "clean", **planted, "where": list(where), "expect": expect,
+            "modes": list(s.modes), "seed": s.seed, "device": s.device, "decode_steps": _decode_steps(where, s)}
+
+
+@dataclass
+class MutantsJob:
+    """A finished ``fidelity mutants`` job: its directory, the matrix (a row per run and probe), the table (a row
+    per run), the gate's failures and what a resumed job reused and redid ('' when not resumed)."""
+
+    out_dir: Path
+    matrix: pd.DataFrame
+    table: pd.DataFrame
+    failures: list[str]
+    resumed: str
+
+
+def run_mutants_job(checkpoint, target: Path, names: list[str] | None = None,
+                    settings: MutantSettings | None = None, progress: Callable[[int, int, str], None] | None = None,
+                    decoder: DecoderFactory | None = None, known: tuple[str, ...] | None = None, *,
+                    decoder_label: str = "production", resume: bool = False, overwrite: bool = False) -> MutantsJob:
+    """``run_mutants`` in the job directory ``target`` (checked before: ``check_output``, or ``open_job`` with
+    ``resume``), each run kept in it as it finishes, then detection.parquet/.md/.html; ``decoder_label`` names the
+    decoder ``decoder()`` makes, in each run's input key."""
+    common = {"version": __version__, "checkpoint": checkpoint_info(checkpoint)["hash"], "decoder": decoder_label}
+    with kept_job(target, "mutants", common, resume, overwrite) as job:
+        matrix = run_mutants(checkpoint, names, settings, progress, decoder, known, job)
+    resumed = job.summary(job.prune())
+    table, failures = matrix_table(matrix), gate_failures(matrix)
+    write_into_atomic(target, lambda tmp: fill_matrix(tmp, matrix, table, failures, target.name, resumed))
+    return MutantsJob(target, matrix, table, failures, resumed)
 
 
 class PlayRaised(Exception):

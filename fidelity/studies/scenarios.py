@@ -26,18 +26,20 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from fidelity._version import __version__
 from fidelity.api import CheckpointPlan, InputError, open_decoder, run, warn
-from fidelity.atomic_write import write_dir_atomic
+from fidelity.atomic_write import write_into_atomic
 from fidelity.decoders.base import ContextError, Decoder, DecoderError, raised
 from fidelity.decoders.faults import active, inject
 from fidelity.decoders.trace import TraceDecoder
 from fidelity.decoders.trace_file import TraceWriter, read_trace
-from fidelity.harness.runner import RunError
-from fidelity.model.checkpoint import CheckpointError
+from fidelity.harness.runner import RunError, checkpoint_info
+from fidelity.model.checkpoint import Checkpoint, CheckpointError
 from fidelity.outputs.report import raised_in_call
 from fidelity.outputs.rundir import RunDirError, check_output, new_run_id
 from fidelity.outputs.scenarios_report import write_report
-from fidelity.studies.catalogue import Scenario, Script, check_names
+from fidelity.studies.catalogue import Run, Scenario, Script, check_names
+from fidelity.studies.jobdir import Job, digest, kept_job, open_job
 from fidelity.studies.judge import PAIR_COLUMNS, check_pair, check_script_pair, divergence_columns, worst_local_cos
 from fidelity.studies.play import decoder_logits, missing, play
 
@@ -68,13 +70,15 @@ def _slug(text: str) -> str:
 @dataclass
 class ScenarioResult:
     """``matrix`` (a row per run), ``pairs`` (a row per self-consistency pair), the report directory; ``skipped``:
-    {scenario: why} for the scenarios the decoder lacks a capability for (not judged, so not passed)."""
+    {scenario: why} for the scenarios the decoder lacks a capability for (not judged, so not passed); ``resumed``:
+    what a resumed job reused and redid ('' when the job was not resumed)."""
 
     out_dir: Path
     matrix: pd.DataFrame
     pairs: pd.DataFrame
     seconds: float
     skipped: dict[str, str] = field(default_factory=dict)
+    resumed: str = ""
 
     @property
     def passed(self) -> bool:
@@ -103,77 +107,149 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
                   modes: Sequence[str] = ("free", "layer", "op"),
                   profile: str = "reference", decoder_dtype: str = "bf16", device: str = "cpu",
                   overwrite: bool = False, progress: Callable[[str], None] | None = None,
-                  notify: Callable[[str, str], None] = warn, faults: Sequence[str] = ()) -> ScenarioResult:
-    """Run ``names`` (default: the whole catalogue) on ``decoder`` against the oracle and against itself, and
-    write one report directory ``out/<run_id>/`` (default id ``scenarios-<UTC time>-<random>``) atomically:
-    report.md/.html, matrix.csv, pairs.csv, plots/, runs/<scenario>-<run>/ (each run's own directory)."""
+                  notify: Callable[[str, str], None] = warn, faults: Sequence[str] = (),
+                  resume: str | Path | None = None) -> ScenarioResult:
+    """Run ``names`` (default: the whole catalogue) on ``decoder`` against the oracle and against itself in one
+    report directory ``out/<run_id>/`` (default id ``scenarios-<UTC time>-<random>``): runs/<scenario>-<run>/ (each
+    run's own directory) and kept/ (``fidelity.studies.jobdir``) as each run finishes, then report.md/.html,
+    matrix.csv, pairs.csv, plots/. ``resume``: continue the stopped job in that directory instead, reusing the
+    runs it finished with the same inputs."""
     scenarios = check_names(names)
-    target = check_output(out, run_id or f"scenarios-{new_run_id()}", overwrite)
+    target = open_job(resume, "scenarios") if resume is not None else \
+        check_output(out, run_id or f"scenarios-{new_run_id()}", overwrite)
     ckpt = plan.open()
-    longest = max([r.positions + sum(o for o, _ in r.stream) for s in scenarios for r in s.runs] +
-                  [o + n for s in scenarios for sc in s.scripts for _, segs in sc.streams for o, n in segs])
-    ids = plan.prompt(longest)
-    tell = progress or (lambda line: None)
+    ids = plan.prompt(_longest(scenarios))
     t0 = time.perf_counter()
+    with inject(*faults):  # planted in the decoder for every run and play (the oracle never reads them)
+        common = {"version": __version__, "checkpoint": checkpoint_info(ckpt)["hash"], "decoder": _label(decoder),
+                  "decoder_dtype": decoder_dtype, "device": device, "profile": profile, "modes": list(modes)}
+        with kept_job(target, "scenarios", common, resume is not None, overwrite) as job:
+            runs = _Play(job, plan, ckpt, decoder, ids, tuple(modes), profile, decoder_dtype, device, notify,
+                         progress or (lambda line: None))
+            rows, pairs, skipped = runs.all(scenarios)
+        dropped = job.prune()
+        _drop_other_runs(target, rows)
+        result = ScenarioResult(target, pd.DataFrame(rows, columns=list(ROW_COLUMNS)),
+                                pd.DataFrame(pairs, columns=list(PAIR_COLUMNS)), time.perf_counter() - t0, skipped,
+                                job.summary(dropped))
+        write_into_atomic(target, lambda tmp: write_report(tmp, result, plan.what, _label(decoder)))
+    return result
 
-    def fresh(context: int) -> Decoder:
-        return open_decoder(decoder, ckpt, profile, context, device, decoder_dtype)
 
-    def fill(tmp: Path) -> ScenarioResult:
+def _longest(scenarios: Sequence[Scenario]) -> int:
+    """The default prompt's ids ``scenarios`` read: their longest run or played stream."""
+    return max([r.positions + sum(o for o, _ in r.stream) for s in scenarios for r in s.runs] +
+               [o + n for s in scenarios for sc in s.scripts for _, segs in sc.streams for o, n in segs])
+
+
+@dataclass
+class _Play:
+    """The scenarios job's runs, each kept in ``job`` as it finishes (or reused from it)."""
+
+    job: Job
+    plan: CheckpointPlan
+    ckpt: Checkpoint
+    decoder: Decoder | str
+    ids: torch.Tensor
+    modes: tuple[str, ...]
+    profile: str
+    decoder_dtype: str
+    device: str
+    notify: Callable[[str, str], None]
+    tell: Callable[[str], None]
+
+    def fresh(self, context: int) -> Decoder:
+        return open_decoder(self.decoder, self.ckpt, self.profile, context, self.device, self.decoder_dtype)
+
+    def all(self, scenarios: Sequence[Scenario]) -> tuple[list[dict], list[dict], dict[str, str]]:
+        """(matrix rows, pairs rows, skipped) of every scenario."""
         rows, pairs, skipped = [], [], {}
         for s in scenarios:
-            if s.needs and (why := missing(s, fresh(_context(s)))):
+            if s.needs and (why := missing(s, self.fresh(_context(s)))):
                 skipped[s.name] = why
-                tell(f"{s.name}: skipped: {why}")
+                self.tell(f"{s.name}: skipped: {why}")
                 continue
-            for r in s.runs:
-                t = time.perf_counter()
-                res = run(decoder, plan, r.prompt(ids), r.decode_steps, modes, tmp / "runs",
-                          run_id=_slug(f"{s.name}-{r.label}"), profile=profile, decoder_dtype=decoder_dtype,
-                          device=device, notify=notify, prefill_chunk=list(r.chunks) if r.chunks else None)
-                rows.append(_row(s, r.label, r.param, (r.prompt_len, len(r.chunks or (1,)), r.decode_steps), res,
-                                 time.perf_counter() - t, tmp))
-                tell(f"{s.name} / {r.label}: {res.verdict} ({rows[-1]['seconds']:.1f} s)")
-            writers: dict[str, TraceWriter] = {}
-            try:
-                got = self_consistency(s, ids, fresh, partial(_writer, writers, tmp, s))
-            except DecoderError as err:  # a capability the decoder has only in part (e.g. forks at call ends)
-                for w in writers.values():
-                    w.abort()
-                skipped[f"{s.name} self-consistency"] = str(err)
-                tell(f"{s.name}: self-consistency skipped: {err}")
-                continue
-            except USER_ERRORS:
-                raise
-            except Exception as err:  # the decoder raised while the scenario played against itself (a run's
-                # own raise ends that run, judged up to the call: ``Runner.run``)
-                for w in writers.values():
-                    w.abort()
-                pairs.append(_crash_pair(s, err))
-                for row in (r for r in rows if r["scenario"] == s.name):
-                    row["self_consistency"] = "FAIL"
-                tell(f"{s.name}: self-consistency: the decoder raised {raised(err)}")
-                continue
-            for label, w in writers.items():  # the scripts as played, each sequence against the oracle
-                rows += judge_trace(s, label, w.finish(), plan, modes, tmp, device, notify, tell)
-            shutil.rmtree(tmp / "traces", ignore_errors=True)  # judged: the run directories hold the metrics
-            pairs += got
-            played = {f"{label} / seq {seq}" for label in writers for _, seq in s.checks_of(label)}
-            for row in (r for r in rows if r["scenario"] == s.name):  # a run's own pairs; a played sequence's checks
-                mine = [p["passed"] for p in got if p["b"] == row["run"] or (s.checks and row["run"] not in played)]
-                if mine:
-                    row["self_consistency"] = "PASS" if all(mine) else "FAIL"
-            tell(f"{s.name}: self-consistency {sum(p['passed'] for p in got)}/{len(got)} pairs pass")
-        result = ScenarioResult(target, pd.DataFrame(rows, columns=list(ROW_COLUMNS)),
-                                pd.DataFrame(pairs, columns=list(PAIR_COLUMNS)),
-                                time.perf_counter() - t0, skipped)
-        write_report(tmp, result, plan.what, _label(decoder))
-        return result
+            mine = [self.job.once(f"{s.name} / {r.label}", self._run_inputs(r), partial(self.oracle_run, s, r),
+                                  self.tell) for r in s.runs]
+            got = self.job.once(f"{s.name} self-consistency", self._scenario_inputs(s),
+                                partial(self.against_itself, s), self.tell)
+            rows += _with_self_consistency(s, mine + got["rows"], got, pairs, skipped)
+        return rows, pairs, skipped
 
-    box: list[ScenarioResult] = []
-    with inject(*faults):  # planted in the decoder for every run and play (the oracle never reads them)
-        write_dir_atomic(target, lambda tmp: box.append(fill(tmp)), overwrite)
-    return box[0]
+    def _run_inputs(self, r: Run) -> dict:
+        return {"run": repr(r), "tokens": digest(r.prompt(self.ids).numpy().tobytes())}
+
+    def _scenario_inputs(self, s: Scenario) -> dict:
+        return {"scenario": digest(repr(s).encode()), "tokens": digest(self.ids[: _longest([s])].numpy().tobytes())}
+
+    def oracle_run(self, s: Scenario, r: Run) -> dict:
+        """A matrix row: run ``r`` of ``s`` through ``fidelity.run`` (its run directory replaced if a stopped job
+        left one)."""
+        t = time.perf_counter()
+        res = run(self.decoder, self.plan, r.prompt(self.ids), r.decode_steps, self.modes, self.job.path / "runs",
+                  run_id=_slug(f"{s.name}-{r.label}"), profile=self.profile, decoder_dtype=self.decoder_dtype,
+                  device=self.device, notify=self.notify, prefill_chunk=list(r.chunks) if r.chunks else None,
+                  overwrite=True)
+        row = _row(s, r.label, r.param, (r.prompt_len, len(r.chunks or (1,)), r.decode_steps), res,
+                   time.perf_counter() - t, self.job.path)
+        self.tell(f"{s.name} / {r.label}: {res.verdict} ({row['seconds']:.1f} s)")
+        return row
+
+    def against_itself(self, s: Scenario) -> dict:
+        """``s`` against itself: its pairs, the rows of its played sequences judged against the oracle, why it was
+        skipped (a capability the decoder has only in part) or whether the decoder raised."""
+        folder = self.job.path
+        shutil.rmtree(folder / "traces", ignore_errors=True)
+        writers: dict[str, TraceWriter] = {}
+        done = {"pairs": [], "rows": [], "skipped": None, "crashed": False}
+        try:
+            got = self_consistency(s, self.ids, self.fresh, partial(_writer, writers, folder, s))
+        except DecoderError as err:  # a capability the decoder has only in part (e.g. forks at call ends)
+            for w in writers.values():
+                w.abort()
+            self.tell(f"{s.name}: self-consistency skipped: {err}")
+            return {**done, "skipped": str(err)}
+        except USER_ERRORS:
+            raise
+        except Exception as err:  # the decoder raised while the scenario played against itself (a run's
+            # own raise ends that run, judged up to the call: ``Runner.run``)
+            for w in writers.values():
+                w.abort()
+            self.tell(f"{s.name}: self-consistency: the decoder raised {raised(err)}")
+            return {**done, "pairs": [_crash_pair(s, err)], "crashed": True}
+        rows = []
+        for label, w in writers.items():  # the scripts as played, each sequence against the oracle
+            rows += judge_trace(s, label, w.finish(), self.plan, self.modes, folder, self.device, self.notify,
+                                self.tell, overwrite=True)
+        shutil.rmtree(folder / "traces", ignore_errors=True)  # judged: the run directories hold the metrics
+        self.tell(f"{s.name}: self-consistency {sum(p['passed'] for p in got)}/{len(got)} pairs pass")
+        return {**done, "pairs": got, "rows": rows}
+
+
+def _with_self_consistency(s: Scenario, rows: list[dict], got: dict, pairs: list[dict],
+                           skipped: dict[str, str]) -> list[dict]:
+    """``s``'s matrix rows with their self-consistency column from its pairs ``got`` (added to ``pairs``; a
+    self-consistency skipped goes to ``skipped``)."""
+    if got["skipped"] is not None:
+        skipped[f"{s.name} self-consistency"] = got["skipped"]
+        return rows
+    pairs += got["pairs"]
+    played = {f"{label} / seq {seq}" for label in s.judged for _, seq in s.checks_of(label)}
+    for row in rows:  # a run's own pairs; a played sequence's checks
+        mine = [p["passed"] for p in got["pairs"]
+                if got["crashed"] or p["b"] == row["run"] or (s.checks and row["run"] not in played)]
+        if mine:
+            row["self_consistency"] = "PASS" if all(mine) else "FAIL"
+    return rows
+
+
+def _drop_other_runs(folder: Path, rows: list[dict]) -> None:
+    """Remove the run directories under ``folder/runs`` that no matrix row names (runs of a stopped job that
+    this one did not ask for)."""
+    named = {Path(r["run_dir"]).name for r in rows}
+    for d in (folder / "runs").iterdir() if (folder / "runs").is_dir() else ():
+        if d.name not in named:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _context(s: Scenario) -> int:
@@ -218,15 +294,16 @@ def _writer(writers: dict[str, TraceWriter], tmp: Path, s: Scenario, script: Scr
 
 
 def judge_trace(s: Scenario, label: str, trace: Path, plan: CheckpointPlan, modes: Sequence[str], tmp: Path,
-                device: str, notify: Callable[[str, str], None], tell: Callable[[str], None]) -> list[dict]:
+                device: str, notify: Callable[[str, str], None], tell: Callable[[str], None],
+                overwrite: bool = False) -> list[dict]:
     """Each sequence of the trace of script ``label`` as played against the oracle: a matrix row per sequence
-    (``<label> / seq <k>``), its run directory under ``runs/``."""
+    (``<label> / seq <k>``), its run directory under ``runs/`` (one there already replaced with ``overwrite``)."""
     rows = []
     for seq in read_trace(trace).sequences:
         t = time.perf_counter()
         view = TraceDecoder(trace, seq)
         res = run(view, plan, modes=modes, out=tmp / "runs", run_id=_slug(f"{s.name}-{label}-seq{seq}"),
-                  device=device, notify=notify)
+                  device=device, notify=notify, overwrite=overwrite)
         rows.append(_row(s, f"{label} / seq {seq}", ("prompt_len", len(view.prompt)),
                          (len(view.prompt), len(view.chunks), len(view.generated)), res, time.perf_counter() - t,
                          tmp))

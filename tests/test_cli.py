@@ -283,7 +283,7 @@ def test_python_m_fidelity_and_plain_fidelity_list_the_commands():
     res = subprocess.run([sys.executable, "-m", "fidelity"], capture_output=True, text=True,
                          cwd=Path(cli.__file__).parents[1])
     assert res.returncode == 0 and res.stderr == ""
-    assert res.stdout.startswith("usage: fidelity") and "{run,scenarios,mutants,report" in res.stdout
+    assert res.stdout.startswith("usage: fidelity") and "{run,scenarios,fuzz,mutants,report" in res.stdout
     assert "examples:" in res.stdout and "verdict" not in res.stdout  # the commands, not a run
     res = subprocess.run([sys.executable, "-m", "fidelity", "--version"], capture_output=True, text=True)
     assert res.stdout.strip() == f"dsv4-fidelity {cli.__version__}"

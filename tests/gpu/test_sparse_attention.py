@@ -209,7 +209,7 @@ def test_sparse_attention_route_refusals_say_why():
     sink = torch.zeros(64, device=CUDA)
     with pytest.raises(ValueError, match="route 'ws' cannot run: .*head_dim 512"):
         sparse_attention.sparse_attention_cuda(q, kv, idx, sink, 0.1, config={"route": "ws"})
-    with pytest.raises(ValueError, match="route must be 'ws' or 'triton', found 'fast'"):
+    with pytest.raises(ValueError, match="route must be 'cuda', 'ws' or 'triton', found 'fast'"):
         sparse_attention.sparse_attention_cuda(q, kv, idx, sink, 0.1, config={"route": "fast"})
     if ws_runs_here():
         q5, kv5 = torch.randn(2, 64, 512).to(BF16).to(CUDA), torch.randn(50, 512).to(BF16).to(CUDA)

@@ -232,7 +232,10 @@ class ProductionSession:
     @torch.no_grad()
     def step(self, token_id: int | torch.Tensor) -> torch.Tensor:
         """One decode token -> fp32 logits [vocab], as the decode policy runs the step."""
-        return self.decode.step(self, self._check(torch.as_tensor([int(token_id)]), prefill=False))[0]
+        # the token stays on the host: the decode policy places it (graph decode copies it into its input buffer, so
+        # a replayed step allocates nothing but the logits it returns)
+        ids = self._check(torch.as_tensor([int(token_id)]), prefill=False, to_device=False)
+        return self.decode.step(self, ids)[0]
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

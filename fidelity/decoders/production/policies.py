@@ -31,8 +31,8 @@ class EagerDecode:
     """A decode step at the session's host position ``s.pos``: sizes and branches read it on the host."""
 
     def step(self, s: Session, ids: torch.Tensor) -> torch.Tensor:
-        """One checked decode token ids [1] (on the model's device) -> fp32 logits [1, vocab]; advances ``s``."""
-        return s._run(ids, torch.tensor([s.pos], device=s.model.device))
+        """One checked decode token ids [1] (on the host) -> fp32 logits [1, vocab]; advances ``s``."""
+        return s._run(ids.to(s.model.device), torch.tensor([s.pos], device=s.model.device))
 
     def emit(self, s: Session, template: str, layer: int | None, tensor) -> None:
         """A site to the session's recorder if it wants it (a callable evaluated only then)."""

@@ -14,9 +14,11 @@ Decoder level: ``allocator_counts`` before and after the decoder's call, less th
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -101,9 +103,24 @@ def handed_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def measured_call(fn: Callable[[], torch.Tensor], device: torch.device | str) -> tuple[torch.Tensor, dict[str, int]]:
     """``fn()`` and its :func:`allocator_delta`, the snapshots taken right around the call (so that what the
     caller frees when it rebinds its variables falls outside)."""
-    before = allocator_counts(device)
-    out = fn()
-    return out, allocator_delta(before, allocator_counts(device), handed_bytes([out]))
+    with collector_paused():
+        before = allocator_counts(device)
+        out = fn()
+        after = allocator_counts(device)
+    return out, allocator_delta(before, after, handed_bytes([out]))
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block: the decoder call's allocator counts then see what the
+    call did, not tensors of earlier garbage (another test's, the run's own) collected while it ran."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def allocator_delta(before: dict[str, int], after: dict[str, int], handed: int) -> dict[str, int]:

@@ -46,7 +46,14 @@ from fidelity.model.weights import expected_tensors
 from oracles import MODES, OracleModel, Reference
 from oracles.stream import BLOCK_TOKENS, StreamCall, StreamReference
 from probes import PeakMemory, collect_columns, memory_stats
-from probes.memory import WARMUP_DECODE_CALLS, allocator_counts, allocator_delta, handed_bytes, held_bytes
+from probes.memory import (
+    WARMUP_DECODE_CALLS,
+    allocator_counts,
+    allocator_delta,
+    collector_paused,
+    handed_bytes,
+    held_bytes,
+)
 from probes.repetition import repetition
 from probes.rows import AGGREGATE
 from probes.sampler import sampler_agreement
@@ -327,7 +334,7 @@ class Runner:
         prod_rec = Recorder(device=None, rows=rows if thin else None, rows_only=only)
         self.dec.rec = prod_rec
         tell(0, "decoder under test")
-        with self._timed(phase, "decoder"):
+        with self._timed(phase, "decoder"), collector_paused():
             before = allocator_counts(self.spec.device)
             self.dec.last_logits_only = not writes  # for this call only: a user's later prefill gets every row
             try:

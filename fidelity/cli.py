@@ -321,18 +321,7 @@ def cmd_scenarios(args) -> int:
         get_profile(args.profile)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if args.decoder not in ("production", "transformers"):
-        raise UsageError(f"--decoder: expected production or transformers for scenarios, found {args.decoder!r}")
-    _require_transformers(args)
-    faults = tuple(getattr(args, "inject", None) or ())
-    if faults:
-        from fidelity.decoders.production.faults import FAULTS
-        from fidelity.decoders.transformers import FAULTS as HF_FAULTS
-
-        known = sorted(FAULTS) if args.decoder == "production" else sorted(HF_FAULTS)
-        if unknown := sorted(set(faults) - set(known)):
-            raise UsageError(f"--inject: expected faults of the {args.decoder} decoder ({', '.join(known)}), found "
-                             f"{', '.join(unknown)}")
+    faults = _decoder_faults(args, "scenarios")
     resume = _job_dir(args, "scenarios")
     plan = _plan(args)
     if files:
@@ -358,6 +347,25 @@ def cmd_scenarios(args) -> int:
         print(res.resumed)
     print(f"report: {res.out_dir / 'report.md'} (and report.html, matrix.csv, pairs.csv, plots/, runs/)")
     return 1 if args.gate and not res.passed else 0
+
+
+def _decoder_faults(args, command: str, production_faults_only: bool = False) -> tuple[str, ...]:
+    """``--decoder`` (production or transformers, installed) and the ``--inject`` faults checked against that
+    decoder's catalogue (the production decoder's alone where ``production_faults_only``)."""
+    if args.decoder not in ("production", "transformers"):
+        raise UsageError(f"--decoder: expected production or transformers for {command}, found {args.decoder!r}")
+    _require_transformers(args)
+    faults = tuple(getattr(args, "inject", None) or ())
+    if faults:
+        from fidelity.decoders.production.faults import FAULTS
+        from fidelity.decoders.transformers import FAULTS as HF_FAULTS
+
+        owner = "production" if production_faults_only else args.decoder
+        known = sorted(FAULTS) if owner == "production" else sorted(HF_FAULTS)
+        if unknown := sorted(set(faults) - set(known)):
+            raise UsageError(f"--inject: expected faults of the {owner} decoder ({', '.join(known)}), found "
+                             f"{', '.join(unknown)}")
+    return faults
 
 
 def _check_scenario_files(args, plan, files) -> None:
@@ -390,16 +398,7 @@ def cmd_fuzz(args) -> int:
         get_profile(args.profile)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if args.decoder not in ("production", "transformers"):
-        raise UsageError(f"--decoder: expected production or transformers for fuzz, found {args.decoder!r}")
-    _require_transformers(args)
-    faults = tuple(args.inject or ())
-    if faults:
-        from fidelity.decoders.production.faults import FAULTS
-
-        if unknown := sorted(set(faults) - set(FAULTS)):
-            raise UsageError(f"--inject: expected faults of the production decoder ({', '.join(sorted(FAULTS))}), "
-                             f"found {', '.join(unknown)}")
+    faults = _decoder_faults(args, "fuzz", production_faults_only=True)
     run_id = f"fuzz-{new_run_id()}" if args.run_id is None else args.run_id
     check_output(args.out, run_id, args.overwrite)
     args.seed = 0  # the preset's weights and default prompt; --seed is the search's

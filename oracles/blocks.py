@@ -17,6 +17,7 @@ from fidelity.model.config import ModelConfig
 from fidelity.model.sites import SITE, Recorder, site_template
 
 BLOCK_TOKENS = 64  # tokens of consecutive calls computed as one causal pass (bounds a block's index scores)
+ALONE = object()  # the kind of a call that runs in a block of its own
 
 
 @dataclass(frozen=True)
@@ -30,19 +31,17 @@ class StreamCall:
 
 
 def blocks(calls: Sequence[StreamCall], limit: int = BLOCK_TOKENS,
-           alone: Callable[[StreamCall], bool] = lambda c: False) -> list[list[int]]:
-    """The calls' indices grouped into blocks: consecutive calls of every row, ``limit`` tokens at most together; a
-    call with sampled rows, more tokens than ``limit`` or for which ``alone`` holds is a block of its own."""
+           kind: Callable[[StreamCall], object] = lambda c: None) -> list[list[int]]:
+    """The calls' indices grouped into blocks: consecutive calls of every row and of one ``kind``, ``limit`` tokens
+    at most together; a call with sampled rows, more tokens than ``limit`` or of kind ``ALONE`` is a block of its
+    own."""
     out: list[list[int]] = []
-    tokens = limit + 1  # the open block's tokens; none open yet
+    tokens, open_kind = limit + 1, ALONE  # no block open yet
     for k, c in enumerate(calls):
-        n = len(c.ids)
-        if c.rows is not None or n > limit or alone(c):
+        n, this = len(c.ids), kind(c)
+        if c.rows is not None or n > limit or this is ALONE or this != open_kind or tokens + n > limit:
             out.append([k])
-            tokens = limit + 1
-        elif tokens + n > limit:
-            out.append([k])
-            tokens = n
+            tokens, open_kind = n, (ALONE if c.rows is not None or n > limit else this)
         else:
             out[-1].append(k)
             tokens += n
@@ -66,7 +65,7 @@ def split_block(block: Recorder, starts: Sequence[int], sizes: Sequence[int], cf
         if template in (SITE.attn_compressed_kv, SITE.indexer_keys):
             ratio = 4 if template == SITE.indexer_keys else cfg.ratio(layer)
             before = starts[0] // ratio  # entries complete before the block
-            parts = [whole[max(0, starts[k] // ratio - before) : ends[k] // ratio - before] for k in range(len(sizes))]
+            parts = [whole[starts[k] // ratio - before : ends[k] // ratio - before] for k in range(len(sizes))]
         else:
             parts = [whole[offsets[k] : offsets[k + 1]] for k in range(len(sizes))]
             width = _call_width(template, layer, cfg)
@@ -87,7 +86,8 @@ def _call_width(template: str, layer: int | None, cfg: ModelConfig) -> Callable[
 
 
 def cat_picks(picks: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """Calls' reported top-k [n_k, k_k] as one [sum n_k, max k_k] (-1 padded); None where no call reports one."""
+    """Calls' reported top-k [n_k, k_k] as one [sum n_k, max k_k] (-1 padded); None where no call reports one (a
+    block's calls report one at the same layers: ``blocks`` by a feed's kind)."""
     if all(p is None for p in picks):
         return None
     width = max(p.shape[-1] for p in picks)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fidelity.model.sites import SITE, Recorder, site_name
-from oracles.blocks import BLOCK_TOKENS, StreamCall, blocks, cat_picks, split_block
+from oracles.blocks import ALONE, BLOCK_TOKENS, StreamCall, blocks, cat_picks, split_block
 from oracles.model import OracleModel
 from oracles.op_mode import OpReplay
 
@@ -38,20 +38,23 @@ def reported_topk(feed: Recorder, i: int) -> torch.Tensor | None:
     return feed.get(site) if site in feed.records else None
 
 
-def uneven_feed(n_layers: int, hc: int) -> Callable[[StreamCall], bool]:
-    """Whether a call's decoder records lack one row per token at some layer input (layer mode's inputs, its
-    reported top-k): such a call runs alone, as it would call by call, since a block's inputs are cut by rows."""
+def feed_kind(n_layers: int, hc: int) -> Callable[[StreamCall], object]:
+    """A layer-mode call's kind for ``blocks``: the layers whose top-k its decoder records report (calls of one
+    block attend the decoder's picks at the same layers), or ``ALONE`` where the records lack one row per token at
+    some layer input or top-k (a block's inputs are cut by rows; such a call runs as it would call by call)."""
 
-    def uneven(call: StreamCall) -> bool:
+    def kind(call: StreamCall) -> object:
         n = len(call.ids)
         try:
             inputs = [layer_input(call.feed, i, hc) for i in range(n_layers)]
         except KeyError:
-            return True
+            return ALONE
         picks = [reported_topk(call.feed, i) for i in range(n_layers)]
-        return any(len(x) != n for x in inputs) or any(p is not None and len(p) != n for p in picks)
+        if any(len(x) != n for x in inputs) or any(p is not None and len(p) != n for p in picks):
+            return ALONE
+        return tuple(p is not None for p in picks)
 
-    return uneven
+    return kind
 
 
 class Reference:
@@ -88,9 +91,9 @@ class Reference:
         if self.mode == "op":
             return [self.run(c.ids, c.feed, c.rows) for c in calls]
         cfg = self.model.cfg
-        alone = uneven_feed(cfg.n_layers, cfg.hc_mult) if self.mode == "layer" else (lambda c: False)
+        kind = feed_kind(cfg.n_layers, cfg.hc_mult) if self.mode == "layer" else (lambda c: None)
         out: list[Recorder] = []
-        for group in blocks(calls, limit, alone):
+        for group in blocks(calls, limit, kind):
             block = [calls[k] for k in group]
             if len(block) == 1:
                 out.append(self.run(block[0].ids, block[0].feed, block[0].rows))

@@ -14,7 +14,7 @@ import torch
 from fidelity.model.sites import Recorder
 from oracles.blocks import BLOCK_TOKENS, StreamCall, blocks, cat_picks, split_block
 from oracles.model import OracleModel
-from oracles.reference import layer_input, reported_topk, uneven_feed
+from oracles.reference import feed_kind, layer_input, reported_topk
 
 __all__ = ["BLOCK_TOKENS", "StreamCall", "StreamReference", "stream_records"]
 
@@ -27,7 +27,7 @@ def stream_records(model: OracleModel, mode: str, calls: Sequence[StreamCall],
         raise ValueError(f"stream oracle: mode free or layer, found {mode!r}")
     cfg, dev = model.cfg, model.device
     session = model.session()
-    groups = blocks(calls, limit, uneven_feed(cfg.n_layers, cfg.hc_mult) if mode == "layer" else lambda c: False)
+    groups = blocks(calls, limit, feed_kind(cfg.n_layers, cfg.hc_mult) if mode == "layer" else lambda c: None)
     starts, pos = [], 0
     for c in calls:
         starts.append(pos)

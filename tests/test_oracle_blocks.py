@@ -13,7 +13,7 @@ from fidelity.decoders import default_decoder
 from fidelity.model.sites import Recorder
 from oracles import OracleModel, Reference
 from oracles.blocks import StreamCall, blocks
-from oracles.reference import uneven_feed
+from oracles.reference import feed_kind
 from oracles.stream import stream_records
 
 PROMPT = 250  # decode from position 250: an HCA entry (ratio 128) completes at 255, CSA entries every 4 tokens
@@ -79,4 +79,13 @@ def test_a_call_whose_records_lack_rows_runs_alone_in_layer_mode(stream):
     short = Recorder(device=None)
     short.records = {s: [(0, r[0][1][:0])] if s == "L1.residual" else r for s, r in calls[3].feed.records.items()}
     odd = [*calls[:3], StreamCall(calls[3].ids, short), *calls[4:6]]
-    assert [len(b) for b in blocks(odd, 64, uneven_feed(6, 4))] == [1, 2, 1, 2]
+    assert [len(b) for b in blocks(odd, 64, feed_kind(6, 4))] == [1, 2, 1, 2]
+
+
+def test_calls_whose_decoder_reports_the_top_k_at_other_layers_are_not_one_block(stream):
+    _, calls = stream
+    quiet = Recorder(device=None)
+    quiet.records = {s: r for s, r in calls[3].feed.records.items() if not s.endswith("indexer.topk")}
+    mixed = [*calls[:3], StreamCall(calls[3].ids, quiet), *calls[4:6]]
+    assert any(s.endswith("indexer.topk") for s in calls[2].feed.records)  # the others report it
+    assert [len(b) for b in blocks(mixed, 64, feed_kind(6, 4))] == [1, 2, 1, 2]

@@ -41,14 +41,16 @@ class AlignedForkRollback(Planted):
 
 
 class ResumedPrefillAsVerify(Planted):
-    """A call of 3 tokens at a position past 0 is taken for an MTP verify call (JustVugg/colibri #1554: ``n > 1 and
-    start_pos > 0``, here at the verify width 3): its tokens' KV rows go to a scratch buffer, the window ring keeps
+    """A call of 8 tokens at a position past 0 is taken for an MTP verify call (JustVugg/colibri #1554: ``n > 1 and
+    start_pos > 0``, here at the verify width 8, which no catalogue call has: its verify calls are 2-4 tokens, its
+    chunks past 0 are 2-7 tokens or 40 and more): its tokens' KV rows go to a scratch buffer, the window ring keeps
     what it held."""
 
     fired = 0
+    WIDTH = 8
 
     def forward(self, calls: list[Call]) -> list:
-        hits = [c for c in calls if len(c.ids) == 3 and c.start > 0]
+        hits = [c for c in calls if len(c.ids) == self.WIDTH and c.start > 0]
         before = {c.seq: self.snapshot(self.seqs[c.seq].session) for c in hits}
         out = super().forward(calls)
         for c in hits:

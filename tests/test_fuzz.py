@@ -67,6 +67,17 @@ def test_a_space_without_capabilities_draws_one_sequence():
     assert all(len(s.streams) == 1 and all(isinstance(op, Feed) for op in s.ops) for s in seen)
 
 
+def test_the_draw_reaches_forks_of_forks_aligned_forks_and_verify_calls_on_a_child():
+    seen = []
+    search(Space(context=320), 0, 60, lambda s, o: (seen.append(s), Verdict("stop" if len(seen) == 150 else ""))[1],
+           0.0, lambda line: None)
+    forks = [(s, i, op) for s in seen for i, op in enumerate(s.ops) if isinstance(op, Fork)]
+    assert any(op.parent != 0 for _, _, op in forks)  # a fork of a forked sequence
+    assert any(op.pos % 128 == 0 for _, _, op in forks)  # at an edge itself, not one either side
+    assert any(isinstance(nxt, Propose) and nxt.seq == op.seq  # a verify call on the child after its first feed
+               for s, i, op in forks for nxt in s.ops[i + 2 : i + 3])
+
+
 def test_the_shrinker_keeps_the_smallest_script_failing_the_same_way():
     def three_after_start(script):  # a call of 3 tokens at a position past 0
         pos = {}
@@ -177,6 +188,19 @@ def test_a_short_seeded_search_on_the_clean_decoder_writes_its_report(tmp_path):
     assert res.passed and len(res.tried) >= 3 and (res.tried["check"] == "pass").all()
     assert (tmp_path / "fz" / "report.md").read_text().count("| pass |") == len(res.tried)
     assert not (tmp_path / "fz" / "scenario.json").exists()
+
+
+def test_a_seeded_search_finds_the_planted_fork_of_a_fork():
+    """Seed 0 at 128 positions draws a fork of a forked sequence past the first fork by its fifth script
+    (docs/fuzz.md's proof table; judged against the decoder itself only, as the search does unsampled)."""
+    plan = plan_checkpoint(None)
+    planted = ForkOfForkFromRoot(plan.open(), max_context=128)
+    space = Space.of(planted, 128)
+    ids = plan.prompt(space.longest)
+    rows, bad, verdict, _, _ = search(space, 0, 50, lambda s, o: judge_self(s, ids, lambda n: planted), 0.0,
+                                      lambda line: None)
+    assert bad is not None and verdict.check == "forked==cold" and len(rows) <= 5, rows
+    assert "bitwise promised: production on the CPU" in verdict.detail
 
 
 def test_a_planted_fork_of_a_fork_fails_forked_equals_cold_bit_for_bit():

@@ -20,6 +20,7 @@ from fidelity.decoders.base import BATCH, FORK, ROLLBACK, Decoder
 from fidelity.studies.catalogue import Feed, Fork, Propose, Script
 
 EDGES = (4, 128, 256)  # CSA and HCA block sizes and the window (the default's), and twice the HCA block
+NEAR = (0, 0, -1, 1)  # an edge itself half the time, else one either side
 OFFSETS = (0, 1, 3, 64, 127, 128, 255, 300)  # where a sequence's own tokens start in the default prompt's ids
 
 
@@ -59,7 +60,7 @@ def _length(draw, at: int, room: int) -> int:
         n = draw(st.integers(1, 8))
     elif how == "edge":
         m = draw(st.sampled_from(EDGES))
-        n = (at // m + draw(st.integers(1, 3))) * m + draw(st.integers(-1, 1)) - at
+        n = (at // m + draw(st.integers(1, 3))) * m + draw(st.sampled_from(NEAR)) - at
     else:
         n = draw(st.integers(1, max(1, room)))
     return max(1, min(n, room))
@@ -71,8 +72,8 @@ def _position(draw, pos: int) -> int:
     if how == "here":
         return pos
     if how == "edge":
-        m = draw(st.sampled_from(EDGES))
-        return max(1, min(pos, (draw(st.integers(1, max(1, pos // m))) * m) + draw(st.integers(-1, 1))))
+        m = draw(st.sampled_from([m for m in EDGES if m <= pos] or [EDGES[0]]))
+        return max(1, min(pos, (draw(st.integers(1, max(1, pos // m))) * m) + draw(st.sampled_from(NEAR))))
     return draw(st.integers(1, pos))
 
 
@@ -99,6 +100,15 @@ def scripts(draw, space: Space) -> Script:
 
     def chunk(k: int) -> int:
         return _length(draw, pos[k], space.context - pos[k])
+
+    def propose(k: int) -> None:  # a verify call of n tokens on sequence k, some accepted, the rest rolled back
+        n = draw(st.integers(2, min(space.propose_max, space.context - pos[k])))
+        accept = draw(st.integers(0, n))
+        extent[k] = max(extent[k], pos[k] + n)
+        pos[k] += accept
+        ops.append(Propose(k, n, accept))
+        if pos[k] < space.context and draw(st.booleans()):  # the next step reads what the rollback left
+            feed([(k, 1)])
 
     arrive()
     feed([(0, chunk(0))])
@@ -129,20 +139,19 @@ def scripts(draw, space: Space) -> Script:
             k = arrive()
             feed([(k, chunk(k))] + [(j, 1) for j in chosen if j != k and pos[j] and draw(st.booleans())])
         elif kind == "fork":
-            parent = draw(st.sampled_from(sorted(pos, reverse=True)))
+            forked = sorted(k for k in pos if origin[k] is not None)
+            among = forked if forked and draw(st.booleans()) else sorted(pos, reverse=True)
+            parent = draw(st.sampled_from(among))  # a forked sequence half the time there is one
             at = _position(draw, pos[parent])
             k = arrive()
             pos[k], extent[k], origin[k] = at, at, (parent, at)
             ops.append(Fork(k, parent, at))
             if pos[k] < space.context:  # the child continues with tokens of its own
                 feed([(k, chunk(k))])
+            if space.rollback and space.context - pos[k] >= 2 and draw(st.booleans()):  # a verify call on it
+                propose(k)
         elif kind == "propose":
-            k = draw(st.sampled_from([k for k in live if space.context - pos[k] >= 2]))
-            n = draw(st.integers(2, min(space.propose_max, space.context - pos[k])))
-            accept = draw(st.integers(0, n))
-            extent[k] = max(extent[k], pos[k] + n)
-            pos[k] += accept
-            ops.append(Propose(k, n, accept))
+            propose(draw(st.sampled_from([k for k in live if space.context - pos[k] >= 2])))
     return Script("fuzz", tuple((k, _stream(k, extent, origin, offset)) for k in sorted(pos)), tuple(ops))
 
 

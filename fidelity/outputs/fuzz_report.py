@@ -6,23 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fidelity.studies.catalogue import Feed, Fork, Script
-from fidelity.studies.shrink import size
-
-
-def describe(script: Script) -> list[str]:
-    """A script as lines: its sequences' streams, then one line per op."""
-    lines = [f"- seq {s}: tokens " + " + ".join(f"ids[{o}:{o + n}]" for o, n in segs) for s, segs in script.streams]
-    for k, op in enumerate(script.ops):
-        if isinstance(op, Feed):
-            what = "call " + ", ".join(f"seq {s} x{n}" for s, n in op.calls)
-        elif isinstance(op, Fork):
-            what = f"fork seq {op.seq} from seq {op.parent} at {op.pos}"
-        else:
-            what = f"propose seq {op.seq}: {op.n} tokens, {op.accept} accepted, rolled back to the accepted"
-        lines.append(f"{k + 1}. {what}")
-    return lines
-
 
 def _verdict_lines(v) -> list[str]:
     out = [f"- failing check: `{v.check}`", f"- detail: {v.detail}"]
@@ -33,8 +16,10 @@ def _verdict_lines(v) -> list[str]:
     return out
 
 
-def write_report(tmp: Path, res: Any, checkpoint: str, decoder: str) -> Path:
-    """report.md of a fuzz result (``fidelity.studies.fuzz_run.FuzzResult``) in ``tmp``."""
+def write_report(tmp: Path, res: Any, checkpoint: str, decoder: str,
+                 scripts: dict[str, tuple[list[str], tuple[int, int]]]) -> Path:
+    """report.md of a fuzz result (``fidelity.studies.fuzz_run.FuzzResult``) in ``tmp``; ``scripts``: for a failure,
+    the ``original`` and ``shrunk`` script each as lines (``catalogue.describe``) and its (ops, tokens)."""
     n = len(res.tried)
     f = res.found
     head = "PASS: no script failed" if f is None else f"FAIL: {f.verdict.check}"
@@ -47,13 +32,13 @@ def write_report(tmp: Path, res: Any, checkpoint: str, decoder: str) -> Path:
     for note in res.notes:
         lines.append(f"- {note}")
     if f is not None:
-        so, ss = size(f.original), size(f.shrunk)
+        (original, so), (shrunk, ss) = scripts["original"], scripts["shrunk"]
         lines += ["", "## Failure", "", f"- time to first failure: {f.seconds_to_failure:.1f} s (script {n})",
                   f"- shrunk from {so[0]} ops / {so[1]} tokens to {ss[0]} ops / {ss[1]} tokens "
                   f"({f.shrink_tried} candidates, {f.shrink_seconds:.0f} s)",
                   "- replay: `fidelity scenarios --scenario-file scenario.json` (this folder's file)", "",
-                  "### Shrunk script (scenario.json)", "", *describe(f.shrunk), "", *_verdict_lines(f.shrunk_verdict),
-                  "", "### Original script (original.json)", "", *describe(f.original), "",
+                  "### Shrunk script (scenario.json)", "", *shrunk, "", *_verdict_lines(f.shrunk_verdict),
+                  "", "### Original script (original.json)", "", *original, "",
                   *_verdict_lines(f.verdict)]
     if n:
         lines += ["", "## Scripts tried", "", "| script | sequences | ops | tokens | oracle | check | seconds |",

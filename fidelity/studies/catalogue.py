@@ -294,3 +294,16 @@ def check_names(names: Sequence[str | Scenario] | None) -> list[Scenario]:
     found = [n if isinstance(n, Scenario) else CATALOGUE[n] for n in names]
     return list({s.name: s for s in found}.values())
 
+
+def describe(script: Script) -> list[str]:
+    """A script as lines: its sequences' streams, then one line per op."""
+    lines = [f"- seq {s}: tokens " + " + ".join(f"ids[{o}:{o + n}]" for o, n in segs) for s, segs in script.streams]
+    for k, op in enumerate(script.ops):
+        if isinstance(op, Feed):
+            what = "call " + ", ".join(f"seq {s} x{n}" for s, n in op.calls)
+        elif isinstance(op, Fork):
+            what = f"fork seq {op.seq} from seq {op.parent} at {op.pos}"
+        else:
+            what = f"propose seq {op.seq}: {op.n} tokens, {op.accept} accepted, rolled back to the accepted"
+        lines.append(f"{k + 1}. {what}")
+    return lines

@@ -24,7 +24,7 @@ from fidelity.decoders.faults import inject
 from fidelity.outputs.fuzz_report import write_report
 from fidelity.outputs.rundir import check_output, new_run_id
 from fidelity.studies import scenario_file
-from fidelity.studies.catalogue import Script
+from fidelity.studies.catalogue import Script, describe
 from fidelity.studies.fuzz import Space, scripts
 from fidelity.studies.fuzz_judge import Verdict, judge
 from fidelity.studies.shrink import shrink, size
@@ -190,7 +190,10 @@ def run_fuzz(plan: CheckpointPlan, decoder: Decoder | str = "production", out: s
                                 f"script {len(rows)} of fidelity fuzz --seed {seed}, as drawn", found)
         res.seconds = time.perf_counter() - t0
         res.tried.to_csv(tmp / "scripts.csv", index=False)
-        write_report(tmp, res, plan.what, decoder.label if isinstance(decoder, Decoder) else decoder)
+        got = res.found
+        shown = {} if got is None else {k: (describe(s), size(s)) for k, s in
+                                        (("original", got.original), ("shrunk", got.shrunk))}
+        write_report(tmp, res, plan.what, decoder.label if isinstance(decoder, Decoder) else decoder, shown)
         return res
 
     box: list[FuzzResult] = []

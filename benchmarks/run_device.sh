@@ -11,6 +11,9 @@
 #   OUT=dir bash benchmarks/run_device.sh slice                          # the Flash slice at 1M (H200): once on this
 #                                                                        # machine's kernel cache as found, once with
 #                                                                        # the kernels compiled; the prefill breakdown
+#   OUT=dir bash benchmarks/run_device.sh judged                         # a judged decode step by part (blocks 1
+#                                                                        # and 64), the catalogue with --jobs
+#                                                                        # ${JOBS:-8}, a ${LONG:-1024}-step long decode
 #   OUT=dir OLD=dir bash benchmarks/run_device.sh ab                    # this tree's FP4 GEMV and mHC modules
 #     against OLD's weight_gemv.py / mhc.py (here: git show REV:fidelity/decoders/production/kernels/mhc.py >
 #     OLD/mhc.py, the same for weight_gemv.py; OLD an ignored folder named in carry): the kernels alone, then the
@@ -63,6 +66,21 @@ elif [ "$what" = slice ]; then
   timeout 100 python3 benchmarks/prefill_chunk_breakdown.py --out "$OUT" --context 1032192 --chunk 16384 \
     >"$OUT/prefill_breakdown.log" 2>&1
   echo "prefill breakdown rc=$?"; grep -v -i warn "$OUT/prefill_breakdown.log" | cut -c1-220 | head -30
+elif [ "$what" = judged ]; then
+  timeout 220 python3 benchmarks/bench_judged_step.py --out "$OUT/step" --device cuda --repeats 1 >"$OUT/step.log" 2>&1
+  echo "judged step rc=$?"; tail -8 "$OUT/step.log"
+  t0=$(date +%s.%N)
+  OMP_NUM_THREADS=1 timeout 240 python3 -m fidelity scenarios --device cuda --jobs "${JOBS:-8}" --out "$OUT" \
+    --run-id scenarios-cuda >"$OUT/scenarios.log" 2>&1
+  echo "scenarios --device cuda --jobs ${JOBS:-8} rc=$? wall_s=$(python3 -c "import time; print(round(time.time() - $t0, 1))")"
+  tail -4 "$OUT/scenarios.log"
+  t0=$(date +%s.%N)
+  OMP_NUM_THREADS=1 timeout 240 python3 -m fidelity run --device cuda --decode "${LONG:-1024}" --out "$OUT" \
+    --run-id long-decode >"$OUT/long.log" 2>&1
+  echo "run --decode ${LONG:-1024} rc=$? wall_s=$(python3 -c "import time; print(round(time.time() - $t0, 1))")"
+  tail -3 "$OUT/long.log"
+  python3 -c "import json; m = json.load(open('$OUT/long-decode/manifest.json')); print(m['decode_steps'], m['seconds_by_part'])"
+  rm -rf "$OUT/scenarios-cuda/runs" "$OUT/long-decode/metrics.parquet"
 elif [ "$what" = models ]; then
   files=("$@"); [ ${#files[@]} -eq 0 ] && files=(tests/gpu/test_*_cuda.py)
   OMP_NUM_THREADS=4 timeout "${MODELS_TIMEOUT:-540}" python3 -m pytest "${files[@]}" -q -p no:cacheprovider \

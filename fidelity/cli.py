@@ -163,6 +163,16 @@ def _text_tokenizer(args, path) -> Path | None:
     return _given_tokenizer(args) or text.tokenizer_path(path)
 
 
+def _jobs(text: str) -> int:
+    """``--jobs``: an integer worker count (``workers.check_jobs``), else a UsageError in one line."""
+    from fidelity.studies.workers import MAX_JOBS, check_jobs
+
+    try:
+        return check_jobs(int(text))
+    except ValueError:
+        raise UsageError(f"--jobs: expected an integer from 1 to {MAX_JOBS}, found {text!r}") from None
+
+
 def _threads(args, cfg: ModelConfig, device: str = "cpu") -> int:
     """Apply ``--threads`` (``auto``: 1 on the CPU for models up to SMALL_MODEL_DIM wide, where torch's intra-op
     threads cost more than they give on small tensors; torch's default otherwise). Returns the count."""
@@ -309,6 +319,7 @@ def _known_cause(res) -> str | None:
 def cmd_scenarios(args) -> int:
     """``fidelity scenarios`` (and ``fidelity run --scenario NAME``): the catalogue against the oracle and against
     the decoder itself, one combined report directory (fidelity/studies/scenarios.py)."""
+    from fidelity.api import plural
     from fidelity.decoders.production import get_profile
     from fidelity.studies import scenario_file
     from fidelity.studies.catalogue import check_names
@@ -322,6 +333,7 @@ def cmd_scenarios(args) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     faults = _decoder_faults(args, "scenarios")
+    jobs = _jobs(getattr(args, "jobs", "1"))  # fidelity run --scenario: one process
     resume = _job_dir(args, "scenarios")
     plan = _plan(args)
     if files:
@@ -332,11 +344,13 @@ def cmd_scenarios(args) -> int:
                         modes=tuple(args.mode or ("free", "layer", "op")), profile=args.profile,
                         decoder_dtype=args.decoder_dtype, device=args.device, overwrite=args.overwrite,
                         progress=lambda line: print(line, file=sys.stderr, flush=True), notify=_notify,
-                        faults=faults, resume=resume)
+                        faults=faults, resume=resume, jobs=jobs)
     m, p = res.matrix, res.pairs
     planted = f" with {', '.join(faults)} planted" if faults else ""
     print(f"dsv4-fidelity {__version__}: scenarios {', '.join(s.name for s in scenarios)} on {args.decoder}{planted} "
-          f"({plan.what}), {res.seconds:.0f} s, {threads} thread(s)")
+          f"({plan.what}), {res.seconds:.0f} s, " +
+          (f"{jobs} worker processes of {plural(max(1, threads // jobs), 'thread')}" if jobs > 1 else
+           f"{threads} thread(s)"))
     print(f"oracle: {int((m['verdict'] == 'PASS').sum())}/{len(m)} runs pass; self-consistency: "
           f"{int(p['passed'].sum()) if len(p) else 0}/{len(p)} pairs pass")
     for line in res.failures():
@@ -940,6 +954,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--out", help="parent folder of the report directory (default runs/)")
     sc.add_argument("--resume", metavar="DIR", help="continue the stopped job in DIR (a fidelity scenarios "
                     "directory): runs it finished with the same inputs are reused, the others run")
+    sc.add_argument("--jobs", default="1", metavar="N",
+                    help="run the runs in N worker processes (default 1; each holds its own model: N times the "
+                         "memory; --threads is shared among them)")
     sc.add_argument("--run-id", help="the directory's name (default scenarios-<UTC time>-<random>)")
     sc.add_argument("--gate", action="store_true", help="exit 1 when a run fails or a self-consistency pair fails")
     sc.add_argument("--overwrite", action="store_true")

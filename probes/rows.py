@@ -36,20 +36,24 @@ def to_rows(site: str, layer: int | None, metrics: dict[str, torch.Tensor],
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
-    """Tensors (any devices) -> their flattened float64 values, one ``.cpu()`` per device (one concatenation and
-    one cast per dtype before it: a step's thousands of 0-d metrics are a handful of launches)."""
-    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+    """Tensors (any devices) -> their flattened float64 values, one ``.cpu()`` per device: the 0-d tensors of a
+    dtype go through one ``stack``, the others through one ``cat``, then one cast per dtype (a step's thousands of
+    0-d metrics are a handful of ops)."""
+    groups: dict[torch.device, dict[tuple[torch.dtype, bool], list[int]]] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault(t.device, {}).setdefault(t.dtype, []).append(i)
+        groups.setdefault(t.device, {}).setdefault((t.dtype, t.ndim == 0), []).append(i)
     out: list[list[float]] = [[] for _ in tensors]
-    for by_dtype in groups.values():
-        order = [i for idx in by_dtype.values() for i in idx]
-        flat = torch.cat([torch.cat([tensors[i].detach().reshape(-1) for i in idx]).to(torch.float64)
-                          for idx in by_dtype.values()]).cpu().tolist()
+    for by_kind in groups.values():
+        order = [i for idx in by_kind.values() for i in idx]
+        parts = [(torch.stack([tensors[i] for i in idx]) if scalar else
+                  torch.cat([tensors[i].reshape(-1) for i in idx])).to(torch.float64)
+                 for (_, scalar), idx in by_kind.items()]
+        flat = torch.cat(parts).detach().cpu().tolist()
         start = 0
         for i in order:
-            out[i] = flat[start : start + tensors[i].numel()]
-            start += tensors[i].numel()
+            n = tensors[i].numel()
+            out[i] = flat[start : start + n]
+            start += n
     return out
 
 
@@ -61,31 +65,40 @@ def collect_columns(pending: Iterable[dict[str, Any]], **fields: Any) -> dict[st
     tensors += [p["position"] for p in pending if isinstance(p["position"], torch.Tensor)]
     host = _to_host(tensors)
     host_pos = iter(host[len(pending) :])
-    cols: dict[str, list[Any]] = {}
-    n = 0
-    for p, vals in zip(pending, host[: len(pending)], strict=True):
+    values, positions = host[: len(pending)], []
+    for i, p in enumerate(pending):
         pos = p["position"]
         if pos is None:
-            pos, vals = [AGGREGATE], vals[:1]
-        elif isinstance(pos, torch.Tensor):
-            pos = next(host_pos)
-        row = {"site": p["site"], "layer": p["layer"], "metric": p["metric"], **p.get("extra", {}), **fields}
-        for k, v in row.items():
-            _column(cols, k, n).extend([v] * len(vals))
-        _column(cols, "position", n).extend(int(t) for t in pos)
-        _column(cols, "value", n).extend(vals)
-        n += len(vals)
-        for col in cols.values():
-            if len(col) < n:
-                col.extend([None] * (n - len(col)))
+            positions.append([AGGREGATE])
+            values[i] = values[i][:1]
+        else:
+            positions.append(next(host_pos) if isinstance(pos, torch.Tensor) else pos)
+    counts = [len(v) for v in values]
+    keys: dict[str, None] = {}
+    for extra_keys in dict.fromkeys(tuple(p.get("extra", ())) for p in pending):
+        keys.update(dict.fromkeys(("site", "layer", "metric", *extra_keys, *fields, "position", "value")))
+    cols = {}
+    for key in keys:
+        if key in ("site", "layer", "metric"):
+            per_row = [p[key] for p in pending]
+        elif key in fields:
+            per_row = [fields[key]] * len(pending)
+        elif key not in ("position", "value"):
+            per_row = [p.get("extra", {}).get(key) for p in pending]
+        if key == "position":
+            cols[key] = [int(t) for pos in positions for t in pos]
+        elif key == "value":
+            cols[key] = [v for vals in values for v in vals]
+        else:
+            cols[key] = _repeated(per_row, counts)
     return cols
 
 
-def _column(cols: dict[str, list[Any]], key: str, n: int) -> list[Any]:
-    """The column ``key``, new ones holding None for the ``n`` rows before."""
-    if key not in cols:
-        cols[key] = [None] * n
-    return cols[key]
+def _repeated(per_row: list[Any], counts: list[int]) -> list[Any]:
+    """Each pending row's value repeated once per value it holds."""
+    if all(n == 1 for n in counts):
+        return per_row
+    return [v for v, n in zip(per_row, counts, strict=True) for _ in range(n)]
 
 
 def collect(pending: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:

@@ -224,15 +224,23 @@ class PairBatches:
             for s in range(0, len(pairs), per_batch):
                 batch = pairs[s : s + per_batch]
                 metrics = BATCHED_PROBES[probe](torch.stack([p[1] for p in batch]), torch.stack([p[2] for p in batch]))
+                per_pair = {k: v.unbind(0) for k, v in metrics.items()}  # B 0-d views in one call
                 for b, (site, _, _, tags) in enumerate(batch):
-                    rows = to_rows(site, _layer(site), {k: v[b] for k, v in metrics.items()})
-                    out += rows if tags is None else tagged(rows, tags)
+                    rows = to_rows(site, _layer(site), {k: v[b] for k, v in per_pair.items()})
+                    out += rows if tags is None else tag_in_place(rows, tags)
         return out
 
 
 def tagged(rows: list[dict], tags: dict) -> list[dict]:
-    """Pending rows carrying ``tags`` as ``extra`` fields (after any they carry)."""
+    """Copies of pending rows carrying ``tags`` as ``extra`` fields (after any they carry)."""
     return [{**r, "extra": {**r.get("extra", {}), **tags}} for r in rows]
+
+
+def tag_in_place(rows: list[dict], tags: dict) -> list[dict]:
+    """``tagged`` for rows no one else holds: each row gains the fields (rows without their own share ``tags``)."""
+    for r in rows:
+        r["extra"] = {**r["extra"], **tags} if "extra" in r else tags
+    return rows
 
 
 @dataclass(frozen=True)
@@ -257,7 +265,12 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
     go, to be computed by the caller with other calls' (``PairBatches.rows``), their rows carrying ``tags``, as the
     rows returned do; None: computed here. ``own``: the decoder's rows judged on its own (``decoder_rows``), where the
     caller computed them once for every mode."""
-    pending: list[dict] = decoder_rows(test, cfg, kv_scale_floor) if own is None else list(own)
+    if own is None:
+        own = decoder_rows(test, cfg, kv_scale_floor)
+        own = tag_in_place(own, tags) if tags else own
+    else:  # shared by every mode's call: copied to carry this one's tags
+        own = tagged(own, tags) if tags else list(own)
+    pending: list[dict] = []
     device = next((recs[0][1].device for recs in test.records.values() if recs), positions.device)
     positions, rows = positions.to(device), rows.to(device) if rows is not None else None  # the decoder's device
     sel = positions if rows is None else positions[rows]
@@ -295,8 +308,8 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
             ranked += rank_rows(site, r, test.parts[site], rows, n_common, keep)
     pending += ranked
     if own_batches:
-        return pending + batches.rows()
-    return pending if tags is None else tagged(pending, tags)
+        return own + pending + batches.rows()
+    return own + (pending if tags is None else tag_in_place(pending, tags))
 
 
 class _TaggedBatches:

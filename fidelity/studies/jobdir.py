@@ -84,6 +84,7 @@ class Job:
     reused: list[str] = field(default_factory=list)
     redone: list[tuple[str, list[str]]] = field(default_factory=list)
     seen: set[Path] = field(default_factory=set)
+    fresh: set[str] = field(default_factory=set)  # runs this job kept in its worker processes (not reused)
 
     def _file(self, name: str) -> Path:
         slug = re.sub(r"[^A-Za-z0-9._+-]+", "-", name).strip("-")[:80]
@@ -106,8 +107,17 @@ class Job:
         if kept != key:
             self.redone.append((name, sorted(k for k in key.keys() | kept.keys() if key.get(k) != kept.get(k))))
             return MISSING
-        self.reused.append(name)
+        if name not in self.fresh:
+            self.reused.append(name)
         return record["result"]
+
+    def kept(self, name: str, inputs: dict) -> bool:
+        """Whether run ``name`` is kept with these inputs (nothing noted)."""
+        try:
+            record = json.loads(self._file(name).read_text(encoding="utf-8"))
+            return record["inputs"] == _plain({**self.common, **inputs})
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
     def keep(self, name: str, inputs: dict, result: Any) -> Any:
         """Write run ``name``'s record (atomically) and return ``result`` as the record reads back."""
@@ -121,7 +131,8 @@ class Job:
              tell: Callable[[str], None] = lambda line: None) -> Any:
         """Run ``name``'s kept result, or ``compute()`` kept as it finishes."""
         if (found := self.lookup(name, inputs)) is not MISSING:
-            tell(f"{name}: kept from the stopped job")
+            if name not in self.fresh:
+                tell(f"{name}: kept from the stopped job")
             return found
         return self.keep(name, inputs, compute())
 

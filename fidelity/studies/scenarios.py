@@ -19,6 +19,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -27,7 +28,7 @@ import pandas as pd
 import torch
 
 from fidelity._version import __version__
-from fidelity.api import CheckpointPlan, InputError, open_decoder, run, warn
+from fidelity.api import CheckpointPlan, InputError, open_decoder, plan_checkpoint, run, warn
 from fidelity.atomic_write import write_into_atomic
 from fidelity.decoders.base import ContextError, Decoder, DecoderError, raised
 from fidelity.decoders.faults import active, inject
@@ -42,6 +43,7 @@ from fidelity.studies.catalogue import Run, Scenario, Script, check_names
 from fidelity.studies.jobdir import Job, digest, kept_job, open_job
 from fidelity.studies.judge import PAIR_COLUMNS, check_pair, check_script_pair, divergence_columns, worst_local_cos
 from fidelity.studies.play import decoder_logits, missing, play
+from fidelity.studies.workers import check_jobs, run_tasks
 
 
 def self_consistency(scenario: Scenario, ids: torch.Tensor, fresh: Callable[[int], Decoder],
@@ -108,13 +110,18 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
                   profile: str = "reference", decoder_dtype: str = "bf16", device: str = "cpu",
                   overwrite: bool = False, progress: Callable[[str], None] | None = None,
                   notify: Callable[[str, str], None] = warn, faults: Sequence[str] = (),
-                  resume: str | Path | None = None) -> ScenarioResult:
+                  resume: str | Path | None = None, jobs: int = 1) -> ScenarioResult:
     """Run ``names`` (default: the whole catalogue) on ``decoder`` against the oracle and against itself in one
     report directory ``out/<run_id>/`` (default id ``scenarios-<UTC time>-<random>``): runs/<scenario>-<run>/ (each
     run's own directory) and kept/ (``fidelity.studies.jobdir``) as each run finishes, then report.md/.html,
     matrix.csv, pairs.csv, plots/. ``resume``: continue the stopped job in that directory instead, reusing the
-    runs it finished with the same inputs."""
+    runs it finished with the same inputs. ``jobs``: the runs and self-consistency plays not kept yet run in that
+    many worker processes (``fidelity.studies.workers``; a named decoder only), the report the same as with one."""
     scenarios = check_names(names)
+    check_jobs(jobs)
+    if jobs > 1 and not isinstance(decoder, str):
+        raise InputError(f"--jobs {jobs}: each worker process opens the decoder by name (production, transformers, "
+                         f"...); found a {type(decoder).__name__} object: run it with jobs=1")
     target = open_job(resume, "scenarios") if resume is not None else \
         check_output(out, run_id or f"scenarios-{new_run_id()}", overwrite)
     ckpt = plan.open()
@@ -126,7 +133,7 @@ def run_scenarios(plan: CheckpointPlan, names: Sequence[str | Scenario] | None =
         with kept_job(target, "scenarios", common, resume is not None, overwrite) as job:
             runs = _Play(job, plan, ckpt, decoder, ids, tuple(modes), profile, decoder_dtype, device, notify,
                          progress or (lambda line: None))
-            rows, pairs, skipped = runs.all(scenarios)
+            rows, pairs, skipped = runs.all(scenarios, jobs, list(faults))
         dropped = job.prune()
         _drop_other_runs(target, rows)
         result = ScenarioResult(target, pd.DataFrame(rows, columns=list(ROW_COLUMNS)),
@@ -161,20 +168,52 @@ class _Play:
     def fresh(self, context: int) -> Decoder:
         return open_decoder(self.decoder, self.ckpt, self.profile, context, self.device, self.decoder_dtype)
 
-    def all(self, scenarios: Sequence[Scenario]) -> tuple[list[dict], list[dict], dict[str, str]]:
-        """(matrix rows, pairs rows, skipped) of every scenario."""
-        rows, pairs, skipped = [], [], {}
+    def all(self, scenarios: Sequence[Scenario], jobs: int = 1,
+            faults: Sequence[str] = ()) -> tuple[list[dict], list[dict], dict[str, str]]:
+        """(matrix rows, pairs rows, skipped) of every scenario; with ``jobs`` > 1 what is not kept yet runs first in
+        that many worker processes (``faults`` planted in each)."""
+        rows, pairs, skipped, playable = [], [], {}, []
         for s in scenarios:
             if s.needs and (why := missing(s, self.fresh(_context(s)))):
                 skipped[s.name] = why
                 self.tell(f"{s.name}: skipped: {why}")
-                continue
+            else:
+                playable.append(s)
+        if jobs > 1:
+            tasks = [t for t in self.tasks(playable) if not self.job.kept(t[2], t[3])]
+            self.job.fresh.update(t[2] for t in tasks)
+            run_tasks(_play_task, tasks, jobs, _init_worker, (self.worker_spec(jobs, faults),), self.tell)
+        for s in playable:
             mine = [self.job.once(f"{s.name} / {r.label}", self._run_inputs(r), partial(self.oracle_run, s, r),
                                   self.tell) for r in s.runs]
             got = self.job.once(f"{s.name} self-consistency", self._scenario_inputs(s),
                                 partial(self.against_itself, s), self.tell)
             rows += _with_self_consistency(s, mine + got["rows"], got, pairs, skipped)
         return rows, pairs, skipped
+
+    def tasks(self, scenarios: Sequence[Scenario]) -> list[tuple]:
+        """Every run and self-consistency play of ``scenarios`` as a worker's task (kind, scenario, record name,
+        inputs, run), the longest first (by decoder calls: decode steps and prefill chunks; a play as its runs
+        twice)."""
+        tasks = []
+        for s in scenarios:
+            for r in s.runs:
+                tasks.append((_calls(r), ("run", s, f"{s.name} / {r.label}", self._run_inputs(r), r)))
+            tasks.append((2 * sum(_calls(r) for r in s.runs) + 64 * len(s.scripts),
+                          ("self", s, f"{s.name} self-consistency", self._scenario_inputs(s), None)))
+        return [t for _, t in sorted(tasks, key=lambda t: -t[0])]
+
+    def worker_spec(self, jobs: int, faults: Sequence[str]) -> dict:
+        """What a worker process needs to rebuild this job (``_init_worker``): picklable inputs only."""
+        from_preset = self.plan.path is None and "preset" in self.ckpt.origin  # synthesized by ``plan.open``
+        if self.plan.path is None and not from_preset:
+            raise InputError(f"--jobs {jobs}: each worker process opens the checkpoint again, and this one has no "
+                             "directory (a checkpoint object built in memory): save it, or run with jobs=1")
+        return {"path": str(self.job.path), "common": self.job.common, "checkpoint": self.plan.path,
+                "preset": self.plan.preset if from_preset else None, "seed": self.plan.seed,
+                "layers": self.plan.layers, "plan_device": self.plan.device, "decoder": self.decoder,
+                "ids": self.ids, "modes": self.modes, "profile": self.profile, "decoder_dtype": self.decoder_dtype,
+                "device": self.device, "faults": list(faults), "threads": max(1, torch.get_num_threads() // jobs)}
 
     def _run_inputs(self, r: Run) -> dict:
         return {"run": repr(r), "tokens": digest(r.prompt(self.ids).numpy().tobytes())}
@@ -199,29 +238,28 @@ class _Play:
         """``s`` against itself: its pairs, the rows of its played sequences judged against the oracle, why it was
         skipped (a capability the decoder has only in part) or whether the decoder raised."""
         folder = self.job.path
-        shutil.rmtree(folder / "traces", ignore_errors=True)
+        shutil.rmtree(_traces(folder, s), ignore_errors=True)
         writers: dict[str, TraceWriter] = {}
         done = {"pairs": [], "rows": [], "skipped": None, "crashed": False}
         try:
             got = self_consistency(s, self.ids, self.fresh, partial(_writer, writers, folder, s))
         except DecoderError as err:  # a capability the decoder has only in part (e.g. forks at call ends)
-            for w in writers.values():
-                w.abort()
+            _abort(writers, folder, s)
             self.tell(f"{s.name}: self-consistency skipped: {err}")
             return {**done, "skipped": str(err)}
         except USER_ERRORS:
             raise
         except Exception as err:  # the decoder raised while the scenario played against itself (a run's
             # own raise ends that run, judged up to the call: ``Runner.run``)
-            for w in writers.values():
-                w.abort()
+            _abort(writers, folder, s)
             self.tell(f"{s.name}: self-consistency: the decoder raised {raised(err)}")
             return {**done, "pairs": [_crash_pair(s, err)], "crashed": True}
         rows = []
         for label, w in writers.items():  # the scripts as played, each sequence against the oracle
             rows += judge_trace(s, label, w.finish(), self.plan, self.modes, folder, self.device, self.notify,
                                 self.tell, overwrite=True)
-        shutil.rmtree(folder / "traces", ignore_errors=True)  # judged: the run directories hold the metrics
+        shutil.rmtree(_traces(folder, s), ignore_errors=True)  # judged: the run directories hold the metrics
+        _remove_if_empty(folder / "traces")
         self.tell(f"{s.name}: self-consistency {sum(p['passed'] for p in got)}/{len(got)} pairs pass")
         return {**done, "pairs": got, "rows": rows}
 
@@ -250,6 +288,59 @@ def _drop_other_runs(folder: Path, rows: list[dict]) -> None:
     for d in (folder / "runs").iterdir() if (folder / "runs").is_dir() else ():
         if d.name not in named:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _traces(folder: Path, s: Scenario) -> Path:
+    """Where ``s``'s played scripts are traced while they are judged (one folder a scenario: plays in parallel
+    workers keep apart)."""
+    return folder / "traces" / _slug(s.name)
+
+
+def _abort(writers: dict[str, TraceWriter], folder: Path, s: Scenario) -> None:
+    """Drop the traces of a play that ended early."""
+    for w in writers.values():
+        w.abort()
+    shutil.rmtree(_traces(folder, s), ignore_errors=True)
+    _remove_if_empty(folder / "traces")
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:  # absent, or another scenario's traces are still there
+        pass
+
+
+def _calls(r: Run) -> int:
+    """A run's decoder calls: its decode steps and prefill chunks."""
+    return r.decode_steps + len(r.chunks or (1,))
+
+
+_WORKER: dict = {}  # a worker process's own job (``_init_worker``)
+
+
+def _init_worker(spec: dict) -> None:
+    """A worker process's context, built once: the job's checkpoint and ``_Play`` from ``spec`` (``worker_spec``),
+    its faults planted for the process's life."""
+    torch.set_num_threads(spec["threads"])
+    stack = ExitStack()
+    stack.enter_context(inject(*spec["faults"]))
+    plan = plan_checkpoint(spec["checkpoint"], preset=spec["preset"], seed=spec["seed"], layers=spec["layers"],
+                           device=spec["plan_device"])
+    job = Job(Path(spec["path"]), spec["common"], resumed=True)
+    _WORKER.update(stack=stack, play=_Play(job, plan, plan.open(), spec["decoder"], spec["ids"], spec["modes"],
+                                           spec["profile"], spec["decoder_dtype"], spec["device"], warn,
+                                           lambda line: None))
+
+
+def _play_task(task: tuple) -> list[str]:
+    """A worker's task (``_Play.tasks``): the run or self-consistency play kept in the job; the lines it told."""
+    play, lines = _WORKER["play"], []
+    play.tell = lines.append
+    kind, s, name, inputs, r = task
+    compute = partial(play.oracle_run, s, r) if kind == "run" else partial(play.against_itself, s)
+    play.job.once(name, inputs, compute, lines.append)
+    return lines
 
 
 def _context(s: Scenario) -> int:
@@ -288,7 +379,7 @@ def _writer(writers: dict[str, TraceWriter], tmp: Path, s: Scenario, script: Scr
     checks exercise)."""
     if script.label not in s.judged:
         return None
-    writers[script.label] = TraceWriter(tmp / "traces" / _slug(f"{s.name}-{script.label}"), decoder.config,
+    writers[script.label] = TraceWriter(_traces(tmp, s) / _slug(script.label), decoder.config,
                                         decoder=decoder.label, profile=decoder.profile)
     return writers[script.label]
 

@@ -3,14 +3,15 @@
 Which probe a site gets, and when, is the site table's (``fidelity.model.sites.SITE_TABLE``): Sinkhorn matrices
 -> ``sinkhorn`` (with orientation); indexer picks -> tie-aware ``indexer_recall``; visible sets ->
 ``visible_range``; routed experts -> routing agreement; logits -> also ``token_agreement``; residual streams ->
-also ``residual_norms`` of both models (``residual_rows``); every other float site -> ``similarity``. A decoder's
-stored KV cache rows (``L{i}.attn.kv_cache``) have no oracle record: they are judged against the decoder's own
-``attn.kv`` and its profile's FP8 scale rule (``kv_storage``).
+also ``residual_norms`` of both models (every row both recorded); every other float site -> ``similarity``. A
+decoder's stored KV cache rows (``L{i}.attn.kv_cache``) have no oracle record: they are judged against the decoder's
+own ``attn.kv`` and its profile's FP8 scale rule (``kv_storage``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -111,14 +112,13 @@ def _routing_weights(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict
     return {"weight_max_err": err.amax() if err.numel() else torch.zeros((), dtype=torch.float64)}
 
 
-def _routing(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict) -> dict:
-    """``routing_agreement`` with the oracle's selection scores of these tokens (none on hash layers)."""
+def _routing_scores(site: str, ref: torch.Tensor, ctx: dict) -> torch.Tensor | None:
+    """The oracle's selection scores of these tokens for ``routing_agreement`` (None on hash layers)."""
     scores_site = same_layer(SITE.moe_scores, site)
-    scores = None
-    if scores_site in ctx["ref"].records:
-        scores = ctx["ref"].get(scores_site).to(ref.device)
-        scores = scores[ctx["keep"]] if ctx.get("keep") is not None else scores
-    return routing_agreement(test, ref, scores)
+    if scores_site not in ctx["ref"].records:
+        return None
+    scores = ctx["ref"].get(scores_site).to(ref.device)
+    return scores[ctx["keep"]] if ctx.get("keep") is not None else scores
 
 
 def _pad_ids(ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -131,19 +131,20 @@ def compare_site(site: str, ref: torch.Tensor, test: torch.Tensor, ctx: dict, pe
     ``similarity`` or ``sinkhorn`` goes to ``batches`` (computed with the same template's other layers)."""
     layer, out, entry = _layer(site), [], site_of(site)
     if entry.probe == "sinkhorn":
-        batches.add("sinkhorn", site, ref, test)
+        batches.add("sinkhorn", site, (ref, test))
     elif entry.probe == "indexer_recall":
         scores = ctx["ref"].get(same_layer(SITE.indexer_scores, site))
-        out += to_rows(site, layer, indexer_recall(test, ref, scores, NEAR_TIE_MARGIN))
+        batches.add("indexer_recall", site, (test, ref, scores.to(ref.device)))
     elif entry.probe == "visible_range":
-        out += to_rows(site, layer, visible_range(test, _visible_reference(site, ref, ctx), ctx["positions"],
-                                                  ctx["window"]))
+        batches.add("visible_range", site, (test, _visible_reference(site, ref, ctx), ctx["positions"]),
+                    static=(ctx["window"],))
     elif entry.probe == "routing_weights":
         out += to_rows(site, layer, _routing_weights(site, ref, test, ctx))
     elif entry.probe == "routing":
-        out += to_rows(site, layer, _routing(site, ref, test, ctx))
+        scores = _routing_scores(site, ref, ctx)
+        batches.add("routing", site, (test, ref) if scores is None else (test, ref, scores))
     elif ref.is_floating_point():
-        batches.add("similarity", site, ref, test)
+        batches.add("similarity", site, (ref, test))
         if per_position and entry.per_position and ref.shape[0] > 1:
             pp = similarity_per_position(ref, test)
             out += to_rows(site, layer, {"cos": pp["cos"]}, positions=ctx["positions"])
@@ -197,38 +198,58 @@ def _decided_rows(layer: int, selection: str, ref: Recorder, test: Recorder, mar
 
 
 BATCH_ELEMENTS = 1 << 24  # elements of one template's pairs compared in one batch (bounds the float64 copies)
-# probes computed for a batch of same-shaped pairs at once: (ref [B, ...], test [B, ...]) -> [B] metrics
+# probes written for a batch of same-shaped pairs: their tensors stacked ([B, ...] each) -> [B] metrics
 BATCHED_PROBES = {"similarity": similarity_batch, "sinkhorn": lambda ref, test: sinkhorn_batch(test, ref)}
+# probes of one pair (its tensors, then the batch's static arguments -> 0-d metrics), batched under ``torch.vmap``:
+# the same ops, each over the batch, give the same metrics as pair by pair (tests/test_probe_batches.py)
+VMAP_MIN_PAIRS = 2  # a pair probe's batch of fewer pairs is probed pair by pair
+PAIR_PROBES = {"indexer_recall": partial(indexer_recall, margin=NEAR_TIE_MARGIN), "routing": routing_agreement,
+               "visible_range": visible_range, "residual": residual_norms,
+               "residual ref": partial(residual_norms, prefix="ref_")}
 
 
 class PairBatches:
-    """One step's pairs of the ``BATCHED_PROBES``, compared a batch of layers at a time: a site template's pairs
-    of one shape and dtypes go through the probe together, in the ops of one pair (on a GPU each is a launch from
-    the host: a probe per layer made the comparison of a deep model's step host-bound)."""
+    """The pairs of the batched probes (``BATCHED_PROBES``, ``PAIR_PROBES``) of one or more calls, compared a batch
+    at a time: a site template's pairs of one probe, static arguments, shapes, dtypes and devices go through the
+    probe together, in the ops of one pair (each op a few microseconds from Python on the CPU, a launch on a GPU: a
+    probe per pair made a step's judgement host-bound). A pair probe's pairs without rows are probed one by one."""
 
     def __init__(self) -> None:
-        self.groups: dict[tuple, list[tuple[str, torch.Tensor, torch.Tensor, dict | None]]] = {}
+        self.groups: dict[tuple, list[tuple[str, tuple[torch.Tensor, ...], dict | None]]] = {}
 
-    def add(self, probe: str, site: str, ref: torch.Tensor, test: torch.Tensor, tags: dict | None = None) -> None:
-        """``tags``: fields the pair's rows carry (``extra``: a run's step, phase and mode when the pairs of several
-        calls share the batches)."""
-        key = (probe, site_template(site), tuple(ref.shape), tuple(test.shape), ref.dtype, test.dtype, ref.device,
-               test.device)
-        self.groups.setdefault(key, []).append((site, ref, test, tags))
+    def add(self, probe: str, site: str, tensors: tuple[torch.Tensor, ...], tags: dict | None = None,
+            static: tuple = ()) -> None:
+        """``tensors``: the probe's tensor arguments, ``static`` the others (shared by the batch); ``tags``: fields
+        the pair's rows carry (``extra``: a run's step, phase and mode when the pairs of several calls share the
+        batches)."""
+        key = (probe, static, site_template(site), *((tuple(t.shape), t.dtype, t.device) for t in tensors))
+        self.groups.setdefault(key, []).append((site, tensors, tags))
 
     def rows(self) -> list[dict]:
         """Pending rows of every pair added, in the order added within a template."""
         out: list[dict] = []
-        for (probe, *_), pairs in self.groups.items():
-            per_batch = max(1, BATCH_ELEMENTS // max(1, pairs[0][1].numel()))
+        for (probe, static, *_), pairs in self.groups.items():
+            per_batch = max(1, BATCH_ELEMENTS // max(1, pairs[0][1][0].numel()))
             for s in range(0, len(pairs), per_batch):
-                batch = pairs[s : s + per_batch]
-                metrics = BATCHED_PROBES[probe](torch.stack([p[1] for p in batch]), torch.stack([p[2] for p in batch]))
-                per_pair = {k: v.unbind(0) for k, v in metrics.items()}  # B 0-d views in one call
-                for b, (site, _, _, tags) in enumerate(batch):
-                    rows = to_rows(site, _layer(site), {k: v[b] for k, v in per_pair.items()})
-                    out += rows if tags is None else tag_in_place(rows, tags)
+                out += _batch_rows(probe, static, pairs[s : s + per_batch])
         return out
+
+
+def _batch_rows(probe: str, static: tuple, batch: list[tuple[str, tuple[torch.Tensor, ...], dict | None]]
+                ) -> list[dict]:
+    """Pending rows of one batch of same-shaped pairs of ``probe``."""
+    if probe in BATCHED_PROBES or (len(batch) >= VMAP_MIN_PAIRS and batch[0][1][0].shape[0] > 0):
+        fn = BATCHED_PROBES.get(probe) or torch.vmap(lambda *ts: PAIR_PROBES[probe](*ts, *static))
+        metrics = fn(*(torch.stack(ts) for ts in zip(*(p[1] for p in batch), strict=True)))
+        unbound = {k: v.unbind(0) for k, v in metrics.items()}  # B 0-d views in one call
+        per_pair = [{k: v[b] for k, v in unbound.items()} for b in range(len(batch))]
+    else:  # nothing to share, or no rows to map over
+        per_pair = [PAIR_PROBES[probe](*tensors, *static) for _, tensors, _ in batch]
+    out: list[dict] = []
+    for (site, _, tags), metrics in zip(batch, per_pair, strict=True):
+        rows = to_rows(site, _layer(site), metrics)
+        out += rows if tags is None else tag_in_place(rows, tags)
+    return out
 
 
 def tagged(rows: list[dict], tags: dict) -> list[dict]:
@@ -296,7 +317,8 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
         r, t, counts = _rows_matched(site, r.to(t.device), t)
         pending += to_rows(site, _layer(site), counts)
         if site_of(site).probe == "residual" and "shape_mismatch" not in counts:
-            pending += residual_rows(site, r, t)
+            batches.add("residual", site, (t,))
+            batches.add("residual ref", site, (r,))
         site_ctx, n_common = ctx, len(t)
         keep = _comparable_rows(site, r, t, ref, test, rows, selections, routings)
         if keep is not None:
@@ -318,8 +340,8 @@ class _TaggedBatches:
     def __init__(self, batches: PairBatches, tags: dict | None):
         self.batches, self.tags = batches, tags
 
-    def add(self, probe: str, site: str, ref: torch.Tensor, test: torch.Tensor) -> None:
-        self.batches.add(probe, site, ref, test, self.tags)
+    def add(self, probe: str, site: str, tensors: tuple[torch.Tensor, ...], static: tuple = ()) -> None:
+        self.batches.add(probe, site, tensors, self.tags, static)
 
 
 def decoder_rows(test: Recorder, cfg: ModelConfig, kv_scale_floor: str) -> list[dict]:
@@ -368,13 +390,6 @@ def rank_rows(site: str, ref: torch.Tensor, parts: list, rows: torch.Tensor | No
             row["extra"] = {"rank": rank, "ranks": ranks}
             out.append(row)
     return out
-
-
-def residual_rows(site: str, ref: torch.Tensor, test: torch.Tensor) -> list[dict]:
-    """Pending ``residual_norms`` rows of both models' streams at ``site`` over every row both recorded (routing flips
-    included: a norm is no comparison): the decoder's ``rms*``, the oracle's ``ref_rms*``."""
-    layer = _layer(site)
-    return to_rows(site, layer, residual_norms(test)) + to_rows(site, layer, residual_norms(ref, prefix="ref_"))
 
 
 def stored_kv_rows(test: Recorder, cfg: ModelConfig, kv_scale_floor: str) -> list[dict]:

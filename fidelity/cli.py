@@ -163,6 +163,12 @@ def _text_tokenizer(args, path) -> Path | None:
     return _given_tokenizer(args) or text.tokenizer_path(path)
 
 
+def _jobs_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--jobs", default="1", metavar="N",
+                        help="run the runs in N worker processes (default 1; each holds its own model: N times the "
+                             "memory; --threads is shared among them)")
+
+
 def _jobs(text: str) -> int:
     """``--jobs``: an integer worker count (``workers.check_jobs``), else a UsageError in one line."""
     from fidelity.studies.workers import MAX_JOBS, check_jobs
@@ -615,7 +621,7 @@ def cmd_mutants(args) -> int:
     from fidelity.decoders.transformers import FAULTS as HF_FAULTS
     from fidelity.decoders.transformers import TransformersDecoder
     from fidelity.outputs.report import md_table
-    from fidelity.studies.mutant_runs import MutantSettings, run_mutants_job
+    from fidelity.studies.mutant_runs import MutantSettings, run_mutants_job, worker_spec
     from fidelity.studies.mutants import check_names
 
     _check_device(args.device)
@@ -629,6 +635,7 @@ def cmd_mutants(args) -> int:
         raise UsageError(str(err)) from None
     if args.decode is not None and args.decode < 0:
         raise UsageError(f"--decode: expected >= 0, found {args.decode}")
+    jobs = _jobs(args.jobs)
     resume = _job_dir(args, "mutants")
     plan = _plan(args)
     threads = _threads(args, plan.config)
@@ -643,9 +650,12 @@ def cmd_mutants(args) -> int:
         print(f"[{k + 1}/{n}] {name}", file=sys.stderr, flush=True)
 
     decoder = "production" if factory is None else f"transformers ({args.decoder_dtype})"
+    reopen = worker_spec(plan, ckpt, jobs, args.decoder, args.decoder_dtype, args.device) if jobs > 1 else None
     res = run_mutants_job(ckpt, args.job_dir, args.only, settings, progress, factory, known, decoder_label=decoder,
-                          resume=resume is not None, overwrite=args.overwrite)
-    print(f"dsv4-fidelity {__version__}: mutants of the {decoder} decoder on {plan.what}, {plural(threads, 'thread')}")
+                          resume=resume is not None, overwrite=args.overwrite, jobs=jobs, reopen=reopen)
+    workers = f"{jobs} worker processes of {plural(max(1, threads // jobs), 'thread')}" if jobs > 1 else \
+        plural(threads, "thread")
+    print(f"dsv4-fidelity {__version__}: mutants of the {decoder} decoder on {plan.what}, {workers}")
     print(md_table(res.table))
     print("gate: PASS" if not res.failures else "gate: FAIL\n" + "\n".join(f"  - {f}" for f in res.failures))
     if res.resumed:
@@ -954,9 +964,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--out", help="parent folder of the report directory (default runs/)")
     sc.add_argument("--resume", metavar="DIR", help="continue the stopped job in DIR (a fidelity scenarios "
                     "directory): runs it finished with the same inputs are reused, the others run")
-    sc.add_argument("--jobs", default="1", metavar="N",
-                    help="run the runs in N worker processes (default 1; each holds its own model: N times the "
-                         "memory; --threads is shared among them)")
+    _jobs_arg(sc)
     sc.add_argument("--run-id", help="the directory's name (default scenarios-<UTC time>-<random>)")
     sc.add_argument("--gate", action="store_true", help="exit 1 when a run fails or a self-consistency pair fails")
     sc.add_argument("--overwrite", action="store_true")
@@ -1006,6 +1014,7 @@ def build_parser() -> argparse.ArgumentParser:
     mu.add_argument("--out", help="parent folder of the matrix's directory (default runs/)")
     mu.add_argument("--resume", metavar="DIR", help="continue the stopped job in DIR (a fidelity mutants "
                     "directory): runs it finished with the same inputs are reused, the others run")
+    _jobs_arg(mu)
     mu.add_argument("--run-id", help="the directory's name (default mutants-<UTC time>-<random>)")
     mu.add_argument("--overwrite", action="store_true")
     _threads_arg(mu)

@@ -1,6 +1,6 @@
-"""``fidelity scenarios --jobs N``: the runs and self-consistency plays in N worker processes give the report one
-process gives (the same verdicts, metrics, pairs and run directories); a planted fault reaches every worker; a
-worker count that is not one, or a decoder no worker can open, is one line, exit 2."""
+"""``fidelity scenarios --jobs N`` and ``fidelity mutants --jobs N``: the runs in N worker processes give the report
+one process gives (the same verdicts, metrics, pairs, run directories and detection matrix); a planted fault reaches
+every worker; a worker count that is not one, or a decoder no worker can open, is one line, exit 2."""
 
 import os
 import subprocess
@@ -12,7 +12,7 @@ import pytest
 from fidelity.api import InputError, plan_checkpoint
 from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.studies.scenarios import run_scenarios
-from tests.test_resume import SCENARIOS, _same_report
+from tests.test_resume import MUTANTS, SCENARIOS, _same_report
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
@@ -43,9 +43,21 @@ def test_a_fault_planted_in_the_job_is_planted_in_every_worker(tmp_path):
     assert (matrix["verdict"] != "PASS").all(), matrix[["run", "verdict"]]
 
 
+def test_the_mutant_gate_in_two_worker_processes_gives_the_one_process_matrix(tmp_path):
+    tables = {}
+    for jobs in ("1", "2"):
+        res = _cli(*MUTANTS, "--out", str(tmp_path), "--run-id", f"jobs-{jobs}", "--jobs", jobs)
+        assert res.returncode == 0, res.stderr
+        tables[jobs] = pd.read_parquet(tmp_path / f"jobs-{jobs}" / "detection.parquet").drop(columns="seconds")
+    assert "(2 worker processes)" in res.stderr and "gate: PASS" in res.stdout
+    pd.testing.assert_frame_equal(tables["1"], tables["2"])
+    assert set(tables["2"]["mutant"]) == {"clean", "window-127", "sink-dropped"}
+
+
+@pytest.mark.parametrize("command", [SCENARIOS, MUTANTS])
 @pytest.mark.parametrize("jobs", ["0", "65", "two", "1.5"])
-def test_a_jobs_count_that_is_not_a_worker_count_is_one_line_exit_2(jobs, tmp_path):
-    res = _cli(*SCENARIOS, "--out", str(tmp_path), "--jobs", jobs)
+def test_a_jobs_count_that_is_not_a_worker_count_is_one_line_exit_2(command, jobs, tmp_path):
+    res = _cli(*command, "--out", str(tmp_path), "--jobs", jobs)
     assert res.returncode == 2
     assert res.stderr.strip() == f"fidelity: error: --jobs: expected an integer from 1 to 64, found {jobs!r}"
     assert not any(tmp_path.iterdir())

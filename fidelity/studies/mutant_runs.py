@@ -35,6 +35,7 @@ from fidelity.studies.jobdir import MISSING, Job, kept_job
 from fidelity.studies.mutants import BY_NAME, CATALOGUE, Mutant, Played, check_names, scenario_run, where_label
 from fidelity.studies.play import play
 from fidelity.studies.scenarios import USER_ERRORS
+from fidelity.studies.workers import open_plan, plan_spec, run_tasks
 
 CLEAN_RUN = ("chunks", "whole")  # the clean decoder's run when none is named: 300 tokens prefilled whole, 4 steps
 
@@ -136,38 +137,90 @@ def _decode_steps(where: tuple[str, str], s: MutantSettings) -> int:
 
 def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSettings | None = None,
                 progress: Callable[[int, int, str], None] | None = None, decoder: DecoderFactory | None = None,
-                known: tuple[str, ...] | None = None, job: Job | None = None) -> pd.DataFrame:
+                known: tuple[str, ...] | None = None, job: Job | None = None, jobs: int = 1,
+                reopen: dict | None = None) -> pd.DataFrame:
     """The detection matrix: the clean decoder on every scenario run the chosen mutants use (with their decoder
     options), then each mutant on its own run (``expect`` caught) and on the runs where it cannot show (silent);
     a mutant the model cannot show is listed (cannot show) and not run. ``names`` = all of ``known`` by default
     (the faults the decoder can carry; the whole catalogue for the production decoder); ``decoder()`` makes a
     fresh decoder under test for each run. A row per (mutant, scenario run) and probe, plus its "first" row. With
-    ``job`` each run is kept there as it finishes, and one kept with the same inputs is reused."""
+    ``job`` each run is kept there as it finishes, and one kept with the same inputs is reused; with ``jobs`` > 1
+    (and ``job``) the runs not kept yet run first in that many worker processes, each opening the checkpoint and
+    decoder ``reopen`` describes (``worker_spec``)."""
     s = settings or MutantSettings()
     check_names(names, known)
     chosen = [BY_NAME[n] for n in names] if names else [m for m in CATALOGUE if known is None or m.name in known]
     cfg = checkpoint.config
     able = [m for m in chosen if m.cannot_show(cfg) is None]
     clean = {(w, tuple(sorted(m.decoder_options().items()))): None for m in able for w in (m.where, *m.silent_in)}
-    jobs = [(None, where, dict(opts), "clean") for where, opts in clean]
-    jobs += [(m, w, None, expect) for m in able for w, expect in ((m.where, "caught"),
+    runs = [(None, where, dict(opts), "clean") for where, opts in clean]
+    runs += [(m, w, None, expect) for m in able for w, expect in ((m.where, "caught"),
                                                                   *((x, "silent") for x in m.silent_in))]
     rows = [{"scenario": m.scenario, "run": m.run, "decode_steps": _decode_steps(m.where, s),
              "profile": m.options.get("profile", "reference"),
              "mutant": m.name, "probe": "first", "detected": False, "expect": "cannot show", "note": m.cannot_show(cfg),
              "seconds": 0.0}
             for m in chosen if m not in able]
-    for k, (mutant, where, opts, expect) in enumerate(jobs):
+    if jobs > 1 and job is not None:
+        _in_workers(runs, s, job, jobs, reopen, progress)
+    for k, (mutant, where, opts, expect) in enumerate(runs):
         name = mutant.name if mutant else "clean"
         key, inputs = _unit_key(name, where, opts, expect), _unit_inputs(mutant, where, opts, expect, s)
         found = job.lookup(key, inputs) if job is not None else MISSING
-        if progress:
-            progress(k, len(jobs), f"{name} on {where_label(*where)}" + (" (kept)" if found is not MISSING else ""))
+        if progress and (job is None or key not in job.fresh):
+            progress(k, len(runs), f"{name} on {where_label(*where)}" + (" (kept)" if found is not MISSING else ""))
         if found is MISSING:
             found = _judge_one(checkpoint, mutant, s, decoder, where, opts, expect)
             found = job.keep(key, inputs, found) if job is not None else found
         rows += found
     return pd.DataFrame(rows)
+
+
+def worker_spec(plan, checkpoint, jobs: int, decoder: str, decoder_dtype: str, device: str) -> dict:
+    """What a worker process needs to open the job's checkpoint and decoder again (picklable): ``decoder``
+    production or transformers (in ``decoder_dtype``)."""
+    return {"plan": plan_spec(plan, checkpoint, jobs), "decoder": decoder, "decoder_dtype": decoder_dtype,
+            "device": device, "threads": max(1, torch.get_num_threads() // jobs)}
+
+
+def _in_workers(runs: list[tuple], s: MutantSettings, job: Job, jobs: int, reopen: dict | None,
+                progress: Callable[[int, int, str], None] | None) -> None:
+    """The runs not kept in ``job`` yet, kept by ``jobs`` worker processes (their names noted in ``job.fresh``)."""
+    if reopen is None:
+        raise ValueError(f"jobs={jobs}: the worker processes need ``reopen`` (``worker_spec``) to open the model")
+    tasks = []
+    for mutant, where, opts, expect in runs:
+        name = mutant.name if mutant else "clean"
+        key, inputs = _unit_key(name, where, opts, expect), _unit_inputs(mutant, where, opts, expect, s)
+        if not job.kept(key, inputs):
+            tasks.append((mutant.name if mutant else None, where, opts, expect, key, inputs))
+    job.fresh.update(t[4] for t in tasks)
+    run_tasks(_mutant_task, tasks, jobs, _init_worker, (reopen, s, str(job.path), job.common),
+              lambda lines, k, n: progress(k - 1, n, f"{lines[0]} ({jobs} worker processes)") if progress else None)
+
+
+_WORKER: dict = {}  # a worker process's own checkpoint, decoder factory, settings and job (``_init_worker``)
+
+
+def _init_worker(reopen: dict, s: MutantSettings, path: str, common: dict) -> None:
+    torch.set_num_threads(reopen["threads"])
+    _, ckpt = open_plan(reopen["plan"])
+    factory = None
+    if reopen["decoder"] == "transformers":
+        from fidelity.decoders.transformers import TransformersDecoder
+
+        def factory():
+            return TransformersDecoder.from_checkpoint(ckpt, reopen["decoder_dtype"], reopen["device"])
+    _WORKER.update(ckpt=ckpt, factory=factory, settings=s, job=Job(Path(path), common, resumed=True))
+
+
+def _mutant_task(task: tuple) -> list[str]:
+    """One run of the gate in a worker, kept in the job; the line saying it finished."""
+    name, where, opts, expect, key, inputs = task
+    w = _WORKER
+    found = _judge_one(w["ckpt"], BY_NAME[name] if name else None, w["settings"], w["factory"], where, opts, expect)
+    w["job"].keep(key, inputs, found)
+    return [f"{key}: done in {sum(r['seconds'] for r in found[:1]):.1f} s"]
 
 
 def _judge_one(checkpoint, mutant: Mutant | None, s: MutantSettings, decoder: DecoderFactory | None,
@@ -219,13 +272,14 @@ class MutantsJob:
 def run_mutants_job(checkpoint, target: Path, names: list[str] | None = None,
                     settings: MutantSettings | None = None, progress: Callable[[int, int, str], None] | None = None,
                     decoder: DecoderFactory | None = None, known: tuple[str, ...] | None = None, *,
-                    decoder_label: str = "production", resume: bool = False, overwrite: bool = False) -> MutantsJob:
+                    decoder_label: str = "production", resume: bool = False, overwrite: bool = False,
+                    jobs: int = 1, reopen: dict | None = None) -> MutantsJob:
     """``run_mutants`` in the job directory ``target`` (checked before: ``check_output``, or ``open_job`` with
     ``resume``), each run kept in it as it finishes, then detection.parquet/.md/.html; ``decoder_label`` names the
-    decoder ``decoder()`` makes, in each run's input key."""
+    decoder ``decoder()`` makes, in each run's input key; ``jobs`` / ``reopen``: ``run_mutants``'s."""
     common = {"version": __version__, "checkpoint": checkpoint_info(checkpoint)["hash"], "decoder": decoder_label}
     with kept_job(target, "mutants", common, resume, overwrite) as job:
-        matrix = run_mutants(checkpoint, names, settings, progress, decoder, known, job)
+        matrix = run_mutants(checkpoint, names, settings, progress, decoder, known, job, jobs, reopen)
     resumed = job.summary(job.prune())
     table, failures = matrix_table(matrix), gate_failures(matrix)
     write_into_atomic(target, lambda tmp: fill_matrix(tmp, matrix, table, failures, target.name, resumed))

@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from fidelity._version import __version__
-from fidelity.api import CheckpointPlan, InputError, open_decoder, plan_checkpoint, run, warn
+from fidelity.api import CheckpointPlan, InputError, open_decoder, run, warn
 from fidelity.atomic_write import write_into_atomic
 from fidelity.decoders.base import ContextError, Decoder, DecoderError, raised
 from fidelity.decoders.faults import active, inject
@@ -43,7 +43,7 @@ from fidelity.studies.catalogue import Run, Scenario, Script, check_names
 from fidelity.studies.jobdir import Job, digest, kept_job, open_job
 from fidelity.studies.judge import PAIR_COLUMNS, check_pair, check_script_pair, divergence_columns, worst_local_cos
 from fidelity.studies.play import decoder_logits, missing, play
-from fidelity.studies.workers import check_jobs, run_tasks
+from fidelity.studies.workers import check_jobs, open_plan, plan_spec, run_tasks
 
 
 def self_consistency(scenario: Scenario, ids: torch.Tensor, fresh: Callable[[int], Decoder],
@@ -182,7 +182,8 @@ class _Play:
         if jobs > 1:
             tasks = [t for t in self.tasks(playable) if not self.job.kept(t[2], t[3])]
             self.job.fresh.update(t[2] for t in tasks)
-            run_tasks(_play_task, tasks, jobs, _init_worker, (self.worker_spec(jobs, faults),), self.tell)
+            run_tasks(_play_task, tasks, jobs, _init_worker, (self.worker_spec(jobs, faults),),
+                      partial(self._told, min(jobs, len(tasks))))
         for s in playable:
             mine = [self.job.once(f"{s.name} / {r.label}", self._run_inputs(r), partial(self.oracle_run, s, r),
                                   self.tell) for r in s.runs]
@@ -190,6 +191,11 @@ class _Play:
                                 partial(self.against_itself, s), self.tell)
             rows += _with_self_consistency(s, mine + got["rows"], got, pairs, skipped)
         return rows, pairs, skipped
+
+    def _told(self, workers: int, lines: list[str], k: int, n: int) -> None:
+        for line in lines:
+            self.tell(line)
+        self.tell(f"[{k} of {n} done in {workers} worker processes]")
 
     def tasks(self, scenarios: Sequence[Scenario]) -> list[tuple]:
         """Every run and self-consistency play of ``scenarios`` as a worker's task (kind, scenario, record name,
@@ -205,13 +211,8 @@ class _Play:
 
     def worker_spec(self, jobs: int, faults: Sequence[str]) -> dict:
         """What a worker process needs to rebuild this job (``_init_worker``): picklable inputs only."""
-        from_preset = self.plan.path is None and "preset" in self.ckpt.origin  # synthesized by ``plan.open``
-        if self.plan.path is None and not from_preset:
-            raise InputError(f"--jobs {jobs}: each worker process opens the checkpoint again, and this one has no "
-                             "directory (a checkpoint object built in memory): save it, or run with jobs=1")
-        return {"path": str(self.job.path), "common": self.job.common, "checkpoint": self.plan.path,
-                "preset": self.plan.preset if from_preset else None, "seed": self.plan.seed,
-                "layers": self.plan.layers, "plan_device": self.plan.device, "decoder": self.decoder,
+        return {"path": str(self.job.path), "common": self.job.common, "plan": plan_spec(self.plan, self.ckpt, jobs),
+                "decoder": self.decoder,
                 "ids": self.ids, "modes": self.modes, "profile": self.profile, "decoder_dtype": self.decoder_dtype,
                 "device": self.device, "faults": list(faults), "threads": max(1, torch.get_num_threads() // jobs)}
 
@@ -325,10 +326,9 @@ def _init_worker(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     stack = ExitStack()
     stack.enter_context(inject(*spec["faults"]))
-    plan = plan_checkpoint(spec["checkpoint"], preset=spec["preset"], seed=spec["seed"], layers=spec["layers"],
-                           device=spec["plan_device"])
+    plan, ckpt = open_plan(spec["plan"])
     job = Job(Path(spec["path"]), spec["common"], resumed=True)
-    _WORKER.update(stack=stack, play=_Play(job, plan, plan.open(), spec["decoder"], spec["ids"], spec["modes"],
+    _WORKER.update(stack=stack, play=_Play(job, plan, ckpt, spec["decoder"], spec["ids"], spec["modes"],
                                            spec["profile"], spec["decoder_dtype"], spec["device"], warn,
                                            lambda line: None))
 

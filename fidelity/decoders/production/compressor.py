@@ -9,6 +9,7 @@ import torch
 
 from fidelity.decoders.production.cache import CompressorCarry
 from fidelity.decoders.production.faults import on
+from fidelity.decoders.production.ops import rows_mm
 from fidelity.decoders.production.registry import implementation
 from fidelity.decoders.production.sublayer import Model, Session, SubLayer
 
@@ -34,7 +35,7 @@ def _project(x: torch.Tensor, weights: CompressorWeights) -> tuple[torch.Tensor,
     if weights.projected is not None:
         return weights.projected
     xf = x.float()
-    return xf @ weights.wkv.float().T, xf @ weights.wgate.float().T
+    return rows_mm(xf, weights.wkv.float().T), rows_mm(xf, weights.wgate.float().T)
 
 
 def _overlap(t: torch.Tensor, ratio: int, d: int, fill: float) -> torch.Tensor:

@@ -21,6 +21,7 @@ from fidelity.decoders.production import kernels
 from fidelity.decoders.production.cache import LayerCache
 from fidelity.decoders.production.call_counts import Counts, counting
 from fidelity.decoders.production.layer import Layer
+from fidelity.decoders.production.ops import rows_mm
 from fidelity.decoders.production.policies import EAGER, ONE_SEQUENCE, WHOLE_MODEL, EagerDecode, OneSequence, WholeModel
 from fidelity.decoders.production.profiles import Profile, get_profile
 from fidelity.decoders.production.registry import implementation
@@ -295,8 +296,8 @@ class ProductionSession:
         y = self.op("rms_norm")(y, w("norm.weight"), cfg.norm_eps)
         self.emit("final", None, y)
         rows = self.logit_rows(len(y)) if self.last_only and self.stage.head_rows_free else None
-        logits = (y if rows is None else y.index_select(0, rows)).float() @ self.model.w_as("head.weight",
-                                                                                             torch.float32).T
+        logits = rows_mm((y if rows is None else y.index_select(0, rows)).float(),
+                         self.model.w_as("head.weight", torch.float32).T)
         if rows is None:
             self.emit("logits", None, logits)
         elif self.rec is not None and self.rec.wants("logits"):  # the kept rows come first, the last row last

@@ -187,7 +187,7 @@ def _tid2eid(table: torch.Tensor) -> torch.Tensor:
 
 def _selection_scores(x, gate_w, bias) -> torch.Tensor:
     """fp32 [n, n_routed]: the sqrt-softplus gate scores plus the routing bias, what the top-k selects from."""
-    return torch.nn.functional.softplus(x.float() @ gate_w.float().T).sqrt() + bias
+    return torch.nn.functional.softplus(ops.rows_mm(x.float(), gate_w.float().T)).sqrt() + bias
 
 
 def _biased_weights(x, gate_w, bias, experts, route_scale) -> torch.Tensor:

@@ -41,6 +41,20 @@ BF16 = torch.bfloat16
 ATTN_BLOCK = 64  # sparse_attn processes 64 indices per online-softmax step
 
 
+ROW_STABLE_M = 4  # torch's CPU fp32 GEMM takes another kernel below 4 rows: their bits differ from a larger call's
+
+
+def rows_mm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x [n, k] @ w_t [k, m]`` whose rows do not depend on how many rows the call has: on the CPU a call of
+    2-3 rows (a short prefill chunk) is computed padded to ``ROW_STABLE_M``, so chunked and whole prefills split on
+    aligned boundaries give equal bits (``ProductionDecoder.same_bits``). One row (a decode step) is left as it is:
+    no promise covers it."""
+    n = x.shape[0]
+    if x.device.type == "cpu" and x.dim() == 2 and 1 < n < ROW_STABLE_M:
+        return (F.pad(x, (0, 0, 0, ROW_STABLE_M - n)) @ w_t)[:n]
+    return x @ w_t
+
+
 def act_linear(x: torch.Tensor, weight: torch.Tensor, act: str = "fp8") -> torch.Tensor:
     """FP8/FP4 GEMM ``x @ W^T``: x [n, k] bf16 is quantized e4m3 1x128 ue8m0 (``act == "fp8"``), W [m, k] holds
     the exactly dequantized FP8/FP4 weight (fp32); products accumulate in fp32; output bf16."""
@@ -63,7 +77,7 @@ def fp8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The compressors' projections (spec §4 Compressor: an fp32 Linear of ``x.float()``; the weight is stored
     bf16 and held as its exact fp32 value): x [n, k] bf16 / fp32, weight [m, k] -> fp32 [n, m]."""
-    return x.float() @ weight.float().T
+    return rows_mm(x.float(), weight.float().T)
 
 
 def fp4_picked_linear(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -108,7 +122,7 @@ def quantized_linear(xq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``act_linear``'s GEMM for an input already on its e4m3 1x128 grid (``rms_norm_act_quant``'s second output,
     or ``act == "bf16"``): ``xq.float() @ W^T`` -> bf16, W in fp32 (a checkpoint's bf16 weight: its exact fp32
     values)."""
-    return (xq.float() @ weight.float().T).to(BF16)
+    return rows_mm(xq.float(), weight.float().T).to(BF16)
 
 
 def rms_norm_weightless(q: torch.Tensor, eps: float) -> torch.Tensor:
@@ -300,7 +314,7 @@ def gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tid2e
     top-k of ``scores + bias`` (the bias only chooses). Weights: the chosen experts' unbiased scores, divided by
     their sum unless the scores are a softmax, times ``route_scale``.
     """
-    logits = x @ weight.to(x.dtype).T
+    logits = rows_mm(x, weight.to(x.dtype).T)
     if cfg.score_func == "softmax":
         scores = torch.softmax(logits, dim=-1)
     elif cfg.score_func == "sigmoid":
@@ -344,7 +358,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     """x [n, hc, dim] (bf16 or fp32 streams) -> (collapsed bf16 [n, dim], post, comb); mixing in fp32."""
     hc = x.shape[1]
     xf = x.flatten(1).float()
-    mixes = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = rows_mm(xf, fn.float().T) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
     pre, post, comb = sinkhorn_split(mixes, scale.float(), base.float(), hc, iters, hc_eps)
     y = (pre.unsqueeze(-1) * x.float()).sum(dim=1)
     return y.to(BF16), pre, post, comb
@@ -361,7 +375,7 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
             hc_eps: float) -> torch.Tensor:
     """Final collapse of [n, hc, dim] streams in fp32 -> bf16 [n, dim]."""
     xf = x.flatten(1).float()
-    mixes = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = rows_mm(xf, fn.float().T) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
     pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(BF16)
 

@@ -110,9 +110,34 @@ class ForkOfForkFromRoot(Planted):
         forked[seq] = (parent, pos)
 
 
+class LatePassMask(Planted):
+    """A prompt that spans more than one forward pass gets its compressed-attention mask wrong in the later passes
+    (ggml-org/llama.cpp#26509: DSv4 garbage once a prompt spans several passes, the compressed-attention masks
+    built in the wrong precision): here a prefill call of 2 tokens or more that starts at position ``START`` or later
+    runs with the compressed entries' causal rule one entry late (fault ``causal-off-by-one``). The catalogue's
+    resumed prefill calls all start before position 300."""
+
+    fired = 0
+    START = 320
+
+    def forward(self, calls: list[Call]) -> list:
+        if any(len(c.ids) > 1 and c.start >= self.START for c in calls):
+            LatePassMask.fired += 1
+            with inject("causal-off-by-one"):
+                return super().forward(calls)
+        return super().forward(calls)
+
+    def prefill(self, ids):
+        if len(ids) > 1 and self.pos >= self.START:
+            LatePassMask.fired += 1
+            with inject("causal-off-by-one"):
+                return super().prefill(ids)
+        return super().prefill(ids)
+
+
 PLANTS = {"aligned-fork-rollback": AlignedForkRollback, "resumed-prefill-as-verify": ResumedPrefillAsVerify,
-          "past-768-topk": PastContext, "fork-of-fork-root": ForkOfForkFromRoot}
+          "past-768-topk": PastContext, "fork-of-fork-root": ForkOfForkFromRoot, "late-pass-mask": LatePassMask}
 
 
-class AllPlanted(AlignedForkRollback, ResumedPrefillAsVerify, PastContext, ForkOfForkFromRoot):
+class AllPlanted(AlignedForkRollback, ResumedPrefillAsVerify, PastContext, ForkOfForkFromRoot, LatePassMask):
     """Every plant at once (the catalogue check: one run of the whole catalogue)."""

@@ -10,6 +10,7 @@ import torch
 from fidelity.api import plan_checkpoint
 from fidelity.cli import main
 from fidelity.decoders.base import Decoder
+from fidelity.decoders.production.decoder import ProductionDecoder
 from fidelity.model.config import ModelConfig
 from fidelity.studies import scenario_file
 from fidelity.studies.catalogue import Feed, Fork, Propose, Script
@@ -20,7 +21,7 @@ from fidelity.studies.fuzz_run import parse_budget, parse_seed, run_fuzz, search
 from fidelity.studies.shrink import rebuild, shrink, size
 from probes.indexer import indexer_recall
 
-from .fuzz_plants import ForkOfForkFromRoot, ResumedPrefillAsVerify
+from .fuzz_plants import ForkOfForkFromRoot, LatePassMask, ResumedPrefillAsVerify
 
 BIG = Script("fuzz", ((0, ((0, 400),)), (1, ((0, 130), (300, 60))), (2, ((64, 50),))),
              (Feed(((0, 200),)), Feed(((0, 1), (2, 40))), Fork(1, 0, 130), Feed(((1, 50),)), Feed(((0, 3),)),
@@ -237,3 +238,17 @@ def test_a_planted_fork_of_a_fork_fails_forked_equals_cold_bit_for_bit():
     v = judge_self(script, ids, lambda n: planted)
     assert v.check == "forked==cold" and "bitwise promised: production on the CPU" in v.detail
     assert judge_self(script, ids, lambda n: ResumedPrefillAsVerify(ckpt, max_context=64)).check == ""
+
+
+def test_a_planted_late_pass_mask_fails_chunked_equals_whole_bit_for_bit():
+    """A prompt of 400 tokens in calls of 384 and 16 (a split on a multiple of 128: equal bits promised) against the
+    same tokens in one call: the planted mask of the later pass shows in every row of it; the clean decoder passes."""
+    plan = plan_checkpoint(None)
+    ckpt = plan.open()
+    script = Script("x", ((0, ((0, 400),)),), (Feed(((0, 384),)), Feed(((0, 16),))))
+    ids = plan.prompt(400)
+    LatePassMask.fired = 0
+    v = judge_self(script, ids, lambda n: LatePassMask(ckpt, max_context=n))
+    assert v.check == "chunked==whole" and "bitwise promised: production on the CPU" in v.detail
+    assert LatePassMask.fired > 0
+    assert judge_self(script, ids, lambda n: ProductionDecoder(ckpt, max_context=n)).check == ""

@@ -10,6 +10,7 @@ own ``attn.kv`` and its profile's FP8 scale rule (``kv_storage``).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 
@@ -240,7 +241,9 @@ def _batch_rows(probe: str, static: tuple, batch: list[tuple[str, tuple[torch.Te
     """Pending rows of one batch of same-shaped pairs of ``probe``."""
     if probe in BATCHED_PROBES or (len(batch) >= VMAP_MIN_PAIRS and batch[0][1][0].shape[0] > 0):
         fn = BATCHED_PROBES.get(probe) or torch.vmap(lambda *ts: PAIR_PROBES[probe](*ts, *static))
-        metrics = fn(*(torch.stack(ts) for ts in zip(*(p[1] for p in batch), strict=True)))
+        with warnings.catch_warnings():  # vmap hands searchsorted a strided view of the batch: a copy, not an error
+            warnings.filterwarnings("ignore", message=r"torch\.searchsorted\(\): input value tensor is non-contig")
+            metrics = fn(*(torch.stack(ts) for ts in zip(*(p[1] for p in batch), strict=True)))
         unbound = {k: v.unbind(0) for k, v in metrics.items()}  # B 0-d views in one call
         per_pair = [{k: v[b] for k, v in unbound.items()} for b in range(len(batch))]
     else:  # nothing to share, or no rows to map over

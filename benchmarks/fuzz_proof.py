@@ -5,7 +5,7 @@ tests/fuzz_plants.py, and seeded fuzz searches on each plant and on the clean de
     OMP_NUM_THREADS=1 python benchmarks/fuzz_proof.py fuzz fork-of-fork-root --budget 300 --seed 0 --context 512
     OMP_NUM_THREADS=1 python benchmarks/fuzz_proof.py fuzz clean --budget 300 --seed 0 --context 512
 
-``catalogue``: the whole catalogue (``run_scenarios``, every mode) on one decoder carrying all four plants
+``catalogue``: the whole catalogue (``run_scenarios``, every mode) on one decoder carrying every plant
 (``AllPlanted``), and how many calls each plant changed (its ``fired`` count): a plant that fired on no call made
 exactly the clean decoder's calls, so the catalogue's verdict on it alone is this one. ``fuzz``: ``run_fuzz`` with
 the plant decoder (or ``clean``: the production decoder). Each writes a JSON summary and its run directory's

@@ -30,8 +30,10 @@ def test_every_op_of_a_decode_step_is_attributed_to_the_decoder_frames_that_ran_
     ops = kernel_sites.attributed(_traced_step(tmp_path), cat="cpu_op")
     assert len(ops) > 100
     assert all(op["frames"] and op["frames"][0].startswith(("decoder.py:", "model.py:")) for op in ops)
-    heads = [op for op in ops if op["frames"][-1] == "model.py:head"]
-    assert any(op["name"] == "aten::matmul" for op in heads)  # the LM head's GEMM, launched in ``head`` itself
+    heads = [op for op in ops if "model.py:head" in op["frames"]]
+    # the LM head's GEMM, launched from ``head`` through ``ops.rows_mm``
+    assert any(op["name"] == "aten::matmul" and op["frames"][-2:] == ["model.py:head", "ops.py:rows_mm"]
+               for op in heads), sorted({tuple(op["frames"][-2:]) for op in heads})
     assert any(f.startswith("attention.py:decode") for op in ops for f in op["frames"])
 
 

@@ -621,8 +621,9 @@ def cmd_mutants(args) -> int:
     from fidelity.decoders.transformers import FAULTS as HF_FAULTS
     from fidelity.decoders.transformers import TransformersDecoder
     from fidelity.outputs.report import md_table
-    from fidelity.studies.mutant_runs import MutantSettings, run_mutants_job, worker_spec
+    from fidelity.studies.mutant_runs import MutantSettings, run_mutants_job
     from fidelity.studies.mutants import check_names
+    from fidelity.studies.workers import worker_spec
 
     _check_device(args.device)
     if args.decoder not in ("production", "transformers"):

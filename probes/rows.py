@@ -102,19 +102,7 @@ def _repeated(per_row: list[Any], counts: list[int]) -> list[Any]:
 
 
 def collect(pending: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:
-    """Pending rows (from ``to_rows``) -> tidy rows; ``fields`` (e.g. step=3, phase="decode") are added to each."""
-    pending = list(pending)
-    tensors = [p["value"] for p in pending]
-    tensors += [p["position"] for p in pending if isinstance(p["position"], torch.Tensor)]
-    host = _to_host(tensors)
-    values, host_pos = host[: len(pending)], iter(host[len(pending) :])
-    rows = []
-    for p, vals in zip(pending, values, strict=True):
-        base = {"site": p["site"], "layer": p["layer"], "metric": p["metric"], **p.get("extra", {}), **fields}
-        pos = p["position"]
-        if pos is None:
-            rows.append({**base, "position": AGGREGATE, "value": vals[0]})
-            continue
-        pos = next(host_pos) if isinstance(pos, torch.Tensor) else pos
-        rows.extend({**base, "position": int(t), "value": v} for t, v in zip(pos, vals, strict=True))
-    return rows
+    """Pending rows (from ``to_rows``) -> tidy rows; ``fields`` (e.g. step=3, phase="decode") are added to each
+    (:func:`collect_columns`' columns as rows: a key another row has and this one lacks is None)."""
+    cols = collect_columns(pending, **fields)
+    return [dict(zip(cols, row, strict=True)) for row in zip(*cols.values(), strict=True)]

@@ -210,8 +210,9 @@ print(json.dumps({"rows": len(rows), "check": verdict.check if verdict else None
 
 
 def test_a_seeded_search_finds_the_planted_fork_of_a_fork():
-    """Seed 0 at 128 positions draws a fork of a forked sequence past the first fork by its fifth script
-    (docs/fuzz.md's proof table; judged against the decoder itself only, as the search does unsampled). Run in a
+    """Seed 0 at 128 positions draws a fork of a forked sequence past the first fork by its fifth script, and the
+    pair names the first site whose promised bits break, L0.attn.core (docs/fuzz.md's proof table; judged against
+    the decoder itself only, as the search does unsampled). Run in a
     fresh process, as ``fidelity fuzz`` runs: Hypothesis' draws for a seed also depend on what it drew before in the
     same process (other tests' properties)."""
     import os
@@ -224,7 +225,7 @@ def test_a_seeded_search_finds_the_planted_fork_of_a_fork():
     out = subprocess.run([sys.executable, "-c", SEARCH_FORK_OF_FORK], capture_output=True, text=True, env=env,
                          check=True, timeout=300)
     found = json.loads(out.stdout.strip().splitlines()[-1])
-    assert found["check"] == "forked==cold" and found["rows"] <= 5, found
+    assert found["check"] == "forked==cold at L0.attn.core" and found["rows"] <= 5, found
     assert "bitwise promised: production on the CPU" in found["detail"]
 
 
@@ -236,7 +237,7 @@ def test_a_planted_fork_of_a_fork_fails_forked_equals_cold_bit_for_bit():
     ids = plan.prompt(300)
     planted = ForkOfForkFromRoot(ckpt, max_context=64)
     v = judge_self(script, ids, lambda n: planted)
-    assert v.check == "forked==cold" and "bitwise promised: production on the CPU" in v.detail
+    assert v.check == "forked==cold at L0.attn.core" and "bitwise promised: production on the CPU" in v.detail
     assert judge_self(script, ids, lambda n: ResumedPrefillAsVerify(ckpt, max_context=64)).check == ""
 
 
@@ -249,6 +250,6 @@ def test_a_planted_late_pass_mask_fails_chunked_equals_whole_bit_for_bit():
     ids = plan.prompt(400)
     LatePassMask.fired = 0
     v = judge_self(script, ids, lambda n: LatePassMask(ckpt, max_context=n))
-    assert v.check == "chunked==whole" and "bitwise promised: production on the CPU" in v.detail
+    assert v.check == "chunked==whole at L2.indexer.scores" and "bitwise promised: production on the CPU" in v.detail
     assert LatePassMask.fired > 0
     assert judge_self(script, ids, lambda n: ProductionDecoder(ckpt, max_context=n)).check == ""

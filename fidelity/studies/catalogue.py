@@ -131,6 +131,7 @@ class Scenario:
     needs: tuple[str, ...] = ()  # decoder capabilities (fidelity.decoders.base.CAPABILITIES)
     scripts: tuple[Script, ...] = ()
     checks: tuple[Check, ...] = ()
+    site_pairs: bool = True  # the checks compare the sequences at their sites too (``site_checks``); False: logits only
 
     @property
     def judged(self) -> tuple[str, ...]:

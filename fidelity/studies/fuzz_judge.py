@@ -62,10 +62,20 @@ def judge_self(script: Script, ids: torch.Tensor, fresh: Fresh) -> Verdict:
     bad = [p for p in pairs if not p["passed"]]
     if not bad:
         return Verdict(pairs=pairs)
-    p = next((q for q in bad if q["bitwise promised"] != "no"), bad[0])
+    p = next((q for q in bad if decisive(q)), bad[0])
     detail = (f"{p['pair']}: {p['b']} vs {p['a']}, positions {p['positions']}, worst position {p['worst_position']}, "
               f"cos_min {p['cos_min']:.5f}, rel_l2 {p['rel_l2']:.4f}, bitwise promised: {p['bitwise promised']}")
-    return Verdict(p["pair"], detail, pairs, bound_only=p["bitwise promised"] == "no")
+    if p["site"]:
+        detail += f"; at the sites ({p['site_check']}): {p['site_detail']}"
+    check = p["pair"] + (f" at {p['site']}" if p["site"] else "")
+    return Verdict(check, detail, pairs, bound_only=not decisive(p))
+
+
+def decisive(pair: dict) -> bool:
+    """Whether a failing pair fails by more than a bound: equal bits promised and broken (logits or a site), or a
+    site's structure broken."""
+    logits_bits = pair["bitwise promised"] != "no" and not pair["bitwise"]
+    return logits_bits or pair["site_check"] in ("structure", "bits")
 
 
 def judge_oracle(script: Script, ids: torch.Tensor, fresh: Fresh, plan: CheckpointPlan,

@@ -19,6 +19,7 @@ import torch
 from fidelity.decoders.base import Decoder
 from fidelity.harness.thresholds import COLUMNS, Divergence, Threshold, apply_thresholds
 from fidelity.studies.catalogue import Check, Pair, Run, Scenario
+from fidelity.studies.site_checks import SiteRows, compare
 from probes.logits_pair import logits_pair
 
 # the bounds of a pair whose bits may differ: the smallest cosine of two logits rows at one position and the mean
@@ -33,7 +34,7 @@ BOUND_RULES = (Threshold(SITE, "cos_min", ">=", COS_MIN, "self-consistency", (MO
                Threshold(SITE, "rel_l2_mean", "<=", REL_L2_MAX, "self-consistency", (MODE,)),
                Threshold(SITE, "nonfinite_mismatch", "<=", 0, "self-consistency", (MODE,)))
 PAIR_COLUMNS = ("scenario", "pair", "b", "a", "positions", "bitwise promised", "bitwise", "max_abs", "rel_max",
-                "rel_l2", "cos_min", "worst_position", "bound", "passed")
+                "rel_l2", "cos_min", "worst_position", "bound", "passed", "site", "site_check", "site_detail")
 
 
 def pair_rows(a: torch.Tensor, b: torch.Tensor, positions: list[int], label: str) -> pd.DataFrame:
@@ -97,16 +98,25 @@ def check_pair(scenario: Scenario, pair: Pair, logits: dict[str, torch.Tensor], 
 
 
 def check_script_pair(scenario: Scenario, check: Check, rows: dict[str, dict[int, dict[int, torch.Tensor]]],
-                      decoder: Decoder) -> dict:
+                      decoder: Decoder, sites: dict[str, dict[int, SiteRows]] | None = None) -> dict:
     """One check of two played sequences ({script: {seq: {position: logits [vocab]}}}) judged at the positions both
-    computed: a row of the pairs table."""
+    computed: a row of the pairs table. With ``sites`` ({script: {seq: SiteRows}}) the sequences' sites are
+    compared too (``site_checks.compare``): a site that breaks fails the pair."""
     a, b = rows[check.a[0]][check.a[1]], rows[check.b[0]][check.b[1]]
     span = sorted(set(a) & set(b))
     why = decoder.same_bits(check.split) if check.bitwise else ""
     got = judge_pair(torch.stack([a[p] for p in span]), torch.stack([b[p] for p in span]), span,
                      f"{why}: {check.bitwise}" if why else "", f"{scenario.name}: {check.kind} {check.b}")
+    got["logits_passed"] = got["passed"]
+    site = {"site": "", "site_check": "", "site_detail": "not recorded" if sites is not None else ""}
+    sa, sb = ((sites or {}).get(side[0], {}).get(side[1]) for side in (check.a, check.b))
+    if sa is not None and sb is not None:
+        v = compare(sa, sb, span, bool(why), decoder.config)
+        site = {"site": v.site, "site_check": v.check, "site_detail": v.detail, "site_stats": v.stats}
+        got["passed"] = got["passed"] and not v.check
     return {"scenario": scenario.name, "pair": check.kind, "a": f"{check.a[0]} / seq {check.a[1]}",
-            "b": f"{check.b[0]} / seq {check.b[1]}", "positions": f"{span[0]}-{span[-1]} ({len(span)})", **got}
+            "b": f"{check.b[0]} / seq {check.b[1]}", "positions": f"{span[0]}-{span[-1]} ({len(span)})", **got,
+            **site}
 
 
 def worst_local_cos(run_dir: Path) -> float:

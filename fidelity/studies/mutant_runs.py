@@ -35,7 +35,7 @@ from fidelity.studies.jobdir import MISSING, Job, kept_job
 from fidelity.studies.mutants import BY_NAME, CATALOGUE, Mutant, Played, check_names, scenario_run, where_label
 from fidelity.studies.play import play
 from fidelity.studies.scenarios import USER_ERRORS
-from fidelity.studies.workers import open_plan, plan_spec, run_tasks
+from fidelity.studies.workers import open_plan, run_tasks
 
 CLEAN_RUN = ("chunks", "whole")  # the clean decoder's run when none is named: 300 tokens prefilled whole, 4 steps
 
@@ -146,7 +146,7 @@ def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSett
     fresh decoder under test for each run. A row per (mutant, scenario run) and probe, plus its "first" row. With
     ``job`` each run is kept there as it finishes, and one kept with the same inputs is reused; with ``jobs`` > 1
     (and ``job``) the runs not kept yet run first in that many worker processes, each opening the checkpoint and
-    decoder ``reopen`` describes (``worker_spec``)."""
+    decoder ``reopen`` describes (``workers.worker_spec``)."""
     s = settings or MutantSettings()
     check_names(names, known)
     chosen = [BY_NAME[n] for n in names] if names else [m for m in CATALOGUE if known is None or m.name in known]
@@ -174,13 +174,6 @@ def run_mutants(checkpoint, names: list[str] | None = None, settings: MutantSett
             found = job.keep(key, inputs, found) if job is not None else found
         rows += found
     return pd.DataFrame(rows)
-
-
-def worker_spec(plan, checkpoint, jobs: int, decoder: str, decoder_dtype: str, device: str) -> dict:
-    """What a worker process needs to open the job's checkpoint and decoder again (picklable): ``decoder``
-    production or transformers (in ``decoder_dtype``)."""
-    return {"plan": plan_spec(plan, checkpoint, jobs), "decoder": decoder, "decoder_dtype": decoder_dtype,
-            "device": device, "threads": max(1, torch.get_num_threads() // jobs)}
 
 
 def _in_workers(runs: list[tuple], s: MutantSettings, job: Job, jobs: int, reopen: dict | None,

@@ -10,6 +10,7 @@ from fidelity.decoders.base import Call, Decoder
 from fidelity.decoders.trace_file import TraceWriter
 from fidelity.model.sites import Recorder
 from fidelity.studies.catalogue import Fork, Propose, Run, Scenario, Script, tokens
+from fidelity.studies.site_checks import SiteRows
 
 
 def decoder_logits(decoder: Decoder, ids: torch.Tensor, r: Run) -> torch.Tensor:
@@ -24,18 +25,20 @@ def decoder_logits(decoder: Decoder, ids: torch.Tensor, r: Run) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def play(decoder: Decoder, ids: torch.Tensor, script: Script,
-         writer: TraceWriter | None = None) -> dict[int, dict[int, torch.Tensor]]:
+def play(decoder: Decoder, ids: torch.Tensor, script: Script, writer: TraceWriter | None = None,
+         keep: dict[int, SiteRows] | None = None) -> dict[int, dict[int, torch.Tensor]]:
     """``script`` on ``decoder`` from a reset: {seq: {position: fp32 logits [vocab]}} of every call but the
     proposals. With ``writer``, every call, fork and rollback is also written to it as a trace (version 2): each
     sequence's sites where the decoder records every sequence of a call (``Decoder.records_sequences``), else the
-    logits only."""
+    logits only. With ``keep`` (and such a decoder), each sequence's rows of the sites ``site_checks`` compares are
+    kept there ({seq: SiteRows}), the proposals' left out."""
     decoder.reset()
     decoder.rec = None
     streams = {seq: tokens(ids, segs) for seq, segs in script.streams}
     pos: dict[int, int] = {}
     rows: dict[int, dict[int, torch.Tensor]] = {seq: {} for seq in streams}
-    sites = writer is not None and decoder.records_sequences
+    sites = (writer is not None or keep is not None) and decoder.records_sequences
+    recorder = Recorder if writer is not None else SiteRows.recorder
     try:
         for op in script.ops:
             if isinstance(op, Fork):
@@ -53,7 +56,7 @@ def play(decoder: Decoder, ids: torch.Tensor, script: Script,
                 calls = [Call(seq, streams[seq][pos.get(seq, 0) : pos.get(seq, 0) + n], pos.get(seq, 0))
                          for seq, n in op.calls]
             if sites:
-                decoder.recorders = {c.seq: Recorder() for c in calls}
+                decoder.recorders = {c.seq: recorder() for c in calls}
             outs = decoder.forward(calls)
             if writer is not None:
                 _write_call(writer, calls, outs, decoder.recorders if sites else None)
@@ -67,6 +70,9 @@ def play(decoder: Decoder, ids: torch.Tensor, script: Script,
                 for j, row in enumerate(out.float()):
                     rows[call.seq][call.start + j] = row
                 pos[call.seq] = call.start + len(call.ids)
+                if sites and keep is not None:
+                    keep.setdefault(call.seq, SiteRows()).add(decoder.recorders[call.seq], call.start,
+                                                              len(call.ids), decoder.config)
     finally:
         if sites:
             decoder.recorders = None

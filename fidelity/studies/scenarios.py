@@ -43,7 +43,7 @@ from fidelity.studies.catalogue import Run, Scenario, Script, check_names
 from fidelity.studies.jobdir import Job, digest, kept_job, open_job
 from fidelity.studies.judge import PAIR_COLUMNS, check_pair, check_script_pair, divergence_columns, worst_local_cos
 from fidelity.studies.play import decoder_logits, missing, play
-from fidelity.studies.workers import check_jobs, open_plan, plan_spec, run_tasks
+from fidelity.studies.workers import check_jobs, open_plan, run_tasks, worker_spec
 
 
 def self_consistency(scenario: Scenario, ids: torch.Tensor, fresh: Callable[[int], Decoder],
@@ -58,11 +58,13 @@ def self_consistency(scenario: Scenario, ids: torch.Tensor, fresh: Callable[[int
             decoder = fresh(context)
             logits[r.label] = decoder_logits(decoder, ids, r)
     out = [check_pair(scenario, p, logits, decoder) for p in scenario.pairs]
-    rows = {}
+    rows, sites = {}, {}
     for s in scenario.scripts:
         decoder = fresh(context)
-        rows[s.label] = play(decoder, ids, s, writers(s, decoder) if writers else None)
-    return out + [check_script_pair(scenario, c, rows, decoder) for c in scenario.checks]
+        keep = sites.setdefault(s.label, {}) if scenario.site_pairs else None
+        rows[s.label] = play(decoder, ids, s, writers(s, decoder) if writers else None, keep)
+    return out + [check_script_pair(scenario, c, rows, decoder, sites if scenario.site_pairs else None)
+                  for c in scenario.checks]
 
 
 def _slug(text: str) -> str:
@@ -92,8 +94,9 @@ class ScenarioResult:
     def failures(self) -> list[str]:
         bad = [f"{r.scenario}/{r.run}: {r.first_divergence}" for r in self.matrix.itertuples()
                if r.verdict != "PASS"]
-        return bad + [f"{r.scenario}/{r.pair} {r.b}" + (f" vs {r.a}" if r.a else "") for r in self.pairs.itertuples()
-                      if not r.passed]
+        return bad + [f"{r.scenario}/{r.pair} {r.b}" + (f" vs {r.a}" if r.a else "")
+                      + (f" at {r.site} ({r.site_check})" if isinstance(r.site, str) and r.site else "")
+                      for r in self.pairs.itertuples() if not r.passed]
 
     def verdict(self) -> str:
         """PASS / FAIL: the failures, then the skipped scenarios (SKIPPED when nothing was judged)."""
@@ -211,10 +214,9 @@ class _Play:
 
     def worker_spec(self, jobs: int, faults: Sequence[str]) -> dict:
         """What a worker process needs to rebuild this job (``_init_worker``): picklable inputs only."""
-        return {"path": str(self.job.path), "common": self.job.common, "plan": plan_spec(self.plan, self.ckpt, jobs),
-                "decoder": self.decoder,
-                "ids": self.ids, "modes": self.modes, "profile": self.profile, "decoder_dtype": self.decoder_dtype,
-                "device": self.device, "faults": list(faults), "threads": max(1, torch.get_num_threads() // jobs)}
+        return {**worker_spec(self.plan, self.ckpt, jobs, self.decoder, self.decoder_dtype, self.device),
+                "path": str(self.job.path), "common": self.job.common, "ids": self.ids, "modes": self.modes,
+                "profile": self.profile, "faults": list(faults)}
 
     def _run_inputs(self, r: Run) -> dict:
         return {"run": repr(r), "tokens": digest(r.prompt(self.ids).numpy().tobytes())}

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
 
+import torch
+
 MAX_JOBS = 64
 
 
@@ -27,6 +29,13 @@ def plan_spec(plan, ckpt, jobs: int) -> dict:
                          "directory (a checkpoint object built in memory): save it, or run with jobs=1")
     return {"checkpoint": plan.path, "preset": plan.preset if from_preset else None, "seed": plan.seed,
             "layers": plan.layers, "device": plan.device}
+
+
+def worker_spec(plan, checkpoint, jobs: int, decoder: str, decoder_dtype: str, device: str) -> dict:
+    """What a worker process needs to open the job's checkpoint and decoder again (picklable): ``decoder``
+    production or transformers (in ``decoder_dtype``)."""
+    return {"plan": plan_spec(plan, checkpoint, jobs), "decoder": decoder, "decoder_dtype": decoder_dtype,
+            "device": device, "threads": max(1, torch.get_num_threads() // jobs)}
 
 
 def open_plan(spec: dict):

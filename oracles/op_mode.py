@@ -4,17 +4,23 @@ reports is the kernel's alone, at this step (docs/design.md "Three comparison mo
 Per layer it keeps what later calls need: the decoder's window KV rows of the last window positions, its
 compressed entries and indexer keys (as the decoder's caches hold them), and oracle compressor states fed with the
 decoder's attention inputs.
+
+Consecutive calls can be replayed as one pass (``run_calls``): each op's inputs are the calls' records stacked, and
+each query reads the tables as its own call alone would have them (the window rows from that call's first kept
+position to its last, the entries emitted up to it), so the records equal the call-by-call ones up to the rounding
+of GEMMs over more rows, for a decoder whose visible sets reach past its own rows too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from fidelity.model.sites import MHC_SITES, SITE, Recorder, site_name
 from oracles import attention, indexer, mhc
+from oracles.blocks import StreamCall
 from oracles.cache import Rows, gather_rows
 from oracles.compressor import CompressorState, compress, compressor_weights
 from oracles.model import OracleModel
@@ -39,15 +45,36 @@ class OpReplay:
         self.model, self.cfg = model, model.cfg
         self.hist = [_LayerHistory() for _ in range(self.cfg.n_layers)]
         self.pos = 0
+        self.feeds: list[Recorder] = []  # the decoder's records of each call of the pass being replayed
 
     def run(self, ids: torch.Tensor, decoder: Recorder, out: Recorder, rows: torch.Tensor | None = None) -> None:
         """Every layer's ops for tokens ``ids`` [n] at the next positions, from the decoder's records of the same
         call; ``rows`` restricts the per-query ops (queries, index scores, attention, MoE) to sampled rows."""
+        self.feeds = [decoder]
+        self._replay(ids, decoder, out, rows, [len(torch.as_tensor(ids).flatten())])
+
+    def run_calls(self, calls: Sequence[StreamCall], out: Recorder) -> None:
+        """``run`` of consecutive calls (every row of each) as one pass: their records stacked, each query bounded
+        by its own call's tables; ``out`` gets the pass's records (``oracles.blocks.split_block`` cuts them by
+        call)."""
+        self.feeds = [c.feed for c in calls]
+        stacked = Recorder(device=None)
+        for c in calls:
+            for site, parts in c.feed.records.items():
+                stacked.records.setdefault(site, []).extend(parts)
+        ids = torch.cat([torch.as_tensor(c.ids).long().flatten() for c in calls])
+        self._replay(ids, stacked, out, None, [len(torch.as_tensor(c.ids).flatten()) for c in calls])
+
+    def _replay(self, ids: torch.Tensor, decoder: Recorder, out: Recorder, rows: torch.Tensor | None,
+                sizes: list[int]) -> None:
+        """The ops of calls of ``sizes`` tokens (ids [sum sizes]) from their records ``decoder``."""
         dt, dev = self.model.dtype, self.model.device
         ids = torch.as_tensor(ids).long().flatten().to(dev)
         positions = torch.arange(self.pos, self.pos + len(ids), device=dev)
         rows = None if rows is None else rows.to(dev)
         sel = slice(None) if rows is None else rows
+        self.sizes = torch.tensor(sizes, device=dev)
+        self.call_of = torch.repeat_interleave(torch.arange(len(sizes), device=dev), self.sizes)[sel]  # [nq]
 
         def layer_of(i: int) -> tuple[Take, Take]:
             def take(template: str, at: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,13 +114,14 @@ class OpReplay:
                                                               positions, freqs, cfg.norm_eps))
         new = take(SITE.attn_kv)
         h.kv = new if h.kv is None else torch.cat((h.kv, new))
+        entries_before = h.entries.n
         if ratio:
             weights = compressor_weights(w, p + "compressor.")
             out(SITE.attn_compressed_kv.at(i), compress(x, positions, h.comp, weights, freqs, cfg.norm_eps))
             h.entries.append(take(SITE.attn_compressed_kv))
         if ratio == 4:
             self._indexer(i, take, take_q, x, positions, qpos, out)
-        self._core(i, take_q, out)
+        self._core(i, take_q, out, entries_before)
         keep = max(h.kv_start, int(positions[-1]) + 1 - (cfg.window_size - 1))  # what later queries can see
         h.kv, h.kv_start = h.kv[keep - h.kv_start :], keep
 
@@ -109,18 +137,39 @@ class OpReplay:
         out(SITE.indexer_scores.at(i), scores)
         out(SITE.indexer_topk.at(i), indexer.select_topk(scores, qpos, 4, cfg.index_topk))
 
-    def _core(self, i: int, take_q: Take, out: Recorder) -> None:
+    def _bounds(self, i: int, entries_before: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per query [nq]: the first window position its call alone keeps, one past its call's last position, and
+        the compressed entries layer i holds after its call."""
+        h = self.hist[i]
+        ends = self.pos + torch.cumsum(self.sizes, 0)  # [calls]
+        starts = ends - self.sizes
+        # the window a call alone reads: what the calls before it kept (its first position - (window - 1) on)
+        firsts = (starts - (self.cfg.window_size - 1)).clamp(min=h.kv_start)
+        firsts[0] = h.kv_start
+        site = SITE.attn_compressed_kv.at(i)
+        counts = [len(f.get(site)) if self.cfg.ratio(i) else 0 for f in self.feeds]
+        held = entries_before + torch.cumsum(torch.tensor(counts, device=self.sizes.device), 0)
+        return firsts[self.call_of], ends[self.call_of], held[self.call_of]
+
+    def _core(self, i: int, take_q: Take, out: Recorder, entries_before: int) -> None:
         """Oracle sparse attention over the decoder's q, KV rows and visible set."""
         cfg, h = self.cfg, self.hist[i]
         win = cfg.window_size
         entries = h.entries.all(cfg.head_dim, h.kv)
         visible = take_q(SITE.attn_visible)  # [nq, W + K]
-        # the table [window rows; entries; a zero row]: an entry the decoder saw but never emitted (a causality
-        # bug) reads what its cache held, zeros; read without building it
+        first, end, held = (t[:, None] for t in self._bounds(i, entries_before))  # [nq, 1] each
+        # the table [window rows; entries; a zero row], read as each query's call alone reads it: its window rows
+        # (positions first .. end - 1), then the entries held after it, then zeros; so a window position past the
+        # call's last reads the entries, and an entry the decoder saw but never emitted (a causality bug) reads
+        # zeros, what its cache held
+        n_kv, zero = len(h.kv), len(h.kv) + len(entries)
         table = (h.kv, entries, h.kv.new_zeros((1, cfg.head_dim)))
-        window = visible[:, :win] - h.kv_start  # token positions -> rows of the kept window
-        rows = torch.cat((window, visible[:, win:] + len(h.kv)), dim=1).clamp(max=len(h.kv) + len(entries))
-        valid = (visible >= 0) & torch.cat((window >= 0, visible[:, win:] >= 0), dim=1)
+        window, picked = visible[:, :win], visible[:, win:]
+        past = window - end  # a window position past the call's last -> the entry it reads
+        window_rows = torch.where(window < end, window - h.kv_start, torch.where(past < held, n_kv + past, zero))
+        entry_rows = torch.where(picked < held, n_kv + picked, zero)
+        rows = torch.cat((window_rows, entry_rows), dim=1)
+        valid = (visible >= 0) & torch.cat((window >= first, picked >= 0), dim=1)
         gathered = gather_rows(table, torch.where(valid, rows, 0))
         sink = self.model.w(f"layers.{i}.attn.attn_sink")
         out(SITE.attn_core.at(i), attention.sparse_attention(take_q(SITE.attn_q), gathered, valid, sink,

@@ -57,6 +57,12 @@ def feed_kind(n_layers: int, hc: int) -> Callable[[StreamCall], object]:
     return kind
 
 
+def op_kind(call: StreamCall) -> object:
+    """An op-mode call's kind for ``blocks``: the sites its decoder recorded (a block's calls stack their records
+    site by site), ``ALONE`` without records."""
+    return ALONE if call.feed is None else frozenset(call.feed.records)
+
+
 class Reference:
     """The oracle in one comparison mode, with the state it carries from call to call (caches, positions)."""
 
@@ -86,27 +92,30 @@ class Reference:
 
     def run_calls(self, calls: Sequence[StreamCall], limit: int = BLOCK_TOKENS) -> list[Recorder]:
         """The oracle's records of consecutive calls, as ``run`` of each in turn would give them (up to the rounding
-        of GEMMs over more rows): free and layer modes run each block of ``blocks`` as one causal pass and split its
-        records (``oracles.blocks``); op mode runs call by call (its inputs are each call's own)."""
-        if self.mode == "op":
-            return [self.run(c.ids, c.feed, c.rows) for c in calls]
+        of GEMMs over more rows): each block of ``blocks`` runs as one causal pass (free and layer modes) or one
+        replay of the calls' stacked inputs (op mode), and its records are split by call (``oracles.blocks``)."""
         cfg = self.model.cfg
-        kind = feed_kind(cfg.n_layers, cfg.hc_mult) if self.mode == "layer" else (lambda c: None)
+        kinds = {"layer": feed_kind(cfg.n_layers, cfg.hc_mult), "op": op_kind}
         out: list[Recorder] = []
-        for group in blocks(calls, limit, kind):
+        for group in blocks(calls, limit, kinds.get(self.mode, lambda c: None)):
             block = [calls[k] for k in group]
             if len(block) == 1:
                 out.append(self.run(block[0].ids, block[0].feed, block[0].rows))
                 continue
-            start, sizes = self.session.pos, [len(c.ids) for c in block]
+            start = self.ops.pos if self.mode == "op" else self.session.pos
+            sizes = [len(c.ids) for c in block]
             ids = torch.cat([c.ids.long().flatten() for c in block])
             rec = self._block_records(ids, block)
             out += split_block(rec, [start + sum(sizes[:k]) for k in range(len(sizes))], sizes, cfg)
         return out
 
     def _block_records(self, ids: torch.Tensor, block: Sequence[StreamCall]) -> Recorder:
-        """One causal pass of free or layer mode over the calls of ``block`` (every row), recorded whole."""
+        """One causal pass of free or layer mode, or op mode's replay, over the calls of ``block`` (every row),
+        recorded whole."""
         rec = Recorder(device=None)
+        if self.mode == "op":
+            self.ops.run_calls(block, rec)
+            return rec
         self.session.rec = rec
         if self.mode == "free":
             self.session.forward(ids)

@@ -1,6 +1,6 @@
-"""Decode calls judged in blocks (``RunSpec.oracle_block``: the oracle's free and layer modes over a block as one
-causal pass, every call's probes in one batch) give the metric table of calls judged one at a time: the same rows,
-values equal up to the oracle's GEMM rounding over more rows, the same verdict."""
+"""Decode calls judged in blocks (``RunSpec.oracle_block``: the oracle over a block as one pass in every mode
+that does not pick the tokens, every call's probes in one batch) give the metric table of calls judged one at a
+time: the same rows, values equal up to the oracle's GEMM rounding over more rows, the same verdict."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def test_calls_judged_in_blocks_give_the_call_by_call_metrics_and_verdict(tmp_pa
     a, b = both["value_alone"], both["value_block"]
     same = (a == b) | (a.isna() & b.isna())  # inf sqnr where both are exact; NaN where a metric has no value
     off = ~same & ~((a - b).abs() <= 1e-3 * a.abs().clip(lower=1.0))
+    # an op the decoder matches exactly call by call (index -1: no difference) differs by the block's rounding: the
+    # index then names where that rounding is largest
+    off &= ~((both["metric"] == "max_abs_index") & ((a == -1) | (b == -1)))
     assert not off.any(), both[off][[*KEYS, "value_alone", "value_block"]].head().to_string()
     assert (~same).any()  # the blocks did run as one pass: their rounding shows somewhere
 

@@ -13,7 +13,7 @@ from fidelity.decoders import default_decoder
 from fidelity.model.sites import Recorder
 from oracles import OracleModel, Reference
 from oracles.blocks import StreamCall, blocks
-from oracles.reference import feed_kind
+from oracles.reference import feed_kind, op_kind
 from oracles.stream import stream_records
 
 PROMPT = 250  # decode from position 250: an HCA entry (ratio 128) completes at 255, CSA entries every 4 tokens
@@ -50,14 +50,15 @@ def _assert_same(block: Recorder, alone: Recorder, k: int) -> None:
             assert torch.equal(a, b), f"call {k} {site}: integers differ"
 
 
-@pytest.mark.parametrize("mode", ["free", "layer"])
+@pytest.mark.parametrize("mode", ["free", "layer", "op"])
 def test_a_block_of_calls_gives_each_call_its_call_by_call_records(stream, mode):
     ckpt, calls = stream
     model = OracleModel(ckpt, torch.float32)
     alone, blocked = Reference(model, mode), Reference(model, mode)
     want = [alone.run(c.ids, c.feed) for c in calls]
     got = blocked.run_calls(calls, limit=16)
-    assert [len(b) for b in blocks(calls, 16)] == [1, 16, 12, 12]  # the prompt alone, then blocks of <= 16 tokens
+    kind = {"layer": feed_kind(6, 4), "op": op_kind}.get(mode, lambda c: None)
+    assert [len(b) for b in blocks(calls, 16, kind)] == [1, 16, 12, 12]  # the prompt alone, then <= 16 tokens
     assert len(got) == len(want)
     for k, (g, w) in enumerate(zip(got, want, strict=True)):
         _assert_same(g, w, k)
@@ -89,3 +90,32 @@ def test_calls_whose_decoder_reports_the_top_k_at_other_layers_are_not_one_block
     mixed = [*calls[:3], StreamCall(calls[3].ids, quiet), *calls[4:6]]
     assert any(s.endswith("indexer.topk") for s in calls[2].feed.records)  # the others report it
     assert [len(b) for b in blocks(mixed, 64, feed_kind(6, 4))] == [1, 2, 1, 2]
+
+
+def _reaching(feed: Recorder, layer: int, window_col: int, position: int, entry_col: int, entry: int) -> Recorder:
+    """``feed`` with layer ``layer``'s visible set changed at one window and one entry column (a planted fault)."""
+    site = f"L{layer}.attn.visible"
+    visible = feed.get(site).clone()
+    visible[:, window_col], visible[:, 128 + entry_col] = position, entry
+    out = Recorder(device=None)
+    out.records = {s: ([(0, visible)] if s == site else r) for s, r in feed.records.items()}
+    return out
+
+
+def test_op_mode_in_a_block_reads_what_each_call_alone_reads_when_the_decoder_sees_past_its_rows(stream):
+    """Visible sets that reach past the call (a later window position of the block, an entry emitted later in the
+    block, a window position the call no longer keeps): the block's replay gives the call-by-call records."""
+    ckpt, calls = stream
+    model = OracleModel(ckpt, torch.float32)
+    planted = list(calls)
+    # call 3 is position 252 (window 125 .. 252): 253 and 254 come in calls 4 and 5, CSA entry 63 in call 6 (255)
+    planted[3] = StreamCall(calls[3].ids, _reaching(_reaching(calls[3].feed, 2, -1, 254, 0, 63), 4, 0, 124, 1, 63))
+    planted[4] = StreamCall(calls[4].ids, _reaching(calls[4].feed, 3, -1, 254, 0, 1))  # HCA: 254 reads entry 0
+    alone, blocked = Reference(model, "op"), Reference(model, "op")
+    want = [alone.run(c.ids, c.feed) for c in planted]
+    got = blocked.run_calls(planted, limit=16)
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        _assert_same(g, w, k)
+    clean = Reference(model, "op").run_calls(calls[:8], limit=16)
+    assert not torch.equal(clean[3].get("L2.attn.core"), got[3].get("L2.attn.core"))  # the plant reaches the core
+    assert not torch.equal(clean[4].get("L3.attn.core"), got[4].get("L3.attn.core"))

@@ -11,12 +11,13 @@ from probes.memory import PeakMemory, memory_stats
 from probes.mhc import gate_range, sinkhorn, sinkhorn_batch
 from probes.residual import residual_norms
 from probes.routing import routing_agreement
-from probes.rows import collect, collect_columns, to_rows
+from probes.rows import PairRows, collect, collect_columns, to_rows
 from probes.similarity import similarity, similarity_batch, similarity_per_position, unravel
 from probes.tokens import token_agreement
 from probes.visible import expected_visible, visible_range
 
 __all__ = [
+    "PairRows",
     "PeakMemory",
     "collect",
     "collect_columns",

@@ -3,12 +3,14 @@
 ``to_rows`` only labels tensors (no sync); ``collect`` casts every pending value to float64 on its own
 device, concatenates them per device and moves each device's block with a single ``.cpu()``.
 Row keys: site, layer, position (token position; -1 for whole-call aggregates), metric, value (float;
-integer metrics such as counts and indices are exact up to 2**53).
+integer metrics such as counts and indices are exact up to 2**53). A batch of pairs probed together hands its
+metrics over as ``PairRows``: one metric of every pair of the batch, a [B] tensor, not B rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +37,18 @@ def to_rows(site: str, layer: int | None, metrics: dict[str, torch.Tensor],
     return pending
 
 
+@dataclass
+class PairRows:
+    """Pending rows of one metric of a batch of pairs, one whole-call row per pair: ``value`` [B] (on its device),
+    the pairs' ``sites`` and ``layers``, and each pair's ``extra`` fields (None: none)."""
+
+    sites: list[str]
+    layers: list[int | None]
+    metric: str
+    value: torch.Tensor
+    extras: list[dict | None]
+
+
 def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
     """Tensors (any devices) -> their flattened float64 values, one ``.cpu()`` per device: the 0-d tensors of a
     dtype go through one ``stack``, the others through one ``cat``, then one cast per dtype (a step's thousands of
@@ -57,48 +71,61 @@ def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
     return out
 
 
-def collect_columns(pending: Iterable[dict[str, Any]], **fields: Any) -> dict[str, list[Any]]:
+def collect_columns(pending: Iterable[dict[str, Any] | PairRows], **fields: Any) -> dict[str, list[Any]]:
     """``collect``'s rows as columns, in the order ``pandas.DataFrame`` gives the rows' keys (a DataFrame's input,
     built without a dict per row): every key any row has, None where a row lacks it."""
     pending = list(pending)
-    tensors = [p["value"] for p in pending]
-    tensors += [p["position"] for p in pending if isinstance(p["position"], torch.Tensor)]
+    tensors = [p.value if isinstance(p, PairRows) else p["value"] for p in pending]
+    tensors += [p["position"] for p in pending if isinstance(p, dict) and isinstance(p["position"], torch.Tensor)]
     host = _to_host(tensors)
     host_pos = iter(host[len(pending) :])
     values, positions = host[: len(pending)], []
     for i, p in enumerate(pending):
-        pos = p["position"]
+        pos = None if isinstance(p, PairRows) else p["position"]
         if pos is None:
-            positions.append([AGGREGATE])
-            values[i] = values[i][:1]
+            positions.append([AGGREGATE] * (len(values[i]) if isinstance(p, PairRows) else 1))
+            values[i] = values[i] if isinstance(p, PairRows) else values[i][:1]
         else:
             positions.append(next(host_pos) if isinstance(pos, torch.Tensor) else pos)
     counts = [len(v) for v in values]
     keys: dict[str, None] = {}
-    for extra_keys in dict.fromkeys(tuple(p.get("extra", ())) for p in pending):
+    for extra_keys in dict.fromkeys(tuple(e or ()) for p in pending for e in _extras(p)):
         keys.update(dict.fromkeys(("site", "layer", "metric", *extra_keys, *fields, "position", "value")))
     cols = {}
     for key in keys:
-        if key in ("site", "layer", "metric"):
-            per_row = [p[key] for p in pending]
-        elif key in fields:
-            per_row = [fields[key]] * len(pending)
-        elif key not in ("position", "value"):
-            per_row = [p.get("extra", {}).get(key) for p in pending]
         if key == "position":
             cols[key] = [int(t) for pos in positions for t in pos]
         elif key == "value":
             cols[key] = [v for vals in values for v in vals]
+        elif key in fields:
+            cols[key] = [fields[key]] * sum(counts)
         else:
-            cols[key] = _repeated(per_row, counts)
+            cols[key] = _column(pending, key, counts)
     return cols
 
 
-def _repeated(per_row: list[Any], counts: list[int]) -> list[Any]:
-    """Each pending row's value repeated once per value it holds."""
-    if all(n == 1 for n in counts):
-        return per_row
-    return [v for v, n in zip(per_row, counts, strict=True) for _ in range(n)]
+def _extras(p: dict[str, Any] | PairRows) -> list[dict | None]:
+    return p.extras if isinstance(p, PairRows) else [p.get("extra")]
+
+
+def _column(pending: list[dict[str, Any] | PairRows], key: str, counts: list[int]) -> list[Any]:
+    """The values of ``key`` (site, layer, metric or an extra field) of every row, rows of a ``PairRows`` each
+    their own, a dict's repeated once per value it holds."""
+    out: list[Any] = []
+    for p, n in zip(pending, counts, strict=True):
+        if isinstance(p, PairRows):
+            if key == "metric":
+                out += [p.metric] * n
+            else:
+                out += p.sites if key == "site" else p.layers if key == "layer" else [(e or {}).get(key) for e in
+                                                                                     p.extras]
+            continue
+        v = p[key] if key in ("site", "layer", "metric") else p.get("extra", {}).get(key)
+        if n == 1:
+            out.append(v)
+        else:
+            out += [v] * n
+    return out
 
 
 def collect(pending: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:

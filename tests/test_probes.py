@@ -412,6 +412,22 @@ def test_collect_columns_hold_collects_rows_with_each_rows_own_extra_fields():
     pd.testing.assert_frame_equal(got, want)
 
 
+def test_pair_rows_collect_as_one_whole_call_row_per_pair_with_its_own_fields():
+    import pandas as pd
+
+    from probes.rows import PairRows
+
+    value = torch.tensor([0.5, 0.25, 2.0])
+    sites, layers, extras = ["L0.attn.q", "L1.attn.q", "L1.attn.q"], [0, 1, 1], [{"step": 3}, None, {"rank": 1}]
+    lead = to_rows("logits", -1, {"cos": torch.tensor([1.0, 0.5])}, positions=[7, 8])
+    got = pd.DataFrame(collect_columns([*lead, PairRows(sites, layers, "cos", value, extras)], mode="op"))
+    rows = [*lead, *({"site": s, "layer": la, "metric": "cos", "value": v, "position": None,
+                      **({"extra": e} if e else {})} for s, la, v, e in zip(sites, layers, value, extras, strict=True))]
+    want = pd.DataFrame(collect(rows, mode="op"))
+    pd.testing.assert_frame_equal(got, want)
+    assert list(got["position"]) == [7, 8, -1, -1, -1] and list(got["step"].iloc[2:].fillna(-1)) == [3, -1, -1]
+
+
 def test_routing_gap_is_the_oracle_score_gap_a_flip_inverts_and_infinite_without_scores():
     from probes.routing import routing_agreement
 

@@ -28,6 +28,7 @@ from fidelity.model.sites import (
     trailing_shape,
 )
 from probes import (
+    PairRows,
     expected_visible,
     gate_range,
     indexer_recall,
@@ -226,9 +227,9 @@ class PairBatches:
         key = (probe, static, site_template(site), *((tuple(t.shape), t.dtype, t.device) for t in tensors))
         self.groups.setdefault(key, []).append((site, tensors, tags))
 
-    def rows(self) -> list[dict]:
+    def rows(self) -> list[dict | PairRows]:
         """Pending rows of every pair added, in the order added within a template."""
-        out: list[dict] = []
+        out: list[dict | PairRows] = []
         for (probe, static, *_), pairs in self.groups.items():
             per_batch = max(1, BATCH_ELEMENTS // max(1, pairs[0][1][0].numel()))
             for s in range(0, len(pairs), per_batch):
@@ -237,18 +238,23 @@ class PairBatches:
 
 
 def _batch_rows(probe: str, static: tuple, batch: list[tuple[str, tuple[torch.Tensor, ...], dict | None]]
-                ) -> list[dict]:
-    """Pending rows of one batch of same-shaped pairs of ``probe``."""
+                ) -> list[dict | PairRows]:
+    """Pending rows of one batch of same-shaped pairs of ``probe``: a ``PairRows`` per metric of a batch probed
+    together, rows per pair otherwise."""
     if probe in BATCHED_PROBES or (len(batch) >= VMAP_MIN_PAIRS and batch[0][1][0].shape[0] > 0):
         fn = BATCHED_PROBES.get(probe) or torch.vmap(lambda *ts: PAIR_PROBES[probe](*ts, *static))
         with warnings.catch_warnings():  # vmap hands searchsorted a strided view of the batch: a copy, not an error
             warnings.filterwarnings("ignore", message=r"torch\.searchsorted\(\): input value tensor is non-contig")
             metrics = fn(*(torch.stack(ts) for ts in zip(*(p[1] for p in batch), strict=True)))
-        unbound = {k: v.unbind(0) for k, v in metrics.items()}  # B 0-d views in one call
+        if all(v.ndim == 1 for v in metrics.values()):  # a value per pair: the batch's rows stay columns
+            sites, extras = [p[0] for p in batch], [p[2] for p in batch]
+            layers = [_layer(s) for s in sites]
+            return [PairRows(sites, layers, k, v, extras) for k, v in metrics.items()]
+        unbound = {k: v.unbind(0) for k, v in metrics.items()}  # B views in one call
         per_pair = [{k: v[b] for k, v in unbound.items()} for b in range(len(batch))]
     else:  # nothing to share, or no rows to map over
         per_pair = [PAIR_PROBES[probe](*tensors, *static) for _, tensors, _ in batch]
-    out: list[dict] = []
+    out: list[dict | PairRows] = []
     for (site, _, tags), metrics in zip(batch, per_pair, strict=True):
         rows = to_rows(site, _layer(site), metrics)
         out += rows if tags is None else tag_in_place(rows, tags)

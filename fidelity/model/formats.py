@@ -154,17 +154,6 @@ def _round_to_grid(v: torch.Tensor, mant_bits: int, min_exp: int) -> torch.Tenso
     return torch.round(v * _pow2(shift, v.dtype)) * _pow2(-shift, v.dtype)
 
 
-def _log2_ceil_bits(v: torch.Tensor) -> torch.Tensor:
-    """kernel.py ``fast_log2_ceil`` on fp32 ``v`` (int32 result): ``exp - 127 + (mantissa != 0)``.
-
-    Equals ceil(log2 v) for positive normal v; subnormal v give -126, zero -127, +inf 128, NaN 129.
-    """
-    bits = v.contiguous().view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    man = bits & 0x7FFFFF
-    return exp - 127 + (man != 0).to(torch.int32)
-
-
 def _fp32_const(value: float) -> torch.Tensor:
     """A 0-d fp32 tensor holding ``value`` rounded to fp32 (the kernel's immediate)."""
     return torch.tensor(value, dtype=torch.float32)
@@ -268,7 +257,9 @@ def round_fp8_e4m3(v: torch.Tensor) -> torch.Tensor:
     """
     if v.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"v: expected dtype float32 or float64, found {v.dtype}")
-    return _round_to_grid(torch.clamp(v, -FP8_MAX, FP8_MAX), 3, -6)
+    if v.dtype == torch.float32:  # torch's fp32 -> e4m3fn cast rounds to nearest even (checked against ml_dtypes)
+        return torch.clamp(v, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    return _round_to_grid(torch.clamp(v, -FP8_MAX, FP8_MAX), 3, -6)  # fp64: one rounding, not two through fp32
 
 
 def round_fp4_e2m1(v: torch.Tensor) -> torch.Tensor:
@@ -307,10 +298,12 @@ def ue8m0_scale(amax: torch.Tensor, qmax: float, floor: float, floor_on: str = "
         v = torch.maximum(amax.to(torch.float32), _fp32_const(floor)) * _fp32_const(1.0 / qmax)
     else:
         v = torch.maximum(amax.to(torch.float32) * _fp32_const(1.0 / qmax), _fp32_const(floor))
-    e = _log2_ceil_bits(v)
-    s = _pow2(e.clamp(max=127), torch.float32)
-    s = torch.where(e > 127, torch.full_like(s, float("inf")), s)
-    return torch.where(torch.isnan(v), torch.full_like(s, float("nan")), s)
+    bits = v.contiguous().view(torch.int32)
+    # kernel.py ``fast_log2_ceil`` plus the bias: exponent field + (mantissa != 0), 0 .. 256
+    biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    # 2^(biased - 127) from its bits: 0 is 2^-127 (a subnormal), 255 and up +inf (then NaN for a NaN v)
+    s = torch.where(biased == 0, 1 << 22, biased.clamp(max=255) << 23).view(torch.float32)
+    return torch.where(torch.isnan(v), float("nan"), s)
 
 
 def _check_floor_on(floor_on: object) -> None:

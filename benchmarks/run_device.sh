@@ -12,8 +12,10 @@
 #                                                                        # machine's kernel cache as found, once with
 #                                                                        # the kernels compiled; the prefill breakdown
 #   OUT=dir bash benchmarks/run_device.sh judged                         # a judged decode step by part (blocks 1
-#                                                                        # and 64), the catalogue with --jobs
-#                                                                        # ${JOBS:-8}, a ${LONG:-1024}-step long decode
+#                                                                        # and 64; OLDTREE=dir: block 64 on the
+#                                                                        # fidelity/oracles/probes in dir too), the
+#                                                                        # catalogue with --jobs ${JOBS:-8}, a
+#                                                                        # ${LONG:-1024}-step long decode
 #   OUT=dir OLD=dir bash benchmarks/run_device.sh ab                    # this tree's FP4 GEMV and mHC modules
 #     against OLD's weight_gemv.py / mhc.py (here: git show REV:fidelity/decoders/production/kernels/mhc.py >
 #     OLD/mhc.py, the same for weight_gemv.py; OLD an ignored folder named in carry): the kernels alone, then the
@@ -69,6 +71,11 @@ elif [ "$what" = slice ]; then
 elif [ "$what" = judged ]; then
   timeout 220 python3 benchmarks/bench_judged_step.py --out "$OUT/step" --device cuda --repeats 1 >"$OUT/step.log" 2>&1
   echo "judged step rc=$?"; tail -8 "$OUT/step.log"
+  if [ -n "${OLDTREE:-}" ]; then  # the same, block 64, on another tree's packages (run from its folder)
+    (cd "$OLDTREE" && timeout 150 python3 "$OLDPWD/benchmarks/bench_judged_step.py" --out "$OUT/step_old" \
+      --device cuda --repeats 1 --blocks 64 >"$OUT/step_old.log" 2>&1)
+    echo "judged step (old tree) rc=$?"; tail -4 "$OUT/step_old.log"
+  fi
   t0=$(date +%s.%N)
   OMP_NUM_THREADS=1 timeout 240 python3 -m fidelity scenarios --device cuda --jobs "${JOBS:-8}" --out "$OUT" \
     --run-id scenarios-cuda >"$OUT/scenarios.log" 2>&1

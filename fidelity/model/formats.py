@@ -57,6 +57,7 @@ cannot be checked on CPU, so this module propagates NaN as described instead.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -154,8 +155,10 @@ def _round_to_grid(v: torch.Tensor, mant_bits: int, min_exp: int) -> torch.Tenso
     return torch.round(v * _pow2(shift, v.dtype)) * _pow2(-shift, v.dtype)
 
 
+@functools.lru_cache(maxsize=64)
 def _fp32_const(value: float) -> torch.Tensor:
-    """A 0-d fp32 tensor holding ``value`` rounded to fp32 (the kernel's immediate)."""
+    """A 0-d fp32 tensor holding ``value`` rounded to fp32 (the kernel's immediate); one per value, shared: an
+    operand, never written."""
     return torch.tensor(value, dtype=torch.float32)
 
 
@@ -303,7 +306,7 @@ def ue8m0_scale(amax: torch.Tensor, qmax: float, floor: float, floor_on: str = "
     biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
     # 2^(biased - 127) from its bits: 0 is 2^-127 (a subnormal), 255 and up +inf (then NaN for a NaN v)
     s = torch.where(biased == 0, 1 << 22, biased.clamp(max=255) << 23).view(torch.float32)
-    return torch.where(torch.isnan(v), float("nan"), s)
+    return torch.where(v == v, s, v)  # a NaN v gives NaN
 
 
 def _check_floor_on(floor_on: object) -> None:

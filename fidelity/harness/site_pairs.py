@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 
@@ -56,6 +56,7 @@ SELECTION_SCORES = {SITE.indexer_topk: SITE.indexer_scores,
                     SITE.moe_experts: SITE.moe_scores}
 
 
+@lru_cache(maxsize=1 << 14)
 def _layer(site: str) -> int:
     return int(site[1 : site.index(".")]) if site.startswith("L") and "." in site else -1
 
@@ -224,7 +225,7 @@ class PairBatches:
         """``tensors``: the probe's tensor arguments, ``static`` the others (shared by the batch); ``tags``: fields
         the pair's rows carry (``extra``: a run's step, phase and mode when the pairs of several calls share the
         batches)."""
-        key = (probe, static, site_template(site), *((tuple(t.shape), t.dtype, t.device) for t in tensors))
+        key = (probe, static, site_template(site), *((t.shape, t.dtype, t.device) for t in tensors))
         self.groups.setdefault(key, []).append((site, tensors, tags))
 
     def rows(self) -> list[dict | PairRows]:
@@ -433,13 +434,16 @@ def _comparable_rows(site: str, r: torch.Tensor, t: torch.Tensor, ref: Recorder,
                      routings: dict[int, torch.Tensor]) -> torch.Tensor | None:
     """bool [n] rows compared at ``site`` (None: all): those with an unambiguous CSA selection for the sites after
     it, and, for the sites after the routing, those both models routed alike (or, where the decoder reports no
-    experts, whose oracle routing is unambiguous)."""
+    experts, whose oracle routing is unambiguous). ``routings``: layer -> the oracle's unambiguous rows; the
+    agreement computed here is kept in it too, under (layer, rows, device)."""
     layer, keep = _layer(site), None
     if layer in selections and site.split(".", 1)[1] in AFTER_SELECTION and len(selections[layer]) == len(r):
         keep = selections[layer]
     if site_of(site).after_routing:
         same = routings.get(layer)
-        same = _same_routing(site, r, t, ref, test, rows) if same is None else same
+        if same is None:  # the layer's own agreement, computed once per call and row count
+            key = (layer, len(r), r.device)
+            same = routings[key] = routings[key] if key in routings else _same_routing(site, r, t, ref, test, rows)
         if len(same) == len(r):
             keep = same if keep is None else keep & same
     return keep

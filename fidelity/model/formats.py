@@ -301,12 +301,11 @@ def ue8m0_scale(amax: torch.Tensor, qmax: float, floor: float, floor_on: str = "
         v = torch.maximum(amax.to(torch.float32), _fp32_const(floor)) * _fp32_const(1.0 / qmax)
     else:
         v = torch.maximum(amax.to(torch.float32) * _fp32_const(1.0 / qmax), _fp32_const(floor))
-    bits = v.contiguous().view(torch.int32)
-    # kernel.py ``fast_log2_ceil`` plus the bias: exponent field + (mantissa != 0), 0 .. 256
-    biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    # 2^(biased - 127) from its bits: 0 is 2^-127 (a subnormal), 255 and up +inf (then NaN for a NaN v)
-    s = torch.where(biased == 0, 1 << 22, biased.clamp(max=255) << 23).view(torch.float32)
-    return torch.where(v == v, s, v)  # a NaN v gives NaN
+    # kernel.py ``fast_log2_ceil`` as bits: a mantissa other than zero carries into the exponent field, which is
+    # then the scale's (a normal or subnormal v > 0: 2^ceil(log2 v), 2^-126 at least; past 2^127 the field is
+    # all ones, +inf); v == 0 gives 2^-127, a NaN v NaN
+    s = ((v.contiguous().view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+    return torch.where(v > 0, s, torch.where(v == 0, 2.0**-127, v))
 
 
 def _check_floor_on(floor_on: object) -> None:

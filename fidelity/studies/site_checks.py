@@ -24,6 +24,7 @@ import torch
 
 from fidelity.model.config import ModelConfig
 from fidelity.model.sites import LAYER_SITE_ORDER, Recorder, site_template
+from probes.sets import member, unique_sorted
 
 ROW_SITES = ("L{i}.attn.kv", "L{i}.indexer.scores", "L{i}.indexer.topk", "L{i}.attn.visible", "L{i}.attn.core",
              "L{i}.attn.out", "L{i}.moe.experts", "L{i}.residual")
@@ -199,30 +200,37 @@ def _compare_rows(template: str, x: torch.Tensor, y: torch.Tensor, idx: torch.Te
     return "", "", stats
 
 
-def _row_sets(t: torch.Tensor) -> list[frozenset[int]]:
-    return [frozenset(v for v in row if v >= 0) for row in t.tolist()]
+def _row_set(row: torch.Tensor) -> frozenset[int]:
+    return frozenset(v for v in row.tolist() if v >= 0)
+
+
+def _id_sets(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ids per row of x, y int [n, L] (negative: none) as sets: (|x row|, |y row|, |x row & y row|), int [n] each."""
+    sx, fx = unique_sorted(x.long())
+    sy, fy = unique_sorted(y.long())
+    return fx.sum(-1), fy.sum(-1), (fx & member(sx, sy)).sum(-1)
 
 
 def _sets(template: str, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor,
           bitwise: bool) -> tuple[str, str, dict[str, float]]:
     """Id sets per row (top-k picks, routed experts): their sizes are structure, their members bits or bounds."""
-    sx, sy = _row_sets(x), _row_sets(y)
-    sizes = [k for k, (p, q) in enumerate(zip(sx, sy, strict=True)) if len(p) != len(q)]
+    nx, ny, shared = _id_sets(x, y)
+    sizes = (nx != ny).nonzero().flatten().tolist()
     if sizes:
         k = sizes[0]
         return "structure", (f"{len(sizes)} of {len(idx)} rows pick another number of ids, first at position "
-                             f"{int(idx[k])}: {len(sx[k])} vs {len(sy[k])}"), {"structure_rows": float(len(sizes))}
-    recall = [len(p & q) / len(p) if p else 1.0 for p, q in zip(sx, sy, strict=True)]
-    moved = [k for k, r in enumerate(recall) if r < 1]
-    stats = {"rows": float(len(idx)), "recall_min": min(recall), "moved_share": len(moved) / len(idx)}
+                             f"{int(idx[k])}: {int(nx[k])} vs {int(ny[k])}"), {"structure_rows": float(len(sizes))}
+    recall = torch.where(nx > 0, shared.double() / nx.clamp(min=1).double(), 1.0)
+    moved = (recall < 1).nonzero().flatten().tolist()
+    stats = {"rows": float(len(idx)), "recall_min": float(recall.min()), "moved_share": len(moved) / len(idx)}
     if bitwise and moved:
         return "bits", (f"{len(moved)} of {len(idx)} rows pick other ids where equal bits are promised, first at "
                         f"position {int(idx[moved[0]])}"), stats
     bound = BOUNDS[template]
     if not bitwise and (stats["recall_min"] < bound.recall_min or stats["moved_share"] > bound.moved_max):
-        k = min(range(len(recall)), key=recall.__getitem__)
+        k = int(recall.argmin())  # the first of the worst rows
         return "bound", (f"{len(moved)} of {len(idx)} rows pick other ids (recall >= {bound.recall_min}, moved <= "
-                         f"{bound.moved_max}), worst position {int(idx[k])}: recall {recall[k]:.3f}"), stats
+                         f"{bound.moved_max}), worst position {int(idx[k])}: recall {float(recall[k]):.3f}"), stats
     return "", "", stats
 
 
@@ -230,11 +238,11 @@ def _visible(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, bitwise: bool,
              window: int) -> tuple[str, str, dict[str, float]]:
     """The positions a query sees: the window's (``window`` columns) are structure, as is the number of compressed
     entries; which entries, bits or bounds."""
-    wx, wy = _row_sets(x[:, :window]), _row_sets(y[:, :window])
-    bad = [k for k, (p, q) in enumerate(zip(wx, wy, strict=True)) if p != q]
+    nx, ny, shared = _id_sets(x[:, :window], y[:, :window])
+    bad = ((nx != ny) | (shared != nx)).nonzero().flatten().tolist()
     if bad:
         k = bad[0]
+        only = sorted(_row_set(x[k, :window]) ^ _row_set(y[k, :window]))[:4]
         return "structure", (f"the window positions differ at {len(bad)} of {len(idx)} rows, first at position "
-                             f"{int(idx[k])}: {sorted(wx[k] ^ wy[k])[:4]} on one side only"), \
-            {"structure_rows": float(len(bad))}
+                             f"{int(idx[k])}: {only} on one side only"), {"structure_rows": float(len(bad))}
     return _sets("L{i}.attn.visible", x[:, window:], y[:, window:], idx, bitwise)

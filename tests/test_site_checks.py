@@ -124,3 +124,20 @@ def test_index_scores_of_different_widths_compare_on_the_entries_both_could_see(
     b.blocks["L2.indexer.scores"][0][1][0, 2] = 0.25
     got = compare(a, b, [7], True, cfg)
     assert (got.site, got.check) == ("L2.indexer.scores", "structure")
+
+
+def test_id_sets_count_each_rows_distinct_ids_as_python_sets_do():
+    """Top-k picks and expert ids compared per row as sets: repeated ids count once, negative ids are none, and the
+    shared count is the intersection's, whatever the widths."""
+    from fidelity.studies.site_checks import _id_sets
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n, width = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(0, 7, (1,), generator=g))
+        x = torch.randint(-1, 6, (n, width), generator=g)
+        y = torch.randint(-1, 6, (n, width + int(torch.randint(0, 3, (1,), generator=g))), generator=g)
+        nx, ny, shared = _id_sets(x, y)
+        px = [frozenset(v for v in row if v >= 0) for row in x.tolist()]
+        py = [frozenset(v for v in row if v >= 0) for row in y.tolist()]
+        assert nx.tolist() == [len(p) for p in px] and ny.tolist() == [len(q) for q in py]
+        assert shared.tolist() == [len(p & q) for p, q in zip(px, py, strict=True)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import cache, lru_cache
+from functools import cache
 from types import SimpleNamespace
 
 import torch
@@ -106,7 +106,6 @@ SITES: dict[str, str] = {template: site.what for template, site in SITE_TABLE.it
 
 
 @cache  # the names of a model's sites: a few hundred, looked up for every pair compared
-@lru_cache(maxsize=1 << 14)
 def site_template(name: str) -> str:
     """``L3.attn.q`` -> ``L{i}.attn.q`` (names outside the layers are their own template)."""
     return re.sub(r"^L\d+\.", "L{i}.", name)

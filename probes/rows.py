@@ -114,11 +114,7 @@ def _column(pending: list[dict[str, Any] | PairRows], key: str, counts: list[int
     out: list[Any] = []
     for p, n in zip(pending, counts, strict=True):
         if isinstance(p, PairRows):
-            if key == "metric":
-                out += [p.metric] * n
-            else:
-                out += p.sites if key == "site" else p.layers if key == "layer" else [(e or {}).get(key) for e in
-                                                                                     p.extras]
+            out += _pair_column(p, key)
             continue
         v = p[key] if key in ("site", "layer", "metric") else p.get("extra", {}).get(key)
         if n == 1:
@@ -126,6 +122,17 @@ def _column(pending: list[dict[str, Any] | PairRows], key: str, counts: list[int
         else:
             out += [v] * n
     return out
+
+
+def _pair_column(p: PairRows, key: str) -> list[Any]:
+    """``key``'s value in each of ``p``'s rows."""
+    if key == "site":
+        return p.sites
+    if key == "layer":
+        return p.layers
+    if key == "metric":
+        return [p.metric] * len(p.sites)
+    return [(e or {}).get(key) for e in p.extras]
 
 
 def collect(pending: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:

@@ -114,14 +114,13 @@ class OpReplay:
                                                               positions, freqs, cfg.norm_eps))
         new = take(SITE.attn_kv)
         h.kv = new if h.kv is None else torch.cat((h.kv, new))
-        entries_before = h.entries.n
         if ratio:
             weights = compressor_weights(w, p + "compressor.")
             out(SITE.attn_compressed_kv.at(i), compress(x, positions, h.comp, weights, freqs, cfg.norm_eps))
             h.entries.append(take(SITE.attn_compressed_kv))
         if ratio == 4:
             self._indexer(i, take, take_q, x, positions, qpos, out)
-        self._core(i, take_q, out, entries_before)
+        self._core(i, take_q, out)
         keep = max(h.kv_start, int(positions[-1]) + 1 - (cfg.window_size - 1))  # what later queries can see
         h.kv, h.kv_start = h.kv[keep - h.kv_start :], keep
 
@@ -137,9 +136,9 @@ class OpReplay:
         out(SITE.indexer_scores.at(i), scores)
         out(SITE.indexer_topk.at(i), indexer.select_topk(scores, qpos, 4, cfg.index_topk))
 
-    def _bounds(self, i: int, entries_before: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _bounds(self, i: int, n_entries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per query [nq]: the first window position its call alone keeps, one past its call's last position, and
-        the compressed entries layer i holds after its call."""
+        the compressed entries layer i holds after its call (of the ``n_entries`` held after the pass)."""
         h = self.hist[i]
         ends = self.pos + torch.cumsum(self.sizes, 0)  # [calls]
         starts = ends - self.sizes
@@ -148,16 +147,16 @@ class OpReplay:
         firsts[0] = h.kv_start
         site = SITE.attn_compressed_kv.at(i)
         counts = [len(f.get(site)) if self.cfg.ratio(i) else 0 for f in self.feeds]
-        held = entries_before + torch.cumsum(torch.tensor(counts, device=self.sizes.device), 0)
+        held = n_entries - sum(counts) + torch.cumsum(torch.tensor(counts, device=self.sizes.device), 0)
         return firsts[self.call_of], ends[self.call_of], held[self.call_of]
 
-    def _core(self, i: int, take_q: Take, out: Recorder, entries_before: int) -> None:
+    def _core(self, i: int, take_q: Take, out: Recorder) -> None:
         """Oracle sparse attention over the decoder's q, KV rows and visible set."""
         cfg, h = self.cfg, self.hist[i]
         win = cfg.window_size
         entries = h.entries.all(cfg.head_dim, h.kv)
         visible = take_q(SITE.attn_visible)  # [nq, W + K]
-        first, end, held = (t[:, None] for t in self._bounds(i, entries_before))  # [nq, 1] each
+        first, end, held = (t[:, None] for t in self._bounds(i, len(entries)))  # [nq, 1] each
         # the table [window rows; entries; a zero row], read as each query's call alone reads it: its window rows
         # (positions first .. end - 1), then the entries held after it, then zeros; so a window position past the
         # call's last reads the entries, and an entry the decoder saw but never emitted (a causality bug) reads

@@ -81,12 +81,13 @@ def collect_columns(pending: Iterable[dict[str, Any] | PairRows], **fields: Any)
     host_pos = iter(host[len(pending) :])
     values, positions = host[: len(pending)], []
     for i, p in enumerate(pending):
-        pos = None if isinstance(p, PairRows) else p["position"]
-        if pos is None:
-            positions.append([AGGREGATE] * (len(values[i]) if isinstance(p, PairRows) else 1))
-            values[i] = values[i] if isinstance(p, PairRows) else values[i][:1]
+        if isinstance(p, PairRows):  # one whole-call row per pair
+            positions.append([AGGREGATE] * len(values[i]))
+        elif p["position"] is None:
+            positions.append([AGGREGATE])
+            values[i] = values[i][:1]
         else:
-            positions.append(next(host_pos) if isinstance(pos, torch.Tensor) else pos)
+            positions.append(next(host_pos) if isinstance(p["position"], torch.Tensor) else p["position"])
     counts = [len(v) for v in values]
     keys: dict[str, None] = {}
     for extra_keys in dict.fromkeys(tuple(e or ()) for p in pending for e in _extras(p)):

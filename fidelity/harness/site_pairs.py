@@ -308,7 +308,7 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
     ctx = {"positions": sel, "window": cfg.window_size, "ref": ref, "test": test, "rows": rows,
            "ratios": cfg.compress_ratios}
     own_batches = batches is None
-    selections, routings, ranked = {}, {}, []
+    selections, routings, agreements, ranked = {}, {}, {}, []
     batches = PairBatches() if own_batches else _TaggedBatches(batches, tags)
     for i in range(cfg.n_layers):
         agree = _decided_rows(i, SITE.indexer_topk, ref, test, margins.selection, len(sel), device)
@@ -330,7 +330,7 @@ def compare_recordings(ref: Recorder, test: Recorder, positions: torch.Tensor, c
             batches.add("residual", site, (t,))
             batches.add("residual ref", site, (r,))
         site_ctx, n_common = ctx, len(t)
-        keep = _comparable_rows(site, r, t, ref, test, rows, selections, routings)
+        keep = _comparable_rows(site, r, t, ref, test, rows, selections, routings, agreements)
         if keep is not None:
             r, t, site_ctx = r[keep], t[keep], {**ctx, "positions": ctx["positions"][keep], "keep": keep}
         if counts.get("shape_mismatch") is not None or (site.endswith(".scores") and r.shape != t.shape):
@@ -431,19 +431,21 @@ AFTER_SELECTION = LAYER_SITE_ORDER[LAYER_SITE_ORDER.index("attn.visible") + 1:] 
 
 def _comparable_rows(site: str, r: torch.Tensor, t: torch.Tensor, ref: Recorder, test: Recorder,
                      rows: torch.Tensor | None, selections: dict[int, torch.Tensor],
-                     routings: dict[int, torch.Tensor]) -> torch.Tensor | None:
+                     routings: dict[int, torch.Tensor], agreements: dict[tuple, torch.Tensor]) -> torch.Tensor | None:
     """bool [n] rows compared at ``site`` (None: all): those with an unambiguous CSA selection for the sites after
     it, and, for the sites after the routing, those both models routed alike (or, where the decoder reports no
-    experts, whose oracle routing is unambiguous). ``routings``: layer -> the oracle's unambiguous rows; the
-    agreement computed here is kept in it too, under (layer, rows, device)."""
+    experts, whose oracle routing is unambiguous). ``agreements`` keeps the routing agreement of each (layer, row
+    count, device) computed here, for the call's other sites after the same routing."""
     layer, keep = _layer(site), None
     if layer in selections and site.split(".", 1)[1] in AFTER_SELECTION and len(selections[layer]) == len(r):
         keep = selections[layer]
     if site_of(site).after_routing:
         same = routings.get(layer)
-        if same is None:  # the layer's own agreement, computed once per call and row count
+        if same is None:
             key = (layer, len(r), r.device)
-            same = routings[key] = routings[key] if key in routings else _same_routing(site, r, t, ref, test, rows)
+            if key not in agreements:
+                agreements[key] = _same_routing(site, r, t, ref, test, rows)
+            same = agreements[key]
         if len(same) == len(r):
             keep = same if keep is None else keep & same
     return keep

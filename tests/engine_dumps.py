@@ -1,4 +1,4 @@
-"""Dumps written by SGLang's own dumper (``sglang/srt/debug_utils/dumper.py``, from the ``engines`` extra) over
+"""Dumps written by SGLang's own dumper (``sglang/srt/debug_utils/dumper.py``, sglang without its dependencies) over
 transformers' DeepseekV4ForCausalLM, with tensor-parallel ranks as gloo processes: every rank runs the model (the
 reduced tensors are the same on every rank, as after an all-reduce) and dumps, as SGLang does, every module's
 output (``register_non_intrusive_dumper``, mode ``all``), the batch metadata of each forward pass, and its own heads
@@ -30,7 +30,7 @@ site = "L{i}.attn.core"
 
 
 def dumper_path() -> Path | None:
-    """dumper.py of the installed sglang (``pip install -e '.[engines]'``), None without it."""
+    """dumper.py of the installed sglang (``pip install --no-deps sglang==0.5.23 pyzmq``), None without it."""
     if "sglang_dumper" in sys.modules:
         return Path(sys.modules["sglang_dumper"].__file__)
     spec = importlib.util.find_spec("sglang")

@@ -355,8 +355,11 @@ class Runner:
         if self.dump is not None:
             self.dump.add_call("decoder", step, ids, positions, test_logits, prod_rec)
         out = {"production": test_logits[-1]}
-        if not prefill:
-            return self.queue_call(QueuedCall(step, ids, positions, prod_rec), out)
+        if not prefill or (rows is None and len(ids) <= self.block):  # a decode call, or a short prefill chunk
+            out = self.queue_call(QueuedCall(step, ids, positions, prod_rec, phase), out)
+            tell(passes, "queued")
+            return out
+        self.flush()  # the queued chunks first: each oracle session takes its calls in order
         pending: dict[str, list[dict]] = {}
         for mode, reference in self.references.items():
             tell(len(pending) + 1, f"oracle, {mode} mode")
@@ -377,43 +380,47 @@ class Runner:
         return out
 
     def queue_call(self, call: QueuedCall, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A decode call made: its decoder memory recorded, the modes in ``now`` run (free mode's logits pick the
-        next token), the rest queued; a full queue is judged."""
-        self.record_memory(call.step, "decode")
-        for mode in self.now:
+        """A decode call or a prefill chunk of every row and at most ``block`` tokens made: its decoder memory
+        recorded, for a decode call the modes in ``now`` run (free mode's logits pick the next token), the rest
+        queued. The queue is judged once it holds ``block`` tokens, and after the last prefill chunk (whose logits
+        pick the first decode token)."""
+        self.record_memory(call.step, call.phase)
+        for mode in self.now if call.phase == "decode" else ():
             with self._timed("decode", f"oracle {mode}"):
                 call.recs[mode] = self.references[mode].run(call.ids, call.feed)
             self._dump_oracle(call.step, call.ids, call.positions, call.recs[mode])
         self.queue.append(call)
-        if len(self.queue) >= self.block:
+        if sum(len(c.ids) for c in self.queue) >= self.block or call.step == self.n_prefill - 1:
             self.flush()
         if "free" in call.recs:  # judged already: the oracle's logits join the decoder's for the next pick
             out["oracle"] = call.recs["free"].get("logits")[-1]
         return out
 
     def flush(self) -> None:
-        """Judges the queued decode calls: each mode not run yet runs them in blocks (``Reference.run_calls``), then
-        every call's pairs of every mode are compared in one set of batches and moved to the host at once."""
+        """Judges the queued calls (of one phase): each mode not run yet runs them in blocks
+        (``Reference.run_calls``), then every call's pairs of every mode are compared in one set of batches (a
+        prefill chunk's also per position, as ``step`` compares a long chunk) and moved to the host at once."""
         queue, self.queue = self.queue, []
         if not queue:
             return
+        phase = queue[0].phase
         for mode, reference in self.references.items():
-            if mode in self.now:
+            if all(mode in c.recs for c in queue):
                 continue
-            with self._timed("decode", f"oracle {mode}"):
+            with self._timed(phase, f"oracle {mode}"):
                 recs = reference.run_calls([StreamCall(c.ids, c.feed) for c in queue], self.block)
             for c, rec in zip(queue, recs, strict=True):
                 c.recs[mode] = rec
                 if mode == "free":
                     self._dump_oracle(c.step, c.ids, c.positions, rec)
-        with self._timed("decode", "probes"):
+        with self._timed(phase, "probes"):
             batches, pending = PairBatches(), []
             for c in queue:
                 own = decoder_rows(c.feed, self.cfg, self.kv_scale_floor)  # the same in every mode
                 for mode, rec in c.recs.items():
-                    tags = {"step": c.step, "phase": "decode", "mode": mode}
-                    pending += compare_recordings(rec, c.feed, c.positions, self.cfg, None, False, self.margins[mode],
-                                                  self.kv_scale_floor, batches, tags, own)
+                    tags = {"step": c.step, "phase": c.phase, "mode": mode}
+                    pending += compare_recordings(rec, c.feed, c.positions, self.cfg, None, c.phase == "prefill",
+                                                  self.margins[mode], self.kv_scale_floor, batches, tags, own)
                 if c.step in self.deferred_picks:
                     self._oracle_pick(c.step, c.recs["free"].get("logits")[-1], *self.deferred_picks.pop(c.step))
             self.frames.append(pd.DataFrame(collect_columns(pending + batches.rows())))
@@ -568,13 +575,14 @@ class Runner:
 
 @dataclass
 class QueuedCall:
-    """A decode call made and not judged yet: its tokens, positions, the decoder's records, and the oracle's records
-    of each mode run so far."""
+    """A call made and not judged yet: its tokens, positions, the decoder's records, its phase ("decode", or
+    "prefill" for a short chunk of every row) and the oracle's records of each mode run so far."""
 
     step: int
     ids: torch.Tensor
     positions: torch.Tensor
     feed: Recorder
+    phase: str = "decode"
     recs: dict[str, Recorder] = field(default_factory=dict)
 
 

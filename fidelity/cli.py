@@ -917,9 +917,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-context", type=int, help="production cache size (default: prompt + decode)")
     r.add_argument("--sample-queries", type=int, help="layer/op modes: oracle on this many prefill queries")
     r.add_argument("--oracle-block", type=int, metavar="N",
-                   help="decode calls judged together (default 64, oracles.blocks.BLOCK_TOKENS): the oracle modes "
-                        "that do not pick the tokens run them as one causal pass, their probes in one batch; 1: each "
-                        "call as it is made")
+                   help="tokens of decode calls and short prefill chunks judged together (default 64, "
+                        "oracles.blocks.BLOCK_TOKENS): the oracle modes that do not pick the tokens run them as one "
+                        "causal pass, their probes in one batch; 1: each call as it is made")
     r.add_argument("--prefill-chunk", type=int,
                    help="prompt tokens per prefill call (default: the whole prompt up to 8192 tokens, else 8192 at a "
                         "time)")

@@ -357,7 +357,7 @@ class Runner:
         out = {"production": test_logits[-1]}
         if not prefill or (rows is None and len(ids) <= self.block):  # a decode call, or a short prefill chunk
             out = self.queue_call(QueuedCall(step, ids, positions, prod_rec, phase), out)
-            tell(passes, "queued")
+            tell(passes, "compared")
             return out
         self.flush()  # the queued chunks first: each oracle session takes its calls in order
         pending: dict[str, list[dict]] = {}

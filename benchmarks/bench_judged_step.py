@@ -23,19 +23,32 @@ from pathlib import Path
 PARTS = ("decoder", "oracle free", "oracle layer", "oracle op", "probes")
 
 
-def one_run(block: int, args: argparse.Namespace, out: Path, run_id: str) -> dict:
-    cmd = [sys.executable, "-m", "fidelity.cli", "run", "--threads", str(args.threads), "--decode", str(args.decode),
-           "--oracle-block", str(block), "--device", args.device, "--out", str(out), "--run-id", run_id, *args.extra]
+def fresh_run(run_args: list[str], out: Path, run_id: str, cwd: Path | None = None) -> tuple[float, dict]:
+    """``fidelity run *run_args`` in a fresh process (started in ``cwd``, whose packages it then imports) writing
+    ``out/run_id`` -> (wall seconds, its manifest)."""
+    cmd = [sys.executable, "-m", "fidelity.cli", "run", *run_args, "--out", str(out), "--run-id", run_id]
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=cwd)
     wall = time.perf_counter() - t0
-    m = json.loads((out / run_id / "manifest.json").read_text())
+    return wall, json.loads((out / run_id / "manifest.json").read_text())
+
+
+def ms_per_call(manifest: dict, phase: str, calls: int) -> dict[str, float]:
+    """Milliseconds per call of ``phase`` by part (``PARTS``, from ``seconds_by_part``) and their sum, ``total``."""
+    by = manifest["seconds_by_part"]
+    per_call = {p: 1000 * by.get(f"{phase} {p}", 0.0) / max(1, calls) for p in PARTS}
+    return {**per_call, "total": sum(per_call.values())}
+
+
+def one_run(block: int, args: argparse.Namespace, out: Path, run_id: str) -> dict:
+    wall, m = fresh_run(["--threads", str(args.threads), "--decode", str(args.decode), "--oracle-block", str(block),
+                         "--device", args.device, *args.extra], out, run_id)
     steps = max(1, m["decode_steps"])
-    by = m["seconds_by_part"]
-    per_step = {p: 1000 * by.get(f"decode {p}", 0.0) / steps for p in PARTS}
-    per_step["judged step"] = sum(per_step.values())
+    per_step = ms_per_call(m, "decode", steps)
+    per_step["judged step"] = per_step.pop("total")
     return {"wall_s": wall, "run_s": m["seconds"], "verdict": m.get("verdict"), "ms_per_decode_step": per_step,
-            "prefill_s": sum(v for k, v in by.items() if k.startswith("prefill")), "decode_steps": steps}
+            "prefill_s": sum(v for k, v in m["seconds_by_part"].items() if k.startswith("prefill")),
+            "decode_steps": steps}
 
 
 def main() -> None:

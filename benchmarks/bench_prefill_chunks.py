@@ -15,27 +15,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-PARTS = ("decoder", "oracle free", "oracle layer", "oracle op", "probes")
+from bench_judged_step import PARTS, fresh_run, ms_per_call
+
 PROMPT = 300
 
 
 def one_run(tree: Path, chunk: int, out: Path, run_id: str, threads: int) -> dict:
-    cmd = [sys.executable, "-m", "fidelity.cli", "run", "--threads", str(threads), "--prompt-len", str(PROMPT),
-           "--prefill-chunk", str(chunk), "--decode", "4", "--out", str(out), "--run-id", run_id]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tree)
-    wall = time.perf_counter() - t0
-    m = json.loads((out / run_id / "manifest.json").read_text())
+    wall, m = fresh_run(["--threads", str(threads), "--prompt-len", str(PROMPT), "--prefill-chunk", str(chunk),
+                         "--decode", "4"], out, run_id, cwd=tree)
     calls = -(-PROMPT // chunk)
-    by = m["seconds_by_part"]
-    per_call = {p: 1000 * by.get(f"prefill {p}", 0.0) / calls for p in PARTS}
-    per_call["prefill call"] = sum(per_call.values())
+    per_call = ms_per_call(m, "prefill", calls)
+    per_call["prefill call"] = per_call.pop("total")
     return {"wall_s": wall, "run_s": m["seconds"], "verdict": m.get("verdict"), "prefill_calls": calls,
             "ms_per_prefill_call": per_call}
 
